@@ -1,0 +1,257 @@
+// linear_tanh.cpp — op schemas, input checks and the CPU implementation of the fused Linear+Tanh.
+//
+//   linear_tanh(x, weight, bias)            x (..., K), weight (N, K), bias (N)?  ->  y (..., N)
+//       y = tanh(x·Wᵀ + b): one GEMM into the output buffer, then one in-place bias+tanh pass.
+//   linear_tanh_backward(grad_out, x, weight, bias, output_mask)  ->  (grad_x?, grad_W?, grad_b?)
+//       Recomputes x·Wᵀ into ONE (M, N) buffer, turns it in place into
+//       g = grad_out · (1 − tanh(z)²) while summing the bias gradient in the same pass (fixed order,
+//       bitwise reproducible), then grad_x = g·W and grad_W = gᵀ·x. Only the gradients asked for in
+//       output_mask are computed; the others come back undefined (None in Python).
+//
+// The scalar bodies are in linear_tanh_math.h, shared with the CUDA kernels. Autograd and the fake
+// kernel are registered from Python (ckpt_ext/ops.py).
+#include "linear_tanh.h"
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include <sstream>
+#include <type_traits>
+
+#include "linear_tanh_math.h"
+
+namespace ckpt_ext {
+
+// ----------------------------------------------------------------------------------------------
+// input checks (shared with CUDA)
+
+namespace {
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+bool supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+}
+
+}  // namespace
+
+void check_linear_tanh_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "ckpt_ext.", op,
+                    ": x must have shape (..., in_features) with at least 1 dimension, got a "
+                    "0-d tensor");
+  TORCH_CHECK_VALUE(weight.dim() == 2, "ckpt_ext.", op,
+                    ": weight must be 2-D (out_features, in_features), got shape ",
+                    shape_str(weight));
+  TORCH_CHECK_VALUE(x.size(-1) == weight.size(1), "ckpt_ext.", op,
+                    ": x.shape[-1] must equal weight.shape[1] (in_features) = ", weight.size(1),
+                    ", got x of shape ", shape_str(x), " and weight of shape ", shape_str(weight));
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "ckpt_ext.", op,
+                      ": bias must have shape [", weight.size(0),
+                      "] (out_features), got shape ", shape_str(*bias));
+  }
+  TORCH_CHECK_TYPE(supported_dtype(x.scalar_type()), "ckpt_ext.", op,
+                   ": x must be float32, float64, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "ckpt_ext.", op,
+                   ": weight must have the dtype of x (", x.scalar_type(), "), got ",
+                   weight.scalar_type());
+  if (bias.has_value()) {
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "ckpt_ext.", op,
+                     ": bias must have the dtype of x (", x.scalar_type(), "), got ",
+                     bias->scalar_type());
+  }
+  TORCH_CHECK_VALUE(weight.device() == x.device(), "ckpt_ext.", op,
+                    ": weight must be on the device of x (", x.device(), "), got ",
+                    weight.device());
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->device() == x.device(), "ckpt_ext.", op,
+                      ": bias must be on the device of x (", x.device(), "), got ",
+                      bias->device());
+  }
+}
+
+void check_linear_tanh_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
+                                const at::Tensor& weight) {
+  const auto expected = linear_tanh_out_shape(x, weight);
+  TORCH_CHECK_VALUE(grad_out.sizes() == at::IntArrayRef(expected), "ckpt_ext.", op,
+                    ": grad_out must have shape ", at::IntArrayRef(expected), ", got ",
+                    shape_str(grad_out));
+  TORCH_CHECK_TYPE(grad_out.scalar_type() == x.scalar_type(), "ckpt_ext.", op,
+                   ": grad_out must have the dtype of x (", x.scalar_type(), "), got ",
+                   grad_out.scalar_type());
+  TORCH_CHECK_VALUE(grad_out.device() == x.device(), "ckpt_ext.", op,
+                    ": grad_out must be on the device of x (", x.device(), "), got ",
+                    grad_out.device());
+}
+
+std::vector<int64_t> linear_tanh_out_shape(const at::Tensor& x, const at::Tensor& weight) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(weight.size(0));
+  return shape;
+}
+
+// ----------------------------------------------------------------------------------------------
+// CPU kernels
+
+namespace {
+
+template <typename scalar_t>
+constexpr bool kVectorized = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>;
+
+// acc (M, N) contiguous: acc = tanh(acc + bias), in place.
+template <typename scalar_t>
+void bias_tanh_cpu_kernel(scalar_t* acc, const scalar_t* bias, int64_t M, int64_t N) {
+  using acc_t = at::opmath_type<scalar_t>;
+  // A grain of ~32k elements keeps thread start-up small against the work.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1));
+  at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t c = 0;
+      if constexpr (kVectorized<scalar_t>) {
+        using Vec = at::vec::Vectorized<scalar_t>;
+        scalar_t* row = acc + r * N;
+        for (; c + Vec::size() <= N; c += Vec::size()) {
+          Vec z = Vec::loadu(row + c);
+          if (bias != nullptr) z = z + Vec::loadu(bias + c);
+          z.tanh().store(row + c);
+        }
+      }
+      for (; c < N; ++c) bias_tanh_at<scalar_t, acc_t>(acc, bias, N, r * N + c);
+    }
+  });
+}
+
+// acc (M, N) contiguous holds x·Wᵀ; becomes g in place. partial (num_chunks, N) or nullptr.
+template <typename scalar_t>
+void tanh_backward_cpu_kernel(scalar_t* acc, const scalar_t* bias, const scalar_t* gy,
+                              int64_t gy_sr, int64_t gy_sc, int64_t M, int64_t N,
+                              at::opmath_type<scalar_t>* partial) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t num_chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
+  at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t chunk = c0; chunk < c1; ++chunk) {
+      if constexpr (kVectorized<scalar_t>) {
+        if (gy_sc == 1) {
+          // Rows outer, columns inner, so loads are contiguous; per column the rows are still
+          // summed in increasing order from zero — the same order as tanh_backward_chunk_column.
+          using Vec = at::vec::Vectorized<scalar_t>;
+          const int64_t r_end = std::min(M, (chunk + 1) * kRowsPerChunk);
+          acc_t* p = partial != nullptr ? partial + chunk * N : nullptr;
+          if (p != nullptr) std::fill(p, p + N, acc_t(0));
+          for (int64_t r = chunk * kRowsPerChunk; r < r_end; ++r) {
+            scalar_t* row = acc + r * N;
+            const scalar_t* grow = gy + r * gy_sr;
+            int64_t c = 0;
+            for (; c + Vec::size() <= N; c += Vec::size()) {
+              Vec z = Vec::loadu(row + c);
+              if (bias != nullptr) z = z + Vec::loadu(bias + c);
+              Vec g = tanh_grad_from_output(Vec::loadu(grow + c), z.tanh());
+              g.store(row + c);
+              if (p != nullptr) (Vec::loadu(p + c) + g).store(p + c);
+            }
+            for (; c < N; ++c) {
+              const acc_t z = row[c] + (bias != nullptr ? bias[c] : acc_t(0));
+              const acc_t g = tanh_grad_from_output<acc_t>(grow[c], ckpt_tanh(z));
+              row[c] = g;
+              if (p != nullptr) p[c] += g;
+            }
+          }
+          continue;
+        }
+      }
+      // Generic path (half types, strided grad_out): the shared body, one column at a time.
+      for (int64_t col = 0; col < N; ++col) {
+        const acc_t s = tanh_backward_chunk_column<scalar_t, acc_t>(acc, bias, gy, gy_sr, gy_sc,
+                                                                     M, N, chunk, col);
+        if (partial != nullptr) partial[chunk * N + col] = s;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// CPU ops
+
+at::Tensor linear_tanh_cpu(const at::Tensor& x, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
+  check_linear_tanh_inputs("linear_tanh", x, weight, bias);
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const at::Tensor x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  at::Tensor out = at::mm(x2, weight.t());  // (M, N), contiguous: the only full-size buffer
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_tanh_cpu", [&] {
+    bias_tanh_cpu_kernel<scalar_t>(out.data_ptr<scalar_t>(),
+                                   b.defined() ? b.const_data_ptr<scalar_t>() : nullptr, M, N);
+  });
+  return out.view(linear_tanh_out_shape(x, weight));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
+  check_linear_tanh_inputs("linear_tanh_backward", x, weight, bias);
+  check_linear_tanh_grad_out("linear_tanh_backward", grad_out, x, weight);
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const at::Tensor x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  // A view where possible: the grad of `out.mean()` stays an expanded (stride-0) tensor.
+  const at::Tensor gy = grad_out.reshape({M, N});
+  const bool need_bias = output_mask[2] && bias.has_value();
+
+  at::Tensor g = at::mm(x2, weight.t());  // recompute x·Wᵀ; becomes g in place
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const int64_t num_chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
+  at::Tensor grad_b;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_tanh_backward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    at::Tensor partial;
+    if (need_bias) {
+      partial = at::empty({num_chunks, N}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    }
+    tanh_backward_cpu_kernel<scalar_t>(
+        g.data_ptr<scalar_t>(), b.defined() ? b.const_data_ptr<scalar_t>() : nullptr,
+        gy.const_data_ptr<scalar_t>(), gy.stride(0), gy.stride(1), M, N,
+        need_bias ? partial.data_ptr<acc_t>() : nullptr);
+    if (need_bias) {
+      grad_b = at::empty({N}, x.options());
+      const acc_t* p = partial.const_data_ptr<acc_t>();
+      scalar_t* gb = grad_b.data_ptr<scalar_t>();
+      at::parallel_for(0, N, 1024, [&](int64_t c0, int64_t c1) {
+        for (int64_t col = c0; col < c1; ++col) {
+          gb[col] = static_cast<scalar_t>(sum_partials_column(p, num_chunks, N, col));
+        }
+      });
+    }
+  });
+  at::Tensor grad_x = output_mask[0] ? at::mm(g, weight).view(x.sizes()) : at::Tensor();
+  at::Tensor grad_w = output_mask[1] ? at::mm(g.t(), x2) : at::Tensor();
+  return {grad_x, grad_w, grad_b};
+}
+
+// ----------------------------------------------------------------------------------------------
+// registration
+
+TORCH_LIBRARY(ckpt_ext, m) {
+  m.def("linear_tanh(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def(
+      "linear_tanh_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor? bias, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
+  m.impl("linear_tanh", &linear_tanh_cpu);
+  m.impl("linear_tanh_backward", &linear_tanh_backward_cpu);
+}
+
+}  // namespace ckpt_ext

@@ -1,0 +1,33 @@
+// linear_tanh.h — host-side declarations shared by the CPU (linear_tanh.cpp) and CUDA
+// (cuda/linear_tanh.cu) implementations of the fused Linear+Tanh ops.
+//
+// Shapes: x is (..., K), weight is (N, K), bias is (N) or None, out and grad_out are (..., N).
+// The input checks live here so that both backends reject bad input with the same message,
+// before any kernel runs.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+namespace ckpt_ext {
+
+// Throws (ValueError for shapes, ranks and devices; TypeError for dtypes) naming the expected and
+// the given values. `op` is the op name used as the message prefix.
+void check_linear_tanh_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias);
+void check_linear_tanh_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
+                                const at::Tensor& weight);
+
+// x.shape[:-1] + (N,)
+std::vector<int64_t> linear_tanh_out_shape(const at::Tensor& x, const at::Tensor& weight);
+
+at::Tensor linear_tanh_cpu(const at::Tensor& x, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask);
+
+}  // namespace ckpt_ext

@@ -1,0 +1,16 @@
+// module.cpp — the Python module ckpt_ext._C. The ops themselves are registered with the
+// dispatcher (TORCH_LIBRARY in linear_tanh.cpp) and reached as torch.ops.ckpt_ext.*; this module
+// only carries build facts and helpers that are not ops.
+#include <torch/extension.h>
+
+#include "linear_tanh_math.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ckpt_ext native module: fused Linear+Tanh that recomputes in backward";
+  m.attr("ROWS_PER_CHUNK") = ckpt_ext::kRowsPerChunk;
+#ifdef CKPT_EXT_WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+}
