@@ -76,6 +76,20 @@ def _check_inputs(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor]) ->
                              f"{t.device}")
 
 
+def _check_grad_out(op: str, grad_out: Tensor, x: Tensor, weight: Tensor) -> None:
+    p = f"ckpt_ext.{op}: "
+    expected = [*x.shape[:-1], weight.shape[0]]
+    if list(grad_out.shape) != expected:
+        raise ValueError(p + f"grad_out must have shape [{', '.join(map(str, expected))}], got "
+                         + _shape(grad_out))
+    if grad_out.dtype != x.dtype:
+        raise TypeError(p + f"grad_out must have the dtype of x ({_dtype_name(x.dtype)}), got "
+                        f"{_dtype_name(grad_out.dtype)}")
+    if grad_out.device != x.device:
+        raise ValueError(p + f"grad_out must be on the device of x ({x.device}), got "
+                         f"{grad_out.device}")
+
+
 # ------------------------------------------------------------------------------------------------
 # Fake kernels: shapes, dtypes and strides of what the C++ ops return (all freshly allocated and
 # contiguous), so torch.compile can trace through the ops without graph breaks.
@@ -90,6 +104,7 @@ def _linear_tanh_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tens
 def _linear_tanh_backward_fake(grad_out: Tensor, x: Tensor, weight: Tensor,
                                bias: Optional[Tensor], output_mask: Sequence[bool]):
     _check_inputs("linear_tanh_backward", x, weight, bias)
+    _check_grad_out("linear_tanh_backward", grad_out, x, weight)
     grad_x = x.new_empty(x.shape) if output_mask[0] else None
     grad_w = weight.new_empty(weight.shape) if output_mask[1] else None
     grad_b = x.new_empty((weight.shape[0],)) if output_mask[2] and bias is not None else None

@@ -18,6 +18,8 @@
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <limits>
 #include <sstream>
 #include <type_traits>
 
@@ -90,6 +92,19 @@ void check_linear_tanh_grad_out(const char* op, const at::Tensor& grad_out, cons
   TORCH_CHECK_VALUE(grad_out.device() == x.device(), "ckpt_ext.", op,
                     ": grad_out must be on the device of x (", x.device(), "), got ",
                     grad_out.device());
+}
+
+namespace {
+std::atomic<bool> g_poison_buffers{false};
+}  // namespace
+
+void set_poison_buffers(bool on) { g_poison_buffers.store(on); }
+bool poison_buffers() { return g_poison_buffers.load(); }
+
+at::Tensor new_buffer(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(sizes, options);
+  if (poison_buffers()) t.fill_(std::numeric_limits<double>::quiet_NaN());
+  return t;
 }
 
 std::vector<int64_t> linear_tanh_out_shape(const at::Tensor& x, const at::Tensor& weight) {
@@ -188,7 +203,9 @@ at::Tensor linear_tanh_cpu(const at::Tensor& x, const at::Tensor& weight,
   const int64_t K = weight.size(1), N = weight.size(0);
   const at::Tensor x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
-  at::Tensor out = at::mm(x2, weight.t());  // (M, N), contiguous: the only full-size buffer
+  // (M, N), contiguous: the only full-size buffer; the GEMM writes straight into it.
+  at::Tensor out = new_buffer({M, N}, x.options());
+  at::mm_out(out, x2, weight.t());
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_tanh_cpu", [&] {
     bias_tanh_cpu_kernel<scalar_t>(out.data_ptr<scalar_t>(),
@@ -209,7 +226,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cpu(
   const at::Tensor gy = grad_out.reshape({M, N});
   const bool need_bias = output_mask[2] && bias.has_value();
 
-  at::Tensor g = at::mm(x2, weight.t());  // recompute x·Wᵀ; becomes g in place
+  // Recompute x·Wᵀ into the one (M, N) buffer of the backward; it becomes g in place.
+  at::Tensor g = new_buffer({M, N}, x.options());
+  at::mm_out(g, x2, weight.t());
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   const int64_t num_chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
   at::Tensor grad_b;
@@ -217,14 +236,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cpu(
     using acc_t = at::opmath_type<scalar_t>;
     at::Tensor partial;
     if (need_bias) {
-      partial = at::empty({num_chunks, N}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+      partial = new_buffer({num_chunks, N}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     }
     tanh_backward_cpu_kernel<scalar_t>(
         g.data_ptr<scalar_t>(), b.defined() ? b.const_data_ptr<scalar_t>() : nullptr,
         gy.const_data_ptr<scalar_t>(), gy.stride(0), gy.stride(1), M, N,
         need_bias ? partial.data_ptr<acc_t>() : nullptr);
     if (need_bias) {
-      grad_b = at::empty({N}, x.options());
+      grad_b = new_buffer({N}, x.options());
       const acc_t* p = partial.const_data_ptr<acc_t>();
       scalar_t* gb = grad_b.data_ptr<scalar_t>();
       at::parallel_for(0, N, 1024, [&](int64_t c0, int64_t c1) {

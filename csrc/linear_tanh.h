@@ -21,6 +21,13 @@ void check_linear_tanh_inputs(const char* op, const at::Tensor& x, const at::Ten
 void check_linear_tanh_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
                                 const at::Tensor& weight);
 
+// Test hook: when on, every buffer the ops allocate is filled with NaN before a kernel writes it,
+// so an element a kernel forgets to write shows up as NaN instead of passing by luck.
+void set_poison_buffers(bool on);
+bool poison_buffers();
+// at::empty(sizes, options), NaN-filled when poisoning is on.
+at::Tensor new_buffer(at::IntArrayRef sizes, const at::TensorOptions& options);
+
 // x.shape[:-1] + (N,)
 std::vector<int64_t> linear_tanh_out_shape(const at::Tensor& x, const at::Tensor& weight);
 

@@ -3,11 +3,15 @@
 // only carries build facts and helpers that are not ops.
 #include <torch/extension.h>
 
+#include "linear_tanh.h"
 #include "linear_tanh_math.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ckpt_ext native module: fused Linear+Tanh that recomputes in backward";
   m.attr("ROWS_PER_CHUNK") = ckpt_ext::kRowsPerChunk;
+  m.def("_set_poison_buffers", &ckpt_ext::set_poison_buffers,
+        "Test hook: fill every buffer the ops allocate with NaN before the kernels write it.");
+  m.def("_poison_buffers", &ckpt_ext::poison_buffers);
 #ifdef CKPT_EXT_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else
