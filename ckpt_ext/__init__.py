@@ -10,3 +10,8 @@ WITH_CUDA: bool = bool(_C.WITH_CUDA)
 __version__ = "0.1.0"
 
 __all__ = ["linear_tanh", "FusedLinearTanh", "WITH_CUDA"]
+
+# Ecosystem: the model converter (ckpt_ext/convert.py).
+from .convert import FuseReport, fuse  # noqa: E402
+
+__all__ += ["fuse", "FuseReport"]
