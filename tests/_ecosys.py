@@ -109,7 +109,9 @@ def outputs_and_grads(model: nn.Module, *inputs, grad_input: bool = True):
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     loss = sum((o.float() ** 2).sum() for o in outs)
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    # torch.compile's wrapper names parameters "_orig_mod.<name>"
+    grads = {n.removeprefix("_orig_mod."): p.grad.detach().clone()
+             for n, p in model.named_parameters() if p.grad is not None}
     in_grads = [i.grad for i in inputs if i.requires_grad]
     return [o.detach() for o in outs], in_grads, grads
 
