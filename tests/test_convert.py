@@ -105,7 +105,7 @@ def test_bert_pooler_alone_is_a_graph_module():
     assert_same_computation(before, fused, [torch.randn(4, 3, 16)], torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_writeup_net(dtype):
     torch.manual_seed(0)
     model = Net(dtype=dtype)
@@ -403,3 +403,28 @@ def test_cuda_model():
 def test_rejects_non_module():
     with pytest.raises(TypeError, match="expects an nn.Module, got function"):
         fuse(lambda x: x)
+
+
+def test_in_place_ops_after_a_fused_pair():
+    # Models modify activations in place (residual `h += x`, Dropout(inplace=True)); the fused
+    # op's output must allow it, as a plain tanh output does when nothing saved it.
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Dropout(0.0, inplace=True))
+
+        def forward(self, x):
+            h = self.block(x)
+            h += x
+            return h
+
+    torch.manual_seed(0)
+    model = Residual().double()
+    x = torch.randn(4, 3, 6, dtype=torch.float64)
+    # The reference clones tanh's output: stock tanh saves it for backward, so an in-place op on
+    # it is an autograd error there; the fused op saves only x, so it needs no clone.
+    ref = copy.deepcopy(model)
+    ref.forward = lambda inp: ref.block[:2](inp).clone().add_(inp)
+    fused, report = fuse(model)
+    assert len(report) == 1
+    assert_same_computation(ref, fused, [x], torch.float64)
