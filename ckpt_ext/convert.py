@@ -26,6 +26,10 @@ Linear whose output has another user, subclasses of ``nn.Linear`` (LazyLinear, q
 layers: their forward is not ``F.linear``), modules with hooks (a swap would drop them), dtypes or
 devices the op does not support, and forwards with optional arguments (fx would bake in one value
 of them). Running ``fuse`` twice changes nothing the second time.
+
+One assumption of the Sequential pass: a Sequential is run as a whole (or element by element in
+order). Code that calls ``seq[i]`` alone and expects the Linear's output, without the Tanh, would
+now get the tanh applied; such code is rare, and ``dry_run=True`` lists every pair first.
 """
 from __future__ import annotations
 
