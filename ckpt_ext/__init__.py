@@ -1,5 +1,7 @@
 """ckpt_ext: a fused Linear+Tanh for PyTorch that keeps only its input and recomputes the
 activation in its own backward — the memory of gradient checkpointing at less cost."""
+import torch  # noqa: F401  (first: loads libc10/libtorch, which _C links against)
+
 from . import _C
 from .modules import FusedLinearTanh
 from .ops import linear_tanh
@@ -10,3 +12,8 @@ WITH_CUDA: bool = bool(_C.WITH_CUDA)
 __version__ = "0.1.0"
 
 __all__ = ["linear_tanh", "FusedLinearTanh", "WITH_CUDA"]
+
+# Ecosystem: the model converter (ckpt_ext/convert.py).
+from .convert import FuseReport, fuse  # noqa: E402
+
+__all__ += ["fuse", "FuseReport"]

@@ -139,3 +139,30 @@ def _backward(ctx, grad_out: Tensor):
 
 torch.library.register_autograd(
     "ckpt_ext::linear_tanh", _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# FLOP formulas for torch.utils.flop_counter.FlopCounterMode (the counter torch.compile's tooling
+# and MFU estimates use). Without them the custom ops count as 0 FLOPs. Like aten::addmm, only the
+# GEMMs count (2·M·K·N each); tanh and the bias are not counted. The backward counts its recompute:
+# 2·M·K·N for x·Wᵀ again, plus 2·M·K·N for each of grad_x and grad_W that output_mask asks for.
+import torch.utils.flop_counter  # noqa: E402  (not imported by `import torch`)
+
+
+def _gemm_flops(x_shape, w_shape) -> int:
+    m = 1
+    for s in x_shape[:-1]:
+        m *= s
+    n, k = w_shape
+    return 2 * m * k * n
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.linear_tanh)
+def _linear_tanh_flop(x_shape, w_shape, *args, **kwargs) -> int:
+    return _gemm_flops(x_shape, w_shape)
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.linear_tanh_backward)
+def _linear_tanh_backward_flop(grad_out_shape, x_shape, w_shape, bias_shape, output_mask,
+                               *args, **kwargs) -> int:
+    return _gemm_flops(x_shape, w_shape) * (1 + int(output_mask[0]) + int(output_mask[1]))

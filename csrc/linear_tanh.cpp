@@ -211,7 +211,9 @@ at::Tensor linear_tanh_cpu(const at::Tensor& x, const at::Tensor& weight,
     bias_tanh_cpu_kernel<scalar_t>(out.data_ptr<scalar_t>(),
                                    b.defined() ? b.const_data_ptr<scalar_t>() : nullptr, M, N);
   });
-  return out.view(linear_tanh_out_shape(x, weight));
+  // _unsafe_view: the result must not be an autograd view of the internal buffer, or in-place ops
+  // on the output (`y += residual`, Dropout(inplace=True)) are refused by autograd.
+  return at::_unsafe_view(out, linear_tanh_out_shape(x, weight));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cpu(

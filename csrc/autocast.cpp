@@ -1,0 +1,64 @@
+// autocast.cpp — autocast kernels for ckpt_ext::linear_tanh (CPU and CUDA autocast keys).
+//
+//   linear_tanh(x, weight, bias) under torch.autocast(device, dtype=D):
+//       x (..., K), weight (N, K), bias (N)?  are cast to D  ->  y (..., N) in D
+//
+// Why C++ and not torch.library.register_autocast: the Python helper casts to ONE dtype fixed at
+// registration, whatever the autocast context says. nn.Linear (aten::linear, CastPolicy
+// lower_precision_fp) casts to the dtype of the *current* context, torch.get_autocast_dtype(device).
+// These kernels do exactly what that policy does, with the same helper (at::autocast::cached_cast):
+//   * only floating tensors on the autocast device are cast, float64 is left alone (so a float64
+//     model under autocast runs in float64, as nn.Linear does);
+//   * the cast of a leaf parameter is cached for the autocast region, as for nn.Linear;
+//   * the casts are ordinary differentiable ops recorded by autograd, so the gradients flow back
+//     through them and land in the parameters' own dtype (float32 master weights stay float32).
+// linear_tanh_backward needs no autocast kernel: it only ever sees tensors that the forward already
+// cast, and the autocast keys fall through for ops without a kernel.
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace ckpt_ext {
+
+namespace {
+
+at::Tensor call_linear_tanh(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ckpt_ext::linear_tanh", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&)>();
+  return op.call(x, weight, bias);
+}
+
+template <c10::DeviceType device_type>
+at::Tensor linear_tanh_autocast(const at::Tensor& x, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias) {
+  // Below this point the op must not come back here: exclude this device's autocast key, then
+  // re-dispatch to Autograd -> CPU/CUDA with the cast arguments.
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
+  return call_linear_tanh(at::autocast::cached_cast(dtype, x, device_type),
+                          at::autocast::cached_cast(dtype, weight, device_type),
+                          at::autocast::cached_cast(dtype, bias, device_type));
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// registration. AutocastCUDA is registered in CPU-only builds too: it is only a dispatcher key and
+// costs nothing; it takes effect as soon as the CUDA kernels exist.
+
+TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCPU, m) {
+  m.impl("linear_tanh", &linear_tanh_autocast<c10::DeviceType::CPU>);
+}
+
+TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) {
+  m.impl("linear_tanh", &linear_tanh_autocast<c10::DeviceType::CUDA>);
+}
+
+}  // namespace ckpt_ext

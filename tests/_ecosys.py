@@ -1,0 +1,120 @@
+"""Helpers of the ecosystem tests (converter, compile, autocast, double backward, distributed):
+the model shapes users bring, and the error measure.
+
+rel_err mirrors tests/reference.py on main; the lead may switch these tests to it after merging.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def rel_err(out: Tensor, ref: Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; inf on NaN/inf or a shape mismatch, so it can never pass."""
+    if out.shape != ref.shape:
+        return math.inf
+    out = out.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    if not torch.isfinite(out).all():
+        return math.inf
+    denom = ref.norm().item()
+    diff = (out - ref).norm().item()
+    return diff if denom == 0.0 else diff / denom
+
+
+# ------------------------------------------------------------------------------------------------
+# Real-world model shapes
+
+class Net(nn.Module):
+    """Stand-in for the write-up's Net (ckpt_ext.models.Net, mode="plain"): linear1, then three
+    Sequential(Linear, Tanh) blocks. TODO(lead): switch to ckpt_ext.Net(...) after merging."""
+
+    def __init__(self, d_in: int = 12, d_hidden: int = 40, dtype=None) -> None:
+        super().__init__()
+        self.linear1 = nn.Linear(d_in, d_hidden, dtype=dtype)
+        self.block1 = nn.Sequential(nn.Linear(d_hidden, d_hidden, dtype=dtype), nn.Tanh())
+        self.block2 = nn.Sequential(nn.Linear(d_hidden, d_hidden, dtype=dtype), nn.Tanh())
+        self.block3 = nn.Sequential(nn.Linear(d_hidden, d_hidden, dtype=dtype), nn.Tanh())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block3(self.block2(self.block1(self.linear1(x))))
+
+
+class ActorCritic(nn.Module):
+    """A policy/value MLP built the way RL libraries build it (Stable-Baselines3's MlpExtractor +
+    heads, CleanRL's Agent): separate Sequential(Linear, Tanh, Linear, Tanh) trunks for policy and
+    value, then linear heads."""
+
+    def __init__(self, obs_dim: int = 11, act_dim: int = 3, hidden: int = 64, dtype=None) -> None:
+        super().__init__()
+
+        def trunk():
+            return nn.Sequential(nn.Linear(obs_dim, hidden, dtype=dtype), nn.Tanh(),
+                                 nn.Linear(hidden, hidden, dtype=dtype), nn.Tanh())
+
+        self.policy_net = trunk()
+        self.value_net = trunk()
+        self.action_net = nn.Linear(hidden, act_dim, dtype=dtype)
+        self.value_head = nn.Linear(hidden, 1, dtype=dtype)
+        self.log_std = nn.Parameter(torch.zeros(act_dim, dtype=dtype))
+
+    def forward(self, obs: Tensor):
+        return self.action_net(self.policy_net(obs)), self.value_head(self.value_net(obs))
+
+
+class BertPooler(nn.Module):
+    """Hugging Face's BertPooler, verbatim in structure: first token -> dense -> activation."""
+
+    def __init__(self, hidden: int, dtype=None) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden, dtype=dtype)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        first_token_tensor = hidden_states[:, 0]
+        pooled_output = self.dense(first_token_tensor)
+        pooled_output = self.activation(pooled_output)
+        return pooled_output
+
+
+class TinyBert(nn.Module):
+    """A BERT-shaped model whose top-level forward torch.fx cannot trace (an optional mask and a
+    data-dependent branch, as in real encoders); the pooler inside it still gets fused."""
+
+    def __init__(self, vocab: int = 50, hidden: int = 24, dtype=None) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(vocab, hidden, dtype=dtype)
+        self.encoder = nn.TransformerEncoderLayer(hidden, nhead=2, dim_feedforward=32,
+                                                  dropout=0.0, batch_first=True, dtype=dtype)
+        self.pooler = BertPooler(hidden, dtype=dtype)
+
+    def forward(self, input_ids: Tensor, attention_mask=None):
+        h = self.embeddings(input_ids)
+        if attention_mask is not None and bool((attention_mask == 0).any()):
+            h = self.encoder(h, src_key_padding_mask=attention_mask == 0)
+        else:
+            h = self.encoder(h)
+        return h, self.pooler(h)
+
+
+def outputs_and_grads(model: nn.Module, *inputs, grad_input: bool = True):
+    """Flattened outputs, input grads and parameter grads (by name) of sum(outputs²)."""
+    inputs = [i.detach().clone().requires_grad_(grad_input and i.is_floating_point())
+              for i in inputs]
+    model.zero_grad(set_to_none=True)
+    out = model(*inputs)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    loss = sum((o.float() ** 2).sum() for o in outs)
+    loss.backward()
+    # torch.compile's wrapper names parameters "_orig_mod.<name>"
+    grads = {n.removeprefix("_orig_mod."): p.grad.detach().clone()
+             for n, p in model.named_parameters() if p.grad is not None}
+    in_grads = [i.grad for i in inputs if i.requires_grad]
+    return [o.detach() for o in outs], in_grads, grads
+
+
+def reference_linear_tanh(x, w, b=None):
+    return torch.tanh(F.linear(x, w, b))
