@@ -4,10 +4,12 @@
 #include <torch/extension.h>
 
 #include "linear_tanh_math.h"
+#include "memory.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ckpt_ext native module: fused Linear+Tanh that recomputes in backward";
   m.attr("ROWS_PER_CHUNK") = ckpt_ext::kRowsPerChunk;
+  ckpt_ext::bind_cpu_meter(m);
 #ifdef CKPT_EXT_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else
