@@ -113,13 +113,12 @@ class ResidualNet(_CheckpointMixin, nn.Module):
 # its input u = tanh(fc1(h)) for its weight gradient, and u is exactly what plain Tanh keeps. So the
 # fused block keeps only h and rebuilds u in backward with our op:
 #   forward : u = linear_tanh(h, W1, b1); y = u·W2ᵀ + b2            saves h (and the parameters)
-#   backward: u = linear_tanh(h, W1, b1)             (recompute 1: the fc1 GEMM)
-#             dW2 = dyᵀ·u, db2 = Σdy, du = dy·W2;    u freed
-#             dh, dW1, db1 = linear_tanh_backward(du, h, W1, b1)   (recompute 2: fc1 GEMM again)
-# Two recomputed GEMMs of the fc1 size; checkpoint recomputes fc1 and fc2, the same FLOPs, but it
-# also keeps u alive beside du and tanh's gradient in backward, while here at most two (M, 4H)
-# buffers are alive at once.
-
+#   backward: du = dy·W2
+#             dh, dW1, db1 = linear_tanh_backward(du, h, W1, b1)   (recompute 1: the fc1 GEMM)
+#             u = linear_tanh(h, W1, b1); dW2 = dyᵀ·u; db2 = Σdy    (recompute 2: the fc1 GEMM)
+# Two recomputed GEMMs of the fc1 size; checkpoint recomputes fc1 and fc2, the same FLOPs. The
+# order keeps at most two (M, ratio*H) buffers alive at once (du and the op's g; later u alone),
+# where checkpoint holds three in tanh's backward (u, du and the gradient of fc1's output).
 class _FusedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(h: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor,
@@ -136,13 +135,12 @@ class _FusedMLPFunction(torch.autograd.Function):
         h, w1, b1, w2, b2 = ctx.saved_tensors
         need_h, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad
         dy2 = dy.reshape(-1, w2.shape[0])
-        u = linear_tanh(h, w1, b1).reshape(-1, w2.shape[1])
-        dw2 = dy2.t() @ u if need_w2 else None
-        del u
-        db2 = dy2.sum(0) if need_b2 and b2 is not None else None
         du = (dy2 @ w2).reshape(*h.shape[:-1], w2.shape[1])
         dh, dw1, db1 = torch.ops.ckpt_ext.linear_tanh_backward.default(
             du, h, w1, b1, [need_h, need_w1, need_b1 and b1 is not None])
+        del du
+        dw2 = dy2.t() @ linear_tanh(h, w1, b1).reshape(-1, w2.shape[1]) if need_w2 else None
+        db2 = dy2.sum(0) if need_b2 and b2 is not None else None
         return dh, dw1, db1, dw2, db2
 
 
