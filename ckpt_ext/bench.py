@@ -26,6 +26,7 @@ timelines included) and ``.png`` (memory through one step per mode, overlaid, pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -35,7 +36,7 @@ import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -117,7 +118,7 @@ def measured_step(net: Callable, x: torch.Tensor, meter: MemoryMeter,
     r0 = meter.read("before forward")
     meter.reset_peak()
     t_ns = {}
-    with meter.timeline() if timeline else _null():
+    with meter.timeline() if timeline else contextlib.nullcontext():
         out = net(x)
         r1 = meter.read("after forward")
         loss = out.mean()
@@ -146,14 +147,6 @@ def measured_step(net: Callable, x: torch.Tensor, meter: MemoryMeter,
             "exact": tl.exact,
         }
     return res
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def timed_step(net: Callable, x: torch.Tensor, device: torch.device) -> float:
@@ -197,7 +190,6 @@ class Config:
     out: str
     seed: int = 0
     progress: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def run(cfg: Config) -> dict:
