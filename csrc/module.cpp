@@ -5,6 +5,7 @@
 
 #include "linear_tanh.h"
 #include "linear_tanh_math.h"
+#include "memory.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ckpt_ext native module: fused Linear+Tanh that recomputes in backward";
@@ -12,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_poison_buffers", &ckpt_ext::set_poison_buffers,
         "Test hook: fill every buffer the ops allocate with NaN before the kernels write it.");
   m.def("_poison_buffers", &ckpt_ext::poison_buffers);
+  ckpt_ext::bind_cpu_meter(m);
 #ifdef CKPT_EXT_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else
