@@ -1,0 +1,226 @@
+// cuda/linear_tanh.cu — the CUDA implementation of the fused Linear+Tanh ops (schemas and CPU
+// implementation: ../linear_tanh.cpp; the scalar bodies both run: ../linear_tanh_math.h).
+//
+//   linear_tanh(x, weight, bias)            x (..., K), weight (N, K), bias (N)?  ->  y (..., N)
+//       cuBLAS GEMM (at::mm on the current stream) into the output, then bias_tanh_kernel turns it
+//       into tanh(z + b) in place, 16 bytes at a time.
+//   linear_tanh_backward(grad_out, x, weight, bias, output_mask)  ->  (grad_x?, grad_W?, grad_b?)
+//       Recomputes z = x·Wᵀ into one (M, N) buffer; tanh_backward_kernel turns it in place into
+//       g = grad_out · (1 − tanh(z + b)²) and writes per-(row chunk, column) partial sums of g;
+//       bias_grad_sum_kernel adds the partials of each column in chunk order (no atomics: two runs
+//       give bitwise identical grad_b); then grad_x = g·W and grad_W = gᵀ·x with cuBLAS.
+//
+// M = prod(x.shape[:-1]) rows, N = out_features, K = in_features. All indices are 64-bit, so
+// buffers past 2^31 elements are fine. Every launch goes on at::cuda::getCurrentCUDAStream() under
+// a CUDAGuard for x's device and is followed by a launch-error check naming the op.
+//
+// Build: setup.py compiles this file when torch is a CUDA build and nvcc is found (see README).
+#include "linear_tanh.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "linear_tanh_math.h"
+
+namespace ckpt_ext {
+namespace {
+
+constexpr int kThreads = 256;
+
+// One 16-byte (or, for V = 1, one-element) group of values, loaded and stored as a unit.
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Pack {
+  T v[V];
+};
+
+// Blocks for `work` items with grid-stride loops: enough to fill every SM several times over,
+// no more (a grid-stride loop is then as fast as one item per thread and needs no 2^31 limit).
+int64_t num_blocks(int64_t work) {
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t wanted = (work + kThreads - 1) / kThreads;
+  return std::max<int64_t>(1, std::min<int64_t>(wanted, sms * 32));
+}
+
+void check_launch(const char* op, const char* kernel) {
+  const cudaError_t err = cudaGetLastError();
+  TORCH_CHECK(err == cudaSuccess, "ckpt_ext.", op, ": CUDA launch of ", kernel, " failed: ",
+              cudaGetErrorName(err), ": ", cudaGetErrorString(err));
+}
+
+// ----------------------------------------------------------------------------------------------
+// kernels
+
+// acc is (M, N) contiguous, holds x·Wᵀ; bias is (N) or nullptr; numel = M * N.
+// acc = tanh(acc + bias) in place. Thread t takes packs t, t + stride, ...: pack p is elements
+// [p*V, p*V + V) of the flat buffer, which may straddle rows, so the column is tracked per element.
+// The numel % V elements after the last whole pack are the scalar tail. V = 1 is the plain path
+// used when acc is not 16-byte aligned.
+template <typename scalar_t, int V>
+__global__ void bias_tanh_kernel(scalar_t* __restrict__ acc, const scalar_t* __restrict__ bias,
+                                 int64_t N, int64_t numel) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using PackT = Pack<scalar_t, V>;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t num_packs = numel / V;
+  PackT* packs = reinterpret_cast<PackT*>(acc);
+  for (int64_t p = tid; p < num_packs; p += stride) {
+    PackT pk = packs[p];
+    int64_t col = bias != nullptr ? (p * V) % N : 0;  // one division per pack, not per element
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      pk.v[j] = bias_tanh_value<scalar_t, acc_t>(pk.v[j], bias, col);
+      if (bias != nullptr && ++col == N) col = 0;
+    }
+    packs[p] = pk;
+  }
+  for (int64_t i = num_packs * V + tid; i < numel; i += stride) {
+    bias_tanh_at<scalar_t, acc_t>(acc, bias, N, i);
+  }
+}
+
+// acc is (M, N) contiguous, holds x·Wᵀ and becomes g in place; bias is (N) or nullptr; gy is
+// (M, N) with strides (gy_sr, gy_sc); partial is (num_chunks, N) in acc_t, or nullptr when the
+// bias grad is not wanted. Item t is (chunk, col) = (t / N, t % N): adjacent threads take adjacent
+// columns, so each of the chunk's rows is read and written coalesced.
+template <typename scalar_t>
+__global__ void tanh_backward_kernel(scalar_t* __restrict__ acc, const scalar_t* __restrict__ bias,
+                                     const scalar_t* __restrict__ gy, int64_t gy_sr, int64_t gy_sc,
+                                     int64_t M, int64_t N, int64_t num_chunks,
+                                     at::opmath_type<scalar_t>* __restrict__ partial) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t items = num_chunks * N;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < items;
+       t += stride) {
+    const int64_t chunk = t / N;
+    const int64_t col = t - chunk * N;
+    const acc_t s = tanh_backward_chunk_column<scalar_t, acc_t>(acc, bias, gy, gy_sr, gy_sc, M, N,
+                                                                 chunk, col);
+    if (partial != nullptr) partial[t] = s;  // t == chunk * N + col
+  }
+}
+
+// partial is (num_chunks, N) in acc_t, grad_b is (N): grad_b[col] = sum over chunks, in chunk
+// order. One thread per column; consecutive columns are consecutive addresses, so coalesced.
+template <typename scalar_t>
+__global__ void bias_grad_sum_kernel(const at::opmath_type<scalar_t>* __restrict__ partial,
+                                     scalar_t* __restrict__ grad_b, int64_t num_chunks,
+                                     int64_t N) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; col < N;
+       col += stride) {
+    grad_b[col] = static_cast<scalar_t>(sum_partials_column(partial, num_chunks, N, col));
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// launchers
+
+template <typename scalar_t>
+void launch_bias_tanh(const char* op, scalar_t* acc, const scalar_t* bias, int64_t N,
+                      int64_t numel) {
+  constexpr int V = 16 / sizeof(scalar_t);  // 4 floats, 2 doubles, 8 halves per 16 bytes
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (reinterpret_cast<std::uintptr_t>(acc) % 16 == 0) {
+    bias_tanh_kernel<scalar_t, V><<<num_blocks(numel / V + 1), kThreads, 0, stream>>>(
+        acc, bias, N, numel);
+  } else {
+    bias_tanh_kernel<scalar_t, 1><<<num_blocks(numel), kThreads, 0, stream>>>(acc, bias, N,
+                                                                               numel);
+  }
+  check_launch(op, "bias_tanh_kernel");
+}
+
+void check_on_cuda(const char* op, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.is_cuda(), "ckpt_ext.", op,
+                    ": the CUDA kernel needs x on a CUDA device, got x on ", x.device());
+}
+
+}  // namespace
+
+at::Tensor linear_tanh_cuda(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias) {
+  check_linear_tanh_inputs("linear_tanh", x, weight, bias);
+  check_on_cuda("linear_tanh", x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const at::Tensor x2 = x.reshape({-1, K});
+  // (M, N): the only full-size buffer. at::mm returns it contiguous; .contiguous() is a no-op
+  // that keeps the kernel's layout assumption true should that ever change.
+  at::Tensor out = at::mm(x2, weight.t()).contiguous();
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  if (out.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_tanh_cuda",
+                                    [&] {
+      launch_bias_tanh<scalar_t>("linear_tanh", out.data_ptr<scalar_t>(),
+                                 b.defined() ? b.const_data_ptr<scalar_t>() : nullptr, N,
+                                 out.numel());
+    });
+  }
+  return out.view(linear_tanh_out_shape(x, weight));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
+  constexpr const char* op = "linear_tanh_backward";
+  check_linear_tanh_inputs(op, x, weight, bias);
+  check_linear_tanh_grad_out(op, grad_out, x, weight);
+  check_on_cuda(op, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const at::Tensor x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  // A view where possible: the grad of `out.mean()` stays an expanded (stride-0) tensor.
+  const at::Tensor gy = grad_out.reshape({M, N});
+  const bool need_bias = output_mask[2] && bias.has_value();
+
+  at::Tensor g = at::mm(x2, weight.t()).contiguous();  // recompute x·Wᵀ; becomes g in place
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const int64_t num_chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
+  at::Tensor grad_b;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
+                                  "linear_tanh_backward_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    at::Tensor partial;  // (num_chunks, N): 1/32 of g, in the accumulate type
+    if (need_bias) {
+      partial = at::empty({num_chunks, N},
+                          x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    }
+    if (num_chunks * N > 0) {
+      tanh_backward_kernel<scalar_t><<<num_blocks(num_chunks * N), kThreads, 0, stream>>>(
+          g.data_ptr<scalar_t>(), b.defined() ? b.const_data_ptr<scalar_t>() : nullptr,
+          gy.const_data_ptr<scalar_t>(), gy.stride(0), gy.stride(1), M, N, num_chunks,
+          need_bias ? partial.data_ptr<acc_t>() : nullptr);
+      check_launch(op, "tanh_backward_kernel");
+    }
+    if (need_bias) {
+      grad_b = at::empty({N}, x.options());
+      if (N > 0) {
+        bias_grad_sum_kernel<scalar_t><<<num_blocks(N), kThreads, 0, stream>>>(
+            partial.const_data_ptr<acc_t>(), grad_b.data_ptr<scalar_t>(), num_chunks, N);
+        check_launch(op, "bias_grad_sum_kernel");
+      }
+    }
+  });
+  at::Tensor grad_x = output_mask[0] ? at::mm(g, weight).view(x.sizes()) : at::Tensor();
+  at::Tensor grad_w = output_mask[1] ? at::mm(g.t(), x2) : at::Tensor();
+  return {grad_x, grad_w, grad_b};
+}
+
+// ----------------------------------------------------------------------------------------------
+// registration (the schemas are defined once, in ../linear_tanh.cpp)
+
+TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
+  m.impl("linear_tanh", &linear_tanh_cuda);
+  m.impl("linear_tanh_backward", &linear_tanh_backward_cuda);
+}
+
+}  // namespace ckpt_ext
