@@ -198,6 +198,19 @@ def test_cpu_and_cuda_run_the_same_bodies(dtype):
         assert diff <= 16 * eps * c.double().abs().max().item(), f"{name}: max difference {diff}"
 
 
+@requires_cuda
+def test_output_allows_in_place_ops():
+    # The output must not be an autograd view of an internal buffer (y += residual after a block).
+    x, w, b, gy = make((6, 5), 8, 7, torch.float32)
+    x.requires_grad_()
+    y = ckpt_ext.linear_tanh(x, w, b)
+    y.mul_(2)
+    y.backward(gy)
+    ref = ref_grads(x, w, b, 2 * gy)
+    assert rel_err(y.detach(), 2 * ref[0]) <= TOL[torch.float32]
+    assert rel_err(x.grad, ref[1]) <= TOL[torch.float32]
+
+
 # ------------------------------------------------------------------------------------------------
 # streams, graphs, determinism
 

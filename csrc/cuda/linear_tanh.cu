@@ -175,7 +175,9 @@ at::Tensor linear_tanh_cuda(const at::Tensor& x, const at::Tensor& weight,
       launch_tanh<scalar_t>("linear_tanh", out.data_ptr<scalar_t>(), N, out.numel());
     });
   }
-  return out.view(linear_tanh_out_shape(x, weight));
+  // _unsafe_view, as on the CPU: the result must not be an autograd view of the internal buffer,
+  // or in-place ops on the output (`y += residual`, Dropout(inplace=True)) are refused.
+  return at::_unsafe_view(out, linear_tanh_out_shape(x, weight));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cuda(
