@@ -22,7 +22,8 @@ requires_cuda = pytest.mark.skipif(
     reason="CUDA kernels need a GPU; none visible" if not HAS_GPU
     else "ckpt_ext was built without CUDA kernels (ckpt_ext.WITH_CUDA is False)")
 
-# Norm-wise relative error against float64, per dtype of the computation.
+# Error bounds against float64, per dtype of the computation (relative, or scaled by the sums of
+# magnitudes for gradients: see ref_scales).
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 ALL_GRADS = [True, True, True]
