@@ -37,4 +37,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
     const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask);
 
+// Defined in cuda/linear_tanh.cu, compiled only into CUDA builds (CKPT_EXT_WITH_CUDA).
+at::Tensor linear_tanh_cuda(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cuda(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask);
+
 }  // namespace ckpt_ext

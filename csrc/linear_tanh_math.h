@@ -41,12 +41,20 @@ CKPT_HD V tanh_grad_from_output(V gy, V t) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Forward body for one value v = acc[r, col]: tanh(v + bias[col]), in acc_t, rounded once.
+// The CUDA kernel calls it on values held in registers (a 16-byte pack); bias_tanh_at below calls
+// it in place, so both run the same arithmetic.
+template <typename scalar_t, typename acc_t>
+CKPT_HD scalar_t bias_tanh_value(scalar_t v, const scalar_t* bias, int64_t col) {
+  acc_t z = static_cast<acc_t>(v);
+  if (bias != nullptr) z += static_cast<acc_t>(bias[col]);
+  return static_cast<scalar_t>(ckpt_tanh(z));
+}
+
 // Forward body: element i of the (M, N) buffer becomes tanh(acc[i] + bias[i % N]).
 template <typename scalar_t, typename acc_t>
 CKPT_HD void bias_tanh_at(scalar_t* acc, const scalar_t* bias, int64_t N, int64_t i) {
-  acc_t z = static_cast<acc_t>(acc[i]);
-  if (bias != nullptr) z += static_cast<acc_t>(bias[i % N]);
-  acc[i] = static_cast<scalar_t>(ckpt_tanh(z));
+  acc[i] = bias_tanh_value<scalar_t, acc_t>(acc[i], bias, bias != nullptr ? i % N : 0);
 }
 
 // ---------------------------------------------------------------------------------------------

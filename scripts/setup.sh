@@ -12,5 +12,26 @@ fi
 # torch is pinned; the rest are the build, test and benchmark tools.
 "$VENV/bin/python" -m pip install -q -r requirements.txt
 
-"$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
+# The build: setup.py builds the CUDA kernels when torch is a CUDA build and nvcc is found
+# (CKPT_EXT_CUDA=0|1 forces either; CUDA_HOME and TORCH_CUDA_ARCH_LIST are honoured). pip builds in a
+# fresh temporary folder on every editable install, and the CUDA build takes minutes, so it is
+# skipped when the built module is newer than every source and was made with the same settings.
+PYABS=$(cd "$(dirname "$VENV/bin/python")" && pwd)/python
+SETTINGS="torch=$("$PYABS" -c 'import torch; print(torch.__version__)') CKPT_EXT_CUDA=${CKPT_EXT_CUDA:-auto} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} CUDA_HOME=${CUDA_HOME:-}"
+STAMP=build/.ckpt_ext_build_settings
+SO=$(ls ckpt_ext/_C*.so 2>/dev/null | head -n 1 || true)
+if [ -n "$SO" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$SETTINGS" ] \
+    && [ -z "$(find csrc setup.py pyproject.toml -newer "$SO" -print -quit)" ] \
+    && (cd / && "$PYABS" -c "import ckpt_ext") 2>/dev/null; then
+  echo "ckpt_ext: build up to date ($SO), not rebuilt"
+else
+  "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
+  mkdir -p build && echo "$SETTINGS" >"$STAMP"
+fi
 "$VENV/bin/python" -c "import ckpt_ext, torch; print('ckpt_ext ready: torch', torch.__version__, '| CUDA kernels built:', ckpt_ext.WITH_CUDA)"
+# No silent CPU-only fallback: where auto mode should have built the kernels, fail loudly.
+if [ "${CKPT_EXT_CUDA:-auto}" != 0 ] && command -v nvcc >/dev/null \
+    && "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.version.cuda is None)"; then
+  "$VENV/bin/python" -c "import ckpt_ext, sys; sys.exit(not ckpt_ext.WITH_CUDA)" || {
+    echo "ckpt_ext: nvcc and a CUDA torch are here, but the CUDA kernels were not built" >&2; exit 1; }
+fi
