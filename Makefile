@@ -7,8 +7,11 @@ PYTHON := .venv/bin/python
 setup:
 	bash scripts/setup.sh
 
+# Where nvcc is on PATH the build must have the CUDA kernels; CKPT_EXT_EXPECT_CUDA makes a test
+# fail on a silent CPU-only build (tests/test_ops_cuda.py).
 test: setup
-	$(PYTHON) -m pytest -q tests
+	CKPT_EXT_EXPECT_CUDA=$$(command -v nvcc >/dev/null && [ "$${CKPT_EXT_CUDA:-auto}" != 0 ] && echo 1) \
+	  $(PYTHON) -m pytest -q tests
 
 bench: setup
 	$(PYTHON) -m ckpt_ext.bench

@@ -28,6 +28,12 @@ bool poison_buffers();
 // at::empty(sizes, options), NaN-filled when poisoning is on.
 at::Tensor new_buffer(at::IntArrayRef sizes, const at::TensorOptions& options);
 
+// out (M, N) contiguous = x2 (M, K) · weightᵀ + bias, by one GEMM (addmm with the bias, so z is
+// rounded to the storage type once). Forward and the recompute in backward both use it, so the
+// recomputed z equals the forward's to the bit. Dispatches to the tensors' device.
+void pre_activation_into(at::Tensor& out, const at::Tensor& x2, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias);
+
 // x.shape[:-1] + (N,)
 std::vector<int64_t> linear_tanh_out_shape(const at::Tensor& x, const at::Tensor& weight);
 

@@ -5,8 +5,7 @@
 // launchers call the very same arithmetic; only the mapping of indices to threads differs.
 //
 // Shapes (M = rows of the flattened input, N = out_features):
-//   acc  : (M, N) contiguous, holds z_mm = x·Wᵀ (no bias); overwritten in place
-//   bias : (N) or nullptr
+//   acc  : (M, N) contiguous, holds z = x·Wᵀ + b as the GEMM left it; overwritten in place
 //   gy   : (M, N) grad of the output, any 2-D strides (sr, sc) — `out.mean()` gives strides (0, 0)
 //   partial : (ceil(M / kRowsPerChunk), N) per-chunk column sums of g, in the accumulate type
 //
@@ -41,36 +40,32 @@ CKPT_HD V tanh_grad_from_output(V gy, V t) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward body for one value v = acc[r, col]: tanh(v + bias[col]), in acc_t, rounded once.
-// The CUDA kernel calls it on values held in registers (a 16-byte pack); bias_tanh_at below calls
-// it in place, so both run the same arithmetic.
+// Forward body for one value v = z[r, col]: tanh(v), computed in acc_t, rounded once. The CUDA
+// kernel calls it on values held in registers (a 16-byte pack); tanh_at calls it in place.
 template <typename scalar_t, typename acc_t>
-CKPT_HD scalar_t bias_tanh_value(scalar_t v, const scalar_t* bias, int64_t col) {
-  acc_t z = static_cast<acc_t>(v);
-  if (bias != nullptr) z += static_cast<acc_t>(bias[col]);
-  return static_cast<scalar_t>(ckpt_tanh(z));
+CKPT_HD scalar_t tanh_value(scalar_t v) {
+  return static_cast<scalar_t>(ckpt_tanh(static_cast<acc_t>(v)));
 }
 
-// Forward body: element i of the (M, N) buffer becomes tanh(acc[i] + bias[i % N]).
+// Forward body: element i of the (M, N) buffer becomes tanh of itself.
 template <typename scalar_t, typename acc_t>
-CKPT_HD void bias_tanh_at(scalar_t* acc, const scalar_t* bias, int64_t N, int64_t i) {
-  acc[i] = bias_tanh_value<scalar_t, acc_t>(acc[i], bias, bias != nullptr ? i % N : 0);
+CKPT_HD void tanh_at(scalar_t* acc, int64_t i) {
+  acc[i] = tanh_value<scalar_t, acc_t>(acc[i]);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward body for one (row chunk, column): for each row r of the chunk, in increasing order,
-//   z = acc[r, col] + bias[col];  g = gy[r, col] * (1 - tanh(z)^2);  acc[r, col] = g
+//   g = gy[r, col] * (1 - tanh(z[r, col])^2);  acc[r, col] = g
 // and the chunk's column sum of g is returned (the caller stores it in partial[chunk, col]).
 // g is summed before it is rounded to scalar_t, so half types lose nothing in the bias grad.
 template <typename scalar_t, typename acc_t>
-CKPT_HD acc_t tanh_backward_chunk_column(scalar_t* acc, const scalar_t* bias, const scalar_t* gy,
-                                         int64_t gy_sr, int64_t gy_sc, int64_t M, int64_t N,
-                                         int64_t chunk, int64_t col) {
-  const acc_t b = bias != nullptr ? static_cast<acc_t>(bias[col]) : acc_t(0);
+CKPT_HD acc_t tanh_backward_chunk_column(scalar_t* acc, const scalar_t* gy, int64_t gy_sr,
+                                         int64_t gy_sc, int64_t M, int64_t N, int64_t chunk,
+                                         int64_t col) {
   const int64_t r_end = (chunk + 1) * kRowsPerChunk < M ? (chunk + 1) * kRowsPerChunk : M;
   acc_t sum = acc_t(0);
   for (int64_t r = chunk * kRowsPerChunk; r < r_end; ++r) {
-    const acc_t z = static_cast<acc_t>(acc[r * N + col]) + b;
+    const acc_t z = static_cast<acc_t>(acc[r * N + col]);
     const acc_t g = tanh_grad_from_output(static_cast<acc_t>(gy[r * gy_sr + col * gy_sc]),
                                           ckpt_tanh(z));
     acc[r * N + col] = static_cast<scalar_t>(g);

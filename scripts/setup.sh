@@ -17,7 +17,7 @@ fi
 # fresh temporary folder on every editable install, and the CUDA build takes minutes, so it is
 # skipped when the built module is newer than every source and was made with the same settings.
 PYABS=$(cd "$(dirname "$VENV/bin/python")" && pwd)/python
-SETTINGS="torch=$("$PYABS" -c 'import torch; print(torch.__version__)') CKPT_EXT_CUDA=${CKPT_EXT_CUDA:-auto} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} CUDA_HOME=${CUDA_HOME:-}"
+SETTINGS="torch=$("$PYABS" -c 'import torch; print(torch.__version__)') CKPT_EXT_CUDA=${CKPT_EXT_CUDA:-auto} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} CUDA_HOME=${CUDA_HOME:-} CKPT_EXT_CPU_SIMD=${CKPT_EXT_CPU_SIMD:-auto}"
 STAMP=build/.ckpt_ext_build_settings
 SO=$(ls ckpt_ext/_C*.so 2>/dev/null | head -n 1 || true)
 if [ -n "$SO" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$SETTINGS" ] \

@@ -57,12 +57,64 @@ def _assert_close_to_reference(x, w, b, gy, tol):
         assert err <= tol, f"{name}: relative error {err:.3g} > {tol:g}"
 
 
-@pytest.mark.parametrize("lead,k,n", SHAPES)
+def _conditioned_scales(x, w, b, gy):
+    """Magnitudes the rounding acts on, per result (out, grad_x, grad_weight, grad_bias): z's error
+    is at most u·(|x|·|W|ᵀ + |b|) and tanh is 1-Lipschitz; |1 − tanh²| ≤ 1, so the grads' errors
+    scale with |gy|·|W|, |gy|ᵀ·|x| and Σ|gy| — the standard bound for sums that may cancel."""
+    n, k = w.shape
+    xa, wa, ga = x.double().abs().cpu(), w.double().abs().cpu(), gy.double().abs().cpu()
+    za = xa @ wa.t() + (0 if b is None else b.double().abs().cpu())
+    ga2 = ga.reshape(-1, n)
+    return za, ga @ wa, ga2.t() @ xa.reshape(-1, k), ga2.sum(0)
+
+
+def _rows(lead):
+    r = 1
+    for d in lead:
+        r *= d
+    return r
+
+
+# Half types: the norm-wise bound needs enough elements in every result to be meaningful. With 1-3
+# outputs it becomes an elementwise bound, which rounding z to 8 bits cannot meet where tanh
+# saturates or a 3-term sum cancels (stock nn.Linear + nn.Tanh fails it there more often than we
+# do); those shapes are checked against a conditioned bound in the next test instead.
+def _well_conditioned(lead, k, n):
+    m = _rows(lead)
+    return m == 0 or min(m * n, n * k, m * k, n) >= 3 and m * n >= 32
+
+
+CASES = [(lead, k, n, dt) for dt in DTYPES for lead, k, n in SHAPES
+         if dt in (torch.float32, torch.float64) or _well_conditioned(lead, k, n)]
+TINY_HALF = [(lead, k, n, dt) for dt in (torch.bfloat16, torch.float16) for lead, k, n in SHAPES
+             if not _well_conditioned(lead, k, n)] + \
+            [((3,), 1, 1, torch.bfloat16), ((3,), 1, 1, torch.float16)]
+
+
+@pytest.mark.parametrize("lead,k,n,dtype", CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_float64_reference(device, poison, lead, k, n, bias, dtype):
     x, w, b, gy = _make(lead, k, n, dtype, device, bias)
     _assert_close_to_reference(x, w, b, gy, TOL[dtype])
+
+
+@pytest.mark.parametrize("lead,k,n,dtype", TINY_HALF, ids=lambda v: str(v))
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_half_precision_tiny_shapes_within_conditioned_bound(device, poison, lead, k, n, bias,
+                                                             dtype):
+    # Error measured against the magnitudes the rounding acts on (_conditioned_scales).
+    for seed in range(20):
+        x, w, b, gy = _make(lead, k, n, dtype, device, bias, seed=seed)
+        got = _run_fused(x, w, b, gy)
+        ref = linear_tanh_ref_grads(x, w, b, gy)
+        scales = _conditioned_scales(x, w, b, gy)
+        for name, o, r, sc in zip(("out", "grad_x", "grad_weight", "grad_bias"), got, ref, scales):
+            if r is None:
+                assert o is None
+                continue
+            assert torch.isfinite(o).all(), name
+            err = (o.double().cpu() - r.cpu()).norm().item()
+            assert err <= TOL[dtype] * sc.norm().item(), (name, seed, err, sc.norm().item())
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
@@ -193,13 +245,15 @@ def test_property_random_shapes_scales_bias(lead, k, n, scale, bias, dtype, seed
     x, w, b, gy = _make(tuple(lead), k, n, dtype, "cpu", bias, scale=scale, seed=seed)
     got = _run_fused(x, w, b, gy)
     ref = linear_tanh_ref_grads(x, w, b, gy)
-    for o, r in zip(got, ref):
+    eps = torch.finfo(dtype).eps
+    for o, r, sc in zip(got, ref, _conditioned_scales(x, w, b, gy)):
         if r is None:
             assert o is None
             continue
-        # Saturated outputs make grads tiny; compare with an absolute floor relative to |gy|.
+        # Relative bound, plus a few units of rounding of the magnitudes involved: saturated tanh
+        # makes 1 − tanh² round to 0 in float32 where the float64 reference still has 1e-10.
         err = (o.double() - r).norm().item()
-        bound = TOL[dtype] * max(r.norm().item(), 1e-6 * max(gy.double().norm().item(), 1.0))
+        bound = TOL[dtype] * r.norm().item() + 8 * eps * sc.norm().item()
         assert torch.isfinite(o).all() and err <= bound, (err, bound)
 
 

@@ -10,12 +10,12 @@
 //       bias_grad_sum_kernel adds the partials of each column in chunk order (no atomics: two runs
 //       give bitwise identical grad_b); then grad_x = g·W and grad_W = gᵀ·x with cuBLAS.
 //
-// Why the bias goes into the GEMM rather than into the elementwise kernels (the CPU path adds it in
-// the kernel): for float16/bfloat16 the GEMM output is rounded to the storage type, so adding b
+// Why the bias goes into the GEMM rather than into the elementwise kernels (the CPU path does the
+// same): for float16/bfloat16 the GEMM output is rounded to the storage type, so adding b
 // afterwards rounds z twice; where z and b nearly cancel, tanh(z + b) then lost up to 5x the
 // bfloat16 tolerance against float64 in the width sweep (1 row, 1 column), where stock
 // F.linear (bias inside the GEMM, one rounding) stayed at 0.15x. The kernels still call the shared
-// bodies of linear_tanh_math.h, with bias = nullptr.
+// bodies of linear_tanh_math.h.
 //
 // M = prod(x.shape[:-1]) rows, N = out_features, K = in_features. All indices are 64-bit, so
 // buffers past 2^31 elements are fine. Every launch goes on at::cuda::getCurrentCUDAStream() under
@@ -53,12 +53,6 @@ int64_t num_blocks(int64_t work) {
   return std::max<int64_t>(1, std::min<int64_t>(wanted, sms * 32));
 }
 
-// Every buffer the ops allocate comes from here (one place to hook test-time NaN poisoning into,
-// as the CPU path's new_buffer does).
-at::Tensor cuda_buffer(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  return at::empty(sizes, options);
-}
-
 void check_launch(const char* op, const char* kernel) {
   const cudaError_t err = cudaGetLastError();
   TORCH_CHECK(err == cudaSuccess, "ckpt_ext.", op, ": CUDA launch of ", kernel, " failed: ",
@@ -73,7 +67,7 @@ void check_launch(const char* op, const char* kernel) {
 // (rows do not matter: no bias here). The numel % V elements after the last whole pack are the
 // scalar tail. V = 1 is the plain path, for an acc that is not 16-byte aligned.
 template <typename scalar_t, int V>
-__global__ void tanh_kernel(scalar_t* __restrict__ acc, int64_t N, int64_t numel) {
+__global__ void tanh_kernel(scalar_t* __restrict__ acc, int64_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
   using PackT = Pack<scalar_t, V>;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -83,11 +77,11 @@ __global__ void tanh_kernel(scalar_t* __restrict__ acc, int64_t N, int64_t numel
   for (int64_t p = tid; p < num_packs; p += stride) {
     PackT pk = packs[p];
 #pragma unroll
-    for (int j = 0; j < V; ++j) pk.v[j] = bias_tanh_value<scalar_t, acc_t>(pk.v[j], nullptr, 0);
+    for (int j = 0; j < V; ++j) pk.v[j] = tanh_value<scalar_t, acc_t>(pk.v[j]);
     packs[p] = pk;
   }
   for (int64_t i = num_packs * V + tid; i < numel; i += stride) {
-    bias_tanh_at<scalar_t, acc_t>(acc, nullptr, N, i);
+    tanh_at<scalar_t, acc_t>(acc, i);
   }
 }
 
@@ -107,8 +101,8 @@ __global__ void tanh_backward_kernel(scalar_t* __restrict__ acc, const scalar_t*
        t += stride) {
     const int64_t chunk = t / N;
     const int64_t col = t - chunk * N;
-    const acc_t s = tanh_backward_chunk_column<scalar_t, acc_t>(acc, /*bias=*/nullptr, gy, gy_sr,
-                                                                 gy_sc, M, N, chunk, col);
+    const acc_t s = tanh_backward_chunk_column<scalar_t, acc_t>(acc, gy, gy_sr, gy_sc, M,
+                                                                 N, chunk, col);
     if (partial != nullptr) partial[t] = s;  // t == chunk * N + col
   }
 }
@@ -130,25 +124,15 @@ __global__ void bias_grad_sum_kernel(const at::opmath_type<scalar_t>* __restrict
 // launchers
 
 template <typename scalar_t>
-void launch_tanh(const char* op, scalar_t* acc, int64_t N, int64_t numel) {
+void launch_tanh(const char* op, scalar_t* acc, int64_t numel) {
   constexpr int V = 16 / sizeof(scalar_t);  // 4 floats, 2 doubles, 8 halves per 16 bytes
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (reinterpret_cast<std::uintptr_t>(acc) % 16 == 0) {
-    tanh_kernel<scalar_t, V><<<num_blocks(numel / V + 1), kThreads, 0, stream>>>(acc, N, numel);
+    tanh_kernel<scalar_t, V><<<num_blocks(numel / V + 1), kThreads, 0, stream>>>(acc, numel);
   } else {
-    tanh_kernel<scalar_t, 1><<<num_blocks(numel), kThreads, 0, stream>>>(acc, N, numel);
+    tanh_kernel<scalar_t, 1><<<num_blocks(numel), kThreads, 0, stream>>>(acc, numel);
   }
   check_launch(op, "tanh_kernel");
-}
-
-// out (M, N) contiguous = x2 (M, K) · weightᵀ + bias, one rounding to the storage type.
-void pre_activation_into(at::Tensor& out, const at::Tensor& x2, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias) {
-  if (bias.has_value()) {
-    at::addmm_out(out, *bias, x2, weight.t());
-  } else {
-    at::mm_out(out, x2, weight.t());
-  }
 }
 
 void check_on_cuda(const char* op, const at::Tensor& x) {
@@ -167,12 +151,12 @@ at::Tensor linear_tanh_cuda(const at::Tensor& x, const at::Tensor& weight,
   const at::Tensor x2 = x.reshape({-1, K});
   const int64_t M = x2.size(0);
   // (M, N), contiguous: the only full-size buffer; the GEMM writes straight into it.
-  at::Tensor out = cuda_buffer({M, N}, x.options());
+  at::Tensor out = new_buffer({M, N}, x.options());
   pre_activation_into(out, x2, weight, bias);
   if (out.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_tanh_cuda",
                                     [&] {
-      launch_tanh<scalar_t>("linear_tanh", out.data_ptr<scalar_t>(), N, out.numel());
+      launch_tanh<scalar_t>("linear_tanh", out.data_ptr<scalar_t>(), out.numel());
     });
   }
   // _unsafe_view, as on the CPU: the result must not be an autograd view of the internal buffer,
@@ -196,7 +180,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cuda(
   const bool need_bias = output_mask[2] && bias.has_value();
 
   // Recompute x·Wᵀ + b into the one (M, N) buffer of the backward; it becomes g in place.
-  at::Tensor g = cuda_buffer({M, N}, x.options());
+  at::Tensor g = new_buffer({M, N}, x.options());
   pre_activation_into(g, x2, weight, bias);
   const int64_t num_chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
   at::Tensor grad_b;
@@ -206,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cuda(
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     at::Tensor partial;  // (num_chunks, N): 1/32 of g, in the accumulate type
     if (need_bias) {
-      partial = cuda_buffer({num_chunks, N},
+      partial = new_buffer({num_chunks, N},
                           x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     }
     if (num_chunks * N > 0) {
@@ -217,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cuda(
       check_launch(op, "tanh_backward_kernel");
     }
     if (need_bias) {
-      grad_b = cuda_buffer({N}, x.options());
+      grad_b = new_buffer({N}, x.options());
       if (N > 0) {
         bias_grad_sum_kernel<scalar_t><<<num_blocks(N), kThreads, 0, stream>>>(
             partial.const_data_ptr<acc_t>(), grad_b.data_ptr<scalar_t>(), num_chunks, N);
