@@ -121,6 +121,32 @@ void pre_activation_into(at::Tensor& out, const at::Tensor& x2, const at::Tensor
   }
 }
 
+BackwardState recompute_for_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                     const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias,
+                                     std::array<bool, 3> output_mask) {
+  BackwardState s;
+  s.N = weight.size(0);
+  s.x2 = x.reshape({-1, weight.size(1)});
+  s.M = s.x2.size(0);
+  s.gy = grad_out.reshape({s.M, s.N});
+  s.num_chunks = (s.M + kRowsPerChunk - 1) / kRowsPerChunk;
+  s.need_bias = output_mask[2] && bias.has_value();
+  s.g = new_buffer({s.M, s.N}, x.options());
+  pre_activation_into(s.g, s.x2, weight, bias);
+  return s;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_gemms(const BackwardState& s,
+                                                          const at::Tensor& x,
+                                                          const at::Tensor& weight,
+                                                          at::Tensor grad_b,
+                                                          std::array<bool, 3> output_mask) {
+  at::Tensor grad_x = output_mask[0] ? at::mm(s.g, weight).view(x.sizes()) : at::Tensor();
+  at::Tensor grad_w = output_mask[1] ? at::mm(s.g.t(), s.x2) : at::Tensor();
+  return {grad_x, grad_w, grad_b};
+}
+
 std::vector<int64_t> linear_tanh_out_shape(const at::Tensor& x, const at::Tensor& weight) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(weight.size(0));
@@ -225,28 +251,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cpu(
     const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
   check_linear_tanh_inputs("linear_tanh_backward", x, weight, bias);
   check_linear_tanh_grad_out("linear_tanh_backward", grad_out, x, weight);
-  const int64_t K = weight.size(1), N = weight.size(0);
-  const at::Tensor x2 = x.reshape({-1, K});
-  const int64_t M = x2.size(0);
-  // A view where possible: the grad of `out.mean()` stays an expanded (stride-0) tensor.
-  const at::Tensor gy = grad_out.reshape({M, N});
-  const bool need_bias = output_mask[2] && bias.has_value();
-
-  // Recompute x·Wᵀ + b into the one (M, N) buffer of the backward; it becomes g in place.
-  at::Tensor g = new_buffer({M, N}, x.options());
-  pre_activation_into(g, x2, weight, bias);
-  const int64_t num_chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
+  const BackwardState s = recompute_for_backward(grad_out, x, weight, bias, output_mask);
+  const int64_t M = s.M, N = s.N, num_chunks = s.num_chunks;
   at::Tensor grad_b;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_tanh_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     at::Tensor partial;
-    if (need_bias) {
+    if (s.need_bias) {
       partial = new_buffer({num_chunks, N}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     }
     tanh_backward_cpu_kernel<scalar_t>(
-        g.data_ptr<scalar_t>(), gy.const_data_ptr<scalar_t>(), gy.stride(0), gy.stride(1), M, N,
-        need_bias ? partial.data_ptr<acc_t>() : nullptr);
-    if (need_bias) {
+        s.g.data_ptr<scalar_t>(), s.gy.const_data_ptr<scalar_t>(), s.gy.stride(0), s.gy.stride(1),
+        M, N, s.need_bias ? partial.data_ptr<acc_t>() : nullptr);
+    if (s.need_bias) {
       grad_b = new_buffer({N}, x.options());
       const acc_t* p = partial.const_data_ptr<acc_t>();
       scalar_t* gb = grad_b.data_ptr<scalar_t>();
@@ -257,9 +274,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cpu(
       });
     }
   });
-  at::Tensor grad_x = output_mask[0] ? at::mm(g, weight).view(x.sizes()) : at::Tensor();
-  at::Tensor grad_w = output_mask[1] ? at::mm(g.t(), x2) : at::Tensor();
-  return {grad_x, grad_w, grad_b};
+  return grad_gemms(s, x, weight, grad_b, output_mask);
 }
 
 // ----------------------------------------------------------------------------------------------

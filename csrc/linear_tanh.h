@@ -34,6 +34,27 @@ at::Tensor new_buffer(at::IntArrayRef sizes, const at::TensorOptions& options);
 void pre_activation_into(at::Tensor& out, const at::Tensor& x2, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias);
 
+// What the CPU and CUDA backward share around their elementwise kernels. Call
+// check_linear_tanh_inputs and check_linear_tanh_grad_out first (and, on CUDA, set the device).
+struct BackwardState {
+  at::Tensor x2;  // (M, K): x flattened
+  at::Tensor gy;  // (M, N): grad_out, a view where possible (out.mean() gives strides (0, 0))
+  at::Tensor g;   // (M, N) contiguous: z = x·Wᵀ + b recomputed, to become g in place
+  int64_t M, N, num_chunks;
+  bool need_bias;  // output_mask[2] and there is a bias
+};
+// The flattened views and the recompute GEMM into the backward's one (M, N) buffer.
+BackwardState recompute_for_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                     const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias,
+                                     std::array<bool, 3> output_mask);
+// grad_x = g·W (shaped like x) and grad_W = gᵀ·x, each only where output_mask asks; grad_b as given.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_gemms(const BackwardState& s,
+                                                          const at::Tensor& x,
+                                                          const at::Tensor& weight,
+                                                          at::Tensor grad_b,
+                                                          std::array<bool, 3> output_mask);
+
 // x.shape[:-1] + (N,)
 std::vector<int64_t> linear_tanh_out_shape(const at::Tensor& x, const at::Tensor& weight);
 

@@ -172,35 +172,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cuda(
   check_linear_tanh_grad_out(op, grad_out, x, weight);
   check_on_cuda(op, x);
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t K = weight.size(1), N = weight.size(0);
-  const at::Tensor x2 = x.reshape({-1, K});
-  const int64_t M = x2.size(0);
-  // A view where possible: the grad of `out.mean()` stays an expanded (stride-0) tensor.
-  const at::Tensor gy = grad_out.reshape({M, N});
-  const bool need_bias = output_mask[2] && bias.has_value();
-
-  // Recompute x·Wᵀ + b into the one (M, N) buffer of the backward; it becomes g in place.
-  at::Tensor g = new_buffer({M, N}, x.options());
-  pre_activation_into(g, x2, weight, bias);
-  const int64_t num_chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
+  const BackwardState s = recompute_for_backward(grad_out, x, weight, bias, output_mask);
+  const int64_t M = s.M, N = s.N, num_chunks = s.num_chunks;
   at::Tensor grad_b;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
                                   "linear_tanh_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     at::Tensor partial;  // (num_chunks, N): 1/32 of g, in the accumulate type
-    if (need_bias) {
+    if (s.need_bias) {
       partial = new_buffer({num_chunks, N},
                           x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     }
     if (num_chunks * N > 0) {
       tanh_backward_kernel<scalar_t><<<num_blocks(num_chunks * N), kThreads, 0, stream>>>(
-          g.data_ptr<scalar_t>(), gy.const_data_ptr<scalar_t>(), gy.stride(0), gy.stride(1), M, N,
-          num_chunks,
-          need_bias ? partial.data_ptr<acc_t>() : nullptr);
+          s.g.data_ptr<scalar_t>(), s.gy.const_data_ptr<scalar_t>(), s.gy.stride(0),
+          s.gy.stride(1), M, N, num_chunks, s.need_bias ? partial.data_ptr<acc_t>() : nullptr);
       check_launch(op, "tanh_backward_kernel");
     }
-    if (need_bias) {
+    if (s.need_bias) {
       grad_b = new_buffer({N}, x.options());
       if (N > 0) {
         bias_grad_sum_kernel<scalar_t><<<num_blocks(N), kThreads, 0, stream>>>(
@@ -209,9 +199,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cuda(
       }
     }
   });
-  at::Tensor grad_x = output_mask[0] ? at::mm(g, weight).view(x.sizes()) : at::Tensor();
-  at::Tensor grad_w = output_mask[1] ? at::mm(g.t(), x2) : at::Tensor();
-  return {grad_x, grad_w, grad_b};
+  return grad_gemms(s, x, weight, grad_b, output_mask);
 }
 
 // ----------------------------------------------------------------------------------------------
