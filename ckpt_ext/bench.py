@@ -192,8 +192,29 @@ class Config:
     progress: bool = True
 
 
+class _PlainProgress:
+    """Stand-in for tqdm where it is not installed (e.g. an offline GPU machine): a line per
+    network on stderr, so the run still shows where it is."""
+
+    def __init__(self, total: int, disable: bool = False, **_) -> None:
+        self.total, self.n, self.disable = total, 0, disable
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+
+    def set_postfix_str(self, text: str) -> None:
+        if not self.disable:
+            print(f"bench: {self.n}/{self.total} {text}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.set_postfix_str("done")
+
+
 def run(cfg: Config) -> dict:
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = _PlainProgress
 
     meter = MemoryMeter(cfg.device)
     meter.start()
@@ -370,8 +391,14 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: str) -> None:
-    import matplotlib
+def plot(results: dict, path: str) -> bool:
+    """Writes the PNG; False (and a message) where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("bench: matplotlib is not installed; no plot written (pip install matplotlib)",
+              file=sys.stderr)
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -402,6 +429,7 @@ def plot(results: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -476,9 +504,9 @@ def main(argv=None) -> int:
         f.write(table)
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
-    plot(results, stem + ".png")
+    written = [stem + ".md", stem + ".json"] + ([stem + ".png"] if plot(results, stem + ".png") else [])
     print(table)
-    print(f"wrote {stem}.md, {stem}.json, {stem}.png ({results['conditions']['wall_s']} s)")
+    print(f"wrote {', '.join(written)} ({results['conditions']['wall_s']} s)")
     return 0
 
 

@@ -4,8 +4,6 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import ckpt_ext
 from reference import TOL, linear_tanh_ref, linear_tanh_ref_grads, rel_err
@@ -228,33 +226,6 @@ def test_bias_grad_follows_the_documented_summation_order():
         expected[c] = total
     got = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [False, False, True])[2]
     assert rel_err(got, expected) <= 1e-15
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    lead=st.lists(st.integers(0, 7), min_size=0, max_size=3),
-    k=st.integers(1, 40),
-    n=st.integers(1, 40),
-    scale=st.sampled_from([1e-3, 1.0, 30.0]),
-    bias=st.booleans(),
-    dtype=st.sampled_from([torch.float32, torch.float64]),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_property_random_shapes_scales_bias(lead, k, n, scale, bias, dtype, seed):
-    # Scale 30 saturates tanh (grads ~0), 1e-3 keeps it linear: both ends of the activation.
-    x, w, b, gy = _make(tuple(lead), k, n, dtype, "cpu", bias, scale=scale, seed=seed)
-    got = _run_fused(x, w, b, gy)
-    ref = linear_tanh_ref_grads(x, w, b, gy)
-    eps = torch.finfo(dtype).eps
-    for o, r, sc in zip(got, ref, _conditioned_scales(x, w, b, gy)):
-        if r is None:
-            assert o is None
-            continue
-        # Relative bound, plus a few units of rounding of the magnitudes involved: saturated tanh
-        # makes 1 − tanh² round to 0 in float32 where the float64 reference still has 1e-10.
-        err = (o.double() - r).norm().item()
-        bound = TOL[dtype] * r.norm().item() + 8 * eps * sc.norm().item()
-        assert torch.isfinite(o).all() and err <= bound, (err, bound)
 
 
 def test_forward_output_shape_and_dtype_follow_input(device):
