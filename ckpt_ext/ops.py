@@ -10,6 +10,8 @@ The kernels are C++/CUDA ops registered with the dispatcher under ``torch.ops.ck
 """
 from __future__ import annotations
 
+import math
+
 from typing import Optional, Sequence
 
 import torch
@@ -128,9 +130,10 @@ def _backward(ctx, grad_out: Tensor):
         # from differentiable ops, the fused forward among them, so it can be differentiated again.
         y = linear_tanh(x, weight, bias)
         g = grad_out * (1 - y * y)
-        g2 = g.reshape(-1, weight.shape[0])
+        rows = math.prod(x.shape[:-1])  # not reshape(-1, ...): -1 is ambiguous for 0 features
+        g2 = g.reshape(rows, weight.shape[0])
         grad_x = (g2 @ weight).reshape(x.shape) if need_x else None
-        grad_w = g2.t() @ x.reshape(-1, weight.shape[1]) if need_w else None
+        grad_w = g2.t() @ x.reshape(rows, weight.shape[1]) if need_w else None
         grad_b = g2.sum(0) if need_b and bias is not None else None
         return grad_x, grad_w, grad_b
     return torch.ops.ckpt_ext.linear_tanh_backward.default(

@@ -127,7 +127,7 @@ BackwardState recompute_for_backward(const at::Tensor& grad_out, const at::Tenso
                                      std::array<bool, 3> output_mask) {
   BackwardState s;
   s.N = weight.size(0);
-  s.x2 = x.reshape({-1, weight.size(1)});
+  s.x2 = flatten_rows(x);
   s.M = s.x2.size(0);
   s.gy = grad_out.reshape({s.M, s.N});
   s.num_chunks = (s.M + kRowsPerChunk - 1) / kRowsPerChunk;
@@ -145,6 +145,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_gemms(const BackwardState& s
   at::Tensor grad_x = output_mask[0] ? at::mm(s.g, weight).view(x.sizes()) : at::Tensor();
   at::Tensor grad_w = output_mask[1] ? at::mm(s.g.t(), s.x2) : at::Tensor();
   return {grad_x, grad_w, grad_b};
+}
+
+at::Tensor flatten_rows(const at::Tensor& x) {
+  int64_t m = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) m *= x.size(d);
+  return x.reshape({m, x.size(-1)});
 }
 
 std::vector<int64_t> linear_tanh_out_shape(const at::Tensor& x, const at::Tensor& weight) {
@@ -232,8 +238,8 @@ void tanh_backward_cpu_kernel(scalar_t* acc, const scalar_t* gy,
 at::Tensor linear_tanh_cpu(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias) {
   check_linear_tanh_inputs("linear_tanh", x, weight, bias);
-  const int64_t K = weight.size(1), N = weight.size(0);
-  const at::Tensor x2 = x.reshape({-1, K});
+  const int64_t N = weight.size(0);
+  const at::Tensor x2 = flatten_rows(x);
   const int64_t M = x2.size(0);
   // (M, N), contiguous: the only full-size buffer; the GEMM writes straight into it.
   at::Tensor out = new_buffer({M, N}, x.options());

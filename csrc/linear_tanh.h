@@ -55,6 +55,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_gemms(const BackwardState& s
                                                           at::Tensor grad_b,
                                                           std::array<bool, 3> output_mask);
 
+// x (..., K) as (M, K), M = prod(x.shape[:-1]): a view where possible. Spelled out rather than
+// reshape({-1, K}), which cannot infer M when K == 0 (nn.Linear allows in_features = 0).
+at::Tensor flatten_rows(const at::Tensor& x);
+
 // x.shape[:-1] + (N,)
 std::vector<int64_t> linear_tanh_out_shape(const at::Tensor& x, const at::Tensor& weight);
 
