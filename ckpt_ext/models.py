@@ -87,25 +87,35 @@ class Net(_CheckpointMixin, nn.Module):
         return h
 
 
-class ResidualNet(_CheckpointMixin, nn.Module):
-    """``h = linear1(x)``, then per block ``h = h + tanh(Linear(h))``; every block is
-    checkpointed in ``checkpoint`` mode and fused in ``fused`` mode."""
+class _ResidualStack(_CheckpointMixin, nn.Module):
+    """``h = linear1(x)``, then per block ``h = h + block(h)``; every block is recomputed in
+    ``checkpoint`` mode. Subclasses say what a block is."""
 
-    def __init__(self, in_features: int = 1024, hidden: int = 10240, depth: int = 3,
-                 mode: str = "plain", use_reentrant: bool = False, device=None,
-                 dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, in_features: int, hidden: int, depth: int, mode: str, use_reentrant: bool,
+                 make_block, device=None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         _check_mode(mode, use_reentrant)
         self.mode, self.use_reentrant = mode, use_reentrant
+        # linear1 first, then the blocks: the order the parameters draw from the RNG
         self.linear1 = nn.Linear(in_features, hidden, device=device, dtype=dtype)
-        self.blocks = nn.ModuleList(_linear_tanh_block(mode, hidden, device, dtype)
-                                    for _ in range(depth))
+        self.blocks = nn.ModuleList(make_block() for _ in range(depth))
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.linear1(x)
         for block in self.blocks:
             h = h + self._run(block, h, recompute=True)
         return h
+
+
+class ResidualNet(_ResidualStack):
+    """``h = linear1(x)``, then per block ``h = h + tanh(Linear(h))``; every block is
+    checkpointed in ``checkpoint`` mode and fused in ``fused`` mode."""
+
+    def __init__(self, in_features: int = 1024, hidden: int = 10240, depth: int = 3,
+                 mode: str = "plain", use_reentrant: bool = False, device=None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(in_features, hidden, depth, mode, use_reentrant,
+                         lambda: _linear_tanh_block(mode, hidden, device, dtype), device, dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -164,25 +174,16 @@ class MLPBlock(nn.Module):
         return self.fc2(torch.tanh(self.fc1(h)))
 
 
-class MLPNet(_CheckpointMixin, nn.Module):
+class MLPNet(_ResidualStack):
     """``h = linear1(x)``, then per block ``h = h + MLPBlock(h)``; every block is checkpointed in
     ``checkpoint`` mode and fused in ``fused`` mode."""
 
     def __init__(self, in_features: int = 1024, hidden: int = 10240, depth: int = 3,
                  mode: str = "plain", use_reentrant: bool = False, ratio: int = 4, device=None,
                  dtype: Optional[torch.dtype] = None) -> None:
-        super().__init__()
-        _check_mode(mode, use_reentrant)
-        self.mode, self.use_reentrant = mode, use_reentrant
-        self.linear1 = nn.Linear(in_features, hidden, device=device, dtype=dtype)
-        self.blocks = nn.ModuleList(MLPBlock(hidden, ratio, mode == "fused", device, dtype)
-                                    for _ in range(depth))
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.linear1(x)
-        for block in self.blocks:
-            h = h + self._run(block, h, recompute=True)
-        return h
+        super().__init__(in_features, hidden, depth, mode, use_reentrant,
+                         lambda: MLPBlock(hidden, ratio, mode == "fused", device, dtype),
+                         device, dtype)
 
 
 NETWORKS = {"chain": Net, "residual": ResidualNet, "mlp": MLPNet}
