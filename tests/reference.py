@@ -19,22 +19,23 @@ def linear_tanh_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) ->
 
 
 def linear_tanh_ref_grads(x, weight, bias, grad_out):
-    """Output and (grad_x, grad_weight, grad_bias) of the float64 reference."""
-    xs = x.detach().double().requires_grad_()
-    ws = weight.detach().double().requires_grad_()
-    bs = None if bias is None else bias.detach().double().requires_grad_()
+    """Output and (grad_x, grad_weight, grad_bias) of the float64 reference, computed on the CPU
+    whatever the inputs' device (the CUDA tests compare against it too)."""
+    xs = x.detach().double().cpu().requires_grad_()
+    ws = weight.detach().double().cpu().requires_grad_()
+    bs = None if bias is None else bias.detach().double().cpu().requires_grad_()
     y = linear_tanh_ref(xs, ws, bs)
-    y.backward(grad_out.double())
+    y.backward(grad_out.detach().double().cpu())
     return y.detach(), xs.grad, ws.grad, (None if bs is None else bs.grad)
 
 
 def rel_err(out: Tensor, ref: Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64; inf when out has a NaN/inf or the shapes differ, so a
-    non-finite result can never pass a bound."""
+    """‖out − ref‖ / ‖ref‖ in float64, on out's device (no copy of a large GPU result); inf when
+    out has a NaN/inf or the shapes differ, so a non-finite result can never pass a bound."""
     if out.shape != ref.shape:
         return math.inf
-    out = out.detach().double().cpu()
-    ref = ref.detach().double().cpu()
+    out = out.detach().double()
+    ref = ref.detach().to(out.device, torch.float64)
     if not torch.isfinite(out).all():
         return math.inf
     denom = ref.norm().item()

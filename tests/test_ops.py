@@ -36,9 +36,10 @@ def _make(lead, k, n, dtype, device, bias=True, scale=1.0, seed=None):
 
 
 def _run_fused(x, w, b, gy):
-    x = x.clone().requires_grad_()
-    w = w.clone().requires_grad_()
-    b = None if b is None else b.clone().requires_grad_()
+    # detach(), not clone(): a view keeps its exact strides (clone would densify a strided bias)
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    b = None if b is None else b.detach().requires_grad_()
     y = ckpt_ext.linear_tanh(x, w, b)
     y.backward(gy)
     return y.detach(), x.grad, w.grad, (None if b is None else b.grad)

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import ckpt_ext
+from reference import TOL, rel_err
+from reference import linear_tanh_ref_grads as ref_grads
+from test_ops import _run_fused as fused
 
 HAS_GPU = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(
@@ -22,37 +25,14 @@ requires_cuda = pytest.mark.skipif(
     reason="CUDA kernels need a GPU; none visible" if not HAS_GPU
     else "ckpt_ext was built without CUDA kernels (ckpt_ext.WITH_CUDA is False)")
 
-# Error bounds against float64, per dtype of the computation (relative, or scaled by the sums of
-# magnitudes for gradients: see ref_scales).
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# TOL (reference.py): error bounds against float64, per dtype of the computation (relative, or
+# scaled by the sums of magnitudes for gradients: see ref_scales).
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 ALL_GRADS = [True, True, True]
 
 
 # ------------------------------------------------------------------------------------------------
 # reference (plain PyTorch, float64, on the CPU)
-
-def ref_grads(x, w, b, gy):
-    xs = x.detach().double().cpu().requires_grad_()
-    ws = w.detach().double().cpu().requires_grad_()
-    bs = None if b is None else b.detach().double().cpu().requires_grad_()
-    y = torch.tanh(F.linear(xs, ws, bs))
-    y.backward(gy.detach().double().cpu())
-    return y.detach(), xs.grad, ws.grad, (None if bs is None else bs.grad)
-
-
-def rel_err(out, ref):
-    """‖out − ref‖ / ‖ref‖ in float64, on out's device; inf for NaN/inf or a shape mismatch, so
-    they never pass."""
-    if out.shape != ref.shape:
-        return math.inf
-    out, ref = out.detach().double(), ref.detach().to(out.device, torch.float64)
-    if not torch.isfinite(out).all():
-        return math.inf
-    denom = ref.norm().item()
-    diff = (out - ref).norm().item()
-    return diff if denom == 0.0 else diff / denom
-
 
 def ref_scales(x, w, gy, y):
     """The float64 reference computed on absolute values: |y|, |g|·|W|, |g|ᵀ·|x|, Σ|g|. A gradient
@@ -76,15 +56,6 @@ def scaled_err(out, ref, scale):
     denom = scale.norm().item()
     diff = (out - ref).norm().item()
     return diff if denom == 0.0 else diff / denom
-
-
-def fused(x, w, b, gy):
-    """Output and grads of the fused op through autograd."""
-    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
-    b = None if b is None else b.detach().requires_grad_()
-    y = ckpt_ext.linear_tanh(x, w, b)
-    y.backward(gy)
-    return y.detach(), x.grad, w.grad, (None if b is None else b.grad)
 
 
 def assert_matches_reference(x, w, b, gy, tol):
