@@ -20,7 +20,6 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
-#include <c10/util/irange.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -112,13 +111,15 @@ at::Tensor new_buffer(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return t;
 }
 
-void pre_activation_into(at::Tensor& out, const at::Tensor& x2, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias) {
+at::Tensor pre_activation(const at::Tensor& x2, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
+  at::Tensor out = new_buffer({x2.size(0), weight.size(0)}, x2.options());
   if (bias.has_value()) {
     at::addmm_out(out, *bias, x2, weight.t());
   } else {
     at::mm_out(out, x2, weight.t());
   }
+  return out;
 }
 
 BackwardState recompute_for_backward(const at::Tensor& grad_out, const at::Tensor& x,
@@ -132,8 +133,7 @@ BackwardState recompute_for_backward(const at::Tensor& grad_out, const at::Tenso
   s.gy = grad_out.reshape({s.M, s.N});
   s.num_chunks = (s.M + kRowsPerChunk - 1) / kRowsPerChunk;
   s.need_bias = output_mask[2] && bias.has_value();
-  s.g = new_buffer({s.M, s.N}, x.options());
-  pre_activation_into(s.g, s.x2, weight, bias);
+  s.g = pre_activation(s.x2, weight, bias);
   return s;
 }
 
@@ -238,12 +238,8 @@ void tanh_backward_cpu_kernel(scalar_t* acc, const scalar_t* gy,
 at::Tensor linear_tanh_cpu(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias) {
   check_linear_tanh_inputs("linear_tanh", x, weight, bias);
-  const int64_t N = weight.size(0);
-  const at::Tensor x2 = flatten_rows(x);
-  const int64_t M = x2.size(0);
   // (M, N), contiguous: the only full-size buffer; the GEMM writes straight into it.
-  at::Tensor out = new_buffer({M, N}, x.options());
-  pre_activation_into(out, x2, weight, bias);
+  at::Tensor out = pre_activation(flatten_rows(x), weight, bias);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_tanh_cpu", [&] {
     tanh_cpu_kernel<scalar_t>(out.data_ptr<scalar_t>(), out.numel());
   });

@@ -28,11 +28,11 @@ bool poison_buffers();
 // at::empty(sizes, options), NaN-filled when poisoning is on.
 at::Tensor new_buffer(at::IntArrayRef sizes, const at::TensorOptions& options);
 
-// out (M, N) contiguous = x2 (M, K) · weightᵀ + bias, by one GEMM (addmm with the bias, so z is
-// rounded to the storage type once). Forward and the recompute in backward both use it, so the
-// recomputed z equals the forward's to the bit. Dispatches to the tensors' device.
-void pre_activation_into(at::Tensor& out, const at::Tensor& x2, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias);
+// z = x2 (M, K) · weightᵀ + bias into a new (M, N) contiguous buffer, by one GEMM (addmm with the
+// bias, so z is rounded to the storage type once). Forward and the recompute in backward both use
+// it, so the recomputed z equals the forward's to the bit. Dispatches to the tensors' device.
+at::Tensor pre_activation(const at::Tensor& x2, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias);
 
 // What the CPU and CUDA backward share around their elementwise kernels. Call
 // check_linear_tanh_inputs and check_linear_tanh_grad_out first (and, on CUDA, set the device).

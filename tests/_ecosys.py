@@ -5,7 +5,6 @@ from __future__ import annotations
 
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from reference import rel_err  # noqa: F401  (re-exported for the ecosystem tests)
@@ -93,7 +92,3 @@ def outputs_and_grads(model: nn.Module, *inputs, grad_input: bool = True):
              for n, p in model.named_parameters() if p.grad is not None}
     in_grads = [i.grad for i in inputs if i.requires_grad]
     return [o.detach() for o in outs], in_grads, grads
-
-
-def reference_linear_tanh(x, w, b=None):
-    return torch.tanh(F.linear(x, w, b))

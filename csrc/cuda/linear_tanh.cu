@@ -147,12 +147,8 @@ at::Tensor linear_tanh_cuda(const at::Tensor& x, const at::Tensor& weight,
   check_linear_tanh_inputs("linear_tanh", x, weight, bias);
   check_on_cuda("linear_tanh", x);
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t N = weight.size(0);
-  const at::Tensor x2 = flatten_rows(x);
-  const int64_t M = x2.size(0);
   // (M, N), contiguous: the only full-size buffer; the GEMM writes straight into it.
-  at::Tensor out = new_buffer({M, N}, x.options());
-  pre_activation_into(out, x2, weight, bias);
+  at::Tensor out = pre_activation(flatten_rows(x), weight, bias);
   if (out.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_tanh_cuda",
                                     [&] {
