@@ -147,7 +147,7 @@ def extensions():
     # Imported only now: it reads CUDA_HOME at import (see above).
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     include_dirs = [os.path.join(ROOT, "csrc")]
     extra = {"cxx": ["-O3"] + cpu_simd_flags()}
     if not with_cuda:

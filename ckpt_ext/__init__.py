@@ -3,17 +3,20 @@ activation in its own backward — the memory of gradient checkpointing at less 
 import torch  # noqa: F401  (first: loads libc10/libtorch, which _C links against)
 
 from . import _C
-from .modules import FusedLinearTanh
-from .ops import linear_tanh
+from .modules import FusedLinearTanh, FusedTanhMLP
+from .ops import linear_tanh, tanh_mlp
 
 #: True when the CUDA kernels were compiled into this build.
 WITH_CUDA: bool = bool(_C.WITH_CUDA)
 
 __version__ = "0.1.0"
 
-__all__ = ["linear_tanh", "FusedLinearTanh", "WITH_CUDA"]
+__all__ = ["linear_tanh", "tanh_mlp", "FusedLinearTanh", "FusedTanhMLP", "WITH_CUDA"]
 
 # Ecosystem: the model converter (ckpt_ext/convert.py).
 from .convert import FuseReport, fuse  # noqa: E402
 
-__all__ += ["fuse", "FuseReport"]
+# The write-up's network (ckpt_ext/models.py).
+from .models import Net  # noqa: E402
+
+__all__ += ["fuse", "FuseReport", "Net"]

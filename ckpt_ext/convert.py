@@ -43,7 +43,7 @@ from torch import fx, nn
 
 from . import _C
 from .modules import FusedLinearTanh
-from .ops import _SUPPORTED_DTYPES, linear_tanh
+from .ops import SUPPORTED_DTYPES, linear_tanh
 
 __all__ = ["fuse", "Fused", "FuseReport", "Swap", "Skip"]
 
@@ -112,7 +112,7 @@ def _unsupported(weight: Optional[torch.Tensor]) -> Optional[str]:
     """None when the op runs on this weight's device and dtype, else why not."""
     if weight is None:
         return None
-    if weight.dtype not in _SUPPORTED_DTYPES:
+    if weight.dtype not in SUPPORTED_DTYPES:
         return f"dtype {weight.dtype} is not supported by the fused op"
     ok = {"cpu", "meta"} | ({"cuda"} if _C.WITH_CUDA else set())
     if weight.device.type not in ok:

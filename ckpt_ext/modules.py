@@ -1,10 +1,13 @@
-"""Drop-in modules built on the fused op."""
+"""Drop-in modules built on the fused ops: :class:`FusedLinearTanh` (one Linear+Tanh) and
+:class:`FusedTanhMLP` (a whole run of Linear layers with tanh between them, recomputed as one)."""
 from __future__ import annotations
+
+from typing import Iterable, List, Mapping, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from .ops import linear_tanh
+from .ops import linear_tanh, tanh_mlp
 
 
 class FusedLinearTanh(nn.Module):
@@ -60,3 +63,116 @@ class FusedLinearTanh(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}")
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or getattr(m, "_backward_pre_hooks", None))
+
+
+class FusedTanhMLP(nn.Module):
+    """``nn.Sequential(Linear(s0, s1), Tanh(), Linear(s1, s2), Tanh(), ..., Linear(s_{L-1}, s_L))``
+    (and a final ``Tanh()`` when ``last_tanh``) as one module whose autograd keeps only its input.
+
+    This is the unit that saves memory: in such a run every tanh output is also the next Linear's
+    input, so recomputing one Linear+Tanh at a time frees only the run's last activation, while
+    recomputing the run (:func:`ckpt_ext.tanh_mlp`) frees all of them but the input.
+
+    The layers are ``nn.Linear`` modules registered under the indices they have in the equivalent
+    ``nn.Sequential`` ("0", "2", "4", ...), so the two have the same ``state_dict`` keys and load
+    each other's checkpoints, and a seeded ``FusedTanhMLP`` has the same initial values as the
+    seeded ``nn.Sequential``. Only their ``weight`` and ``bias`` are used: a layer replaced by
+    something else (a LoRA or quantized wrapper) or given hooks makes ``forward`` raise, rather
+    than silently compute without it.
+    """
+
+    def __init__(self, sizes: Sequence[int], bias: bool = True, last_tanh: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        sizes = [int(s) for s in sizes]
+        if len(sizes) < 2:
+            raise ValueError(f"FusedTanhMLP: sizes must hold at least 2 entries (in_features, "
+                             f"out_features), got {sizes}")
+        self.last_tanh = bool(last_tanh)
+        self._layer_names: Tuple[str, ...] = tuple(str(2 * i) for i in range(len(sizes) - 1))
+        # In layer order: the same RNG draws as the nn.Sequential (Tanh draws nothing).
+        for name, k, n in zip(self._layer_names, sizes[:-1], sizes[1:]):
+            self.add_module(name, nn.Linear(k, n, bias=bias, device=device, dtype=dtype))
+
+    @classmethod
+    def from_modules(cls, modules: Union[Sequence[nn.Module], Mapping[str, nn.Module],
+                                         nn.Sequential]) -> "FusedTanhMLP":
+        """A FusedTanhMLP over an existing run ``Linear, Tanh, Linear, ..., Linear[, Tanh]``,
+        sharing (not copying) the Linear modules and so their parameters: an optimizer built over
+        them keeps training them. A sequence (or ``nn.Sequential``) registers the Linears under
+        their indices, a mapping under its keys, so ``state_dict`` keys are those of the source."""
+        if isinstance(modules, Mapping):
+            named: List[Tuple[str, nn.Module]] = [(str(k), v) for k, v in modules.items()]
+        elif isinstance(modules, nn.Sequential):
+            named = list(modules._modules.items())
+        else:
+            named = [(str(i), m) for i, m in enumerate(modules)]
+        problem = run_problem([m for _, m in named])
+        if problem is not None:
+            raise ValueError(f"FusedTanhMLP.from_modules: {problem}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.last_tanh = type(named[-1][1]) is nn.Tanh
+        self._layer_names = tuple(name for name, m in named if type(m) is nn.Linear)
+        for name, m in named:
+            if type(m) is nn.Linear:
+                self.add_module(name, m)
+        return self
+
+    def layers(self) -> List[nn.Linear]:
+        return [self._modules[name] for name in self._layer_names]
+
+    @property
+    def sizes(self) -> List[int]:
+        layers = self.layers()
+        return [layers[0].in_features] + [lin.out_features for lin in layers]
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, biases = [], []
+        for name in self._layer_names:
+            lin = self._modules[name]
+            if type(lin) is not nn.Linear or _has_hooks(lin):
+                what = (f"was replaced by {type(lin).__name__}" if type(lin) is not nn.Linear
+                        else "has hooks")
+                raise RuntimeError(
+                    f"FusedTanhMLP: layer {name!r} {what}; this module computes with the layers' "
+                    f"weight and bias only and would not run it. Use an nn.Sequential instead.")
+            weights.append(lin.weight)
+            biases.append(lin.bias)
+        return tanh_mlp(x, weights, biases, self.last_tanh)
+
+    def extra_repr(self) -> str:
+        return f"sizes={self.sizes}, last_tanh={self.last_tanh}"
+
+
+def run_problem(modules: Iterable[nn.Module]) -> Union[str, None]:
+    """None when ``modules`` is a run FusedTanhMLP can take over — ``Linear, Tanh, Linear, ...``,
+    starting with a Linear, Linears and Tanhs alternating, each exactly ``nn.Linear`` / ``nn.Tanh``
+    without hooks, widths chaining, one dtype and device — else why not."""
+    modules = list(modules)
+    if not modules:
+        return "the run is empty"
+    prev_out, ref = None, None
+    for i, m in enumerate(modules):
+        want = nn.Linear if i % 2 == 0 else nn.Tanh
+        if type(m) is not want:
+            return (f"entry {i} must be exactly {want.__name__} (Linear and Tanh alternate, "
+                    f"starting with a Linear), got {type(m).__name__}")
+        if _has_hooks(m):
+            return f"entry {i} ({type(m).__name__}) has hooks, which the fused run would not call"
+        if want is nn.Linear:
+            if prev_out is not None and m.in_features != prev_out:
+                return (f"entry {i}: in_features {m.in_features} does not match the previous "
+                        f"Linear's out_features {prev_out}")
+            prev_out = m.out_features
+            if ref is None:
+                ref = m.weight
+            elif m.weight.dtype != ref.dtype or m.weight.device != ref.device:
+                return (f"entry {i}: weight is {m.weight.dtype} on {m.weight.device}, the first "
+                        f"Linear's is {ref.dtype} on {ref.device}")
+    return None

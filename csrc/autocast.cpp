@@ -1,7 +1,9 @@
-// autocast.cpp — autocast kernels for ckpt_ext::linear_tanh (CPU and CUDA autocast keys).
+// autocast.cpp — autocast kernels for ckpt_ext::linear_tanh and ckpt_ext::tanh_mlp (CPU and
+// CUDA autocast keys).
 //
 //   linear_tanh(x, weight, bias) under torch.autocast(device, dtype=D):
 //       x (..., K), weight (N, K), bias (N)?  are cast to D  ->  y (..., N) in D
+//   tanh_mlp(x, weights, biases, has_bias, last_tanh): x and every weight and bias cast to D
 //
 // Why C++ and not torch.library.register_autocast: the Python helper casts to ONE dtype fixed at
 // registration, whatever the autocast context says. nn.Linear (aten::linear, CastPolicy
@@ -12,7 +14,7 @@
 //   * the cast of a leaf parameter is cached for the autocast region, as for nn.Linear;
 //   * the casts are ordinary differentiable ops recorded by autograd, so the gradients flow back
 //     through them and land in the parameters' own dtype (float32 master weights stay float32).
-// linear_tanh_backward needs no autocast kernel: it only ever sees tensors that the forward already
+// The backward ops need no autocast kernel: it only ever sees tensors that the forward already
 // cast, and the autocast keys fall through for ops without a kernel.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
@@ -20,6 +22,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <vector>
 
 namespace ckpt_ext {
 
@@ -47,6 +50,34 @@ at::Tensor linear_tanh_autocast(const at::Tensor& x, const at::Tensor& weight,
                           at::autocast::cached_cast(dtype, bias, device_type));
 }
 
+at::Tensor call_tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                         const c10::List<bool>& has_bias, bool last_tanh) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ckpt_ext::tanh_mlp", "")
+                       .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
+                                         const c10::List<bool>&, bool)>();
+  return op.call(x, weights, biases, has_bias, last_tanh);
+}
+
+std::vector<at::Tensor> cast_all(at::ScalarType dtype, at::TensorList ts,
+                                 c10::DeviceType device_type) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const at::Tensor& t : ts) out.push_back(at::autocast::cached_cast(dtype, t, device_type));
+  return out;
+}
+
+template <c10::DeviceType device_type>
+at::Tensor tanh_mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                             const c10::List<bool>& has_bias, bool last_tanh) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
+  return call_tanh_mlp(at::autocast::cached_cast(dtype, x, device_type),
+                       cast_all(dtype, weights, device_type), cast_all(dtype, biases, device_type),
+                       has_bias, last_tanh);
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
@@ -55,10 +86,12 @@ at::Tensor linear_tanh_autocast(const at::Tensor& x, const at::Tensor& weight,
 
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCPU, m) {
   m.impl("linear_tanh", &linear_tanh_autocast<c10::DeviceType::CPU>);
+  m.impl("tanh_mlp", &tanh_mlp_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) {
   m.impl("linear_tanh", &linear_tanh_autocast<c10::DeviceType::CUDA>);
+  m.impl("tanh_mlp", &tanh_mlp_autocast<c10::DeviceType::CUDA>);
 }
 
 }  // namespace ckpt_ext

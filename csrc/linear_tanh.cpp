@@ -1,102 +1,166 @@
-// linear_tanh.cpp — op schemas, input checks and the CPU implementation of the fused Linear+Tanh.
+// linear_tanh.cpp — the op schemas, the input checks, and the fused Linear+Tanh op on every device.
 //
 //   linear_tanh(x, weight, bias)            x (..., K), weight (N, K), bias (N)?  ->  y (..., N)
 //       y = tanh(x·Wᵀ + b): one GEMM (bias in it) into the output buffer, one in-place tanh pass.
 //   linear_tanh_backward(grad_out, x, weight, bias, output_mask)  ->  (grad_x?, grad_W?, grad_b?)
-//       Recomputes x·Wᵀ + b the same way into ONE (M, N) buffer, turns it in place into
+//       Recomputes z = x·Wᵀ + b the same way into ONE (M, N) buffer, turns it in place into
 //       g = grad_out · (1 − tanh(z)²) while summing the bias gradient in the same pass (fixed order,
 //       bitwise reproducible), then grad_x = g·W and grad_W = gᵀ·x. Only the gradients asked for in
 //       output_mask are computed; the others come back undefined (None in Python).
+//
+// Both are the one-layer case of the stack engine in tanh_mlp.cpp (stack_forward /
+// stack_backward), which does the GEMMs through ATen and calls the device primitives of
+// cpu/linear_tanh.cpp and cuda/linear_tanh.cu. The same function is registered for CPU and CUDA;
+// the Meta kernels below (what FakeTensor and torch.compile run) call the same checks, so a traced
+// program fails with the eager message. Autograd and the FLOP formulas are registered from Python
+// (ckpt_ext/ops.py).
 //
 // The bias goes into the GEMM (addmm) rather than into the elementwise pass: for float16/bfloat16
 // the GEMM output is rounded to the storage type, so adding b afterwards rounds z twice, and where
 // x·Wᵀ and b nearly cancel that cost up to 5x the bfloat16 tolerance (measured on 1-element cases);
 // in the GEMM, z is rounded once, as in F.linear.
-//
-// The scalar bodies are in linear_tanh_math.h, shared with the CUDA kernels. Autograd and the fake
-// kernel are registered from Python (ckpt_ext/ops.py).
 #include "linear_tanh.h"
 
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 #include <sstream>
-#include <type_traits>
-
-#include "linear_tanh_math.h"
 
 namespace ckpt_ext {
 
 // ----------------------------------------------------------------------------------------------
-// input checks (shared with CUDA)
+// dtypes and input checks
+
+const std::vector<at::ScalarType>& supported_dtypes() {
+  static const std::vector<at::ScalarType> dtypes{at::kFloat, at::kDouble, at::kBFloat16,
+                                                  at::kHalf};
+  return dtypes;
+}
+
+bool is_supported_dtype(at::ScalarType t) {
+  const auto& d = supported_dtypes();
+  return std::find(d.begin(), d.end(), t) != d.end();
+}
 
 namespace {
 
-std::string shape_str(const at::Tensor& t) {
+// "float32, float64, bfloat16 or float16", from supported_dtypes().
+std::string supported_dtypes_text() {
+  const auto& d = supported_dtypes();
   std::ostringstream s;
-  s << t.sizes();
+  for (size_t i = 0; i < d.size(); ++i) {
+    if (i > 0) s << (i + 1 == d.size() ? " or " : ", ");
+    s << c10::getDtypeNames(d[i]).first;  // "float32"-style names, as torch prints them
+  }
   return s.str();
 }
 
-bool supported_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sym_sizes();
+  return s.str();
+}
+
+void check_dtype_and_device(const char* op, const std::string& name, const at::Tensor& t,
+                            const at::Tensor& x) {
+  TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), "ckpt_ext.", op, ": ", name,
+                   " must have the dtype of x (", x.scalar_type(), "), got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == x.device(), "ckpt_ext.", op, ": ", name,
+                    " must be on the device of x (", x.device(), "), got ", t.device());
+}
+
+void check_x(const char* op, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "ckpt_ext.", op,
+                    ": x must have shape (..., in_features) with at least 1 dimension, got a "
+                    "0-d tensor");
+}
+
+void check_x_dtype(const char* op, const at::Tensor& x) {
+  TORCH_CHECK_TYPE(is_supported_dtype(x.scalar_type()), "ckpt_ext.", op, ": x must be ",
+                   supported_dtypes_text(), ", got ", x.scalar_type());
 }
 
 }  // namespace
 
 void check_linear_tanh_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(x.dim() >= 1, "ckpt_ext.", op,
-                    ": x must have shape (..., in_features) with at least 1 dimension, got a "
-                    "0-d tensor");
+  check_x(op, x);
   TORCH_CHECK_VALUE(weight.dim() == 2, "ckpt_ext.", op,
                     ": weight must be 2-D (out_features, in_features), got shape ",
                     shape_str(weight));
-  TORCH_CHECK_VALUE(x.size(-1) == weight.size(1), "ckpt_ext.", op,
-                    ": x.shape[-1] must equal weight.shape[1] (in_features) = ", weight.size(1),
-                    ", got x of shape ", shape_str(x), " and weight of shape ", shape_str(weight));
+  TORCH_CHECK_VALUE(x.sym_size(-1) == weight.sym_size(1), "ckpt_ext.", op,
+                    ": x.shape[-1] must equal weight.shape[1] (in_features) = ",
+                    weight.sym_size(1), ", got x of shape ", shape_str(x),
+                    " and weight of shape ", shape_str(weight));
   if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "ckpt_ext.", op,
-                      ": bias must have shape [", weight.size(0),
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), "ckpt_ext.",
+                      op, ": bias must have shape [", weight.sym_size(0),
                       "] (out_features), got shape ", shape_str(*bias));
   }
-  TORCH_CHECK_TYPE(supported_dtype(x.scalar_type()), "ckpt_ext.", op,
-                   ": x must be float32, float64, bfloat16 or float16, got ", x.scalar_type());
-  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "ckpt_ext.", op,
-                   ": weight must have the dtype of x (", x.scalar_type(), "), got ",
-                   weight.scalar_type());
-  if (bias.has_value()) {
-    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "ckpt_ext.", op,
-                     ": bias must have the dtype of x (", x.scalar_type(), "), got ",
-                     bias->scalar_type());
+  check_x_dtype(op, x);
+  check_dtype_and_device(op, "weight", weight, x);
+  if (bias.has_value()) check_dtype_and_device(op, "bias", *bias, x);
+}
+
+void check_tanh_mlp_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+                           at::TensorList biases, const std::vector<bool>& has_bias) {
+  const int64_t L = static_cast<int64_t>(weights.size());
+  TORCH_CHECK_VALUE(L >= 1, "ckpt_ext.", op,
+                    ": weights must hold at least one layer's weight, got an empty list");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(has_bias.size()) == L, "ckpt_ext.", op,
+                    ": has_bias must have one entry per layer (", L, "), got ", has_bias.size());
+  const int64_t with_bias = std::count(has_bias.begin(), has_bias.end(), true);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(biases.size()) == with_bias, "ckpt_ext.", op,
+                    ": biases must hold one tensor per layer whose has_bias is true (", with_bias,
+                    "), got ", biases.size());
+  check_x(op, x);
+  size_t j = 0;  // index into biases
+  for (int64_t i = 0; i < L; ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK_VALUE(w.dim() == 2, "ckpt_ext.", op, ": weights[", i,
+                      "] must be 2-D (out_features, in_features), got shape ", shape_str(w));
+    if (i == 0) {
+      TORCH_CHECK_VALUE(w.sym_size(1) == x.sym_size(-1), "ckpt_ext.", op,
+                        ": weights[0].shape[1] (in_features) must equal x.shape[-1] = ",
+                        x.sym_size(-1), ", got weights[0] of shape ", shape_str(w),
+                        " and x of shape ", shape_str(x));
+    } else {
+      TORCH_CHECK_VALUE(w.sym_size(1) == weights[i - 1].sym_size(0), "ckpt_ext.", op,
+                        ": weights[", i, "].shape[1] (in_features) must equal weights[", i - 1,
+                        "].shape[0] (out_features of layer ", i - 1, ") = ",
+                        weights[i - 1].sym_size(0), ", got weights[", i, "] of shape ",
+                        shape_str(w));
+    }
+    if (has_bias[i]) {
+      const at::Tensor& b = biases[j++];
+      TORCH_CHECK_VALUE(b.dim() == 1 && b.sym_size(0) == w.sym_size(0), "ckpt_ext.", op,
+                        ": biases[", i, "] must have shape [", w.sym_size(0),
+                        "] (out_features of layer ", i, "), got shape ", shape_str(b));
+    }
   }
-  TORCH_CHECK_VALUE(weight.device() == x.device(), "ckpt_ext.", op,
-                    ": weight must be on the device of x (", x.device(), "), got ",
-                    weight.device());
-  if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->device() == x.device(), "ckpt_ext.", op,
-                      ": bias must be on the device of x (", x.device(), "), got ",
-                      bias->device());
+  check_x_dtype(op, x);
+  j = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    check_dtype_and_device(op, "weights[" + std::to_string(i) + "]", weights[i], x);
+    if (has_bias[i]) check_dtype_and_device(op, "biases[" + std::to_string(i) + "]", biases[j++], x);
   }
 }
 
-void check_linear_tanh_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
-                                const at::Tensor& weight) {
-  const auto expected = linear_tanh_out_shape(x, weight);
-  TORCH_CHECK_VALUE(grad_out.sizes() == at::IntArrayRef(expected), "ckpt_ext.", op,
-                    ": grad_out must have shape ", at::IntArrayRef(expected), ", got ",
+void check_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
+                    c10::SymInt out_features) {
+  std::vector<c10::SymInt> expected(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
+  expected.push_back(out_features);
+  TORCH_CHECK_VALUE(grad_out.sym_sizes() == c10::SymIntArrayRef(expected), "ckpt_ext.", op,
+                    ": grad_out must have shape ", c10::SymIntArrayRef(expected), ", got ",
                     shape_str(grad_out));
-  TORCH_CHECK_TYPE(grad_out.scalar_type() == x.scalar_type(), "ckpt_ext.", op,
-                   ": grad_out must have the dtype of x (", x.scalar_type(), "), got ",
-                   grad_out.scalar_type());
-  TORCH_CHECK_VALUE(grad_out.device() == x.device(), "ckpt_ext.", op,
-                    ": grad_out must be on the device of x (", x.device(), "), got ",
-                    grad_out.device());
+  check_dtype_and_device(op, "grad_out", grad_out, x);
 }
+
+// ----------------------------------------------------------------------------------------------
+// buffers
 
 namespace {
 std::atomic<bool> g_poison_buffers{false};
@@ -111,187 +175,157 @@ at::Tensor new_buffer(at::IntArrayRef sizes, const at::TensorOptions& options) {
   return t;
 }
 
-at::Tensor pre_activation(const at::Tensor& x2, const at::Tensor& weight,
-                          const std::optional<at::Tensor>& bias) {
-  at::Tensor out = new_buffer({x2.size(0), weight.size(0)}, x2.options());
-  if (bias.has_value()) {
-    at::addmm_out(out, *bias, x2, weight.t());
-  } else {
-    at::mm_out(out, x2, weight.t());
-  }
-  return out;
-}
-
-BackwardState recompute_for_backward(const at::Tensor& grad_out, const at::Tensor& x,
-                                     const at::Tensor& weight,
-                                     const std::optional<at::Tensor>& bias,
-                                     std::array<bool, 3> output_mask) {
-  BackwardState s;
-  s.N = weight.size(0);
-  s.x2 = flatten_rows(x);
-  s.M = s.x2.size(0);
-  s.gy = grad_out.reshape({s.M, s.N});
-  s.num_chunks = (s.M + kRowsPerChunk - 1) / kRowsPerChunk;
-  s.need_bias = output_mask[2] && bias.has_value();
-  s.g = pre_activation(s.x2, weight, bias);
-  return s;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_gemms(const BackwardState& s,
-                                                          const at::Tensor& x,
-                                                          const at::Tensor& weight,
-                                                          at::Tensor grad_b,
-                                                          std::array<bool, 3> output_mask) {
-  at::Tensor grad_x = output_mask[0] ? at::mm(s.g, weight).view(x.sizes()) : at::Tensor();
-  at::Tensor grad_w = output_mask[1] ? at::mm(s.g.t(), s.x2) : at::Tensor();
-  return {grad_x, grad_w, grad_b};
-}
-
 at::Tensor flatten_rows(const at::Tensor& x) {
   int64_t m = 1;
   for (int64_t d = 0; d + 1 < x.dim(); ++d) m *= x.size(d);
   return x.reshape({m, x.size(-1)});
 }
 
-std::vector<int64_t> linear_tanh_out_shape(const at::Tensor& x, const at::Tensor& weight) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(weight.size(0));
-  return shape;
+at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
+  at::Tensor out = new_buffer({a.size(0), weight.size(0)}, a.options());
+  if (bias.has_value()) {
+    at::addmm_out(out, *bias, a, weight.t());
+  } else {
+    at::mm_out(out, a, weight.t());
+  }
+  return out;
 }
 
 // ----------------------------------------------------------------------------------------------
-// CPU kernels
+// the device primitives, by the buffer's device
+
+#ifdef CKPT_EXT_WITH_CUDA
+#define CKPT_EXT_ON_DEVICE(t, cpu_call, cuda_call) ((t).is_cuda() ? (cuda_call) : (cpu_call))
+#else
+#define CKPT_EXT_ON_DEVICE(t, cpu_call, cuda_call) (cpu_call)
+#endif
+
+void tanh_(const at::Tensor& acc) { CKPT_EXT_ON_DEVICE(acc, tanh_cpu_(acc), tanh_cuda_(acc)); }
+
+at::Tensor tanh_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Holds holds,
+                          bool want_bias_grad) {
+  return CKPT_EXT_ON_DEVICE(acc, tanh_backward_cpu_(acc, grad_out, holds, want_bias_grad),
+                            tanh_backward_cuda_(acc, grad_out, holds, want_bias_grad));
+}
+
+at::Tensor bias_grad(const at::Tensor& grad_out) {
+  return CKPT_EXT_ON_DEVICE(grad_out, bias_grad_cpu(grad_out), bias_grad_cuda(grad_out));
+}
+
+#undef CKPT_EXT_ON_DEVICE
+
+// ----------------------------------------------------------------------------------------------
+// the ops
 
 namespace {
 
-template <typename scalar_t>
-constexpr bool kVectorized = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>;
-
-// acc (M, N) contiguous, holds z: acc = tanh(acc), in place.
-template <typename scalar_t>
-void tanh_cpu_kernel(scalar_t* acc, int64_t numel) {
-  using acc_t = at::opmath_type<scalar_t>;
-  // A grain of 32k elements keeps thread start-up small against the work.
-  at::parallel_for(0, numel, 32768, [&](int64_t i0, int64_t i1) {
-    int64_t i = i0;
-    if constexpr (kVectorized<scalar_t>) {
-      using Vec = at::vec::Vectorized<scalar_t>;
-      for (; i + Vec::size() <= i1; i += Vec::size()) Vec::loadu(acc + i).tanh().store(acc + i);
-    }
-    for (; i < i1; ++i) tanh_at<scalar_t, acc_t>(acc, i);
-  });
+at::Tensor linear_tanh(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  check_linear_tanh_inputs("linear_tanh", x, weight, bias);
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  const bool has_bias = bias.has_value();
+  return stack_forward(x, {weight}, has_bias ? at::TensorList(*bias) : at::TensorList(),
+                       std::vector<bool>{has_bias}, /*last_tanh=*/true);
 }
 
-// acc (M, N) contiguous holds z; becomes g in place. partial (num_chunks, N) or nullptr.
-template <typename scalar_t>
-void tanh_backward_cpu_kernel(scalar_t* acc, const scalar_t* gy,
-                              int64_t gy_sr, int64_t gy_sc, int64_t M, int64_t N,
-                              at::opmath_type<scalar_t>* partial) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const int64_t num_chunks = (M + kRowsPerChunk - 1) / kRowsPerChunk;
-  at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t chunk = c0; chunk < c1; ++chunk) {
-      if constexpr (kVectorized<scalar_t>) {
-        if (gy_sc == 1 || gy_sc == 0) {
-          // Rows outer, columns inner, so loads are contiguous; per column the rows are still
-          // summed in increasing order from zero — the same order as tanh_backward_chunk_column.
-          // gy_sc == 0 is a grad broadcast along the row (the grad of `out.mean()` is all one
-          // value): a broadcast vector instead of a load.
-          using Vec = at::vec::Vectorized<scalar_t>;
-          const int64_t r_end = std::min(M, (chunk + 1) * kRowsPerChunk);
-          acc_t* p = partial != nullptr ? partial + chunk * N : nullptr;
-          if (p != nullptr) std::fill(p, p + N, acc_t(0));
-          for (int64_t r = chunk * kRowsPerChunk; r < r_end; ++r) {
-            scalar_t* row = acc + r * N;
-            const scalar_t* grow = gy + r * gy_sr;
-            int64_t c = 0;
-            for (; c + Vec::size() <= N; c += Vec::size()) {
-              const Vec gyv = gy_sc == 1 ? Vec::loadu(grow + c) : Vec(grow[0]);
-              Vec g = tanh_grad_from_output(gyv, Vec::loadu(row + c).tanh());
-              g.store(row + c);
-              if (p != nullptr) (Vec::loadu(p + c) + g).store(p + c);
-            }
-            for (; c < N; ++c) {
-              const acc_t g = tanh_grad_from_output<acc_t>(grow[c * gy_sc], ckpt_tanh(acc_t(row[c])));
-              row[c] = g;
-              if (p != nullptr) p[c] += g;
-            }
-          }
-          continue;
-        }
-      }
-      // Generic path (half types, strided grad_out): the shared body, one column at a time.
-      for (int64_t col = 0; col < N; ++col) {
-        const acc_t s = tanh_backward_chunk_column<scalar_t, acc_t>(acc, gy, gy_sr, gy_sc, M, N,
-                                                                     chunk, col);
-        if (partial != nullptr) partial[chunk * N + col] = s;
-      }
-    }
-  });
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
+  constexpr const char* op = "linear_tanh_backward";
+  check_linear_tanh_inputs(op, x, weight, bias);
+  check_grad_out(op, grad_out, x, weight.sym_size(0));
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  const bool has_bias = bias.has_value();
+  StackGrads g = stack_backward(grad_out, x, {weight},
+                                has_bias ? at::TensorList(*bias) : at::TensorList(),
+                                std::vector<bool>{has_bias}, /*last_tanh=*/true, output_mask[0],
+                                std::vector<bool>{output_mask[1]},
+                                has_bias ? std::vector<bool>{output_mask[2]} : std::vector<bool>{});
+  return {g.grad_x, g.grad_weights[0], has_bias ? g.grad_biases[0] : at::Tensor()};
+}
+
+// Meta kernels: what FakeTensor and torch.compile run. The same checks as the eager ops, then the
+// output metadata (fresh contiguous tensors), read as SymInts so dynamic shapes trace.
+std::vector<c10::SymInt> out_shape(const at::Tensor& x, c10::SymInt out_features) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
+  shape.push_back(std::move(out_features));
+  return shape;
+}
+
+at::Tensor linear_tanh_meta(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias) {
+  check_linear_tanh_inputs("linear_tanh", x, weight, bias);
+  return at::empty_symint(out_shape(x, weight.sym_size(0)), x.options());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
+  constexpr const char* op = "linear_tanh_backward";
+  check_linear_tanh_inputs(op, x, weight, bias);
+  check_grad_out(op, grad_out, x, weight.sym_size(0));
+  return {output_mask[0] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[1] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[2] && bias.has_value()
+              ? at::empty_symint({weight.sym_size(0)}, x.options())
+              : at::Tensor()};
 }
 
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
-// CPU ops
-
-at::Tensor linear_tanh_cpu(const at::Tensor& x, const at::Tensor& weight,
-                           const std::optional<at::Tensor>& bias) {
-  check_linear_tanh_inputs("linear_tanh", x, weight, bias);
-  // (M, N), contiguous: the only full-size buffer; the GEMM writes straight into it.
-  at::Tensor out = pre_activation(flatten_rows(x), weight, bias);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_tanh_cpu", [&] {
-    tanh_cpu_kernel<scalar_t>(out.data_ptr<scalar_t>(), out.numel());
-  });
-  // _unsafe_view: the result must not be an autograd view of the internal buffer, or in-place ops
-  // on the output (`y += residual`, Dropout(inplace=True)) are refused by autograd.
-  return at::_unsafe_view(out, linear_tanh_out_shape(x, weight));
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
-  check_linear_tanh_inputs("linear_tanh_backward", x, weight, bias);
-  check_linear_tanh_grad_out("linear_tanh_backward", grad_out, x, weight);
-  const BackwardState s = recompute_for_backward(grad_out, x, weight, bias, output_mask);
-  const int64_t M = s.M, N = s.N, num_chunks = s.num_chunks;
-  at::Tensor grad_b;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_tanh_backward_cpu", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    at::Tensor partial;
-    if (s.need_bias) {
-      partial = new_buffer({num_chunks, N}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    }
-    tanh_backward_cpu_kernel<scalar_t>(
-        s.g.data_ptr<scalar_t>(), s.gy.const_data_ptr<scalar_t>(), s.gy.stride(0), s.gy.stride(1),
-        M, N, s.need_bias ? partial.data_ptr<acc_t>() : nullptr);
-    if (s.need_bias) {
-      grad_b = new_buffer({N}, x.options());
-      const acc_t* p = partial.const_data_ptr<acc_t>();
-      scalar_t* gb = grad_b.data_ptr<scalar_t>();
-      at::parallel_for(0, N, 1024, [&](int64_t c0, int64_t c1) {
-        for (int64_t col = c0; col < c1; ++col) {
-          gb[col] = static_cast<scalar_t>(sum_partials_column(p, num_chunks, N, col));
-        }
-      });
-    }
-  });
-  return grad_gemms(s, x, weight, grad_b, output_mask);
-}
-
-// ----------------------------------------------------------------------------------------------
-// registration
+// registration. Every schema of the library is defined here, once.
 
 TORCH_LIBRARY(ckpt_ext, m) {
   m.def("linear_tanh(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def(
       "linear_tanh_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor? bias, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // A stack of Linear layers with tanh after each (after the last only when last_tanh).
+  // `biases` holds the biases of the layers whose has_bias is true, in layer order (a list of
+  // Tensor, not Tensor?, so that autograd sees every bias).
+  m.def("tanh_mlp(Tensor x, Tensor[] weights, Tensor[] biases, bool[] has_bias, bool last_tanh)"
+        " -> Tensor");
+  // grad_weights / grad_biases hold only the gradients asked for (need_weights[i] true,
+  // need_biases[j] true), in order; grad_x is undefined unless need_x.
+  m.def(
+      "tanh_mlp_backward(Tensor grad_out, Tensor x, Tensor[] weights, Tensor[] biases, "
+      "bool[] has_bias, bool last_tanh, bool need_x, bool[] need_weights, bool[] need_biases) "
+      "-> (Tensor grad_x, Tensor[] grad_weights, Tensor[] grad_biases)");
 }
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
-  m.impl("linear_tanh", &linear_tanh_cpu);
-  m.impl("linear_tanh_backward", &linear_tanh_backward_cpu);
+  m.impl("linear_tanh", &linear_tanh);
+  m.impl("linear_tanh_backward", &linear_tanh_backward);
+}
+
+#ifdef CKPT_EXT_WITH_CUDA
+TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
+  m.impl("linear_tanh", &linear_tanh);
+  m.impl("linear_tanh_backward", &linear_tanh_backward);
+}
+#else
+// A CPU-only build given CUDA tensors says so, instead of the dispatcher's generic "could not run
+// with arguments from the 'CUDA' backend".
+namespace {
+void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
+  TORCH_CHECK(false, op.schema().name(), ": got CUDA tensors, but this build of ckpt_ext has no "
+              "CUDA kernels (ckpt_ext.WITH_CUDA is False); rebuild it where nvcc and a CUDA build "
+              "of torch are present (CKPT_EXT_CUDA=1 makes a missing toolkit an error)");
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
+  for (const char* name : {"linear_tanh", "linear_tanh_backward", "tanh_mlp", "tanh_mlp_backward"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
+  }
+}
+#endif
+
+TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
+  m.impl("linear_tanh", &linear_tanh_meta);
+  m.impl("linear_tanh_backward", &linear_tanh_backward_meta);
 }
 
 }  // namespace ckpt_ext

@@ -1,25 +1,49 @@
-// linear_tanh.h — host-side declarations shared by the CPU (linear_tanh.cpp) and CUDA
-// (cuda/linear_tanh.cu) implementations of the fused Linear+Tanh ops.
+// linear_tanh.h — what the device-generic ops (linear_tanh.cpp, tanh_mlp.cpp) and the device
+// kernels (cpu/linear_tanh.cpp, cuda/linear_tanh.cu) share.
 //
-// Shapes: x is (..., K), weight is (N, K), bias is (N) or None, out and grad_out are (..., N).
-// The input checks live here so that both backends reject bad input with the same message,
-// before any kernel runs.
+// Shapes. One layer: x is (..., K), weight is (N, K), bias is (N) or None, out and grad_out are
+// (..., N). A stack of L layers: weights[i] is (N_i, K_i) with K_0 = x.shape[-1] and
+// K_i = N_{i-1}; out is (..., N_{L-1}). Inside the ops x is flattened to (M, K), M = prod of the
+// leading dims, and every activation buffer is (M, N_i) contiguous.
+//
+// Layering (as in flash-attention's fused_dense): the ops in linear_tanh.cpp / tanh_mlp.cpp do the
+// checks, the GEMMs (ATen: MKL/oneDNN on CPU, cuBLAS on CUDA) and the buffer bookkeeping once, for
+// every device; the device files only provide the three elementwise/reduction primitives below.
 #pragma once
 
 #include <ATen/ATen.h>
 
-#include <array>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 namespace ckpt_ext {
 
-// Throws (ValueError for shapes, ranks and devices; TypeError for dtypes) naming the expected and
-// the given values. `op` is the op name used as the message prefix.
+// ------------------------------------------------------------------------------------------------
+// dtypes and input checks (linear_tanh.cpp). Written once: the eager ops, the Meta kernels that
+// FakeTensor / torch.compile run, and the Python package (ckpt_ext._C.SUPPORTED_DTYPES) all use
+// these. Sizes are read as SymInts so the Meta kernels work under dynamic shapes.
+
+// The dtypes the ops accept, in the order the messages list them.
+const std::vector<at::ScalarType>& supported_dtypes();
+bool is_supported_dtype(at::ScalarType t);
+
+// Throws ValueError (shapes, ranks, devices) or TypeError (dtypes) naming the expected and the
+// given values, prefixed with "ckpt_ext.<op>: ".
 void check_linear_tanh_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias);
-void check_linear_tanh_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
-                                const at::Tensor& weight);
+// grad_out must have shape x.shape[:-1] + (out_features,), x's dtype and device.
+void check_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
+                    c10::SymInt out_features);
+// A stack: at least one weight; weights[i] 2-D with in_features = the previous layer's
+// out_features; biases[j] belongs to the j-th layer whose has_bias is true and has length N_i;
+// one dtype and one device. Messages name the layer index.
+void check_tanh_mlp_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+                           at::TensorList biases, const std::vector<bool>& has_bias);
+
+// ------------------------------------------------------------------------------------------------
+// Buffers (linear_tanh.cpp)
 
 // Test hook: when on, every buffer the ops allocate is filled with NaN before a kernel writes it,
 // so an element a kernel forgets to write shows up as NaN instead of passing by luck.
@@ -28,51 +52,73 @@ bool poison_buffers();
 // at::empty(sizes, options), NaN-filled when poisoning is on.
 at::Tensor new_buffer(at::IntArrayRef sizes, const at::TensorOptions& options);
 
-// z = x2 (M, K) · weightᵀ + bias into a new (M, N) contiguous buffer, by one GEMM (addmm with the
-// bias, so z is rounded to the storage type once). Forward and the recompute in backward both use
-// it, so the recomputed z equals the forward's to the bit. Dispatches to the tensors' device.
-at::Tensor pre_activation(const at::Tensor& x2, const at::Tensor& weight,
-                          const std::optional<at::Tensor>& bias);
-
-// What the CPU and CUDA backward share around their elementwise kernels. Call
-// check_linear_tanh_inputs and check_linear_tanh_grad_out first (and, on CUDA, set the device).
-struct BackwardState {
-  at::Tensor x2;  // (M, K): x flattened
-  at::Tensor gy;  // (M, N): grad_out, a view where possible (out.mean() gives strides (0, 0))
-  at::Tensor g;   // (M, N) contiguous: z = x·Wᵀ + b recomputed, to become g in place
-  int64_t M, N, num_chunks;
-  bool need_bias;  // output_mask[2] and there is a bias
-};
-// The flattened views and the recompute GEMM into the backward's one (M, N) buffer.
-BackwardState recompute_for_backward(const at::Tensor& grad_out, const at::Tensor& x,
-                                     const at::Tensor& weight,
-                                     const std::optional<at::Tensor>& bias,
-                                     std::array<bool, 3> output_mask);
-// grad_x = g·W (shaped like x) and grad_W = gᵀ·x, each only where output_mask asks; grad_b as given.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_gemms(const BackwardState& s,
-                                                          const at::Tensor& x,
-                                                          const at::Tensor& weight,
-                                                          at::Tensor grad_b,
-                                                          std::array<bool, 3> output_mask);
-
 // x (..., K) as (M, K), M = prod(x.shape[:-1]): a view where possible. Spelled out rather than
 // reshape({-1, K}), which cannot infer M when K == 0 (nn.Linear allows in_features = 0).
 at::Tensor flatten_rows(const at::Tensor& x);
 
-// x.shape[:-1] + (N,)
-std::vector<int64_t> linear_tanh_out_shape(const at::Tensor& x, const at::Tensor& weight);
+// z = a (M, K) · weightᵀ + bias into a new (M, N) contiguous buffer, by one GEMM (addmm with the
+// bias, so z is rounded to the storage type once, as in F.linear). The forward and the recompute
+// in backward both use it, so the recomputed z equals the forward's to the bit.
+at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias);
 
-at::Tensor linear_tanh_cpu(const at::Tensor& x, const at::Tensor& weight,
-                           const std::optional<at::Tensor>& bias);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cpu(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask);
+// ------------------------------------------------------------------------------------------------
+// The device primitives. CPU: cpu/linear_tanh.cpp; CUDA: cuda/linear_tanh.cu. The generic
+// versions (no suffix, linear_tanh.cpp) pick one by the buffer's device.
+//
+// The documented order of every bias-gradient sum (shared by CPU and CUDA, bitwise reproducible,
+// independent of thread count): for each column, rows are summed in increasing order in chunks
+// of kRowsPerChunk (linear_tanh_math.h) rows starting from zero, in the accumulate type (float
+// for half types); the chunk sums are then combined pairwise, level by level: at each level the
+// value at chunk position i (i a multiple of 2·w) adds the one at i + w, if any, for
+// w = 1, 2, 4, ...; the result is rounded to the storage type once.
 
-// Defined in cuda/linear_tanh.cu, compiled only into CUDA builds (CKPT_EXT_WITH_CUDA).
-at::Tensor linear_tanh_cuda(const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_cuda(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask);
+// What an activation buffer holds when the backward pass starts on it.
+enum class Holds {
+  kPreActivation,  // z = a·Wᵀ + b: the pass computes t = tanh(z) itself (one read of z)
+  kTanhOutput,     // t = tanh(z), as the forward left it (a stack keeps t: the next layer's input)
+};
+
+// acc: (M, N) contiguous, holds z; becomes t = tanh(z) in place. Every element goes through the
+// same tanh, so the backward's recompute equals the forward's to the bit.
+void tanh_(const at::Tensor& acc);
+void tanh_cpu_(const at::Tensor& acc);
+void tanh_cuda_(const at::Tensor& acc);
+
+// acc: (M, N) contiguous, holds z or t (see Holds); becomes g = grad_out · (1 − t²) in place.
+// grad_out: (M, N), any strides (out.mean() gives strides (0, 0)), acc's dtype and device.
+// Returns grad_b = the column sums of g (N), in acc's dtype, summed in the documented order,
+// when want_bias_grad; an undefined tensor otherwise.
+at::Tensor tanh_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Holds holds,
+                          bool want_bias_grad);
+at::Tensor tanh_backward_cpu_(const at::Tensor& acc, const at::Tensor& grad_out, Holds holds,
+                              bool want_bias_grad);
+at::Tensor tanh_backward_cuda_(const at::Tensor& acc, const at::Tensor& grad_out, Holds holds,
+                               bool want_bias_grad);
+
+// grad_out: (M, N), any strides. Its column sums (N) in the documented order: the bias gradient
+// of a layer with no tanh after it (the last layer of a stack with last_tanh = false).
+at::Tensor bias_grad(const at::Tensor& grad_out);
+at::Tensor bias_grad_cpu(const at::Tensor& grad_out);
+at::Tensor bias_grad_cuda(const at::Tensor& grad_out);
+
+// ------------------------------------------------------------------------------------------------
+// The stack engine (tanh_mlp.cpp): one implementation for linear_tanh (one layer, last_tanh) and
+// tanh_mlp (any depth), on every device. `biases` holds only the layers' biases that exist;
+// layer_bias(i) in tanh_mlp.cpp maps them back by has_bias.
+
+// Returns the output, (..., N_{L-1}), a fresh tensor (not a view of an internal buffer).
+at::Tensor stack_forward(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                         const std::vector<bool>& has_bias, bool last_tanh);
+
+struct StackGrads {
+  at::Tensor grad_x;                  // undefined when not asked for
+  std::vector<at::Tensor> grad_weights;  // one per weight; undefined where not asked for
+  std::vector<at::Tensor> grad_biases;   // one per entry of `biases`; undefined where not asked
+};
+StackGrads stack_backward(const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
+                          at::TensorList biases, const std::vector<bool>& has_bias, bool last_tanh,
+                          bool need_x, const std::vector<bool>& need_weights,
+                          const std::vector<bool>& need_biases);
 
 }  // namespace ckpt_ext

@@ -1,17 +1,18 @@
-// linear_tanh_math.h — the scalar math of the fused Linear+Tanh op, written once.
+// linear_tanh_math.h — the arithmetic of the fused Linear+Tanh ops, written once.
 //
-// Compiled by both g++ (csrc/linear_tanh.cpp) and nvcc (csrc/cuda/linear_tanh.cu): every
-// elementwise or reduction body below is a function of an index, so the CPU loops and the CUDA
-// launchers call the very same arithmetic; only the mapping of indices to threads differs.
+// Compiled by g++ (cpu/*.cpp) and nvcc (cuda/linear_tanh.cu). The per-value formulas are templates
+// over the value type V, so the CPU kernels instantiate them with SIMD vectors
+// (at::vec::Vectorized<float>), the CUDA kernels with scalars held in registers; the summation
+// order of the bias gradient is defined here once and both backends follow it.
 //
 // Shapes (M = rows of the flattened input, N = out_features):
-//   acc  : (M, N) contiguous, holds z = x·Wᵀ + b as the GEMM left it; overwritten in place
-//   gy   : (M, N) grad of the output, any 2-D strides (sr, sc) — `out.mean()` gives strides (0, 0)
-//   partial : (ceil(M / kRowsPerChunk), N) per-chunk column sums of g, in the accumulate type
+//   acc     : (M, N) contiguous, holds z = a·Wᵀ + b (or t = tanh(z)); overwritten in place by g
+//   grad_out: (M, N), any 2-D strides (sr, sc) — `out.mean()` gives strides (0, 0)
+//   partial : (num_chunks(M), N) per-chunk column sums of g, in the accumulate type
 //
-// Determinism: the bias gradient is summed in a fixed order that does not depend on the thread
-// count or the device: rows in increasing order inside a chunk of kRowsPerChunk rows, then the
-// chunks in increasing order. Two runs therefore give bitwise identical results.
+// Determinism: the bias gradient is summed in a fixed order that depends on neither the thread
+// count nor the device: rows in increasing order inside chunks of kRowsPerChunk rows, then the
+// chunk sums pairwise, level by level (combine_chunks_pairwise). Two runs give the same bits.
 #pragma once
 
 #include <cmath>
@@ -26,61 +27,34 @@
 namespace ckpt_ext {
 
 // Rows summed together before a partial bias sum is written. Shared by CPU and CUDA so that both
-// produce the same summation tree. 32 keeps the workspace at 1/32 of the output.
+// produce the same summation tree. 32 keeps the workspace at 1/32 of the activation.
 constexpr int64_t kRowsPerChunk = 32;
 
-CKPT_HD float ckpt_tanh(float v) { return ::tanhf(v); }
-CKPT_HD double ckpt_tanh(double v) { return ::tanh(v); }
+CKPT_HD int64_t num_chunks(int64_t M) { return (M + kRowsPerChunk - 1) / kRowsPerChunk; }
 
-// d/dz tanh(z) = 1 - tanh(z)^2, times the incoming gradient. V may be a scalar or a SIMD vector
-// type with the usual operators (the CPU path passes at::vec::Vectorized<T>).
+// d/dz tanh(z) = 1 - tanh(z)^2, times the incoming gradient: g = grad_out · (1 − t²).
+// V is a scalar or a SIMD vector type with the usual operators.
 template <typename V>
-CKPT_HD V tanh_grad_from_output(V gy, V t) {
-  return gy * (V(1) - t * t);
+CKPT_HD V tanh_grad_from_output(V grad_out, V t) {
+  return grad_out * (V(1) - t * t);
 }
 
-// ---------------------------------------------------------------------------------------------
-// Forward body for one value v = z[r, col]: tanh(v), computed in acc_t, rounded once. The CUDA
-// kernel calls it on values held in registers (a 16-byte pack); tanh_at calls it in place.
-template <typename scalar_t, typename acc_t>
-CKPT_HD scalar_t tanh_value(scalar_t v) {
-  return static_cast<scalar_t>(ckpt_tanh(static_cast<acc_t>(v)));
-}
-
-// Forward body: element i of the (M, N) buffer becomes tanh of itself.
-template <typename scalar_t, typename acc_t>
-CKPT_HD void tanh_at(scalar_t* acc, int64_t i) {
-  acc[i] = tanh_value<scalar_t, acc_t>(acc[i]);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Backward body for one (row chunk, column): for each row r of the chunk, in increasing order,
-//   g = gy[r, col] * (1 - tanh(z[r, col])^2);  acc[r, col] = g
-// and the chunk's column sum of g is returned (the caller stores it in partial[chunk, col]).
-// g is summed before it is rounded to scalar_t, so half types lose nothing in the bias grad.
-template <typename scalar_t, typename acc_t>
-CKPT_HD acc_t tanh_backward_chunk_column(scalar_t* acc, const scalar_t* gy, int64_t gy_sr,
-                                         int64_t gy_sc, int64_t M, int64_t N, int64_t chunk,
-                                         int64_t col) {
-  const int64_t r_end = (chunk + 1) * kRowsPerChunk < M ? (chunk + 1) * kRowsPerChunk : M;
-  acc_t sum = acc_t(0);
-  for (int64_t r = chunk * kRowsPerChunk; r < r_end; ++r) {
-    const acc_t z = static_cast<acc_t>(acc[r * N + col]);
-    const acc_t g = tanh_grad_from_output(static_cast<acc_t>(gy[r * gy_sr + col * gy_sc]),
-                                          ckpt_tanh(z));
-    acc[r * N + col] = static_cast<scalar_t>(g);
-    sum += g;
-  }
-  return sum;
-}
-
-// Final bias-gradient body for one column: the chunk partials summed in increasing chunk order.
+// The second stage of every bias-gradient sum, for one column `col` of partial (num_chunks, N):
+// the chunk sums combined pairwise, level by level, in place:
+//   for w = 1, 2, 4, ... while w < num_chunks:
+//     for every i that is a multiple of 2w with i + w < num_chunks:  partial[i] += partial[i + w]
+// and the result is partial[0]. Pairwise rather than left to right: the rounding error grows with
+// log2(M / 32) instead of M / 32, and the levels can run in parallel on a GPU (an aligned group of
+// 2^k chunks is a complete subtree, so a block can reduce it alone and get the same bits).
 template <typename acc_t>
-CKPT_HD acc_t sum_partials_column(const acc_t* partial, int64_t num_chunks, int64_t N,
-                                  int64_t col) {
-  acc_t sum = acc_t(0);
-  for (int64_t c = 0; c < num_chunks; ++c) sum += partial[c * N + col];
-  return sum;
+CKPT_HD acc_t combine_chunks_pairwise(acc_t* partial, int64_t n_chunks, int64_t N, int64_t col) {
+  if (n_chunks == 0) return acc_t(0);
+  for (int64_t w = 1; w < n_chunks; w *= 2) {
+    for (int64_t i = 0; i + w < n_chunks; i += 2 * w) {
+      partial[i * N + col] += partial[(i + w) * N + col];
+    }
+  }
+  return partial[col];
 }
 
 }  // namespace ckpt_ext

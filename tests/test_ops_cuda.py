@@ -83,10 +83,24 @@ def make(lead, k, n, dtype, bias=True, device="cuda", seed=0):
 # ------------------------------------------------------------------------------------------------
 # build facts (any machine)
 
-def test_with_cuda_flag_matches_registered_kernels():
-    for op in ("ckpt_ext::linear_tanh", "ckpt_ext::linear_tanh_backward"):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU"), op
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA") == ckpt_ext.WITH_CUDA, op
+OPS = ("linear_tanh", "linear_tanh_backward", "tanh_mlp", "tanh_mlp_backward")
+
+
+def test_every_op_has_cpu_cuda_and_meta_kernels():
+    for op in OPS:
+        for key in ("CPU", "CUDA", "Meta"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ckpt_ext::{op}", key), (op, key)
+
+
+@pytest.mark.skipif(ckpt_ext.WITH_CUDA, reason="a CUDA build has the real CUDA kernels")
+def test_cpu_only_build_says_so_for_cuda_tensors():
+    # The CUDA kernel of a CPU-only build is a stub that names the problem; reach it without a
+    # GPU by redispatching CPU tensors to the CUDA key.
+    x, w = torch.randn(2, 3), torch.randn(4, 3)
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    with pytest.raises(RuntimeError, match=r"ckpt_ext::linear_tanh: got CUDA tensors, but this "
+                                           r"build of ckpt_ext has no CUDA kernels"):
+        torch.ops.ckpt_ext.linear_tanh.default.redispatch(keys, x, w, None)
 
 
 @pytest.mark.skipif(os.environ.get("CKPT_EXT_EXPECT_CUDA") != "1",
