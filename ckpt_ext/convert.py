@@ -300,6 +300,11 @@ class _RewrittenForward:
     def __call__(self, *args, **kwargs):
         return self._fn(self.owner, *args, **kwargs)
 
+    @property
+    def __signature__(self) -> inspect.Signature:  # the class forward's, for libraries that look
+        sig = inspect.signature(type(self.owner).forward)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+
     def __getstate__(self):
         return {"owner": self.owner, "source": self.source}
 
@@ -413,15 +418,13 @@ def _analysis_copy(model: nn.Module) -> nn.Module:
     """A deep copy to trace, with parameters and buffers on the meta device: tracing never reads
     their values, so the copy costs no tensor memory."""
     memo: Dict[int, Any] = {}
-    try:
-        for p in model.parameters():
-            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
-                                       requires_grad=p.requires_grad)
-        for b in model.buffers():
-            memo[id(b)] = torch.empty_like(b, device="meta")
-        return copy.deepcopy(model, memo)
-    except Exception:  # exotic parameter types: copy them as they are
-        return copy.deepcopy(model)
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    # No fallback to a full copy: that could double the memory of a large model.
+    return copy.deepcopy(model, memo)
 
 
 def _fingerprint(v: Any, depth: int = 0) -> Any:
@@ -472,10 +475,11 @@ def _signature_problem(m: nn.Module) -> Optional[str]:
 
 def _trace_module(clone: nn.Module, orig: nn.Module) -> _Trace:
     fwd = vars(orig).get("forward")
-    if isinstance(fwd, _RewrittenForward):
-        return _Trace(False, "its forward was already rewritten by ckpt_ext.fuse",
-                      already_rewritten=True)
-    if fwd is not None:
+    already = isinstance(fwd, _RewrittenForward)
+    # A forward rewritten by an earlier fuse came from its class's forward, which fx traces: that
+    # graph still says what the code does with each value (for the units around this module), but
+    # nothing new is fused in it.
+    if fwd is not None and not already:
         return _Trace(False, "its forward is set on the instance (fx would trace its class's "
                              "forward, not what runs)")
     problem = _signature_problem(orig)
@@ -501,7 +505,7 @@ def _trace_module(clone: nn.Module, orig: nn.Module) -> _Trace:
     if codes[0] != codes[1]:
         return _Trace(False, "its forward runs different code in train() and eval() (it reads "
                              "self.training)")
-    return _Trace(True, "", graph)
+    return _Trace(True, "", graph, already_rewritten=already)
 
 
 _CLASS_USES: Dict[type, Optional[Dict[str, List[str]]]] = {}
@@ -1225,7 +1229,7 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
                 report.decisions.append(_already(u.decision) if keys == done else u.decision)
         else:
             t = an.trace_of(m)
-            if t is None:
+            if t is None or t.already_rewritten:
                 continue
             rw: List[_Unit] = []
             for chain in _graph_chains(an, path, m, t, rewrite, misses):

@@ -9,6 +9,7 @@ it.
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 
 import pytest
@@ -828,3 +829,31 @@ def test_in_place_ops_after_a_fused_pair():
     _, report = fuse(model)
     assert len(report) == 1 and "Dropout" in report.fused[0].why
     assert_same_computation(ref, model, [x], torch.float64)
+
+
+def test_twice_with_a_rewritten_caller_keeps_the_plan():
+    # The trunk's trailing Tanh is fused because the caller adds its output (not kept). After the
+    # caller's forward is rewritten, a second fuse still reads the caller's code: same plan.
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+            self.head = nn.Linear(4, 8)
+
+        def forward(self, x, /):
+            return self.trunk(x) + torch.tanh(self.head(x))
+
+    torch.manual_seed(0)
+    model = Root().double()
+    before = copy.deepcopy(model)
+    _, report = fuse(model, rewrite=True)
+    assert [d.layers for d in report.fused] == [("head", "torch.tanh"),
+                                               ("trunk.0", "trunk.1", "trunk.2", "trunk.3")]
+    runs = model.trunk._ckpt_ext_runs
+    assert runs[0].last_tanh
+    assert list(inspect.signature(model.forward).parameters) == ["x"]
+    _, again = fuse(model, rewrite=True)
+    assert len(again) == 0 and model.trunk._ckpt_ext_runs is runs
+    assert [d.action for d in again.decisions] == ["already fused"]
+    assert_same_computation(before, model, [torch.randn(3, 4, dtype=torch.float64)],
+                            torch.float64)
