@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from . import _C
-from .modules import FusedLinearTanh, FusedTanhMLP, run_problem
+from .modules import FusedLinearTanh, FusedTanhMLP, _has_hooks, run_problem
 from .ops import SUPPORTED_DTYPES, linear_tanh, tanh_mlp
 
 __all__ = ["fuse", "Fused", "FuseReport", "Decision", "FusedSequential", "FusedRunHead",
@@ -343,11 +343,6 @@ def _unsupported(weight: Optional[torch.Tensor]) -> Optional[str]:
     return None
 
 
-def _has_hooks(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                or getattr(m, "_backward_pre_hooks", None))
-
-
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
@@ -537,8 +532,8 @@ def _uses_outside_forward(cls: type) -> Optional[Dict[str, List[str]]]:
                     f = node.func
                     if isinstance(f.value, ast.Name) and f.value.id == "self":
                         name = f.attr  # self.name(...)
-                    elif isinstance(f.value, ast.Attribute) and isinstance(f.value.value, ast.Name) \
-                            and f.value.value.id == "self":
+                    elif isinstance(f.value, ast.Attribute) and \
+                            isinstance(f.value.value, ast.Name) and f.value.value.id == "self":
                         name = f.value.attr  # self.name.forward(...) and the like
                 elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                     name = node.value
@@ -718,18 +713,22 @@ class _Model:
             target = u.target
             name = _fn_name(target)
             is_fn = u.op == "call_function"
-            if (is_fn and target in _META_FUNCTIONS) or (not is_fn and target in _META_METHODS):
+
+            def among(functions: set, methods: set) -> bool:
+                return target in (functions if is_fn else methods)
+
+            if among(_META_FUNCTIONS, _META_METHODS):
                 return False, ""
-            if (is_fn and target in _VIEW_FUNCTIONS) or (not is_fn and target in _VIEW_METHODS):
+            if among(_VIEW_FUNCTIONS, _VIEW_METHODS):
                 return self.node_fate(owner, t, u, None, depth + 1)
-            if (is_fn and target in _FREEING_FUNCTIONS) or (not is_fn and target in _FREEING_METHODS):
+            if among(_FREEING_FUNCTIONS, _FREEING_METHODS):
                 what = " (a residual add)" if target in (operator.add, operator.iadd, "add") else ""
                 return False, f"its user {name}{what} does not keep it"
-            if (is_fn and target in _SCALING_FUNCTIONS) or (not is_fn and target in _SCALING_METHODS):
+            if among(_SCALING_FUNCTIONS, _SCALING_METHODS):
                 if any(isinstance(a, fx.Node) and a is not node for a in u.args):
                     return True, f"kept by {name} with another tensor"
                 return False, f"its user {name} by a constant does not keep it"
-            if (is_fn and target in _KEEPING_FUNCTIONS) or (not is_fn and target in _KEEPING_METHODS):
+            if among(_KEEPING_FUNCTIONS, _KEEPING_METHODS):
                 return True, f"kept by {name}"
             return None, f"used by {name}, not known to keep or free its input"
         return None, f"used by a {u.op} node"
@@ -848,13 +847,13 @@ def _decide(chain: _Chain, policy: str, rewritten_ok: bool = True) -> Tuple[List
             if 2 * j + 1 >= len(chain.items):
                 break  # the last Linear, without a Tanh
             if j < m - 1:
-                fate: Fate = (True, f"kept by {chain.labels[2 * j + 2]} (nn.Linear keeps its input)")
+                fate: Fate = (True, f"kept by {chain.labels[2 * j + 2]} (nn.Linear keeps its "
+                                    f"input)")
             else:
                 fate = chain.fate()
-            unit(j, j, True, fate[0] is False,
-                 "policy='all' fuses every pair" + ("" if fate[0] is False else f"; its output is "
-                                                    f"{'kept anyway' if fate[0] else 'maybe kept'}: "
-                                                    f"{fate[1]}"))
+            note = "" if fate[0] is False else \
+                f"; its output is {'kept anyway' if fate[0] else 'maybe kept'}: {fate[1]}"
+            unit(j, j, True, fate[0] is False, "policy='all' fuses every pair" + note)
         return units, misses
 
     if m >= 2:

@@ -289,8 +289,8 @@ def test_writeup_net(dtype):
     # block1's and block2's outputs are the next block's Linear input, kept anyway; block3's is
     # the model's output.
     assert fused is model and fused_layers(report) == [("block3.0", "block3.1")]
-    assert [d.layers for d in report.near_misses] == [("block1.0", "block1.1"),
-                                                     ("block2.0", "block2.1")]
+    assert [d.layers for d in report.near_misses] == [
+        ("block1.0", "block1.1"), ("block2.0", "block2.1")]
     assert "kept by block2.0" in report.near_misses[0].why
     assert "returned by the model" in report.fused[0].why
     assert type(model.linear1) is nn.Linear and type(model.block1) is nn.Sequential
@@ -300,7 +300,8 @@ def test_writeup_net(dtype):
     every.load_state_dict(before.state_dict())
     _, report_all = fuse(every, policy="all")
     assert len(report_all) == 3
-    assert [d.bytes_per_row for d in report_all.fused] == [0, 0, 40 * (torch.finfo(dtype).bits // 8)]
+    isz = torch.finfo(dtype).bits // 8
+    assert [d.bytes_per_row for d in report_all.fused] == [0, 0, 40 * isz]
     assert_same_computation(before, every, [torch.randn(9, 12, dtype=dtype)], dtype)
 
 
@@ -850,8 +851,8 @@ def test_twice_with_a_rewritten_caller_keeps_the_plan():
     model = Root().double()
     before = copy.deepcopy(model)
     _, report = fuse(model, rewrite=True)
-    assert [d.layers for d in report.fused] == [("head", "torch.tanh"),
-                                               ("trunk.0", "trunk.1", "trunk.2", "trunk.3")]
+    assert [d.layers for d in report.fused] == [
+        ("head", "torch.tanh"), ("trunk.0", "trunk.1", "trunk.2", "trunk.3")]
     runs = model.trunk._ckpt_ext_runs
     assert runs[0].last_tanh
     assert list(inspect.signature(model.forward).parameters) == ["x"]
