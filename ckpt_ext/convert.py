@@ -661,6 +661,11 @@ class _Model:
             i = names.index(name)
             return self.elements_fate(parent, ppath, i + 1,
                                       lambda: self.output_fate(parent, None, depth + 1), depth + 1)
+        # A ModuleList / ModuleDict has no forward: the caller is the module holding it, which
+        # calls "layers.0".
+        while isinstance(parent, (nn.ModuleList, nn.ModuleDict)) and ppath in self.parent:
+            parent, ppath, holder = self.parent[ppath]
+            name = f"{holder}.{name}"
         t = self.traces.get(id(parent))
         if t is None or not t.ok:
             why = f" ({t.reason})" if t is not None else ""

@@ -874,3 +874,28 @@ def test_rewritten_and_swapped_models_compile_without_graph_breaks():
         assert explanation.graph_break_count == 0, explanation.break_reasons
         assert explanation.graph_count == 1
     torch._dynamo.reset()
+
+
+def test_sequentials_in_a_module_list_are_followed_to_their_caller():
+    class Blocks(nn.Module):  # residual blocks held in a ModuleList, called by the owner's forward
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                [nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 6), nn.Tanh())
+                 for _ in range(2)])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Blocks().double()
+    before = copy.deepcopy(model)
+    _, report = fuse(model)
+    # Each block's last tanh output only goes into the residual add: the whole block is one run.
+    assert fused_layers(report) == [tuple(f"blocks.{b}.{i}" for i in range(4)) for b in (0, 1)]
+    assert all("residual add" in d.why for d in report.fused)
+    assert report.bytes_per_row == 2 * (12 + 6) * 8
+    assert_same_computation(before, model, [torch.randn(5, 6, dtype=torch.float64)],
+                            torch.float64)
