@@ -811,8 +811,7 @@ class _Unit:
     decision: Decision
 
 
-def _decide(chain: _Chain, policy: str, rewritten_ok: bool = True) -> Tuple[List[_Unit],
-                                                                            List[Decision]]:
+def _decide(chain: _Chain, policy: str) -> Tuple[List[_Unit], List[Decision]]:
     """The units to fuse in a chain and the near misses, with their figures."""
     L = chain.layers
     m = len(L)
