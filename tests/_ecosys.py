@@ -92,3 +92,41 @@ def outputs_and_grads(model: nn.Module, *inputs, grad_input: bool = True):
              for n, p in model.named_parameters() if p.grad is not None}
     in_grads = [i.grad for i in inputs if i.requires_grad]
     return [o.detach() for o in outs], in_grads, grads
+
+
+# ------------------------------------------------------------------------------------------------
+# What autograd keeps
+
+
+def saved_activation_bytes(model: nn.Module, *inputs) -> int:
+    """Bytes of the distinct storages autograd saves for backward while running ``model``, not
+    counting the parameters (which the model holds anyway). Exact: it sees every saved tensor."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*inputs)
+    del out
+    return sum(saved.values())
+
+
+def kept_bytes(model: nn.Module, x: Tensor) -> int:
+    """CPU tensor bytes still alive after forward and a ``.sum()`` loss, with the output dropped:
+    what autograd keeps for backward, counted by ckpt_ext's exact allocator meter."""
+    from ckpt_ext.memory import MemoryMeter
+
+    with MemoryMeter("cpu") as meter:
+        x = x.clone()
+        before = meter.current()
+        out = model(x)
+        loss = out.sum()
+        del out
+        kept = meter.current() - before - loss.untyped_storage().nbytes()
+        loss.backward()
+    return kept

@@ -1,23 +1,32 @@
-"""ckpt_ext.fuse: what it swaps, what it leaves alone, and that the model computes the same thing.
+"""ckpt_ext.fuse: what it swaps, what it leaves alone, that the model computes the same thing, and
+that the units it picks keep less.
 
 Every converted model is compared against itself before the swap: outputs, input grads and every
-parameter grad, in float64 (tight) and in the other supported dtypes (per-dtype bounds).
+parameter grad, in float64 (tight) and in the other supported dtypes (per-dtype bounds). The
+"hazard" tests at the top each reproduce one problem of the first converter (issue 9) and fail on
+it.
 """
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 
 import ckpt_ext
 from ckpt_ext import FusedLinearTanh, fuse
-from _ecosys import ActorCritic, BertPooler, Net, TinyBert, outputs_and_grads, rel_err
+from ckpt_ext.convert import FusedRunHead, FusedSequential, RunLayer
+from _ecosys import (ActorCritic, BertPooler, Net, TinyBert, kept_bytes, outputs_and_grads,
+                     rel_err, saved_activation_bytes)
 
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+# Measured (this suite, CPU): outputs bit-identical; gradients <= 2e-16 (float64), 1.1e-7 (float32),
+# 3.1e-3 (bfloat16), 5.2e-4 (float16) relative. TOL bounds outputs and input gradients, 4x TOL the
+# parameter gradients.
+TOL = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
 def assert_same_computation(before, after, inputs, dtype, grad_input=True):
@@ -34,8 +43,208 @@ def assert_same_computation(before, after, inputs, dtype, grad_input=True):
         assert rel_err(g_a[name], g_b[name]) <= TOL[dtype] * 4, name
 
 
-def count(model, cls):
-    return sum(type(m) is cls for m in model.modules())
+def kinds(model):
+    return [(n, type(m)) for n, m in model.named_modules()]
+
+
+def fused_layers(report):
+    return [d.layers for d in report.fused]
+
+
+# ------------------------------------------------------------------------------------------------
+# Hazards of the first converter: each of these failed on it
+
+
+class Counting(nn.Module):
+    """Side effects in forward: a call counter and a list of what it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.seen = []
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                                 nn.Linear(16, 3))
+        self.lin = nn.Linear(3, 3)
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen.append(x.shape[0])
+        return self.act(self.lin(self.net(x)))
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_hazard_tracing_leaves_no_side_effects(dry_run):
+    torch.manual_seed(0)
+    model = Counting().double()
+    before = copy.deepcopy(model)
+    _, report = fuse(model, dry_run=dry_run)
+    # Tracing ran on a copy: the counter and the list are untouched (no fx Proxy in the list).
+    assert model.calls == 0 and model.seen == []
+    # ... and the module whose attributes tracing changed is reported and not used.
+    assert [p for p, _ in report.not_analysed] == [""]
+    why = report.not_analysed[0][1]
+    assert "tracing its forward changed calls, seen" in why
+    assert type(model.lin) is nn.Linear and type(model.act) is nn.Tanh  # its pair: not swapped
+    # The Sequential's run does not depend on the parent's forward: fused (unless dry run).
+    assert fused_layers(report) == [("net.0", "net.1", "net.2", "net.3", "net.4")]
+    assert (type(model.net) is FusedSequential) is not dry_run
+    if not dry_run:
+        x = torch.randn(5, 4, dtype=torch.float64)
+        assert_same_computation(before, model, [x], torch.float64)
+        assert model.calls == before.calls == 1 and model.seen == before.seen == [5]
+
+
+class ODEFunc(nn.Module):
+    """A Neural-ODE dynamics function that counts its evaluations, with a functional tanh."""
+
+    def __init__(self, dim=3, hidden=32):
+        super().__init__()
+        self.nfe = 0
+        self.l1 = nn.Linear(dim, hidden)
+        self.l2 = nn.Linear(hidden, hidden)
+        self.l3 = nn.Linear(hidden, dim)
+
+    def forward(self, t, y):
+        self.nfe += 1
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(y)))))
+
+
+def rk4(func, y, t0=0.0, t1=1.0, steps=4):
+    """Fixed-step RK4, as odeint(method='rk4') runs it: 4 evaluations per step."""
+    h = (t1 - t0) / steps
+    t = t0
+    for _ in range(steps):
+        k1 = func(t, y)
+        k2 = func(t + h / 2, y + h / 2 * k1)
+        k3 = func(t + h / 2, y + h / 2 * k2)
+        k4 = func(t + h, y + h * k3)
+        y = y + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+        t += h
+    return y
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_hazard_ode_function_still_counts_its_evaluations(rewrite):
+    torch.manual_seed(0)
+    func = ODEFunc().double()
+    before = copy.deepcopy(func)
+    fused, report = fuse(func, rewrite=rewrite)
+    y0 = torch.randn(5, 3, dtype=torch.float64)
+    assert torch.equal(rk4(fused, y0), rk4(before, y0))
+    assert fused.nfe == before.nfe == 16  # the first converter's GraphModule counted 0
+    assert fused is func and "forward" not in vars(func)  # not rewritten, even when allowed
+    assert len(report) == 0
+    assert "tracing its forward changed nfe" in report.not_analysed[0][1]
+
+
+class Policy(nn.Module):
+    """A library's model: a forward whose pair is child modules, methods a training loop calls,
+    attributes, and a functional pair that needs the opt-in rewrite."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(6, 6)
+        self.activation = nn.Tanh()
+        self.head = nn.Linear(6, 6)
+        self.temperature = 2.0
+
+    def forward(self, x):
+        return torch.tanh(self.head(x)) + self.activation(self.dense(x))
+
+    def predict(self, x):
+        return self.forward(x).argmax(-1)
+
+    def scaled(self, x):
+        return self.forward(x) / self.temperature
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_hazard_returns_the_users_object_class_and_methods(rewrite):
+    torch.manual_seed(0)
+    model = Policy().double()
+    before = copy.deepcopy(model)
+    fused, report = fuse(model, rewrite=rewrite)
+    assert fused is model and type(model) is Policy and isinstance(model, Policy)
+    assert type(model).forward is Policy.forward  # the class is untouched
+    x = torch.randn(7, 6, dtype=torch.float64)
+    assert torch.equal(model.predict(x), before.predict(x))
+    assert rel_err(model.scaled(x), before.scaled(x)) <= 1e-12
+    assert model.temperature == 2.0
+    # dense -> activation: a child swap; head -> torch.tanh: only with the opt-in rewrite, which
+    # sets a forward on this instance alone.
+    assert type(model.dense) is FusedLinearTanh and type(model.activation) is nn.Identity
+    assert len(report) == (2 if rewrite else 1)
+    assert ("forward" in vars(model)) is rewrite and report.rewritten == ([""] if rewrite else [])
+    assert "forward" not in vars(Policy())
+    assert_same_computation(before, model, [x], torch.float64)
+
+
+class TrainingBranch(nn.Module):
+    def __init__(self, functional):
+        super().__init__()
+        self.functional = functional
+        self.lin = nn.Linear(5, 5)
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.training:
+            return torch.tanh(h) if self.functional else self.act(h)
+        return h * 0.5
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_hazard_training_branch_is_not_baked_in(functional):
+    torch.manual_seed(0)
+    model = TrainingBranch(functional).double()
+    before = copy.deepcopy(model)
+    fused, report = fuse(model, rewrite=True)
+    x = torch.randn(3, 5, dtype=torch.float64)
+    for mode in (True, False):
+        fused.train(mode)
+        before.train(mode)
+        assert torch.equal(fused(x), before(x)), f"train={mode}"
+    assert len(report) == 0 and type(model.lin) is nn.Linear and "forward" not in vars(model)
+    assert "different code in train() and eval()" in report.not_analysed[0][1]
+
+
+def _mlp_policy(obs=8, hidden=64, act=4, dtype=torch.float32):
+    return nn.Sequential(nn.Linear(obs, hidden, dtype=dtype), nn.Tanh(),
+                         nn.Linear(hidden, hidden, dtype=dtype), nn.Tanh(),
+                         nn.Linear(hidden, act, dtype=dtype))
+
+
+def test_hazard_mlp_run_keeps_less_where_every_pair_kept_the_same():
+    """`Linear, Tanh, Linear, Tanh, Linear`: fusing every pair keeps what plain keeps (each tanh
+    output is the next Linear's input); the run keeps only its input. Exact bytes, two ways."""
+    torch.manual_seed(0)
+    plain = _mlp_policy()
+    run, r_run = fuse(copy.deepcopy(plain))
+    pairs, r_pairs = fuse(copy.deepcopy(plain), policy="all")
+    rows = 256
+    x = torch.randn(rows, 8)
+
+    saved = {name: saved_activation_bytes(m, x) for name, m in
+             (("plain", plain), ("run", run), ("pairs", pairs))}
+    kept = {name: kept_bytes(m, x) for name, m in
+            (("plain", plain), ("run", run), ("pairs", pairs))}
+    act = rows * 64 * 4  # one float32 hidden activation
+    assert saved["plain"] == saved["pairs"] == rows * 8 * 4 + 2 * act  # input + 2 tanh outputs
+    assert saved["run"] == rows * 8 * 4  # the run's input only
+    # The allocator meter agrees to the byte (it counts what forward allocated: not the input).
+    assert kept == {k: v - rows * 8 * 4 for k, v in saved.items()}
+
+    # The report's figures are these very bytes, and the cost of the recompute.
+    assert len(r_run) == 1 and r_run.bytes_per_row * rows == saved["plain"] - saved["run"]
+    (d,) = r_run.fused
+    assert d.unit == "tanh_mlp, 3 layers 8->64->64->4" and d.how == "sequential"
+    assert d.flops_per_row == 2 * (8 * 64 + 64 * 64)  # the two lower layers' forward GEMMs
+    assert d.plain_flops_per_row == 6 * (8 * 64 + 64 * 64 + 64 * 4)
+    assert len(r_pairs) == 2 and r_pairs.bytes_per_row == 0
+    assert r_pairs.flops_per_row == d.flops_per_row  # same recompute, nothing freed
+    assert all("kept anyway" in p.why for p in r_pairs.fused)
+    assert_same_computation(plain, run, [x.double().float()], torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -49,19 +258,51 @@ def test_actor_critic_mlp(dtype):
     before = copy.deepcopy(model)
     keys = list(model.state_dict())
     params = dict(model.named_parameters())
+    elements = [list(model.policy_net), list(model.value_net)]
 
     fused, report = fuse(model)
 
-    assert fused is model  # Sequential pairs are swapped in place
-    assert len(report) == 4 and {s.how for s in report.swaps} == {"sequential"}
-    assert [s.linear for s in report.swaps] == ["policy_net.0", "policy_net.2",
-                                                "value_net.0", "value_net.2"]
-    assert [type(m) for m in model.policy_net] == [FusedLinearTanh, nn.Identity] * 2
+    assert fused is model
+    # Each trunk is Linear, Tanh, Linear, Tanh and its output goes to a Linear head: the run
+    # Linear, Tanh, Linear is fused, the trailing Tanh stays (its output is kept by the head).
+    assert fused_layers(report) == [("policy_net.0", "policy_net.1", "policy_net.2"),
+                                    ("value_net.0", "value_net.1", "value_net.2")]
+    assert [d.layers for d in report.near_misses] == [("policy_net.3",), ("value_net.3",)]
+    assert "kept by action_net (Linear keeps its input)" in report.near_misses[0].why
+    assert type(model.policy_net) is FusedSequential and isinstance(model.policy_net, nn.Sequential)
+    assert [list(model.policy_net), list(model.value_net)] == elements  # same element objects
     assert list(model.state_dict()) == keys
     for name, p in model.named_parameters():
         assert p is params[name]  # shared, not copied
+    isz = torch.finfo(dtype).bits // 8
+    assert report.bytes_per_row == 2 * 64 * isz
     obs = torch.randn(7, 11, dtype=dtype)
     assert_same_computation(before, model, [obs], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_writeup_net(dtype):
+    torch.manual_seed(0)
+    model = Net(dtype=dtype)
+    before = copy.deepcopy(model)
+    fused, report = fuse(model)
+    # block1's and block2's outputs are the next block's Linear input, kept anyway; block3's is
+    # the model's output.
+    assert fused is model and fused_layers(report) == [("block3.0", "block3.1")]
+    assert [d.layers for d in report.near_misses] == [
+        ("block1.0", "block1.1"), ("block2.0", "block2.1")]
+    assert "kept by block2.0" in report.near_misses[0].why
+    assert "returned by the model" in report.fused[0].why
+    assert type(model.linear1) is nn.Linear and type(model.block1) is nn.Sequential
+    assert_same_computation(before, model, [torch.randn(9, 12, dtype=dtype)], dtype)
+
+    every = Net(dtype=dtype)
+    every.load_state_dict(before.state_dict())
+    _, report_all = fuse(every, policy="all")
+    assert len(report_all) == 3
+    isz = torch.finfo(dtype).bits // 8
+    assert [d.bytes_per_row for d in report_all.fused] == [0, 0, 40 * isz]
+    assert_same_computation(before, every, [torch.randn(9, 12, dtype=dtype)], dtype)
 
 
 def test_bert_pooler_inside_untraceable_model():
@@ -71,19 +312,22 @@ def test_bert_pooler_inside_untraceable_model():
     keys = list(model.state_dict())
     dense_w = model.pooler.dense.weight
 
-    fused, report = fuse(model)
+    # Default: the pooler's output leaves through a forward fx cannot use (an optional mask), so
+    # whether it is kept is unknown: left alone, and the report says why.
+    _, report = fuse(model)
+    assert len(report) == 0 and type(model.pooler.dense) is nn.Linear
+    (miss,) = report.near_misses
+    assert miss.layers == ("pooler.dense", "pooler.activation")
+    assert "its caller <model> was not analysed" in miss.why and "attention_mask=None" in miss.why
 
-    assert fused is model
-    assert [(s.where, s.linear, s.tanh, s.how) for s in report.swaps] == [
-        ("pooler", "pooler.dense", "pooler.activation", "fx")]
-    assert report.rewritten == ["pooler"]
-    # The top-level forward has an optional mask and a data-dependent branch: reported, untouched.
-    assert [p for p, _ in report.untraced] == [""]
-    assert "TraceError" in report.untraced[0][1]
-    assert isinstance(model.pooler, fx.GraphModule)
+    _, report = fuse(model, policy="all")
+    assert [(d.layers, d.how) for d in report.fused] == [
+        (("pooler.dense", "pooler.activation"), "children")]
+    assert type(model.pooler) is BertPooler  # the pooler's own class, children swapped
     assert type(model.pooler.dense) is FusedLinearTanh
+    assert type(model.pooler.activation) is nn.Identity
     assert model.pooler.dense.weight is dense_w
-    assert sorted(model.state_dict()) == sorted(keys)
+    assert list(model.state_dict()) == keys
     ids = torch.randint(0, 50, (3, 5))
     mask = torch.ones(3, 5, dtype=torch.long)
     mask[0, 3:] = 0
@@ -91,44 +335,172 @@ def test_bert_pooler_inside_untraceable_model():
         assert_same_computation(before, model, args, torch.float64, grad_input=False)
 
 
-def test_bert_pooler_alone_is_a_graph_module():
+def test_bert_pooler_alone_is_fused_in_place():
     torch.manual_seed(0)
     pooler = BertPooler(16)
     before = copy.deepcopy(pooler)
     fused, report = fuse(pooler)
-    # The pair is in the model's own forward: the returned model is a new GraphModule sharing
-    # the parameters; the object passed in keeps computing the unfused forward.
-    assert isinstance(fused, fx.GraphModule) and fused is not pooler
-    assert report.rewritten == [""]
-    assert fused.dense.weight is pooler.dense.weight and fused.dense.bias is pooler.dense.bias
-    assert list(fused.state_dict()) == list(pooler.state_dict())
+    assert fused is pooler and type(fused) is BertPooler
+    assert fused_layers(report) == [("dense", "activation")]
+    assert list(fused.state_dict()) == list(before.state_dict())
     assert_same_computation(before, fused, [torch.randn(4, 3, 16)], torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
-def test_writeup_net(dtype):
+# ------------------------------------------------------------------------------------------------
+# Child runs: in place, same keys, shared parameters
+
+
+class Children(nn.Module):
+    """A tanh MLP written as named children called one after the other (no Sequential)."""
+
+    def __init__(self, bias_last=True):
+        super().__init__()
+        self.fc1, self.a1 = nn.Linear(3, 16), nn.Tanh()
+        self.fc2, self.a2 = nn.Linear(16, 16), nn.Tanh()
+        self.fc3 = nn.Linear(16, 2, bias=bias_last)
+
+    def forward(self, x):
+        return self.fc3(self.a2(self.fc2(self.a1(self.fc1(x)))))
+
+
+def test_child_run_keeps_keys_parameters_and_trains():
     torch.manual_seed(0)
-    model = Net(dtype=dtype)
+    model = Children(bias_last=False).double()
     before = copy.deepcopy(model)
-    fused, report = fuse(model)
-    assert fused is model and len(report) == 3
-    assert [s.linear for s in report.swaps] == ["block1.0", "block2.0", "block3.0"]
-    assert type(model.linear1) is nn.Linear  # not followed by a tanh
-    assert_same_computation(before, model, [torch.randn(9, 12, dtype=dtype)], dtype)
+    checkpoint = copy.deepcopy(model.state_dict())
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built BEFORE the swap
+
+    _, report = fuse(model)
+
+    assert fused_layers(report) == [("fc1", "a1", "fc2", "a2", "fc3")]
+    assert [type(model._modules[n]) for n in ("fc1", "a1", "fc2", "a2", "fc3")] == [
+        FusedRunHead, nn.Identity, RunLayer, nn.Identity, RunLayer]
+    assert list(model.state_dict()) == list(checkpoint)
+    assert all(p is params[n] for n, p in model.named_parameters())
+    model.load_state_dict(checkpoint, strict=True)  # an old checkpoint loads unchanged
+    x = torch.randn(6, 3, dtype=torch.float64)
+    assert_same_computation(before, model, [x], torch.float64)
+
+    w0 = model.fc2.weight.detach().clone()
+    model.zero_grad()
+    model(x).pow(2).sum().backward()
+    opt.step()
+    assert torch.equal(model.fc2.weight, w0.add(model.fc2.weight.grad, alpha=-0.1))
+
+    # Parameters replaced wholesale (assign=True) are read at forward time by the head.
+    new = {k: torch.randn_like(v) for k, v in checkpoint.items()}
+    model.load_state_dict(new, assign=True)
+    before.load_state_dict(new)
+    assert rel_err(model(x), before(x)) <= 1e-12
+
+    # A deep copy computes with its own parameters.
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.fc3.weight.zero_()
+    assert torch.equal(twin(x), torch.zeros(6, 2, dtype=torch.float64))
+    assert rel_err(model(x), before(x)) <= 1e-12
+
+
+def test_child_called_twice_held_twice_hooked_or_used_elsewhere_is_not_swapped():
+    class Twice(nn.Module):  # the same Tanh after two Linears
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2, self.act = nn.Linear(4, 4), nn.Linear(4, 4), nn.Tanh()
+
+        def forward(self, x):
+            return self.act(self.l1(x)) + self.act(self.l2(x))
+
+    class Features(Children):  # a method other than forward calls a child
+        def features(self, x):
+            return self.fc1(x)
+
+    class Held(nn.Module):  # the Linear is also held (and called) by another module
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act = nn.Linear(4, 4), nn.Tanh()
+            self.other = nn.ModuleList([self.lin])
+
+        def forward(self, x):
+            return self.act(self.lin(x))
+
+    hooked = Children()
+    calls = []
+    hooked.fc2.register_forward_hook(lambda *a: calls.append(1))
+    cases = [(Twice(), 4, "act", "act is called 2 times"),
+             (Features(), 3, "fc1", "fc1 is also used by Features.features()"),
+             (Held(), 4, "lin", "lin is also held elsewhere: other.0"),
+             (hooked, 3, "fc2", "the Linear has hooks")]
+    for model, width, name, why in cases:
+        child = model._modules[name]
+        x = torch.randn(3, width)
+        ref = model(x)
+        _, report = fuse(model)
+        assert model._modules[name] is child, why
+        assert any(why in d.why for d in report.near_misses), (why, str(report))
+        assert rel_err(model(x), ref) <= 1e-6
+    # Features: fc1 stays a Linear (features() calls it), the run after it is fused.
+    assert fused_layers(report) == [] and type(cases[1][0].fc2) is FusedRunHead
+    assert torch.equal(cases[1][0].features(x), cases[1][0].fc1(x))
+    assert len(calls) == 2  # the hook still runs
+
+
+def test_shared_module_fused_everywhere():
+    class Shared(nn.Module):
+        def __init__(self, pooler):
+            super().__init__()
+            self.a = pooler
+            self.b = pooler
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    torch.manual_seed(0)
+    model = Shared(BertPooler(6)).double()
+    before = copy.deepcopy(model)
+    # The pooler sits at two places, so its output's fate is not followed: policy 'all' fuses it,
+    # once, inside the one shared object.
+    _, report = fuse(model)
+    assert len(report) == 0 and "sits at 2 places" in report.near_misses[0].why
+    _, report = fuse(model, policy="all")
+    assert len(report) == 1 and model.a is model.b and type(model.a.dense) is FusedLinearTanh
+    assert_same_computation(before, model, [torch.randn(2, 3, 6, dtype=torch.float64)],
+                            torch.float64)
 
 
 # ------------------------------------------------------------------------------------------------
-# Sequential pass: checkpoints and optimizers
+# nn.Sequential: FusedSequential keeps indexing, slicing and hooks meaningful
+
+
+def test_sequential_indexing_slicing_and_later_hooks():
+    torch.manual_seed(0)
+    model = _mlp_policy(dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    fuse(model)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    assert type(model) is FusedSequential and type(model[0]) is nn.Linear
+    assert torch.equal(model[0](x), ref[0](x))  # an element alone is still itself
+    assert type(model[:-1]) is FusedSequential and model[:-1]._ckpt_ext_runs == ()
+    assert rel_err(model[:-1](x), ref[:-1](x)) <= 1e-12  # a slice runs unfused, correctly
+    seen = []
+    model[2].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    assert rel_err(model(x), ref(x)) <= 1e-12 and seen == [torch.Size([5, 64])]  # the hook runs
+    with torch.no_grad():  # elements replaced after fusing: the run falls back to them
+        model[4] = nn.Linear(64, 4, dtype=torch.float64)
+        ref[4] = model[4]
+    assert rel_err(model(x), ref(x)) <= 1e-12
 
 
 def test_old_checkpoint_loads_and_optimizer_keeps_updating():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 8), nn.Tanh(),
+                                                                    nn.Linear(8, 8), nn.Tanh()),
                           nn.Linear(8, 2))
     checkpoint = copy.deepcopy(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built BEFORE the swap
-    fuse(model)
-    assert type(model[2][0]) is FusedLinearTanh and type(model[2][1]) is nn.Identity
+    _, report = fuse(model)
+    assert fused_layers(report) == [("2.0", "2.1", "2.2")]
+    assert type(model[2]) is FusedSequential and type(model[2][0]) is nn.Linear
     model.load_state_dict(checkpoint, strict=True)  # old keys load unchanged
 
     w0 = model[2][0].weight.detach().clone()
@@ -140,7 +512,7 @@ def test_old_checkpoint_loads_and_optimizer_keeps_updating():
 
 
 # ------------------------------------------------------------------------------------------------
-# fx pass: every way to write linear then tanh
+# The opt-in forward rewrite: every way to write linear then tanh
 
 
 class FunctionalForms(nn.Module):
@@ -165,30 +537,49 @@ class FunctionalForms(nn.Module):
         return torch.tanh(F.linear(h, self.w, self.b))  # functional linear, buffer bias
 
 
+@pytest.mark.parametrize("policy", ["memory", "all"])
 @pytest.mark.parametrize("form", ["torch.tanh", "F.tanh", ".tanh()", "nn.Tanh"])
-def test_fx_forms(form):
+def test_rewrite_forms(form, policy):
     torch.manual_seed(0)
     model = FunctionalForms(form).double()
     before = copy.deepcopy(model)
-    fused, report = fuse(model)
-    assert isinstance(fused, fx.GraphModule) and len(report) == 2
-    assert report.swaps[0].linear == "lin" and report.swaps[1].linear == "F.linear"
+
+    _, plain_report = fuse(copy.deepcopy(model), policy=policy)  # no opt-in: nothing rewritten
+    assert plain_report.rewritten == [] and {d.how for d in plain_report.fused} <= {"children"}
+    assert any("pass rewrite=True" in d.why for d in plain_report.near_misses)
+
+    _, report = fuse(model, policy=policy, rewrite=True)
     # F.tanh is `input.tanh()` in Python, so fx records it as the method call.
-    assert report.swaps[0].tanh == {"nn.Tanh": "act", "F.tanh": ".tanh()"}.get(form, form)
-    assert type(fused.lin) is FusedLinearTanh and fused.lin.weight is model.lin.weight
-    assert fused.w is model.w and fused.b is model.b
-    assert list(fused.state_dict()) == list(model.state_dict())
-    # No tanh and no plain linear is left in the graph: both pairs run as the fused op.
-    targets = [n.target for n in fused.graph.nodes]
-    assert targets.count(ckpt_ext.linear_tanh) == 1 and "tanh" not in targets
-    assert not any(t in (torch.tanh, F.tanh, F.linear) for t in targets)
-    assert_same_computation(before, fused, [torch.randn(3, 4, 10, dtype=torch.float64)],
+    tanh = {"nn.Tanh": "act", "F.tanh": ".tanh()"}.get(form, form)
+    if policy == "memory":  # one run: lin, tanh, F.linear, tanh (the model's output)
+        assert fused_layers(report) == [("lin", tanh, "F.linear", "torch.tanh")]
+    else:
+        assert fused_layers(report) == [("lin", tanh), ("F.linear", "torch.tanh")]
+    assert {d.how for d in report.fused} == {"rewrite"} and report.rewritten == [""]
+    assert type(model) is FunctionalForms and type(model.lin) is nn.Linear
+    source = model.forward.source
+    assert source.count("ckpt_ext_ops_tanh_mlp(") == (policy == "memory")
+    assert source.count("ckpt_ext_ops_linear_tanh(") == 2 * (policy == "all")
+    assert "torch.tanh(" not in source and ".tanh()" not in source and "linear(" not in \
+        source.replace("linear_tanh(", "")
+    assert list(model.state_dict()) == list(before.state_dict())
+    assert_same_computation(before, model, [torch.randn(3, 4, 10, dtype=torch.float64)],
                             torch.float64)
+    # A rewritten forward is a plain attribute of the instance: it deep-copies and pickles.
+    x = torch.randn(2, 10, dtype=torch.float64)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.w.zero_()
+    assert not torch.equal(twin(x), model(x)) and rel_err(model(x), before(x)) <= 1e-12
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, weights_only=False)(x), model(x))
 
 
-def test_linear_called_twice_keeps_its_module():
-    # The same Linear is called once before a tanh and once not: the module stays an nn.Linear
-    # and the fused site calls the op on its weight and bias.
+def test_rewrite_linear_called_twice_keeps_its_module():
+    # The same Linear is called once before a tanh and once not: not a child swap; the rewrite
+    # calls the op on its weight and bias at the fused site only.
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -200,9 +591,12 @@ def test_linear_called_twice_keeps_its_module():
     torch.manual_seed(0)
     model = M().double()
     before = copy.deepcopy(model)
-    fused, report = fuse(model)
-    assert len(report) == 1 and type(fused.lin) is nn.Linear
-    assert_same_computation(before, fused, [torch.randn(4, 6, dtype=torch.float64)],
+    _, report = fuse(model)
+    assert len(report) == 0 and "lin is called 2 times" in report.near_misses[0].why
+    _, report = fuse(model, rewrite=True)
+    assert len(report) == 1 and type(model.lin) is nn.Linear
+    assert "residual add" in report.fused[0].why
+    assert_same_computation(before, model, [torch.randn(4, 6, dtype=torch.float64)],
                             torch.float64)
 
 
@@ -225,6 +619,11 @@ class MyLinear(nn.Linear):
         return super().forward(x) * 2
 
 
+def _hook(m):
+    if type(m) is nn.Linear:
+        m.register_forward_hook(lambda mod, inp, out: None)
+
+
 @pytest.mark.parametrize("make,skip_reason", [
     (lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU()), None),
     (lambda: nn.Sequential(nn.Tanh(), nn.Linear(4, 4)), None),
@@ -234,51 +633,49 @@ class MyLinear(nn.Linear):
     (lambda: nn.Sequential(MyLinear(4, 4), nn.Tanh()), "MyLinear subclasses nn.Linear"),
     (lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh()).apply(_hook), "hooks"),
 ])
-def test_leaves_non_matches_alone(make, skip_reason):
+@pytest.mark.parametrize("policy", ["memory", "all"])
+def test_leaves_non_matches_alone(make, skip_reason, policy):
     torch.manual_seed(0)
     model = make()
-    kinds = [type(m) for m in model.modules()]
+    before = kinds(model)
     x = torch.randn(3, 4)
     ref = model(x)
-    fused, report = fuse(model)
+    fused, report = fuse(model, policy=policy, rewrite=True)
     assert fused is model and len(report) == 0 and report.rewritten == []
-    assert [type(m) for m in model.modules()] == kinds
+    assert kinds(model) == before
     assert torch.equal(fused(x), ref)
     if skip_reason is None:
-        assert report.skipped == []
+        assert report.near_misses == []
     else:
-        assert len(report.skipped) == 1 and skip_reason in report.skipped[0].reason
+        assert len(report.near_misses) == 1 and skip_reason in report.near_misses[0].why
         assert skip_reason in str(report)
 
 
-def _hook(m):
-    if type(m) is nn.Linear:
-        m.register_forward_hook(lambda mod, inp, out: None)
-
-
-def test_forward_with_optional_argument_is_not_rewritten():
+def test_forward_with_optional_argument_is_not_used():
     class M(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(4, 4)
+            self.act = nn.Tanh()
 
         def forward(self, x, scale=None):
-            y = torch.tanh(self.lin(x))
+            y = self.act(self.lin(x))
             return y if scale is None else y * scale
 
     model = M()
-    fused, report = fuse(model)
+    fused, report = fuse(model, rewrite=True)
     assert fused is model and len(report) == 0 and type(model.lin) is nn.Linear
-    assert report.skipped[0].linear == "lin" and "scale=None" in report.skipped[0].reason
+    assert report.not_analysed == [("", "its forward has an optional argument scale=None; fx "
+                                        "would see only one value of it")]
     x = torch.randn(2, 4)
     assert torch.equal(model(x, scale=3.0), torch.tanh(model.lin(x)) * 3.0)
 
 
-def test_untraceable_model_falls_back_to_sequential_pass():
+def test_untraceable_model_keeps_sequential_runs_and_reports_why():
     class DataDependent(nn.Module):
         def __init__(self):
             super().__init__()
-            self.seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+            self.seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
             self.lin = nn.Linear(4, 4)
 
         def forward(self, x):
@@ -289,121 +686,128 @@ def test_untraceable_model_falls_back_to_sequential_pass():
     torch.manual_seed(0)
     model = DataDependent().double()
     before = copy.deepcopy(model)
-    fused, report = fuse(model)
-    assert fused is model
-    assert [s.linear for s in report.swaps] == ["seq.0"]
-    assert len(report.untraced) == 1 and report.untraced[0][0] == ""
-    assert "TraceError" in report.untraced[0][1]
-    assert "not traced by torch.fx, only its nn.Sequential pairs are fused" in str(report)
+    _, report = fuse(model)
+    assert fused_layers(report) == [("seq.0", "seq.1", "seq.2")]
+    assert report.near_misses[0].layers == ("seq.3",)
+    assert "its caller <model> was not analysed (torch.fx cannot trace it" in \
+        report.near_misses[0].why
+    assert report.not_analysed[0][0] == "" and "TraceError" in report.not_analysed[0][1]
     x = torch.randn(3, 4, dtype=torch.float64).abs()
     assert_same_computation(before, model, [x], torch.float64)
     assert_same_computation(before, model, [-x], torch.float64)
 
 
 # ------------------------------------------------------------------------------------------------
-# dry run, idempotence, sharing, devices, serialisation
+# dry run, idempotence, trace=False, devices, serialisation
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                                   nn.Linear(8, 8))
+        self.pooler = BertPooler(8)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return torch.tanh(self.head(h[:, 0])) + self.pooler(h)  # residual adds
 
 
 def _mixed_model():
-    class Mixed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.trunk = nn.Sequential(nn.Linear(5, 8), nn.Tanh())
-            self.pooler = BertPooler(8)
-            self.head = nn.Linear(8, 8)
-
-        def forward(self, x):
-            return torch.tanh(self.head(self.pooler(self.trunk(x))))
-
     torch.manual_seed(0)
     return Mixed()
 
 
-def test_dry_run_reports_without_changing():
+def test_mixed_model_units():
+    model = _mixed_model().double()
+    before = copy.deepcopy(model)
+    _, report = fuse(model, rewrite=True)
+    assert [(d.layers, d.how) for d in report.fused] == [
+        (("head", "torch.tanh"), "rewrite"),
+        (("trunk.0", "trunk.1", "trunk.2", "trunk.3", "trunk.4"), "sequential"),
+        (("pooler.dense", "pooler.activation"), "children")]
+    assert report.bytes_per_row == 8 * 8 * 2 + 8 * 8 * 2  # 2 tanh outputs in the run; 2 pairs
+    assert_same_computation(before, model, [torch.randn(2, 3, 5, dtype=torch.float64)],
+                            torch.float64)
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_dry_run_reports_without_changing(rewrite):
     model = _mixed_model()
-    modules = [(n, m) for n, m in model.named_modules()]
-    dry = fuse(model, dry_run=True)
+    before = kinds(model)
+    dry = fuse(model, dry_run=True, rewrite=rewrite)
     assert dry.model is model and dry.report.dry_run
-    assert [(n, m) for n, m in model.named_modules()] == modules  # same objects, same places
-    assert "would fuse 3 Linear->Tanh pair(s)" in str(dry.report)
-    real = fuse(model).report
-    assert dry.report.swaps == real.swaps and dry.report.rewritten == real.rewritten
+    assert kinds(model) == before and "forward" not in vars(model)
+    assert f"would fuse {2 + rewrite} unit(s)" in str(dry.report)
+    real = fuse(model, rewrite=rewrite).report
+    assert dry.report.decisions == real.decisions and dry.report.rewritten == real.rewritten
 
 
-def test_running_twice_changes_nothing():
+@pytest.mark.parametrize("policy", ["memory", "all"])
+def test_running_twice_changes_nothing(policy):
     model = _mixed_model()
     x = torch.randn(2, 3, 5)
-    once, report1 = fuse(model)
-    assert len(report1) == 3 and isinstance(once, fx.GraphModule)
+    once, report1 = fuse(model, policy=policy, rewrite=True)
+    assert len(report1) == (3 if policy == "memory" else 4)
+    after_once = kinds(model)
+    forward = vars(model)["forward"]
+    runs = model.trunk._ckpt_ext_runs
     ref = once(x)
-    twice, report2 = fuse(once)
+    twice, report2 = fuse(once, policy=policy, rewrite=True)
     assert twice is once and len(report2) == 0 and report2.rewritten == []
-    assert [type(m) for m in twice.modules()] == [type(m) for m in once.modules()]
+    assert kinds(twice) == after_once
+    assert vars(model)["forward"] is forward and model.trunk._ckpt_ext_runs is runs
     assert torch.equal(twice(x), ref)
-
-
-def test_shared_module_fused_everywhere():
-    class Shared(nn.Module):
-        def __init__(self, pooler):
-            super().__init__()
-            self.a = pooler
-            self.b = pooler
-
-        def forward(self, x):
-            return self.a(x) + self.b(x)
-
-    model = Shared(BertPooler(6))
-    fused, report = fuse(model)
-    assert fused is model and len(report) == 1
-    assert model.a is model.b and isinstance(model.a, fx.GraphModule)
 
 
 def test_trace_false_only_sequential():
     model = _mixed_model()
     fused, report = fuse(model, trace=False)
-    assert fused is model and [s.how for s in report.swaps] == ["sequential"]
-    assert type(model.pooler) is BertPooler
+    assert fused is model and [d.how for d in report.fused] == ["sequential"]
+    assert type(model.pooler.dense) is nn.Linear
 
 
 def test_meta_device_and_whole_model_pickle():
     model = _mixed_model()
-    fused, _ = fuse(model)
-    # torch.save of the whole converted model (a GraphModule) round-trips.
+    fuse(model)
     buf = io.BytesIO()
-    torch.save(fused, buf)
+    torch.save(model, buf)  # FusedSequential and the swapped children pickle
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     x = torch.randn(2, 3, 5)
-    assert torch.equal(loaded(x), fused(x))
-    # A model on the meta device (deferred init) converts and traces shapes without memory.
+    assert torch.equal(loaded(x), model(x))
+    # A model on the meta device (deferred init) converts and runs shapes without memory.
     meta = _mixed_model().to("meta")
-    fused_meta, report = fuse(meta)
-    assert len(report) == 3
-    assert fused_meta(torch.empty(2, 3, 5, device="meta")).shape == (2, 8)
+    _, report = fuse(meta)
+    assert len(report) == 2
+    assert meta(torch.empty(2, 3, 5, device="meta")).shape == (2, 8)
 
 
 @pytest.mark.filterwarnings("ignore:Complex modules")
 def test_unsupported_dtype_left_alone():
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).to(torch.complex64)
-    fused, report = fuse(model)
+    fused, report = fuse(model, policy="all")
     assert len(report) == 0 and type(model[0]) is nn.Linear
-    assert "complex64 is not supported" in report.skipped[0].reason
+    assert "complex64 is not supported" in report.near_misses[0].why
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and ckpt_ext.WITH_CUDA),
                     reason="CUDA variant: needs a GPU and a CUDA build of ckpt_ext")
 def test_cuda_model():
     torch.manual_seed(0)
-    model = Net().cuda()
+    model = nn.Sequential(Net(), _mlp_policy(40, 64, 4)).cuda()
     before = copy.deepcopy(model)
-    fused, report = fuse(model)
-    assert len(report) == 3 and model.block1[0].weight.is_cuda
+    _, report = fuse(model)
+    assert len(report) == 1 and model[1][0].weight.is_cuda
     assert_same_computation(before, model, [torch.randn(9, 12, device="cuda")], torch.float32)
 
 
-def test_rejects_non_module():
+def test_rejects_bad_arguments():
     with pytest.raises(TypeError, match="expects an nn.Module, got function"):
         fuse(lambda x: x)
+    with pytest.raises(ValueError, match="policy must be one of 'memory', 'all', got 'pairs'"):
+        fuse(nn.Linear(2, 2), policy="pairs")
 
 
 def test_in_place_ops_after_a_fused_pair():
@@ -426,6 +830,72 @@ def test_in_place_ops_after_a_fused_pair():
     # it is an autograd error there; the fused op saves only x, so it needs no clone.
     ref = copy.deepcopy(model)
     ref.forward = lambda inp: ref.block[:2](inp).clone().add_(inp)
-    fused, report = fuse(model)
-    assert len(report) == 1
-    assert_same_computation(ref, fused, [x], torch.float64)
+    _, report = fuse(model)
+    assert len(report) == 1 and "Dropout" in report.fused[0].why
+    assert_same_computation(ref, model, [x], torch.float64)
+
+
+def test_twice_with_a_rewritten_caller_keeps_the_plan():
+    # The trunk's trailing Tanh is fused because the caller adds its output (not kept). After the
+    # caller's forward is rewritten, a second fuse still reads the caller's code: same plan.
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+            self.head = nn.Linear(4, 8)
+
+        def forward(self, x, /):
+            return self.trunk(x) + torch.tanh(self.head(x))
+
+    torch.manual_seed(0)
+    model = Root().double()
+    before = copy.deepcopy(model)
+    _, report = fuse(model, rewrite=True)
+    assert [d.layers for d in report.fused] == [
+        ("head", "torch.tanh"), ("trunk.0", "trunk.1", "trunk.2", "trunk.3")]
+    runs = model.trunk._ckpt_ext_runs
+    assert runs[0].last_tanh
+    assert list(inspect.signature(model.forward).parameters) == ["x"]
+    _, again = fuse(model, rewrite=True)
+    assert len(again) == 0 and model.trunk._ckpt_ext_runs is runs
+    assert [d.action for d in again.decisions] == ["already fused"]
+    assert_same_computation(before, model, [torch.randn(3, 4, dtype=torch.float64)],
+                            torch.float64)
+
+
+def test_rewritten_and_swapped_models_compile_without_graph_breaks():
+    import torch._dynamo
+
+    for model, kw, x in ((_mixed_model(), {"rewrite": True}, torch.randn(2, 3, 5)),
+                         (Children(), {}, torch.randn(4, 3))):
+        fuse(model, **kw)
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(x)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert explanation.graph_count == 1
+    torch._dynamo.reset()
+
+
+def test_sequentials_in_a_module_list_are_followed_to_their_caller():
+    class Blocks(nn.Module):  # residual blocks held in a ModuleList, called by the owner's forward
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                [nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 6), nn.Tanh())
+                 for _ in range(2)])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Blocks().double()
+    before = copy.deepcopy(model)
+    _, report = fuse(model)
+    # Each block's last tanh output only goes into the residual add: the whole block is one run.
+    assert fused_layers(report) == [tuple(f"blocks.{b}.{i}" for i in range(4)) for b in (0, 1)]
+    assert all("residual add" in d.why for d in report.fused)
+    assert report.bytes_per_row == 2 * (12 + 6) * 8
+    assert_same_computation(before, model, [torch.randn(5, 6, dtype=torch.float64)],
+                            torch.float64)
