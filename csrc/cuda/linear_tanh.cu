@@ -113,6 +113,28 @@ struct Tanh<c10::BFloat16> {
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
+// A value whose every operation is rounded on its own (the _rn intrinsics are never contracted
+// into an FMA). The shared formulas of linear_tanh_math.h are instantiated with it, so that their
+// bits do not depend on where the compiler chose to contract: the vector and the scalar path, and
+// every kernel that uses a formula, give the same bits.
+template <typename T>
+struct Rounded {
+  T v;
+  __device__ __forceinline__ Rounded(T x) : v(x) {}
+};
+__device__ __forceinline__ Rounded<float> operator*(Rounded<float> a, Rounded<float> b) {
+  return __fmul_rn(a.v, b.v);
+}
+__device__ __forceinline__ Rounded<float> operator-(Rounded<float> a, Rounded<float> b) {
+  return __fsub_rn(a.v, b.v);
+}
+__device__ __forceinline__ Rounded<double> operator*(Rounded<double> a, Rounded<double> b) {
+  return __dmul_rn(a.v, b.v);
+}
+__device__ __forceinline__ Rounded<double> operator-(Rounded<double> a, Rounded<double> b) {
+  return __dsub_rn(a.v, b.v);
+}
+
 // Blocks for a grid-stride loop over `items` items of `per_block` each: enough to fill every SM
 // several times over, no more (the loop then needs no 2^31 limit on the item count). Never 0.
 int64_t grid_for(int64_t items, int64_t per_block) {
@@ -202,7 +224,7 @@ __device__ __forceinline__ void backward_row(Pack<scalar_t, V>& held, const Pack
     } else {
       acc_t t = static_cast<acc_t>(held.v[e]);
       if constexpr (kPass == Pass::kFromPreActivation) t = Tanh<scalar_t>::apply(t);
-      const acc_t g = tanh_grad_from_output(grad, t);
+      const acc_t g = tanh_grad_from_output(Rounded<acc_t>(grad), Rounded<acc_t>(t)).v;
       held.v[e] = static_cast<scalar_t>(g);
       sums[e] = add_rn(sums[e], g);  // the unrounded g, as on the CPU (half types round on store)
     }
