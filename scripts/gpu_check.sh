@@ -21,8 +21,9 @@
 # Into $OUT (else bench_out/gpu_check/), at most 5 files: gpu_check.log (this script's log with
 # the tail of every step's log folded in), gpu_check.json (device, versions, each step's result
 # and seconds, test counts and failures, the kernel bandwidths with the targets, the timings, the
-# benchmark's headline figures), and the benchmark's own cuda-writeup.json (+ .png for the eager
-# run) under bench_eager/ and bench_compile/. Exit status 0 only when every step passed.
+# benchmark's headline figures), and the benchmark's own cuda-writeup.json under bench_eager/ and
+# bench_compile/ (+ the eager run's .png where matplotlib is installed). Exit status 0 only when
+# every step passed; a pass/fail line per step ends the log.
 #
 #   bash scripts/gpu_check.sh
 #   PYTHON=python3 GPU_CHECK_BUDGET_S=300 bash scripts/gpu_check.sh

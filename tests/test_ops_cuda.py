@@ -448,6 +448,24 @@ def test_tanh_pack_and_scalar_paths_give_the_same_bits(dtype, extra):
 
 
 @requires_cuda
+def test_bfloat16_tanh_is_the_correctly_rounded_value_or_its_neighbour():
+    # bfloat16 uses tanh.approx.f32, whose error bound (about 2^-11 relative) is below half a
+    # bfloat16 ulp: the rounded result must then be one of the two bfloat16 values around the true
+    # tanh, as the correctly rounded one is. Every normal bfloat16 value and ±0 (subnormal inputs
+    # are left out: the bound is not documented for them).
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)
+    keep = torch.isfinite(x) & ((x.float().abs() >= torch.finfo(torch.bfloat16).tiny) | (x == 0))
+    x = x[keep]
+    t = x.reshape(1, -1).to("cuda")
+    kernels().tanh_(t)
+    ref = torch.tanh(x.double()).to(torch.bfloat16)
+    # tanh keeps the sign, so the distance in bit patterns is the distance in ulps
+    ulps = (t.cpu().reshape(-1).view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+    assert ulps.max().item() <= 1, f"{int((ulps > 1).sum())} values off by more than one ulp"
+
+
+@requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("holds", ["z", "t"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
