@@ -589,6 +589,8 @@ def test_kernel_ops_reject_bad_input():
     with pytest.raises(TypeError, match=r"grad_out must have acc's dtype"):
         kernels().tanh_backward_(acc, torch.zeros(4, 6, device="cuda", dtype=torch.float64),
                                  True, True)
+    with pytest.raises(ValueError, match=r"grad_out must not share acc's storage"):
+        kernels().tanh_backward_(acc, acc, True, True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@
 //   order); a full chunk is a loop with a compile-time trip count that issues the loads of
 //   kRowsPerBatch rows before the first store, since the compiler may not move a load of row r + 1
 //   above the store to row r of the same buffer. (All 32 rows at once would need 256 registers.)
+//   The forward thread likewise loads kTanhUnroll packs before its first store.
 // * No atomics, one summation order. The bias sums follow the documented order of
 //   ../linear_tanh_math.h bit for bit: each thread sums its columns over its chunk's rows in
 //   increasing order (the chunk partials, (C, N) in the accumulate type), then the chunk partials
@@ -30,16 +31,19 @@
 //   N with a large M is not one thread looping over thousands of chunks.
 // * Sums use __fadd_rn/__dadd_rn, which nvcc never fuses with the multiply that made g into an
 //   FMA: the value added is the value stored, so the sum is the documented one applied to the very
-//   g the kernel wrote (the tests rebuild it from g and compare bits).
+//   g the kernel wrote (the tests rebuild it from g and compare bits). g itself comes from the
+//   shared formula evaluated with every product and difference rounded on its own (Rounded<T>), so
+//   the pack and scalar paths and both Holds give the same bits wherever the compiler contracts.
 //
 // tanh: tanhf/tanh for float32, float16 and float64, computed in float (double). For bfloat16 the
-// hardware approximation tanh.approx.f32 (sm_75+), because its error is provably below half a unit
-// in the last place of bfloat16: the PTX ISA bounds its relative error by 2^-10.987, while half an
-// ulp of bfloat16 (8 significant bits) is at least 2^-9 of the value. So the rounded bfloat16 t is
-// the correctly rounded one or its neighbour, and the float t that the backward uses from z is
-// nearer the true tanh than the bfloat16 t stock autograd would keep. For float16 (11 bits; half an
-// ulp can be 2^-12 of the value) the bound does not hold, so float16 keeps tanhf. Forward and
-// backward call the same function, so the backward's recomputed t equals the forward's.
+// hardware approximation tanh.approx.f32 (sm_75+; one MUFU op instead of ~20), because its error is
+// below half a unit in the last place of bfloat16: the PTX ISA gives its maximum relative error as
+// about 2^-11 (2^-10.987), while half an ulp of bfloat16 (8 significant bits) is at least 2^-9 of
+// the value. So the rounded bfloat16 t is the correctly rounded one or its neighbour (the tests
+// check every normal bfloat16 input; subnormal inputs are not covered by the bound), and the float
+// t that the backward uses from z has a smaller error bound than the bfloat16 t that stock autograd
+// keeps. For float16 (11 bits; half an ulp can be 2^-12 of the value) the bound does not hold, so
+// float16 keeps tanhf. Forward and backward call the same function on the same z.
 // No --use_fast_math: it would change every other function too.
 //
 // All indices are 64-bit. Every launch goes on at::cuda::getCurrentCUDAStream() (the caller holds
@@ -521,6 +525,9 @@ void check_kernel_args(const char* op, const at::Tensor& acc, const at::Tensor* 
     TORCH_CHECK_TYPE(grad_out->scalar_type() == acc.scalar_type(), "ckpt_ext_kernels.", op,
                      ": grad_out must have acc's dtype ", acc.scalar_type(), ", got ",
                      grad_out->scalar_type());
+    // The kernel reads grad_out through a __restrict__ pointer while it writes acc.
+    TORCH_CHECK_VALUE(!grad_out->is_alias_of(acc), "ckpt_ext_kernels.", op,
+                      ": grad_out must not share acc's storage");
   }
 }
 
