@@ -1,12 +1,22 @@
-"""A small workload for `compute-sanitizer --tool memcheck` (run by scripts/gpu_check.sh): every
-dtype, widths around the 16-byte packs, partial row chunks, no bias, and a stride-0 grad_out, so
-each kernel's edges (scalar tail, last chunk, last column) are touched once.
+"""Small cases that reach every path of the CUDA kernels once, for compute-sanitizer (run by
+scripts/gpu_check.sh: `--tool memcheck` on all of it, `--tool racecheck` on the combine passes).
+
+    python scripts/gpu_sanitize_case.py [--only combine]
+
+Paths, in every dtype: the forward tanh with 16-byte packs (and a scalar tail) and scalar
+(misaligned buffer); the backward from z and from t, with and without the bias sums, on the pack
+path (grad_out contiguous, and broadcast) and the scalar path (grad_out at a storage offset,
+column-major, broadcast with a width that is not a multiple of the pack, and a misaligned acc);
+bias_grad on both paths; partial last chunks; 130 and 16388 chunks, so the chunk sums take two and
+three combine passes; M = 0 and N = 0; and the ops themselves: linear_tanh, tanh_mlp at depth 3
+with last_tanh on and off and mixed biases (Holds::kTanhOutput, bias_grad), forward and backward.
 
 Run it with PYTORCH_NO_CUDA_MEMORY_CACHING=1: then every buffer is its own cudaMalloc and an access
 one element past a buffer is caught, instead of landing inside the caching allocator's block.
-Exits non-zero if an output is not finite or far from a float64 reference (a check of the run,
+Exits non-zero if a result is not finite or far from a float64 reference (a check of the run,
 not a substitute for the tests).
 """
+import argparse
 import sys
 
 import torch
@@ -14,31 +24,130 @@ import torch.nn.functional as F
 
 import ckpt_ext
 
+PACK = {torch.float32: 4, torch.float64: 2, torch.bfloat16: 8, torch.float16: 8}
+DTYPES = list(PACK)
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
-def main():
-    assert torch.cuda.is_available() and ckpt_ext.WITH_CUDA, "needs a GPU and a CUDA build"
-    worst = 0.0
-    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        for m, k, n in ((1, 3, 1), (33, 5, 7), (65, 8, 33), (3, 16, 9)):
-            for bias in (True, False):
-                g = torch.Generator().manual_seed(m * 100 + n)
-                x = torch.randn(m, k, generator=g).to("cuda", dtype)
-                w = (torch.randn(n, k, generator=g) / k ** 0.5).to("cuda", dtype)
-                b = torch.randn(n, generator=g).to("cuda", dtype) if bias else None
-                gy = torch.ones((), dtype=dtype, device="cuda").expand(m, n)
-                y = torch.ops.ckpt_ext.linear_tanh(x, w, b)
-                gx, gw, gb = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b,
-                                                                      [True, True, True])
-                ref = torch.tanh(F.linear(x.double(), w.double(),
-                                          None if b is None else b.double()))
-                for t in (y, gx, gw) + ((gb,) if bias else ()):
-                    if not torch.isfinite(t).all():
-                        print(f"non-finite output: {dtype} m={m} k={k} n={n} bias={bias}")
-                        return 1
-                worst = max(worst, ((y.double() - ref).abs().max() / ref.abs().max()).item())
+
+def misaligned(t):
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def check(name, got, ref, tol, scale=None):
+    """‖got − ref‖ / ‖scale‖ <= tol (scale = ref by default; for sums that may cancel, the sum
+    of the terms' magnitudes)."""
+    got = got.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    scale = ref if scale is None else scale.detach().double().cpu()
+    if not torch.isfinite(got).all():
+        raise AssertionError(f"{name}: not finite")
+    err = ((got - ref).norm() / scale.norm().clamp_min(1e-30)).item()
+    if err > tol:
+        raise AssertionError(f"{name}: relative error {err:.2e} > {tol:g}")
+
+
+def kernel_paths(dtype):
+    k = torch.ops.ckpt_ext_kernels
+    tol = TOL[dtype]
+    g = torch.Generator().manual_seed(0)
+    for M, N in ((37, PACK[dtype] * 3), (37, PACK[dtype] * 3 + 1), (1, 1), (0, 8), (5, 0)):
+        z = torch.randn(M, N, generator=g).to("cuda", dtype)
+        gy = torch.randn(M, N, generator=g).to("cuda", dtype)
+        z64, gy64 = z.double().cpu(), gy.double().cpu()
+        t64 = torch.tanh(z64)
+        for acc0 in (z.clone(), misaligned(z)):                       # pack / scalar forward
+            k.tanh_(acc0)
+            check(f"tanh_ {dtype} {M}x{N}", acc0, t64, tol)
+        layouts = {"contiguous": gy, "offset": misaligned(gy), "column-major": gy.t().contiguous().t()}
+        if M * N:
+            layouts["broadcast"] = gy[:1, :1].expand(M, N)
+        for lname, grad_out in layouts.items():
+            g64 = grad_out.double().cpu()
+            for pre in (True, False):
+                for acc_kind in ("aligned", "misaligned"):
+                    src = z if pre else torch.tanh(z.float()).to(dtype)
+                    acc = src.clone() if acc_kind == "aligned" else misaligned(src)
+                    gb = k.tanh_backward_(acc, grad_out, pre, True)
+                    t = t64 if pre else src.double().cpu()
+                    ref = g64 * (1 - t ** 2)
+                    if M * N:
+                        check(f"tanh_backward_ {dtype} {M}x{N} {lname} pre={pre} {acc_kind}",
+                              acc, ref, tol)
+                        check(f"grad_b {dtype} {M}x{N} {lname}", gb, ref.sum(0), tol,
+                              scale=ref.abs().sum(0))
+                    acc = src.clone()
+                    assert k.tanh_backward_(acc, grad_out, pre, False) is None
+            if N:
+                gb = k.bias_grad(grad_out)
+                check(f"bias_grad {dtype} {M}x{N} {lname}", gb, g64.sum(0), tol,
+                      scale=g64.abs().sum(0))
+
+
+def combine_passes(dtype):
+    """130 and 16388 chunks of 32 rows: two and three combine passes, on both paths."""
+    k = torch.ops.ckpt_ext_kernels
+    for M, N in ((32 * 129 + 5, 4), (32 * (128 * 128 + 3) + 5, 3), (32 * 129 + 5, 1)):
+        gy = torch.randn(M, N, device="cuda").to(dtype)
+        g64 = gy.double()
+        check(f"bias_grad {dtype} {M}x{N}", k.bias_grad(gy), g64.sum(0), TOL[dtype],
+              scale=g64.abs().sum(0))
+        acc = torch.randn(M, N, device="cuda").to(dtype)  # z, then g
+        gb = k.tanh_backward_(acc, gy, True, True)
+        check(f"tanh_backward_ grad_b {dtype} {M}x{N}", gb, acc.double().sum(0), TOL[dtype],
+              scale=acc.double().abs().sum(0))
+
+
+def ops(dtype):
+    tol = TOL[dtype]
+    g = torch.Generator().manual_seed(1)
+    for m, kk, n in ((33, 5, 7), (65, 8, 32), (1, 3, 1)):
+        for bias in (True, False):
+            x = torch.randn(m, kk, generator=g).to("cuda", dtype)
+            w = (torch.randn(n, kk, generator=g) / kk ** 0.5).to("cuda", dtype)
+            b = torch.randn(n, generator=g).to("cuda", dtype) if bias else None
+            y = torch.ops.ckpt_ext.linear_tanh(x, w, b)
+            ref = torch.tanh(F.linear(x.double(), w.double(), None if b is None else b.double()))
+            check(f"linear_tanh {dtype} {m}x{kk}->{n}", y, ref, tol)
+            for gy in (torch.randn(m, n, generator=g).to("cuda", dtype),
+                       torch.ones((), dtype=dtype, device="cuda").expand(m, n)):
+                grads = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [True, True, True])
+                for t in grads:
+                    if t is not None and not torch.isfinite(t).all():
+                        raise AssertionError(f"linear_tanh_backward {dtype}: not finite")
+    sizes = [9, 16, 7, 12]
+    for last_tanh in (True, False):
+        x = torch.randn(41, sizes[0], generator=g).to("cuda", dtype).requires_grad_()
+        ws = [(torch.randn(o, i, generator=g) / i ** 0.5).to("cuda", dtype).requires_grad_()
+              for i, o in zip(sizes, sizes[1:])]
+        bs = [torch.randn(sizes[1], generator=g).to("cuda", dtype).requires_grad_(), None,
+              torch.randn(sizes[3], generator=g).to("cuda", dtype).requires_grad_()]
+        y = ckpt_ext.tanh_mlp(x, ws, bs, last_tanh=last_tanh)
+        y.mean().backward()
+        for t in [y, x.grad] + [w.grad for w in ws] + [bs[0].grad, bs[2].grad]:
+            if not torch.isfinite(t).all():
+                raise AssertionError(f"tanh_mlp {dtype} last_tanh={last_tanh}: not finite")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=["combine"], help="only the combine passes (racecheck)")
+    args = ap.parse_args(argv)
+    if not (torch.cuda.is_available() and ckpt_ext.WITH_CUDA):
+        print("gpu_sanitize_case: needs a GPU and a CUDA build of ckpt_ext (cuda available: "
+              f"{torch.cuda.is_available()}, WITH_CUDA: {ckpt_ext.WITH_CUDA})", file=sys.stderr)
+        return 2
+    for dtype in DTYPES:
+        if args.only != "combine":
+            kernel_paths(dtype)
+            ops(dtype)
+        combine_passes(dtype)
+        print(f"sanitize case: {dtype} done", flush=True)
     torch.cuda.synchronize()
-    print(f"sanitize case done; worst forward error vs float64 (max-norm relative): {worst:.2e}")
-    return 0 if worst < 2e-2 else 1
+    print("sanitize case: all paths ran, results finite and near float64")
+    return 0
 
 
 if __name__ == "__main__":

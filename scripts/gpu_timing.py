@@ -1,17 +1,18 @@
-"""Forward+backward time and kept memory of one Linear+Tanh block on a GPU, three ways:
-the fused op (ckpt_ext.FusedLinearTanh), stock nn.Sequential(nn.Linear, nn.Tanh), and the same
-Sequential under torch.utils.checkpoint (use_reentrant=False).
+"""Forward+backward time and kept memory of the fused ops on a GPU against stock PyTorch (run by
+scripts/gpu_check.sh; needs a GPU and a CUDA build):
 
-A stand-in for the full benchmark (python -m ckpt_ext.bench) that scripts/gpu_check.sh runs too:
-small, no plots, CUDA-event timings. Writes a JSON with the device, torch and CUDA versions and
-prints a markdown table.
+* one block: ckpt_ext.FusedLinearTanh vs nn.Sequential(nn.Linear, nn.Tanh) vs that Sequential
+  under torch.utils.checkpoint (use_reentrant=False);
+* a run of L blocks: ckpt_ext.FusedTanhMLP (the stack op, one recompute for the whole run) vs the
+  equivalent nn.Sequential vs the Sequential under one torch.utils.checkpoint.
 
-    python scripts/gpu_timing.py [--json out.json] [--iters 20]
+    python scripts/gpu_timing.py [--json out.json] [--iters 20] [--dtypes float32,bfloat16]
 
-Timings: median over --iters of forward+backward between two CUDA events, after 5 warm-ups.
-"kept" is the memory allocated after the forward minus before it, output included: what the block
-holds for backward. Sizes (batch, in_features, out_features) follow the README quick start
-(512, 1024, 10240) plus two square-ish training shapes.
+Timings: median over --iters of forward+backward between two CUDA events, after 5 warm-ups (no
+profiler or memory hooks installed while timing). "kept" is the memory allocated after the forward
+minus before it, output included: what the module holds for backward, measured in a separate,
+untimed step. Block sizes (batch, in_features, out_features): the write-up's (512, 1024, 10240)
+plus two training shapes; runs: (batch, width, depth).
 """
 from __future__ import annotations
 
@@ -26,16 +27,9 @@ from torch.utils.checkpoint import checkpoint
 
 import ckpt_ext
 
-SIZES = [(512, 1024, 10240), (8192, 4096, 4096), (16384, 1024, 4096)]
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-def _variants(block: nn.Sequential, fused: nn.Module):
-    return {
-        "fused": lambda x: fused(x),
-        "stock": lambda x: block(x),
-        "checkpoint": lambda x: checkpoint(block, x, use_reentrant=False),
-    }
+BLOCK_SIZES = [(512, 1024, 10240), (8192, 4096, 4096), (16384, 1024, 4096)]
+STACK_SIZES = [(8192, 2048, 4), (16384, 1024, 4)]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _measure(fn, x, gy, iters: int):
@@ -58,38 +52,69 @@ def _measure(fn, x, gy, iters: int):
     return statistics.median(times), kept
 
 
-def run(iters: int):
+def _variants(seq: nn.Sequential, fused: nn.Module):
+    return {
+        "fused": lambda x: fused(x),
+        "stock": lambda x: seq(x),
+        "checkpoint": lambda x: checkpoint(seq, x, use_reentrant=False),
+    }
+
+
+def _run_case(kind, dtype_name, batch, k, n, depth, seq, fused, iters):
+    dtype = DTYPES[dtype_name]
+    x = torch.randn(batch, k, device="cuda", dtype=dtype, requires_grad=True)
+    gy = torch.randn(batch, n, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        diff = (fused(x).float() - seq(x).float()).abs().max().item()
     rows = []
-    for dtype in DTYPES:
-        for batch, k, n in SIZES:
+    for name, fn in _variants(seq, fused).items():
+        for p in seq.parameters():
+            p.grad = None
+        ms, kept = _measure(fn, x, gy, iters)
+        rows.append({"kind": kind, "dtype": dtype_name, "batch": batch, "in_features": k,
+                     "out_features": n, "depth": depth, "variant": name,
+                     "fwd_bwd_ms": round(ms, 4), "kept_bytes": kept,
+                     "max_abs_diff_vs_stock": diff if name == "fused" else 0.0})
+    return rows
+
+
+def run(iters: int, dtypes) -> list[dict]:
+    rows = []
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
+        for batch, k, n in BLOCK_SIZES:
             torch.manual_seed(0)
-            block = nn.Sequential(nn.Linear(k, n), nn.Tanh()).to("cuda", dtype)
-            fused = ckpt_ext.FusedLinearTanh.from_linear(block[0])
-            x = torch.randn(batch, k, device="cuda", dtype=dtype, requires_grad=True)
-            gy = torch.randn(batch, n, device="cuda", dtype=dtype)
-            with torch.no_grad():
-                diff = (fused(x).float() - block(x).float()).abs().max().item()
-            for name, fn in _variants(block, fused).items():
-                ms, kept = _measure(fn, x, gy, iters)
-                rows.append({"dtype": str(dtype).replace("torch.", ""), "batch": batch,
-                             "in_features": k, "out_features": n, "variant": name,
-                             "fwd_bwd_ms": round(ms, 4), "kept_bytes": kept,
-                             "max_abs_diff_vs_stock": diff if name == "fused" else 0.0})
-            del block, fused, x, gy
+            seq = nn.Sequential(nn.Linear(k, n), nn.Tanh()).to("cuda", dtype)
+            fused = ckpt_ext.FusedLinearTanh.from_linear(seq[0])
+            rows += _run_case("block", dtype_name, batch, k, n, 1, seq, fused, iters)
+            del seq, fused
+            torch.cuda.empty_cache()
+        for batch, h, depth in STACK_SIZES:
+            torch.manual_seed(0)
+            layers = []
+            for _ in range(depth):
+                layers += [nn.Linear(h, h), nn.Tanh()]
+            seq = nn.Sequential(*layers).to("cuda", dtype)
+            fused = ckpt_ext.FusedTanhMLP.from_modules(seq)  # shares the Linear modules
+            rows += _run_case("stack", dtype_name, batch, h, h, depth, seq, fused, iters)
+            del seq, fused
             torch.cuda.empty_cache()
     return rows
 
 
 def table(rows) -> str:
-    lines = ["| dtype | batch × in → out | variant | fwd+bwd ms | kept MiB | vs stock time |",
-             "|---|---|---|---:|---:|---:|"]
-    stock = {(r["dtype"], r["batch"], r["in_features"], r["out_features"]): r["fwd_bwd_ms"]
-             for r in rows if r["variant"] == "stock"}
+    lines = ["| kind | dtype | batch × in → out (depth) | variant | fwd+bwd ms | kept MiB | "
+             "time vs stock | time vs checkpoint |", "|---|---|---|---|---:|---:|---:|---:|"]
+    key = lambda r: (r["kind"], r["dtype"], r["batch"], r["in_features"], r["out_features"],
+                     r["depth"])
+    ms = {(key(r), r["variant"]): r["fwd_bwd_ms"] for r in rows}
     for r in rows:
-        key = (r["dtype"], r["batch"], r["in_features"], r["out_features"])
-        lines.append(f"| {r['dtype']} | {r['batch']} × {r['in_features']} → {r['out_features']} | "
-                     f"{r['variant']} | {r['fwd_bwd_ms']:.3f} | {r['kept_bytes'] / 2**20:.1f} | "
-                     f"{r['fwd_bwd_ms'] / stock[key]:.2f}x |")
+        k = key(r)
+        lines.append(
+            f"| {r['kind']} | {r['dtype']} | {r['batch']} × {r['in_features']} → "
+            f"{r['out_features']} ({r['depth']}) | {r['variant']} | {r['fwd_bwd_ms']:.3f} | "
+            f"{r['kept_bytes'] / 2**20:.1f} | {r['fwd_bwd_ms'] / ms[(k, 'stock')]:.2f}x | "
+            f"{r['fwd_bwd_ms'] / ms[(k, 'checkpoint')]:.2f}x |")
     return "\n".join(lines)
 
 
@@ -97,25 +122,32 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args(argv)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for d in dtypes:
+        if d not in DTYPES:
+            ap.error(f"--dtypes: unknown dtype {d!r}; expected some of {', '.join(DTYPES)}")
     if not (torch.cuda.is_available() and ckpt_ext.WITH_CUDA):
         print("gpu_timing: needs a GPU and a CUDA build of ckpt_ext "
               f"(cuda available: {torch.cuda.is_available()}, WITH_CUDA: {ckpt_ext.WITH_CUDA})",
               file=sys.stderr)
         return 2
-    rows = run(args.iters)
+    rows = run(args.iters, dtypes)
     props = torch.cuda.get_device_properties(0)
     result = {
         "device": torch.cuda.get_device_name(0),
         "capability": f"{props.major}.{props.minor}",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "tf32": torch.backends.cuda.matmul.allow_tf32,
         "iters": args.iters,
         "timing": "median of fwd+bwd between CUDA events, after 5 warm-ups",
         "results": rows,
     }
     print(f"Conditions: {result['device']} (sm {result['capability']}), torch {result['torch']}, "
-          f"CUDA {result['cuda']}, {result['timing']}, {args.iters} iterations\n")
+          f"CUDA {result['cuda']}, TF32 {'on' if result['tf32'] else 'off'}, {result['timing']}, "
+          f"{args.iters} iterations\n")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

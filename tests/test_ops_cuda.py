@@ -1,22 +1,40 @@
 """GPU-only tests of the CUDA kernels (csrc/cuda/linear_tanh.cu), beyond the device-parametrized
-suite of test_ops.py: float16/bfloat16 tolerances, a sweep of widths around the 16-byte packs,
-non-contiguous inputs, the current (non-default) stream and CUDA-graph capture, bitwise
-reproducibility of the bias grad, 64-bit indexing, and CPU-vs-CUDA agreement of the scalar bodies
-both backends share (linear_tanh_math.h).
+suite of test_ops.py. Every test here carries the `cuda` marker (`pytest -m cuda` selects them;
+scripts/gpu_check.sh does) and, where it needs a GPU, skips with the reason when none is visible.
 
-Two tests run on any machine: the build flag must match the kernels registered, and with
+What is covered:
+* accuracy against the float64 reference: the one-layer op in every dtype (half types at their
+  tolerance), the stack op (ckpt_ext.tanh_mlp, ckpt_ext.FusedTanhMLP) at depths 1-4 with odd
+  widths, last_tanh on and off, with and without biases; every buffer the ops allocate poisoned;
+* the kernels' paths: the 16-byte-pack path and the scalar path (misaligned storage offsets of acc
+  and of grad_out, strided, column-major and broadcast grad_out, widths that are not a multiple of
+  the pack) must give the same bits, and the profiler must see the path the rules pick;
+* the bias gradient bitwise equal to the documented summation order (csrc/linear_tanh.h) rebuilt
+  in plain torch from the kernel's own g. Through the public ops g is read exactly with x = the
+  identity (M = K rows): grad_W = gᵀ·I = gᵀ, a GEMM with one nonzero per dot product, so exact;
+  row counts span many 32-row chunks plus a partial one, and enough chunks for the pairwise
+  combination to take two and three passes; widths span several packs plus a tail;
+* CPU-vs-CUDA agreement (bitwise where no tanh is involved: both follow the same order);
+* the current (non-default) stream, CUDA-graph capture, bitwise reproducibility, 64-bit indexing.
+
+Three tests run on any machine: the build flag must match the kernels registered, and with
 CKPT_EXT_EXPECT_CUDA=1 (set by CI, which has nvcc) the build must have compiled the CUDA kernels,
 so a silent fallback to a CPU-only build fails."""
+import contextlib
 import math
 import os
+import re
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import ckpt_ext
 from reference import TOL, linear_tanh_ref, rel_err
 from reference import linear_tanh_ref_grads as ref_grads
-from test_ops import _run_fused as fused
+
+pytestmark = pytest.mark.cuda
 
 HAS_GPU = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(
@@ -28,10 +46,32 @@ requires_cuda = pytest.mark.skipif(
 # scaled by the sums of magnitudes for gradients: see ref_scales).
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 ALL_GRADS = [True, True, True]
+ROWS = ckpt_ext._C.ROWS_PER_CHUNK                 # 32 rows per chunk of the bias sums
+PACK = {torch.float32: 4, torch.float64: 2, torch.bfloat16: 8, torch.float16: 8}  # 16 bytes
+GROUP = 128  # chunk sums one block combines (kGroupChunks in linear_tanh.cu): > GROUP takes 2 passes
+
+
+def kernels():
+    """torch.ops.ckpt_ext_kernels: the raw CUDA primitives (tanh_, tanh_backward_, bias_grad)."""
+    return torch.ops.ckpt_ext_kernels
+
+
+def acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # ------------------------------------------------------------------------------------------------
-# reference (plain PyTorch, float64, on the CPU)
+# references (plain PyTorch, on the CPU)
+
+def run_fused(x, w, b, gy):
+    """Output and grads of ckpt_ext.linear_tanh; detach(), not clone(), so views keep their strides."""
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    b = None if b is None else b.detach().requires_grad_()
+    y = ckpt_ext.linear_tanh(x, w, b)
+    y.backward(gy)
+    return y.detach(), x.grad, w.grad, (None if b is None else b.grad)
+
 
 def ref_scales(x, w, gy, y):
     """The float64 reference computed on absolute values: |y|, |g|·|W|, |g|ᵀ·|x|, Σ|g|. A gradient
@@ -58,7 +98,7 @@ def scaled_err(out, ref, scale):
 
 
 def assert_matches_reference(x, w, b, gy, tol):
-    got = fused(x, w, b, gy)
+    got = run_fused(x, w, b, gy)
     ref = ref_grads(x, w, b, gy)
     for name, o, r, s in zip(("out", "grad_x", "grad_weight", "grad_bias"), got, ref,
                              ref_scales(x, w, gy, ref[0])):
@@ -70,6 +110,47 @@ def assert_matches_reference(x, w, b, gy, tol):
         assert err <= tol, f"{name}: error {err:.3g} > {tol:g} ({x.dtype})"
 
 
+def stack_ref(x, weights, biases, last_tanh, grad_out):
+    """Output, grad_x, [grad_W], [grad_b] of a Linear/Tanh stack by stock autograd in float64 on
+    the CPU; biases has one entry per layer (None where absent)."""
+    xs = x.detach().double().cpu().requires_grad_()
+    ws = [w.detach().double().cpu().requires_grad_() for w in weights]
+    bs = [None if b is None else b.detach().double().cpu().requires_grad_() for b in biases]
+    h = xs
+    for i, (w, b) in enumerate(zip(ws, bs)):
+        h = F.linear(h, w, b)
+        if i + 1 < len(ws) or last_tanh:
+            h = torch.tanh(h)
+    h.backward(grad_out.detach().double().cpu())
+    return h.detach(), xs.grad, [w.grad for w in ws], [None if b is None else b.grad for b in bs]
+
+
+def documented_column_sums(g, dtype):
+    """The column sums of g (M, N) in the documented order of csrc/linear_tanh.h, rebuilt in plain
+    torch on the CPU: in the accumulate type (float64 for float64, else float32), rows in
+    increasing order within chunks of 32 rows starting from zero, then the chunk sums combined
+    pairwise level by level (at level w = 1, 2, 4, ..., chunk i, a multiple of 2w, adds chunk
+    i + w if it exists); rounded to dtype once. CPU float adds are IEEE round-to-nearest, as the
+    kernel's __fadd_rn."""
+    acc = acc_dtype(dtype)
+    g = g.detach().to("cpu", acc)
+    M, N = g.shape
+    C = -(-M // ROWS)
+    if C == 0:
+        return torch.zeros(N, dtype=dtype)
+    # Zero rows pad the last chunk: s + 0.0 is s exactly, as s is never -0.0 (it starts at +0.0).
+    rows = torch.cat([g, g.new_zeros(C * ROWS - M, N)]).view(C, ROWS, N)
+    sums = g.new_zeros(C, N)
+    for r in range(ROWS):
+        sums = sums + rows[:, r]
+    w = 1
+    while w < C:
+        i = torch.arange(0, C - w, 2 * w)
+        sums[i] = sums[i] + sums[i + w]
+        w *= 2
+    return sums[0].to(dtype)
+
+
 def make(lead, k, n, dtype, bias=True, device="cuda", seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, k, generator=g)
@@ -78,6 +159,61 @@ def make(lead, k, n, dtype, bias=True, device="cuda", seed=0):
     gy = torch.randn(*lead, n, generator=g)
     cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)
     return cast(x), cast(w), cast(b), cast(gy)
+
+
+def misaligned_copy(t):
+    """A contiguous copy of t whose storage offset is one element: its data pointer is not 16-byte
+    aligned, so the kernels must take their scalar path."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16 != 0 and out.is_contiguous()
+    return out
+
+
+def grad_out_layouts(gy):
+    """grad_out (M, N) laid out every way the kernels distinguish, same values: name ->
+    (tensor, pack path expected when acc is aligned and N is a multiple of the pack)."""
+    M, N = gy.shape
+    wide = torch.empty(M, N + 1, dtype=gy.dtype, device=gy.device)[:, :N]  # row stride N + 1
+    wide.copy_(gy)
+    return {
+        "contiguous": (gy.contiguous(), True),
+        "offset": (misaligned_copy(gy), False),                  # storage offset 1
+        "column-major": (gy.t().contiguous().t(), False),        # strides (1, M)
+        "row stride N+1": (wide, False),
+    }
+
+
+@contextlib.contextmanager
+def exact_fp32_matmul():
+    """No TF32 in float32 GEMMs: the identity trick needs exact products."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def kernel_names(fn):
+    """Names of the CUDA kernels fn launches, from the profiler; skips when the profiler records
+    no CUDA kernel at all (no CUPTI), rather than failing on the tool."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernel at all (CUPTI unavailable?)")
+    return names
+
+
+def pack_width(names, kernel):
+    """The pack width V (second template argument) of each launch of `kernel` in names."""
+    return {int(m.group(1)) for n in names for m in [re.search(kernel + r"<[^,<>]+, (\d+)", n)]
+            if m}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -109,17 +245,19 @@ def test_cuda_build_when_expected():
     assert ckpt_ext.WITH_CUDA, (
         "CKPT_EXT_EXPECT_CUDA=1 but ckpt_ext was built CPU-only; see the 'ckpt_ext setup:' lines "
         "of the build log for why")
+    for op in ("tanh_", "tanh_backward_", "bias_grad"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ckpt_ext_kernels::{op}", "CUDA")
 
 
 # ------------------------------------------------------------------------------------------------
-# accuracy
+# accuracy: one layer
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("lead,k,n", [((257,), 129, 65), ((3, 37), 256, 255), ((1,), 8, 1024),
                                       ((4099,), 64, 33)])
-def test_half_types_within_dtype_tolerance(dtype, bias, lead, k, n):
+def test_half_types_within_dtype_tolerance(poison, dtype, bias, lead, k, n):
     x, w, b, gy = make(lead, k, n, dtype, bias)
     assert_matches_reference(x, w, b, gy, TOL[dtype])
 
@@ -128,16 +266,16 @@ def test_half_types_within_dtype_tolerance(dtype, bias, lead, k, n):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 33, 67])
 @pytest.mark.parametrize("n", range(1, 34))
-def test_widths_around_vector_packs(dtype, rows, n):
-    # 1..33 columns cover packs of 2, 4 and 8 that straddle rows, and every length of scalar tail;
-    # odd row counts leave the last 32-row chunk of the backward partial.
+def test_widths_around_vector_packs(poison, dtype, rows, n):
+    # 1..33 columns: multiples of the 2-, 4- and 8-wide packs take the pack path, the others the
+    # scalar path; odd row counts leave a partial last 32-row chunk.
     x, w, b, gy = make((rows,), 5, n, dtype, bias=(n % 2 == 1), seed=n)
     assert_matches_reference(x, w, b, gy, TOL[dtype])
 
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_noncontiguous_inputs_and_grads(dtype):
+def test_noncontiguous_inputs_and_grads(poison, dtype):
     x, w, b, gy = make((40,), 34, 18, dtype)
     xt = x.t().contiguous().t()[:, ::2]              # (40, 17), strides (1, 80)
     wt = w.t().contiguous().t()[:, ::2]              # (18, 17), transposed layout
@@ -152,7 +290,7 @@ def test_noncontiguous_inputs_and_grads(dtype):
 
 
 @requires_cuda
-def test_leading_dims_and_empty():
+def test_leading_dims_and_empty(poison):
     for lead in [(2, 3, 5), (0,), (4, 0, 2)]:
         x, w, b, gy = make(lead, 7, 9, torch.float32)
         assert_matches_reference(x, w, b, gy, TOL[torch.float32])
@@ -160,11 +298,11 @@ def test_leading_dims_and_empty():
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cpu_and_cuda_run_the_same_bodies(dtype):
+def test_cpu_and_cuda_agree(dtype):
     # Inputs on a grid of quarters, so x·Wᵀ + b is exact in every dtype and both GEMMs agree
-    # exactly; what is left to differ is tanh's last bit (libm vs CUDA's) and the gradient GEMMs'
-    # summation order. The index mapping of the kernels is the thing under test: a wrong row,
-    # column or chunk would be off by far more than a unit in the last place.
+    # exactly; what is left to differ is tanh's last bit (libm vs CUDA's; tanh.approx for
+    # bfloat16) and the gradient GEMMs' summation order. A wrong row, column or chunk in a kernel
+    # would be off by far more than a unit in the last place.
     g = torch.Generator().manual_seed(1)
     q = lambda *s: torch.randint(-4, 5, s, generator=g).double() / 4
     x, w, b = q(2, 37, 8), q(45, 8), q(45)
@@ -197,6 +335,293 @@ def test_output_allows_in_place_ops():
 
 
 # ------------------------------------------------------------------------------------------------
+# accuracy: the stack op (tanh_mlp), whose backward runs Holds::kTanhOutput on every layer but the
+# top one, and bias_grad on the top layer without tanh
+
+STACK_WIDTHS = [37, 33, 17, 65, 9]  # in_features, then out_features per layer: odd, unaligned
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+@pytest.mark.parametrize("last_tanh", [True, False], ids=["last_tanh", "no_last_tanh"])
+@pytest.mark.parametrize("bias", ["all", "none", "some"])
+def test_stack_matches_float64_reference(poison, dtype, depth, last_tanh, bias):
+    gen = torch.Generator().manual_seed(depth * 10 + last_tanh)
+    sizes = STACK_WIDTHS[:depth + 1]
+    # 3·43 = 129 rows: four full 32-row chunks and a partial one
+    x = torch.randn(3, 43, sizes[0], generator=gen)
+    weights = [torch.randn(n, k, generator=gen) / k ** 0.5 for k, n in zip(sizes, sizes[1:])]
+    has = {"all": [True] * depth, "none": [False] * depth,
+           "some": [i % 2 == 0 for i in range(depth)]}[bias]
+    biases = [torch.randn(n, generator=gen) if h else None for n, h in zip(sizes[1:], has)]
+    gy = torch.randn(3, 43, sizes[-1], generator=gen)
+    ref = stack_ref(x, weights, biases, last_tanh, gy)
+
+    cast = lambda t: None if t is None else t.to("cuda", dtype).requires_grad_()
+    xc, wc, bc = cast(x), [cast(w) for w in weights], [cast(b) for b in biases]
+    y = ckpt_ext.tanh_mlp(xc, wc, bc, last_tanh=last_tanh)
+    y.backward(gy.to("cuda", dtype))
+    tol = TOL[dtype]
+    assert rel_err(y, ref[0]) <= tol, "out"
+    assert rel_err(xc.grad, ref[1]) <= tol, "grad_x"
+    for i in range(depth):
+        assert rel_err(wc[i].grad, ref[2][i]) <= tol, f"grad of weights[{i}]"
+        if has[i]:
+            assert rel_err(bc[i].grad, ref[3][i]) <= tol, f"grad of biases[{i}]"
+
+
+@requires_cuda
+@pytest.mark.parametrize("last_tanh", [True, False], ids=["last_tanh", "no_last_tanh"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_fused_tanh_mlp_module_matches_sequential(poison, last_tanh, bias):
+    torch.manual_seed(3)
+    sizes = [19, 40, 33, 8]
+    fused = ckpt_ext.FusedTanhMLP(sizes, bias=bias, last_tanh=last_tanh, device="cuda",
+                                  dtype=torch.float32)
+    layers = []
+    for i, (k, n) in enumerate(zip(sizes, sizes[1:])):
+        layers.append(nn.Linear(k, n, bias=bias, dtype=torch.float64))
+        if i + 2 < len(sizes) or last_tanh:
+            layers.append(nn.Tanh())
+    seq = nn.Sequential(*layers)
+    seq.load_state_dict({k: v.double().cpu() for k, v in fused.state_dict().items()})
+    x = torch.randn(5, 67, sizes[0])
+    xs = x.double().requires_grad_()
+    xc = x.clone().cuda().requires_grad_()
+    gy = torch.randn(5, 67, sizes[-1])
+    y = fused(xc)
+    y.backward(gy.cuda())
+    ys = seq(xs)
+    ys.backward(gy.double())
+    tol = TOL[torch.float32]
+    assert rel_err(y, ys) <= tol
+    assert rel_err(xc.grad, xs.grad) <= tol
+    ref_params = dict(seq.named_parameters())
+    for name, p in fused.named_parameters():
+        assert rel_err(p.grad, ref_params[name].grad) <= tol, name
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stack_top_bias_grad_cpu_and_cuda_bitwise(dtype):
+    # Without last_tanh the top layer's bias gradient is the column sums of grad_out alone
+    # (bias_grad): no tanh, so CPU and CUDA, following the same order, give the same bits; and
+    # both equal the documented order rebuilt here. 9617 rows: 301 chunks, two combine passes.
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9617, 6, generator=gen).to(dtype)
+    weights = [(torch.randn(10, 6, generator=gen) / 3).to(dtype),
+               (torch.randn(13, 10, generator=gen) / 3).to(dtype)]
+    biases = [torch.randn(10, generator=gen).to(dtype), torch.randn(13, generator=gen).to(dtype)]
+    gy = torch.randn(9617, 13, generator=gen).to(dtype)
+    got = {}
+    for dev in ("cpu", "cuda"):
+        args = [t.to(dev) for t in (gy, x)]
+        _, _, gb = torch.ops.ckpt_ext.tanh_mlp_backward(
+            args[0], args[1], [w.to(dev) for w in weights], [b.to(dev) for b in biases],
+            [True, True], False, False, [False, False], [False, True])
+        got[dev] = gb[0].cpu()
+    ref = documented_column_sums(gy, dtype)
+    assert torch.equal(got["cuda"], ref)
+    assert torch.equal(got["cpu"], got["cuda"])
+
+
+# ------------------------------------------------------------------------------------------------
+# the kernels' paths (torch.ops.ckpt_ext_kernels): pack and scalar paths give the same bits, and
+# the rules pick the path they say
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("extra", [0, 3])
+def test_tanh_pack_and_scalar_paths_give_the_same_bits(dtype, extra):
+    # numel = 97·(pack·5 + extra): with extra = 3 a scalar tail after the last whole pack
+    n = PACK[dtype] * 5 + extra
+    z = (torch.randn(97, n, generator=torch.Generator().manual_seed(n)) * 3).to("cuda", dtype)
+    t_pack = z.clone()
+    kernels().tanh_(t_pack)
+    t_scalar = misaligned_copy(z)
+    kernels().tanh_(t_scalar)
+    assert torch.equal(t_pack, t_scalar)
+    assert rel_err(t_pack, torch.tanh(z.double().cpu())) <= TOL[dtype]
+    assert pack_width(kernel_names(lambda: kernels().tanh_(z.clone())), "tanh_kernel") == {PACK[dtype]}
+    assert pack_width(kernel_names(lambda: kernels().tanh_(misaligned_copy(z))), "tanh_kernel") == {1}
+
+
+@requires_cuda
+def test_bfloat16_tanh_is_the_correctly_rounded_value_or_its_neighbour():
+    # bfloat16 uses tanh.approx.f32, whose error bound (about 2^-11 relative) is below half a
+    # bfloat16 ulp: the rounded result must then be one of the two bfloat16 values around the true
+    # tanh, as the correctly rounded one is. Every normal bfloat16 value and ±0 (subnormal inputs
+    # are left out: the bound is not documented for them).
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)
+    keep = torch.isfinite(x) & ((x.float().abs() >= torch.finfo(torch.bfloat16).tiny) | (x == 0))
+    x = x[keep]
+    ref = torch.tanh(x.double()).to(torch.bfloat16)
+    t = x.reshape(1, -1).to("cuda", copy=True)
+    kernels().tanh_(t)
+    # tanh keeps the sign, so the distance in bit patterns is the distance in ulps
+    ulps = (t.cpu().reshape(-1).view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+    assert ulps.max().item() <= 1, f"{int((ulps > 1).sum())} values off by more than one ulp"
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("holds", ["z", "t"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_backward_pack_and_scalar_paths_give_the_same_bits(poison, dtype, holds, bias):
+    # (M, N) = (32·4 + 5, 5 packs): four full chunks, a partial one; N a multiple of the pack, so
+    # only the layouts decide the path.
+    M, N = ROWS * 4 + 5, PACK[dtype] * 5
+    gen = torch.Generator().manual_seed(11)
+    z = (torch.randn(M, N, generator=gen) * 2).to("cuda", dtype)
+    held = z.clone()
+    if holds == "t":
+        kernels().tanh_(held)
+    gy = torch.randn(M, N, generator=gen).to("cuda", dtype)
+    pre = holds == "z"
+
+    def run(acc, grad_out):
+        acc = acc.clone() if acc.data_ptr() % 16 == 0 else misaligned_copy(acc)
+        gb = kernels().tanh_backward_(acc, grad_out, pre, bias)
+        return acc, gb
+
+    g_ref, gb_ref = run(held, gy)
+    # g against float64: t from z (or the stored t), g = gy·(1 − t²)
+    t64 = torch.tanh(z.double().cpu()) if pre else held.double().cpu()
+    g64 = gy.double().cpu() * (1 - t64 ** 2)
+    assert scaled_err(g_ref, g64, gy.double().cpu()) <= TOL[dtype]
+    if bias:
+        assert scaled_err(gb_ref, g64.sum(0), g64.abs().sum(0)) <= TOL[dtype]
+        if dtype in (torch.float32, torch.float64):  # g stored = g summed (half types round g)
+            assert torch.equal(gb_ref.cpu(), documented_column_sums(g_ref, dtype))
+    else:
+        assert gb_ref is None
+
+    for name, (grad_out, packed) in grad_out_layouts(gy).items():
+        g, gb = run(held, grad_out)
+        assert torch.equal(g, g_ref), name
+        assert (gb is None) if not bias else torch.equal(gb, gb_ref), name
+        want = {PACK[dtype] if packed else 1}
+        got = pack_width(kernel_names(lambda: run(held, grad_out)), "tanh_backward_kernel")
+        assert got == want, f"{name}: pack width {got}, expected {want}"
+    # acc misaligned: scalar path, same bits
+    g, gb = run(misaligned_copy(held), gy)
+    assert torch.equal(g, g_ref) and (gb is None or torch.equal(gb, gb_ref))
+    assert pack_width(kernel_names(lambda: run(misaligned_copy(held), gy)),
+                      "tanh_backward_kernel") == {1}
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tail", [0, 3], ids=["packs", "packs+tail"])
+def test_broadcast_grad_out_is_read_once_and_gives_the_same_bits(poison, dtype, tail):
+    # out.mean() gives grad_out = one value expanded, strides (0, 0). With a tail (N not a
+    # multiple of the pack) both the broadcast and the materialised grad_out take the scalar path.
+    M, N = ROWS * 3 + 7, PACK[dtype] * 4 + tail
+    z = torch.randn(M, N, generator=torch.Generator().manual_seed(2)).to("cuda", dtype)
+    gy0 = torch.full((), 0.37, dtype=dtype, device="cuda").expand(M, N)
+    assert gy0.stride() == (0, 0)
+    g_b = z.clone()
+    gb_b = kernels().tanh_backward_(g_b, gy0, True, True)
+    g_d = z.clone()
+    gb_d = kernels().tanh_backward_(g_d, gy0.contiguous(), True, True)
+    assert torch.equal(g_b, g_d) and torch.equal(gb_b, gb_d)
+    names = kernel_names(lambda: kernels().tanh_backward_(z.clone(), gy0, True, True))
+    assert pack_width(names, "tanh_backward_kernel") == {1 if tail else PACK[dtype]}
+    reads = {m.group(1) for n in names for m in [re.search(r"GradRead\)(\d)", n)] if m}
+    assert reads in (set(), {"0"}), f"broadcast grad_out read as {reads}, expected kBroadcast (0)"
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bias_grad_kernel_is_the_documented_order(poison, dtype):
+    # Column sums of grad_out: bitwise the documented order in every dtype, on every layout.
+    # 9617 rows = 300 full chunks + 17 rows: 301 chunks, two combine passes.
+    M = ROWS * 300 + 17
+    for N in (PACK[dtype] * 3, PACK[dtype] * 3 + 1):
+        gy = torch.randn(M, N, generator=torch.Generator().manual_seed(N)).to("cuda", dtype)
+        ref = documented_column_sums(gy, dtype)
+        for name, (grad_out, _) in grad_out_layouts(gy).items():
+            assert torch.equal(kernels().bias_grad(grad_out).cpu(), ref), (N, name)
+        gy0 = gy[:1, :1].expand(M, N)
+        assert torch.equal(kernels().bias_grad(gy0).cpu(),
+                           documented_column_sums(gy0, dtype)), (N, "broadcast")
+
+
+@requires_cuda
+@pytest.mark.parametrize("N", [3, 8, 37])
+def test_many_chunks_small_width_three_combine_passes(poison, N):
+    # 16388 chunks of 32 rows for a narrow layer: the chunk sums take three combine passes
+    # (16388 -> 129 -> 2 -> 1); bitwise the documented order, in the backward and in bias_grad.
+    M = ROWS * (GROUP * GROUP + 3) + 5
+    gen = torch.Generator().manual_seed(N)
+    gy = torch.randn(M, N, generator=gen).cuda()
+    assert torch.equal(kernels().bias_grad(gy).cpu(), documented_column_sums(gy, torch.float32))
+    acc = torch.randn(M, N, generator=gen).cuda()
+    gb = kernels().tanh_backward_(acc, gy, True, True)  # acc: z -> g
+    assert torch.equal(gb.cpu(), documented_column_sums(acc, torch.float32))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_pre_activation_and_tanh_output_passes_agree(dtype):
+    # The backward from z computes t with the forward kernel's tanh: same g, same bits, as the
+    # backward from t = tanh_(z).
+    z = (torch.randn(ROWS * 2 + 9, 24, generator=torch.Generator().manual_seed(4)) * 2).to(
+        "cuda", dtype)
+    gy = torch.randn_like(z)
+    g_from_z = z.clone()
+    gb_z = kernels().tanh_backward_(g_from_z, gy, True, True)
+    g_from_t = z.clone()
+    kernels().tanh_(g_from_t)
+    gb_t = kernels().tanh_backward_(g_from_t, gy, False, True)
+    assert torch.equal(g_from_z, g_from_t) and torch.equal(gb_z, gb_t)
+
+
+@requires_cuda
+def test_kernel_ops_reject_bad_input():
+    acc = torch.zeros(4, 6, device="cuda")
+    with pytest.raises(ValueError, match=r"acc must be a 2-D contiguous CUDA tensor"):
+        kernels().tanh_(acc.t())
+    with pytest.raises(ValueError, match=r"grad_out must have acc's shape"):
+        kernels().tanh_backward_(acc, torch.zeros(4, 5, device="cuda"), True, True)
+    with pytest.raises(TypeError, match=r"grad_out must have acc's dtype"):
+        kernels().tanh_backward_(acc, torch.zeros(4, 6, device="cuda", dtype=torch.float64),
+                                 True, True)
+    with pytest.raises(ValueError, match=r"grad_out must not share acc's storage"):
+        kernels().tanh_backward_(acc, acc, True, True)
+
+
+# ------------------------------------------------------------------------------------------------
+# the bias gradient through the public ops, read exactly with x = identity
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("M", [ROWS * 5 + 7, ROWS * (GROUP + 2) + 5], ids=["6chunks", "131chunks"])
+@pytest.mark.parametrize("N", [37, 40], ids=["tail", "packs"])
+def test_bias_grad_is_the_documented_order_of_the_kernels_g(poison, dtype, M, N):
+    # x = I (M = K rows): grad_W = gᵀ·x = gᵀ exactly (one nonzero product per dot product), so
+    # grad_W.t() is the kernel's own g to the bit. (float32 and float64 only: for half types the
+    # kernel sums g before rounding it to the storage type, as the CPU does.)
+    gen = torch.Generator().manual_seed(M + N)
+    x = torch.eye(M, dtype=dtype, device="cuda")
+    w1 = (torch.randn(N, M, generator=gen) * 2).to("cuda", dtype)
+    b1 = torch.randn(N, generator=gen).to("cuda", dtype)
+    gy = torch.randn(M, N, generator=gen).to("cuda", dtype)
+    with exact_fp32_matmul():
+        # one layer with tanh: Holds::kPreActivation
+        _, gw, gb = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w1, b1, [False, True, True])
+        assert torch.equal(gb.cpu(), documented_column_sums(gw.t(), dtype))
+        # the lower layer of a stack: Holds::kTanhOutput (its g is in the buffer that held t)
+        w2 = (torch.randn(23, N, generator=gen) / 4).to("cuda", dtype)
+        gy2 = torch.randn(M, 23, generator=gen).to("cuda", dtype)
+        _, gws, gbs = torch.ops.ckpt_ext.tanh_mlp_backward(
+            gy2, x, [w1, w2], [b1], [True, False], True, False, [True, False], [True])
+        assert torch.equal(gbs[0].cpu(), documented_column_sums(gws[0].t(), dtype))
+
+
+# ------------------------------------------------------------------------------------------------
 # streams, graphs, determinism
 
 @requires_cuda
@@ -222,7 +647,8 @@ def test_runs_on_the_current_stream():
 @requires_cuda
 def test_captures_into_a_cuda_graph():
     # Capture fails if any launch goes to the legacy default stream; replay must recompute.
-    x, w, b, gy = make((70,), 32, 48, torch.float32)
+    # 4133 rows: 130 chunks, so the bias sums take two combine passes inside the graph too.
+    x, w, b, gy = make((4133,), 32, 48, torch.float32)
     static_x = x.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
