@@ -863,8 +863,12 @@ def config_from_args(argv=None) -> Config:
     ps = PRESETS[preset]
     sizes = Sizes(*(getattr(a, k) if getattr(a, k) is not None else ps[k]
                     for k in ("batch", "in_features", "hidden", "depth")))
-    pinn = Sizes(a.pinn_points or ps["pinn"]["batch"], 2, a.pinn_hidden or ps["pinn"]["hidden"],
-                 a.pinn_depth or ps["pinn"]["depth"])
+    def pinn_size(flag: str, key: str) -> int:
+        v = getattr(a, f"pinn_{flag}")
+        return v if v is not None else ps["pinn"][key]
+
+    pinn = Sizes(pinn_size("points", "batch"), 2, pinn_size("hidden", "hidden"),
+                 pinn_size("depth", "depth"))
     steps = a.steps if a.steps is not None else ps["steps"]
     warmup = a.warmup if a.warmup is not None else ps["warmup"]
     networks = [n.strip() for n in a.networks.split(",") if n.strip()]
