@@ -574,8 +574,8 @@ def conditions(cfg: Config) -> dict:
 def conditions_line(c: dict) -> str:
     s, p = c["sizes"], c["pinn_sizes"]
     return (
-        f"Benchmark conditions: {c['device']}, {c['dtype']}, torch {c['torch']}; chain/residual/mlp: "
-        f"batch {s['batch']}, in_features {s['in_features']}, hidden {s['hidden']}, depth "
+        f"Benchmark conditions: {c['device']}, {c['dtype']}, torch {c['torch']}; "
+        f"chain/residual/mlp: batch {s['batch']}, in_features {s['in_features']}, hidden {s['hidden']}, depth "
         f"{s['depth']} (MLP inner {c['mlp_ratio']}×hidden); pinn: {p['in_features']} -> "
         f"{p['hidden']}x{p['depth']} -> {p['out_features']} tanh MLP on {p['batch']} points. "
         f"Step time = median of {c['steps']} steps after {c['warmup']} warm-up, modes interleaved, "
@@ -643,33 +643,52 @@ _COLOURS = {"plain": "#555555", "compile": "#999999", "checkpoint": "#1f77b4",
 
 def _place_labels(ax, xy: list[tuple[float, float]], labels: list[str], colours: list[str]):
     """Annotate each point with its label at the first of a ring of offsets (growing outwards)
-    where the text overlaps no other label, no marker and stays inside the axes; far offsets get a
-    leader line."""
+    where the text (and its leader line, for far offsets) overlaps no other label and no marker,
+    and stays inside the axes."""
+    from matplotlib.text import Text
+
     fig = ax.figure
     renderer = fig.canvas.get_renderer()
     to_disp = ax.transData.transform
     ax_box = ax.get_window_extent(renderer)
     px = fig.dpi / 72.0
+    # Points that land on one another (within 6 px) share one label, a name per line.
+    groups: list[list[int]] = []
+    for i, p in enumerate(xy):
+        d = to_disp(p)
+        for g in groups:
+            if math.dist(d, to_disp(xy[g[0]])) < 6 * px:
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    xy = [xy[g[0]] for g in groups]
+    colours = [colours[g[0]] if len(g) == 1 else "#333333" for g in groups]
+    labels = ["\n".join(labels[i] for i in g) for g in groups]
     markers = [to_disp(p) for p in xy]
     taken = []
     dirs = [(1, 0.3), (1, -1), (-1, 0.3), (-1, -1), (0, 1.2), (0, -1.8), (1, 1.2), (-1, 1.2),
-            (1, -1.8), (-1, -1.8)]
+            (1, -1.8), (-1, -1.8), (0.5, 2.2), (-0.5, 2.2), (0.5, -2.6), (-0.5, -2.6)]
     for i in sorted(range(len(xy)), key=lambda j: (xy[j][0], xy[j][1])):
         best = None
-        for r in (6, 12, 20, 30, 42):
+        for r in (6, 12, 20, 30, 42, 56, 72):
             for dx, dy in dirs:
                 ha = "left" if dx > 0 else "right" if dx < 0 else "center"
                 t = ax.annotate(labels[i], xy[i], xytext=(dx * r, dy * r * 0.8),
                                 textcoords="offset points", ha=ha, va="center", fontsize=7.5,
                                 color=colours[i],
                                 arrowprops=(dict(arrowstyle="-", color=colours[i], lw=0.6,
-                                                 shrinkA=0, shrinkB=3) if r > 12 else None))
-                bb = t.get_window_extent(renderer).expanded(1.04, 1.15)
+                                                 shrinkA=0, shrinkB=3) if r >= 12 else None))
+                # the text's own box (an Annotation's would include its leader line), once the
+                # annotation has placed its text
+                t.update_positions(renderer)
+                bb = Text.get_window_extent(t, renderer).expanded(1.04, 1.15)
                 inside = (bb.x0 >= ax_box.x0 and bb.x1 <= ax_box.x1 and bb.y0 >= ax_box.y0
                           and bb.y1 <= ax_box.y1)
+                pad = 4 * px  # keep clear of every marker, the label's own included
                 clear = not any(bb.overlaps(o) for o in taken) and not any(
-                    bb.x0 - 4 * px <= mx <= bb.x1 + 4 * px and bb.y0 - 4 * px <= my <= bb.y1 + 4 * px
-                    for j, (mx, my) in enumerate(markers) if j != i)
+                    bb.x0 - pad <= mx <= bb.x1 + pad and bb.y0 - pad <= my <= bb.y1 + pad
+                    for mx, my in markers)
                 if inside and clear:
                     best = (t, bb)
                     break
@@ -679,7 +698,8 @@ def _place_labels(ax, xy: list[tuple[float, float]], labels: list[str], colours:
         if best is None:  # nothing free: the nearest spot, still readable most of the time
             t = ax.annotate(labels[i], xy[i], xytext=(6, 4), textcoords="offset points",
                             fontsize=7.5, color=colours[i])
-            best = (t, t.get_window_extent(renderer))
+            t.update_positions(renderer)
+            best = (t, Text.get_window_extent(t, renderer))
         taken.append(best[1])
 
 
@@ -913,7 +933,9 @@ def main(argv=None) -> int:
         f.write(table)
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
-    written = [stem + ".md", stem + ".json"] + ([stem + ".png"] if plot(results, stem + ".png") else [])
+    written = [stem + ".md", stem + ".json"]
+    if plot(results, stem + ".png"):
+        written.append(stem + ".png")
     print(table)
     errors = [f"{n}/{m}: {r['error']}" for n, modes in results["networks"].items()
               for m, r in modes.items() if "error" in r]

@@ -260,8 +260,8 @@ class PINNNet(_Recompute, nn.Module):
         u = u[:, 0]
         residual = ((u_t - PINNNet.KAPPA * u_xx) ** 2).mean()
         boundary = (u[:nb] ** 2).mean() if nb else u.new_zeros(())
-        initial = ((u[nb:2 * nb] - torch.sin(math.pi * points[nb:2 * nb, 1].detach())) ** 2).mean() \
-            if nb else u.new_zeros(())
+        u0 = torch.sin(math.pi * points[nb:2 * nb, 1].detach())
+        initial = ((u[nb:2 * nb] - u0) ** 2).mean() if nb else u.new_zeros(())
         return residual + boundary + initial
 
 

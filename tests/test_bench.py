@@ -195,7 +195,8 @@ def test_presets_and_defaults():
     assert cfg.preset == "cpu-default" and cfg.out == "bench_out"  # untracked (.gitignore)
     assert cfg.modes == bench.DEFAULT_MODES and "checkpoint-reentrant" not in cfg.modes
     assert cfg.networks == ["chain", "residual", "mlp", "pinn"]
-    assert (cfg.pinn.batch, cfg.pinn.in_features, cfg.pinn.hidden, cfg.pinn.depth) == (4096, 2, 64, 4)
+    assert (cfg.pinn.batch, cfg.pinn.in_features, cfg.pinn.hidden, cfg.pinn.depth) == \
+        (4096, 2, 64, 4)
     cfg = bench.config_from_args(["--device", "cpu", "--preset", "small", "--hidden", "32",
                                   "--pinn-points", "512", "--steps", "20"])
     assert (cfg.sizes.batch, cfg.sizes.hidden, cfg.pinn.batch, cfg.pinn.hidden, cfg.steps) == \

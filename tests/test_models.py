@@ -1,5 +1,5 @@
 """The benchmark's networks: structure, keys, cross-loading, every mode computing plain's loss and
-gradients, and the list of GEMMs each mode recomputes (the benchmark's floor) against FLOP counts."""
+gradients, and the GEMMs each mode recomputes (the benchmark's floor) against FLOP counts."""
 import pytest
 import torch
 from torch import nn
@@ -116,7 +116,8 @@ def test_no_parameter_registered_twice(name):
         net = cls(in_features=IN[name], hidden=8, depth=3, mode=mode)
         every = list(net.named_parameters(remove_duplicate=False))
         assert len({id(p) for _, p in every}) == len(every), mode
-        linears = sum(1 for m in net.modules() if isinstance(m, (nn.Linear, ckpt_ext.FusedLinearTanh)))
+        linears = sum(1 for m in net.modules()
+                      if isinstance(m, (nn.Linear, ckpt_ext.FusedLinearTanh)))
         assert len(every) == 2 * linears, mode
         assert [n for n, _ in every] == list(net.state_dict()), mode
 
