@@ -1,5 +1,6 @@
 """The memory meter, in exact bytes: the counting CPU allocator against tensors of known size, our
-kernels' allocations, and what each network mode keeps for backward."""
+kernels' allocations, what each network mode keeps for backward, and where the fused modes peak
+against plain and checkpoint."""
 import pytest
 import torch
 
