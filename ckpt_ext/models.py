@@ -1,100 +1,136 @@
-"""The benchmark's networks, each in three modes: ``plain``, ``checkpoint`` and ``fused``.
+"""The benchmark's networks, each in the modes a user would pick between.
 
 * :class:`Net` is the write-up's network: ``linear1 = Linear(1024, 10240)`` then ``block1..block3``,
   each ``Sequential(Linear(10240, 10240), Tanh())``, loss ``output.mean()`` on a (512, 1024) input.
-  ``checkpoint`` wraps every block but the last in ``torch.utils.checkpoint.checkpoint`` (block1 and
-  block2 at the write-up's depth of 3), exactly as the write-up does. ``fused`` runs every block as
-  :class:`~ckpt_ext.FusedLinearTanh`.
-* :class:`ResidualNet`: ``h = h + tanh(Linear(h))`` per block. Here the residual stream ``h`` is
-  what a block needs anyway, so a block that keeps only ``h`` keeps half of what plain keeps.
+  Modes: ``checkpoint`` wraps every block but the last in ``torch.utils.checkpoint.checkpoint``
+  (block1 and block2 at the write-up's depth of 3), exactly as the write-up does;
+  ``checkpoint-stack`` checkpoints block1..blockN as one call (keeps only the stack's input);
+  ``fused`` runs block1..blockN as one :func:`ckpt_ext.tanh_mlp` (keeps only the stack's input, and
+  recomputes the stack inside the op's backward). ``linear1`` is a plain Linear in every mode.
+* :class:`ResidualNet`: ``h = h + tanh(Linear(h))`` per block. The residual stream ``h`` is what a
+  block needs anyway, so a block that keeps only ``h`` keeps half of what plain keeps; ``fused``
+  runs each block as :class:`~ckpt_ext.FusedLinearTanh` (pairs are the unit here: the add keeps
+  ``h`` whatever the block does).
 * :class:`MLPNet`: ``h = h + Linear(4H, H)(tanh(Linear(H, 4H)(h)))`` per block (a transformer MLP
-  with tanh). Plain keeps ``h`` and the (M, 4H) activation; recomputation keeps only ``h``.
+  with tanh). Plain keeps ``h`` and the (M, 4H) activation; ``fused`` runs each block as a
+  :class:`~ckpt_ext.FusedTanhMLP` ``[H, 4H, H]`` without a final tanh, which keeps only ``h``.
+* :class:`PINNNet`: a physics-informed network, ``2 -> hidden x depth -> 1`` with tanh, whose loss
+  (:meth:`PINNNet.loss`) needs ``u_t``, ``u_x`` and ``u_xx`` by ``torch.autograd.grad(...,
+  create_graph=True)`` twice before the parameter backward. ``fused`` runs the whole MLP as one
+  :class:`~ckpt_ext.FusedTanhMLP`; ``checkpoint`` checkpoints it as one call (non-reentrant only:
+  reentrant checkpoint refuses ``torch.autograd.grad``).
+
+In ``checkpoint`` mode ResidualNet and MLPNet checkpoint every block, so the stack-wide checkpoint
+of the chain would be the same thing for them; they do not take ``checkpoint-stack``.
 
 Weights are initialised by ``nn.Linear``'s own initialisation in every mode and the ``state_dict``
-keys are the same in every mode (``block1.0.weight``, ``blocks.0.fc1.weight``, ...), so models built
-from the same seed, or loaded from one another's ``state_dict``, compute the same function.
+keys are the same in every mode (``block1.0.weight``, ``blocks.0.fc1.weight``, ``mlp.0.weight``,
+...), so models built from the same seed, or loaded from one another's ``state_dict``, compute the
+same function. No mode registers a parameter twice.
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .modules import FusedLinearTanh
-from .ops import linear_tanh
+from .modules import FusedLinearTanh, FusedTanhMLP
+from .ops import tanh_mlp
 
-MODES = ("plain", "checkpoint", "fused")
+#: Every mode some network has; each class lists its own in ``MODES``.
+ALL_MODES = ("plain", "checkpoint", "checkpoint-stack", "fused")
 
 
-def _check_mode(mode: str, use_reentrant: bool) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+def _check_args(cls, mode: str, use_reentrant: bool) -> None:
+    if mode not in cls.MODES:
+        raise ValueError(f"{cls.__name__}: mode must be one of {', '.join(cls.MODES)}, "
+                         f"got {mode!r}")
     if not isinstance(use_reentrant, bool):
         raise TypeError(f"use_reentrant must be a bool, got {type(use_reentrant).__name__}")
 
 
-def _linear_tanh_block(mode: str, features: int, device, dtype) -> nn.Sequential:
-    # Fused blocks stay Sequentials whose [0] holds weight and bias, so state_dict keys
-    # (block1.0.weight) match plain and one model loads the other's weights. Identity keeps the
-    # length and indexing of the plain Sequential(Linear, Tanh).
-    if mode == "fused":
-        return nn.Sequential(FusedLinearTanh(features, features, device=device, dtype=dtype),
-                             nn.Identity())
+def _linear_tanh(features: int, device, dtype) -> nn.Sequential:
     return nn.Sequential(nn.Linear(features, features, device=device, dtype=dtype), nn.Tanh())
 
 
-class _CheckpointMixin:
+class _Recompute:
+    """The checkpoint call every network shares. ``use_reentrant`` is always passed: torch warns
+    when it is left out, and the two variants keep different things (reentrant re-runs under its
+    own autograd graph)."""
     mode: str
     use_reentrant: bool
 
-    def _run(self, block: nn.Module, h: Tensor, recompute: bool) -> Tensor:
-        if recompute and self.mode == "checkpoint" and torch.is_grad_enabled():
-            # use_reentrant is always passed: torch warns when it is left out, and the two
-            # variants keep different things (reentrant re-runs under its own autograd graph).
-            return checkpoint(block, h, use_reentrant=self.use_reentrant)
-        return block(h)
+    def _checkpoint(self, fn, h: Tensor) -> Tensor:
+        if torch.is_grad_enabled():
+            return checkpoint(fn, h, use_reentrant=self.use_reentrant)
+        return fn(h)  # no graph, nothing to save
+
+    @staticmethod
+    def loss(out: Tensor, x: Tensor) -> Tensor:
+        """The write-up's loss, ``output.mean()``."""
+        return out.mean()
 
 
-class Net(_CheckpointMixin, nn.Module):
+class Net(_Recompute, nn.Module):
     """The write-up's chain ``linear1 -> block1 -> block2 -> block3`` (``depth`` blocks).
 
     ``mode="checkpoint"`` checkpoints block1 .. block{depth-1} (not the last block, as in the
-    write-up); ``use_reentrant`` picks the variant of ``torch.utils.checkpoint``.
+    write-up); ``"checkpoint-stack"`` checkpoints block1 .. block{depth} as one call; ``"fused"``
+    runs block1 .. block{depth} as one :func:`ckpt_ext.tanh_mlp` over the blocks' own Linear
+    parameters (the blocks stay ``Sequential(Linear, Tanh)``, so the keys are plain's).
+    ``use_reentrant`` picks the variant of ``torch.utils.checkpoint``.
     """
+
+    MODES = ("plain", "checkpoint", "checkpoint-stack", "fused")
 
     def __init__(self, in_features: int = 1024, hidden: int = 10240, depth: int = 3,
                  mode: str = "plain", use_reentrant: bool = False, device=None,
                  dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        _check_mode(mode, use_reentrant)
+        _check_args(type(self), mode, use_reentrant)
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.mode, self.use_reentrant, self.depth = mode, use_reentrant, depth
         self.linear1 = nn.Linear(in_features, hidden, device=device, dtype=dtype)
         for i in range(1, depth + 1):
-            setattr(self, f"block{i}", _linear_tanh_block(mode, hidden, device, dtype))
+            setattr(self, f"block{i}", _linear_tanh(hidden, device, dtype))
 
     def blocks(self) -> list[nn.Module]:
         return [getattr(self, f"block{i}") for i in range(1, self.depth + 1)]
 
+    def _stack(self, h: Tensor) -> Tensor:
+        for block in self.blocks():
+            h = block(h)
+        return h
+
     def forward(self, x: Tensor) -> Tensor:
         h = self.linear1(x)
+        if self.mode == "fused":
+            linears = [block[0] for block in self.blocks()]
+            return tanh_mlp(h, [lin.weight for lin in linears], [lin.bias for lin in linears])
+        if self.mode == "checkpoint-stack":
+            return self._checkpoint(self._stack, h)
         for i, block in enumerate(self.blocks(), start=1):
-            h = self._run(block, h, recompute=i < self.depth)
+            h = self._checkpoint(block, h) if self.mode == "checkpoint" and i < self.depth \
+                else block(h)
         return h
 
 
-class _ResidualStack(_CheckpointMixin, nn.Module):
+class _ResidualStack(_Recompute, nn.Module):
     """``h = linear1(x)``, then per block ``h = h + block(h)``; every block is recomputed in
-    ``checkpoint`` mode. Subclasses say what a block is."""
+    ``checkpoint`` mode. Subclasses say what a block is in each mode."""
+
+    MODES = ("plain", "checkpoint", "fused")
 
     def __init__(self, in_features: int, hidden: int, depth: int, mode: str, use_reentrant: bool,
                  make_block, device=None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        _check_mode(mode, use_reentrant)
+        _check_args(type(self), mode, use_reentrant)
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
         self.mode, self.use_reentrant = mode, use_reentrant
         # linear1 first, then the blocks: the order the parameters draw from the RNG
         self.linear1 = nn.Linear(in_features, hidden, device=device, dtype=dtype)
@@ -103,87 +139,155 @@ class _ResidualStack(_CheckpointMixin, nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = self.linear1(x)
         for block in self.blocks:
-            h = h + self._run(block, h, recompute=True)
+            h = h + (self._checkpoint(block, h) if self.mode == "checkpoint" else block(h))
         return h
 
 
 class ResidualNet(_ResidualStack):
     """``h = linear1(x)``, then per block ``h = h + tanh(Linear(h))``; every block is
-    checkpointed in ``checkpoint`` mode and fused in ``fused`` mode."""
+    checkpointed in ``checkpoint`` mode and is a :class:`~ckpt_ext.FusedLinearTanh` in ``fused``
+    mode (kept in a ``Sequential`` with an ``Identity``, so the keys are ``blocks.0.0.weight`` as
+    in plain)."""
 
     def __init__(self, in_features: int = 1024, hidden: int = 10240, depth: int = 3,
                  mode: str = "plain", use_reentrant: bool = False, device=None,
                  dtype: Optional[torch.dtype] = None) -> None:
-        super().__init__(in_features, hidden, depth, mode, use_reentrant,
-                         lambda: _linear_tanh_block(mode, hidden, device, dtype), device, dtype)
+        def block():
+            if mode == "fused":
+                return nn.Sequential(FusedLinearTanh(hidden, hidden, device=device, dtype=dtype),
+                                     nn.Identity())
+            return _linear_tanh(hidden, device, dtype)
 
-
-# ------------------------------------------------------------------------------------------------
-# The fused MLP block. Swapping fc1+tanh for FusedLinearTanh alone saves nothing here: fc2 keeps
-# its input u = tanh(fc1(h)) for its weight gradient, and u is exactly what plain Tanh keeps. So the
-# fused block keeps only h and rebuilds u in backward with our op:
-#   forward : u = linear_tanh(h, W1, b1); y = u·W2ᵀ + b2            saves h (and the parameters)
-#   backward: du = dy·W2
-#             dh, dW1, db1 = linear_tanh_backward(du, h, W1, b1)   (recompute 1: the fc1 GEMM)
-#             u = linear_tanh(h, W1, b1); dW2 = dyᵀ·u; db2 = Σdy    (recompute 2: the fc1 GEMM)
-# Two recomputed GEMMs of the fc1 size; checkpoint recomputes fc1 and fc2, the same FLOPs. The
-# order keeps at most two (M, ratio*H) buffers alive at once (du and the op's g; later u alone),
-# where checkpoint holds three in tanh's backward (u, du and the gradient of fc1's output).
-class _FusedMLPFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(h: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor,
-                b2: Optional[Tensor]) -> Tensor:
-        return F.linear(linear_tanh(h, w1, b1), w2, b2)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy: Tensor):
-        h, w1, b1, w2, b2 = ctx.saved_tensors
-        need_h, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad
-        dy2 = dy.reshape(-1, w2.shape[0])
-        du = (dy2 @ w2).reshape(*h.shape[:-1], w2.shape[1])
-        dh, dw1, db1 = torch.ops.ckpt_ext.linear_tanh_backward.default(
-            du, h, w1, b1, [need_h, need_w1, need_b1 and b1 is not None])
-        del du
-        dw2 = dy2.t() @ linear_tanh(h, w1, b1).reshape(-1, w2.shape[1]) if need_w2 else None
-        db2 = dy2.sum(0) if need_b2 and b2 is not None else None
-        return dh, dw1, db1, dw2, db2
+        super().__init__(in_features, hidden, depth, mode, use_reentrant, block, device, dtype)
 
 
 class MLPBlock(nn.Module):
     """``fc2(tanh(fc1(h)))`` with fc1: H -> ratio*H, fc2: ratio*H -> H (the residual add is in
-    :class:`MLPNet`). In ``fused`` mode fc1 is a :class:`FusedLinearTanh` and the whole block keeps
-    only its input (see ``_FusedMLPFunction``)."""
+    :class:`MLPNet`), in plain PyTorch."""
 
-    def __init__(self, hidden: int, ratio: int, fused: bool, device=None, dtype=None) -> None:
+    def __init__(self, hidden: int, ratio: int, device=None, dtype=None) -> None:
         super().__init__()
-        self.fused = fused
-        inner = ratio * hidden
-        self.fc1 = (FusedLinearTanh(hidden, inner, device=device, dtype=dtype) if fused
-                    else nn.Linear(hidden, inner, device=device, dtype=dtype))
-        self.fc2 = nn.Linear(inner, hidden, device=device, dtype=dtype)
+        self.fc1 = nn.Linear(hidden, ratio * hidden, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(ratio * hidden, hidden, device=device, dtype=dtype)
 
     def forward(self, h: Tensor) -> Tensor:
-        if self.fused:
-            return _FusedMLPFunction.apply(h, self.fc1.weight, self.fc1.bias, self.fc2.weight,
-                                           self.fc2.bias)
         return self.fc2(torch.tanh(self.fc1(h)))
+
+
+def fused_mlp_block(hidden: int, ratio: int, device=None, dtype=None) -> FusedTanhMLP:
+    """:class:`MLPBlock` as one :class:`~ckpt_ext.FusedTanhMLP` ``[H, ratio*H, H]`` without a final
+    tanh: it keeps only ``h`` and recomputes fc1 once in backward. Its Linears are registered
+    under ``fc1``/``fc2``, so its keys are MLPBlock's, and drawn in the same order (same values
+    from the same seed)."""
+    fc1 = nn.Linear(hidden, ratio * hidden, device=device, dtype=dtype)
+    fc2 = nn.Linear(ratio * hidden, hidden, device=device, dtype=dtype)
+    return FusedTanhMLP.from_modules({"fc1": fc1, "act": nn.Tanh(), "fc2": fc2})
 
 
 class MLPNet(_ResidualStack):
     """``h = linear1(x)``, then per block ``h = h + MLPBlock(h)``; every block is checkpointed in
-    ``checkpoint`` mode and fused in ``fused`` mode."""
+    ``checkpoint`` mode and is :func:`fused_mlp_block` in ``fused`` mode."""
 
     def __init__(self, in_features: int = 1024, hidden: int = 10240, depth: int = 3,
                  mode: str = "plain", use_reentrant: bool = False, ratio: int = 4, device=None,
                  dtype: Optional[torch.dtype] = None) -> None:
-        super().__init__(in_features, hidden, depth, mode, use_reentrant,
-                         lambda: MLPBlock(hidden, ratio, mode == "fused", device, dtype),
-                         device, dtype)
+        def block():
+            if mode == "fused":
+                return fused_mlp_block(hidden, ratio, device, dtype)
+            return MLPBlock(hidden, ratio, device, dtype)
+
+        super().__init__(in_features, hidden, depth, mode, use_reentrant, block, device, dtype)
 
 
-NETWORKS = {"chain": Net, "residual": ResidualNet, "mlp": MLPNet}
+class PINNNet(_Recompute, nn.Module):
+    """A physics-informed network ``u(t, x)``: ``Linear(2, hidden), Tanh`` then ``depth - 1`` times
+    ``Linear(hidden, hidden), Tanh``, then ``Linear(hidden, 1)``, held as ``self.mlp`` (keys
+    ``mlp.0.weight`` ... in every mode). ``fused`` makes it one :class:`~ckpt_ext.FusedTanhMLP`
+    (``from_modules`` of the Sequential: the same Linear modules); ``checkpoint`` checkpoints the
+    Sequential as one call. The training step is :meth:`loss` of the output and the points."""
+
+    MODES = ("plain", "checkpoint", "fused")
+
+    #: heat equation u_t = KAPPA * u_xx
+    KAPPA = 0.1
+
+    def __init__(self, in_features: int = 2, hidden: int = 64, depth: int = 4,
+                 mode: str = "plain", use_reentrant: bool = False, out_features: int = 1,
+                 device=None, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        _check_args(type(self), mode, use_reentrant)
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        if in_features != 2:
+            raise ValueError(f"PINNNet: in_features must be 2 (the points are (t, x)), "
+                             f"got {in_features}")
+        self.mode, self.use_reentrant = mode, use_reentrant
+        sizes = [in_features] + [hidden] * depth + [out_features]
+        layers: list[nn.Module] = []
+        for k, n in zip(sizes[:-1], sizes[1:]):
+            layers += [nn.Linear(k, n, device=device, dtype=dtype), nn.Tanh()]
+        seq = nn.Sequential(*layers[:-1])  # no tanh after the output layer
+        self.mlp = FusedTanhMLP.from_modules(seq) if mode == "fused" else seq
+
+    def forward(self, points: Tensor) -> Tensor:
+        if self.mode == "checkpoint":
+            return self._checkpoint(self.mlp, points)
+        return self.mlp(points)
+
+    @staticmethod
+    def points(n: int, generator: Optional[torch.Generator] = None, device=None,
+               dtype: Optional[torch.dtype] = None) -> Tensor:
+        """``n`` points (t, x) in [0, 1]^2 that require grad: the first ``n // 8`` on the boundary
+        x in {0, 1}, the next ``n // 8`` at t = 0, the rest inside (the layout :meth:`loss`
+        reads)."""
+        p = torch.rand(n, 2, generator=generator, dtype=torch.float64)
+        nb = n // 8
+        p[:nb, 1] = (torch.arange(nb) % 2).double()
+        p[nb:2 * nb, 0] = 0.0
+        return p.to(device=device, dtype=dtype or torch.get_default_dtype()).requires_grad_()
+
+    @staticmethod
+    def loss(u: Tensor, points: Tensor) -> Tensor:
+        """Heat-equation residual ``u_t - KAPPA * u_xx`` at every point, plus ``u = 0`` on the
+        boundary and ``u = sin(pi x)`` at t = 0. ``u_t``, ``u_x`` and ``u_xx`` come from
+        ``torch.autograd.grad(create_graph=True)`` twice, so the parameter backward that follows
+        differentiates the first-order backward (a double backward)."""
+        (du,) = torch.autograd.grad(u.sum(), points, create_graph=True)
+        u_t, u_x = du[:, 0], du[:, 1]
+        (du_x,) = torch.autograd.grad(u_x.sum(), points, create_graph=True)
+        u_xx = du_x[:, 1]
+        nb = points.shape[0] // 8
+        u = u[:, 0]
+        residual = ((u_t - PINNNet.KAPPA * u_xx) ** 2).mean()
+        boundary = (u[:nb] ** 2).mean() if nb else u.new_zeros(())
+        u0 = torch.sin(math.pi * points[nb:2 * nb, 1].detach())
+        initial = ((u[nb:2 * nb] - u0) ** 2).mean() if nb else u.new_zeros(())
+        return residual + boundary + initial
+
+
+NETWORKS = {"chain": Net, "residual": ResidualNet, "mlp": MLPNet, "pinn": PINNNet}
+
+
+def recomputed_gemms(name: str, mode: str, batch: int, in_features: int, hidden: int, depth: int,
+                     ratio: int = 4, use_reentrant: bool = False
+                     ) -> Optional[Sequence[tuple[int, int, int]]]:
+    """The forward GEMMs, as (M, K, N) for ``x (M, K) @ W.T (K, N)``, that ``mode`` of network
+    ``name`` runs again in backward (None where that is not a fixed list: the physics-informed
+    network, whose double backward recomputes through autograd). The benchmark times them alone
+    for its "floor" column; tests/test_models.py checks them against FLOP counts."""
+    if name == "pinn":
+        return None
+    if mode not in NETWORKS[name].MODES:
+        raise ValueError(f"{NETWORKS[name].__name__} has no mode {mode!r}")
+    fc1 = (batch, hidden, ratio * hidden)
+    # Per block: what the block's backward needs recomputed. The MLP block needs tanh(fc1(h)) only:
+    # fc2's output feeds no gradient, so neither the stack op nor non-reentrant checkpoint (which
+    # stops its re-run once it has every tensor backward asked for) runs fc2 again; reentrant
+    # checkpoint re-runs the whole block.
+    per_block = {"chain": [(batch, hidden, hidden)], "residual": [(batch, hidden, hidden)],
+                 "mlp": [fc1] + ([(batch, ratio * hidden, hidden)] if use_reentrant else [])}[name]
+    if mode == "plain":
+        return []
+    if mode == "checkpoint" and name == "chain":
+        return per_block * (depth - 1)  # the write-up's placement leaves the last block alone
+    return per_block * depth  # checkpoint (every block), checkpoint-stack and fused

@@ -1,5 +1,6 @@
 """The memory meter, in exact bytes: the counting CPU allocator against tensors of known size, our
-kernels' allocations, and what each network mode keeps for backward."""
+kernels' allocations, what each network mode keeps for backward, and where the fused modes peak
+against plain and checkpoint."""
 import pytest
 import torch
 
@@ -7,7 +8,7 @@ import ckpt_ext
 from ckpt_ext import _C
 from ckpt_ext.bench import clear_grads, measured_step
 from ckpt_ext.memory import MemoryMeter, nvml_usage, show_usage
-from ckpt_ext.models import NETWORKS
+from ckpt_ext.models import NETWORKS, PINNNet
 
 
 @pytest.fixture
@@ -114,65 +115,111 @@ def test_fused_backward_temporaries_are_counted(meter):
 UNIT_SIZES = dict(batch=128, in_features=16, hidden=32, depth=3)
 
 
-def _measure(name, mode, reentrant=False, sizes=UNIT_SIZES, meter=None):
+def _measure(name, mode, reentrant=False, sizes=UNIT_SIZES, meter=None, loss_fn=None):
     torch.manual_seed(0)
-    net = NETWORKS[name](mode=mode, use_reentrant=reentrant, in_features=sizes["in_features"],
-                         hidden=sizes["hidden"], depth=sizes["depth"])
-    x = torch.randn(sizes["batch"], sizes["in_features"])
-    clear_grads(net)
-    return measured_step(net, x, meter)
-
-
-@pytest.mark.parametrize("name", list(NETWORKS))
-def test_kept_for_backward_in_bytes(meter, name):
-    B, H, D = UNIT_SIZES["batch"], UNIT_SIZES["hidden"], UNIT_SIZES["depth"]
-    unit = B * H * 4  # one (batch, hidden) float32 activation
-    rng = torch.get_rng_state().nbytes  # non-reentrant checkpoint keeps the CPU RNG state per call
-    fused = _measure(name, "fused", meter=meter)
-    plain = _measure(name, "plain", meter=meter)
-    ckpt = _measure(name, "checkpoint", meter=meter)
-    # fused keeps exactly the block inputs, every network
-    assert fused["kept_for_backward"] == D * unit
-    if name == "chain":
-        # plain: linear1's output and each block's tanh output (the next Linear's input);
-        # checkpointing block1 and block2 keeps the very same tensors (plus RNG states):
-        assert plain["kept_for_backward"] == (D + 1) * unit
-        assert ckpt["kept_for_backward"] == (D + 1) * unit + (D - 1) * rng
+    cls = NETWORKS[name]
+    net = cls(mode=mode, use_reentrant=reentrant, in_features=sizes["in_features"],
+              hidden=sizes["hidden"], depth=sizes["depth"])
+    if name == "pinn":
+        x = PINNNet.points(sizes["batch"], torch.Generator().manual_seed(0))
     else:
-        per_block = {"residual": 2, "mlp": 1 + 4}[name]  # h, and tanh's output (H or 4H wide)
-        assert plain["kept_for_backward"] == D * per_block * unit
-        assert ckpt["kept_for_backward"] == D * unit + D * rng
+        x = torch.randn(sizes["batch"], sizes["in_features"])
+    clear_grads(net)
+    return measured_step(net, x, meter, loss_fn=loss_fn or cls.loss)
+
+
+RNG = torch.get_rng_state().nbytes  # checkpoint keeps the CPU RNG state per call (both variants)
+
+
+def _expected_kept(name, mode, B, H, D):
+    """What each mode keeps for backward, in bytes, from what each op saves."""
+    unit = B * H * 4  # one (batch, hidden) float32 activation
+    if name == "chain":
+        return {
+            # linear1's output and each block's tanh output (also the next Linear's input)
+            "plain": (D + 1) * unit,
+            # the checkpointed blocks' inputs are those very tensors: nothing saved
+            "checkpoint": (D + 1) * unit + (D - 1) * RNG,
+            # the stack's input only
+            "checkpoint-stack": unit + RNG,
+            "fused": unit,
+        }[mode]
+    per_block = {"residual": 1 + 1, "mlp": 1 + 4}[name]  # h, and tanh's output (H or 4H wide)
+    return {"plain": D * per_block * unit, "checkpoint": D * (unit + RNG), "fused": D * unit}[mode]
+
+
+KEPT_CASES = [(n, m, r) for n in ("chain", "residual", "mlp") for m in NETWORKS[n].MODES
+              for r in ((False, True) if m == "checkpoint" else (False,))]
+
+
+@pytest.mark.parametrize("name,mode,reentrant", KEPT_CASES,
+                         ids=[f"{n}-{m}{'-re' * r}" for n, m, r in KEPT_CASES])
+def test_kept_for_backward_in_bytes(meter, name, mode, reentrant):
+    B, H, D = UNIT_SIZES["batch"], UNIT_SIZES["hidden"], UNIT_SIZES["depth"]
+    got = _measure(name, mode, reentrant, meter=meter)["kept_for_backward"]
+    assert got == _expected_kept(name, mode, B, H, D)  # reentrant keeps the same
+
+
+def test_pinn_plain_keeps_nine_activations_per_hidden_layer(meter):
+    # The double-backward graph of a plain tanh layer holds 9 (points, hidden) tensors; a deeper
+    # network keeps exactly that much more (the rest, input and output sized, does not change).
+    sizes = dict(batch=256, in_features=2, hidden=32)
+    kept = [_measure("pinn", "plain", sizes={**sizes, "depth": d}, meter=meter)
+            ["kept_for_backward"] for d in (3, 4)]
+    assert kept[1] - kept[0] == 9 * 256 * 32 * 4
 
 
 # Two regimes: activations outweigh a block's weight gradient (batch >> hidden), and the reverse.
 PEAK_SIZES = [dict(batch=256, in_features=16, hidden=64, depth=3),
               dict(batch=32, in_features=16, hidden=256, depth=3)]
+PEAK_IDS = ["activation-bound", "weight-bound"]
 
 
-@pytest.mark.parametrize("sizes", PEAK_SIZES, ids=["activation-bound", "weight-bound"])
+def _peak(name, mode, sizes, meter, reentrant=False, loss_fn=None):
+    return _measure(name, mode, reentrant, sizes=sizes, meter=meter,
+                    loss_fn=loss_fn)["peak_above_before_forward"]
+
+
+@pytest.mark.parametrize("sizes", PEAK_SIZES, ids=PEAK_IDS)
 @pytest.mark.parametrize("name", ["residual", "mlp"])
 def test_fused_peak_not_above_checkpoint_peak(meter, name, sizes):
-    fused = _measure(name, "fused", sizes=sizes, meter=meter)["peak_above_before_forward"]
-    plain = _measure(name, "plain", sizes=sizes, meter=meter)["peak_above_before_forward"]
+    fused = _peak(name, "fused", sizes, meter)
+    plain = _peak(name, "plain", sizes, meter)
     assert 0 < fused <= plain
     for reentrant in (False, True):
-        ckpt = _measure(name, "checkpoint", reentrant, sizes=sizes, meter=meter)
-        assert fused <= ckpt["peak_above_before_forward"], reentrant
+        assert fused <= _peak(name, "checkpoint", sizes, meter, reentrant), reentrant
 
 
-@pytest.mark.parametrize("sizes", PEAK_SIZES, ids=["activation-bound", "weight-bound"])
-def test_chain_fused_peak_what_it_is(meter, sizes):
-    # In the write-up's chain, fusing does NOT lower the peak: the fused backward node holds the
-    # incoming gradient and its recomputed buffer while it makes grad_x and grad_W, where plain
-    # has already freed the gradient and the tanh output. The peak ends up above plain's (and
-    # non-reentrant checkpoint's) by up to one (batch, hidden) activation; it stays below
-    # reentrant checkpoint's. These bounds are what was measured (README, benchmark section).
+def _sum_loss(out, x):
+    return out.sum()
+
+
+@pytest.mark.parametrize("sizes", PEAK_SIZES, ids=PEAK_IDS)
+def test_chain_fused_stack_peak_not_above_plain_when_grad_out_is_free(meter, sizes):
+    # out.sum() hands backward a stride-0 gradient (no storage): the stack's backward then peaks
+    # exactly where plain's does.
+    fused = _peak("chain", "fused", sizes, meter, loss_fn=_sum_loss)
+    plain = _peak("chain", "plain", sizes, meter, loss_fn=_sum_loss)
+    assert 0 < fused <= plain
+
+
+@pytest.mark.parametrize("sizes", PEAK_SIZES, ids=PEAK_IDS)
+def test_chain_fused_stack_peak_with_mean_loss_is_plain_plus_at_most_its_grad_out(meter, sizes):
+    # With the write-up's out.mean() the incoming gradient is a real (batch, hidden) tensor. The
+    # autograd engine (and the Python backward's arguments) hold it until the stack's backward
+    # node returns, while plain frees it after the top TanhBackward: the stack peaks above plain
+    # by at most that one tensor. What it is now; the target is the xfail test below.
     unit = sizes["batch"] * sizes["hidden"] * 4
-    fused = _measure("chain", "fused", sizes=sizes, meter=meter)["peak_above_before_forward"]
-    plain = _measure("chain", "plain", sizes=sizes, meter=meter)["peak_above_before_forward"]
-    reent = _measure("chain", "checkpoint", True, sizes=sizes, meter=meter)
-    assert plain < fused <= plain + unit + 4 * sizes["hidden"]  # + the bias gradient
-    assert fused <= reent["peak_above_before_forward"]
+    fused = _peak("chain", "fused", sizes, meter)
+    plain = _peak("chain", "plain", sizes, meter)
+    assert plain < fused <= plain + unit
+
+
+@pytest.mark.xfail(strict=True, reason="issue 8 target missed: the stack's backward node holds "
+                   "the incoming (batch, hidden) gradient to its end (see the test above)")
+@pytest.mark.parametrize("sizes", PEAK_SIZES, ids=PEAK_IDS)
+def test_chain_fused_stack_peak_not_above_plain(meter, sizes):
+    assert _peak("chain", "fused", sizes, meter) <= _peak("chain", "plain", sizes, meter)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")

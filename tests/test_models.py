@@ -1,18 +1,37 @@
-"""The benchmark's networks: structure, and every mode computing plain's loss and gradients."""
+"""The benchmark's networks: structure, keys, cross-loading, every mode computing plain's loss and
+gradients, and the GEMMs each mode recomputes (the benchmark's floor) against FLOP counts."""
 import pytest
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import ckpt_ext
-from ckpt_ext.models import MLPNet, Net, NETWORKS, ResidualNet
+from ckpt_ext.models import MLPNet, NETWORKS, Net, PINNNet, ResidualNet, recomputed_gemms
 
-# (mode, use_reentrant) for every way a network can run
-VARIANTS = [("checkpoint", False), ("checkpoint", True), ("fused", False)]
+IN = {"chain": 7, "residual": 7, "mlp": 7, "pinn": 2}  # PINNNet takes (t, x) points
+
+
+def _variants(name):
+    """(mode, use_reentrant) for every way network ``name`` runs; reentrant checkpoint refuses
+    torch.autograd.grad, which the physics-informed loss needs."""
+    cls = NETWORKS[name]
+    out = [(m, False) for m in cls.MODES if m != "plain"]
+    if name != "pinn":
+        out.append(("checkpoint", True))
+    return out
+
+
+def _input(name, n, dtype, seed=0, shape=None):
+    gen = torch.Generator().manual_seed(seed)
+    if name == "pinn":
+        return PINNNet.points(n, gen, dtype=dtype)
+    return torch.randn(*(shape or (n, IN[name])), generator=gen, dtype=dtype)
 
 
 def _step(net, x):
     net.zero_grad(set_to_none=True)
-    loss = net(x).mean()
+    x.grad = None
+    loss = type(net).loss(net(x), x)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in net.named_parameters()}
 
@@ -21,35 +40,37 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("name", list(NETWORKS))
-@pytest.mark.parametrize("mode,reentrant", VARIANTS)
+ALL = [(name, mode, re) for name in NETWORKS for mode, re in _variants(name)]
+
+
+@pytest.mark.parametrize("name,mode,reentrant", ALL, ids=[f"{n}-{m}{'-re' * r}" for n, m, r in ALL])
 def test_modes_match_plain_float64(name, mode, reentrant):
-    # Odd sizes, float64: the modes differ only in rounding order.
+    # Odd sizes, float64, the same weights: the modes differ only in rounding order.
     torch.manual_seed(0)
-    kw = dict(in_features=7, hidden=13, depth=3, dtype=torch.float64)
+    kw = dict(in_features=IN[name], hidden=13, depth=3, dtype=torch.float64)
     plain = NETWORKS[name](mode="plain", **kw)
     other = NETWORKS[name](mode=mode, use_reentrant=reentrant, **kw)
     other.load_state_dict(plain.state_dict())
-    x = torch.randn(5, 7, dtype=torch.float64)
+    x = _input(name, 40 if name == "pinn" else 5, torch.float64)
     loss_p, grads_p = _step(plain, x)
     loss_o, grads_o = _step(other, x)
     assert torch.isfinite(loss_o)
-    assert abs(float(loss_o - loss_p)) <= 1e-14 * max(1.0, abs(float(loss_p)))
+    assert abs(float(loss_o - loss_p)) <= 1e-13 * max(1.0, abs(float(loss_p)))
     assert grads_o.keys() == grads_p.keys()
     for n in grads_p:
         assert grads_o[n] is not None, n
         assert _rel(grads_o[n], grads_p[n]) < 1e-12, n
 
 
-@pytest.mark.parametrize("name", list(NETWORKS))
+@pytest.mark.parametrize("name", ["chain", "residual", "mlp"])
 def test_modes_match_plain_float32_3d_input(name):
     # (batch, seq, features) input, float32 against a float64 plain reference.
     torch.manual_seed(1)
     kw = dict(in_features=10, hidden=24, depth=2)
     ref = NETWORKS[name](mode="plain", dtype=torch.float64, **kw)
-    x = torch.randn(3, 4, 10, dtype=torch.float64)
+    x = _input(name, 0, torch.float64, shape=(3, 4, 10))
     loss_r, grads_r = _step(ref, x)
-    for mode, reentrant in [("plain", False)] + VARIANTS:
+    for mode, reentrant in [("plain", False)] + _variants(name):
         net = NETWORKS[name](mode=mode, use_reentrant=reentrant, **kw)
         net.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
         loss, grads = _step(net, x.float())
@@ -58,35 +79,80 @@ def test_modes_match_plain_float32_3d_input(name):
             assert _rel(grads[n].double(), grads_r[n]) < 1e-5, (mode, n)
 
 
-def test_seeded_modes_have_equal_weights_and_keys():
-    for name, cls in NETWORKS.items():
-        sds = []
-        for mode in ("plain", "checkpoint", "fused"):
-            torch.manual_seed(3)
-            sds.append(cls(in_features=6, hidden=8, depth=2, mode=mode).state_dict())
-        for sd in sds[1:]:
-            assert list(sd) == list(sds[0]), name
-            for k in sd:
-                assert torch.equal(sd[k], sds[0][k]), (name, k)
+@pytest.mark.parametrize("name", list(NETWORKS))
+def test_seeded_modes_have_equal_weights_and_keys(name):
+    cls = NETWORKS[name]
+    sds = []
+    for mode in cls.MODES:
+        torch.manual_seed(3)
+        sds.append(cls(in_features=IN[name], hidden=8, depth=2, mode=mode).state_dict())
+    for sd in sds[1:]:
+        assert list(sd) == list(sds[0])
+        for k in sd:
+            assert torch.equal(sd[k], sds[0][k]), k
+
+
+@pytest.mark.parametrize("name", list(NETWORKS))
+def test_every_mode_loads_every_other_modes_weights(name):
+    cls = NETWORKS[name]
+    kw = dict(in_features=IN[name], hidden=9, depth=3, dtype=torch.float64)
+    x = _input(name, 16, torch.float64, seed=5)
+    for i, src_mode in enumerate(cls.MODES):
+        torch.manual_seed(10 + i)
+        src = cls(mode=src_mode, **kw)
+        want = src(x).detach()
+        for j, dst_mode in enumerate(cls.MODES):
+            torch.manual_seed(100 + j)  # different weights until loaded
+            dst = cls(mode=dst_mode, **kw)
+            assert not torch.allclose(dst(x), want)
+            dst.load_state_dict(src.state_dict(), strict=True)
+            assert _rel(dst(x).detach(), want) < 1e-14, (src_mode, dst_mode)
+
+
+@pytest.mark.parametrize("name", list(NETWORKS))
+def test_no_parameter_registered_twice(name):
+    cls = NETWORKS[name]
+    for mode in cls.MODES:
+        net = cls(in_features=IN[name], hidden=8, depth=3, mode=mode)
+        every = list(net.named_parameters(remove_duplicate=False))
+        assert len({id(p) for _, p in every}) == len(every), mode
+        linears = sum(1 for m in net.modules()
+                      if isinstance(m, (nn.Linear, ckpt_ext.FusedLinearTanh)))
+        assert len(every) == 2 * linears, mode
+        assert [n for n, _ in every] == list(net.state_dict()), mode
 
 
 def test_writeup_net_structure():
-    net = Net(in_features=16, hidden=32, depth=3)
-    assert isinstance(net.linear1, nn.Linear)
-    assert (net.linear1.in_features, net.linear1.out_features) == (16, 32)
-    for i in (1, 2, 3):
-        b = getattr(net, f"block{i}")
-        assert isinstance(b, nn.Sequential) and len(b) == 2
-        assert isinstance(b[0], nn.Linear) and (b[0].in_features, b[0].out_features) == (32, 32)
-        assert isinstance(b[1], nn.Tanh)
-    assert not hasattr(net, "block4")
-    fused = Net(in_features=16, hidden=32, depth=3, mode="fused")
-    for i in (1, 2, 3):
-        assert isinstance(getattr(fused, f"block{i}")[0], ckpt_ext.FusedLinearTanh)
-    assert "block1.0.weight" in fused.state_dict()
+    for mode in Net.MODES:
+        net = Net(in_features=16, hidden=32, depth=3, mode=mode)
+        assert type(net.linear1) is nn.Linear
+        assert (net.linear1.in_features, net.linear1.out_features) == (16, 32)
+        for i in (1, 2, 3):
+            b = getattr(net, f"block{i}")
+            assert isinstance(b, nn.Sequential) and len(b) == 2
+            assert type(b[0]) is nn.Linear and (b[0].in_features, b[0].out_features) == (32, 32)
+            assert isinstance(b[1], nn.Tanh)
+        assert not hasattr(net, "block4")
+    assert ckpt_ext.Net is Net
 
 
-def test_writeup_checkpoint_wraps_block1_and_block2_only(monkeypatch):
+def test_fused_chain_is_one_stack_call(monkeypatch):
+    import ckpt_ext.models as models
+    calls = []
+    real = models.tanh_mlp
+
+    def spy(x, weights, biases=None, last_tanh=True):
+        calls.append((len(weights), last_tanh))
+        return real(x, weights, biases, last_tanh)
+
+    monkeypatch.setattr(models, "tanh_mlp", spy)
+    net = Net(in_features=4, hidden=8, depth=4, mode="fused")
+    net(torch.randn(2, 4)).mean().backward()
+    assert calls == [(4, True)]
+    assert all(p.grad is not None for p in net.parameters())
+
+
+def _spy_checkpoint(monkeypatch):
     import ckpt_ext.models as models
     seen = []
     real = models.checkpoint
@@ -96,6 +162,11 @@ def test_writeup_checkpoint_wraps_block1_and_block2_only(monkeypatch):
         return real(fn, *args, **kwargs)
 
     monkeypatch.setattr(models, "checkpoint", spy)
+    return seen
+
+
+def test_writeup_checkpoint_wraps_block1_and_block2_only(monkeypatch):
+    seen = _spy_checkpoint(monkeypatch)
     for reentrant in (False, True):
         seen.clear()
         net = Net(in_features=4, hidden=8, depth=3, mode="checkpoint", use_reentrant=reentrant)
@@ -108,13 +179,50 @@ def test_writeup_checkpoint_wraps_block1_and_block2_only(monkeypatch):
     assert seen == []
 
 
+def test_checkpoint_stack_wraps_all_blocks_in_one_call(monkeypatch):
+    seen = _spy_checkpoint(monkeypatch)
+    net = Net(in_features=4, hidden=8, depth=3, mode="checkpoint-stack")
+    net(torch.randn(2, 4)).mean().backward()
+    assert seen == [(net._stack, False)]
+
+
+def test_mlp_fused_block_is_a_stack_over_fc1_fc2():
+    net = MLPNet(in_features=4, hidden=6, depth=2, mode="fused")
+    for block in net.blocks:
+        assert isinstance(block, ckpt_ext.FusedTanhMLP)
+        assert block.sizes == [6, 24, 6] and block.last_tanh is False
+        assert [n for n, _ in block.named_children()] == ["fc1", "fc2"]
+        assert type(block.fc1) is nn.Linear and type(block.fc2) is nn.Linear
+
+
+def test_pinn_structure():
+    for mode in PINNNet.MODES:
+        net = PINNNet(hidden=64, depth=4, mode=mode)
+        linears = [m for m in net.mlp.modules() if type(m) is nn.Linear]
+        assert [(m.in_features, m.out_features) for m in linears] == \
+            [(2, 64), (64, 64), (64, 64), (64, 64), (64, 1)]
+    fused = PINNNet(mode="fused")
+    assert isinstance(fused.mlp, ckpt_ext.FusedTanhMLP) and fused.mlp.last_tanh is False
+    p = PINNNet.points(64, torch.Generator().manual_seed(0))
+    assert p.requires_grad and p.shape == (64, 2)
+    assert set(p[:8, 1].tolist()) == {0.0, 1.0} and (p[8:16, 0] == 0).all()
+
+
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="mode must be one of plain, checkpoint, fused, got 'fast'"):
+    with pytest.raises(ValueError, match="Net: mode must be one of plain, checkpoint, "
+                                         "checkpoint-stack, fused, got 'fast'"):
         Net(4, 8, mode="fast")
+    with pytest.raises(ValueError, match="ResidualNet: mode must be one of plain, checkpoint, "
+                                         "fused, got 'checkpoint-stack'"):
+        ResidualNet(4, 8, mode="checkpoint-stack")
     with pytest.raises(TypeError, match="use_reentrant must be a bool, got NoneType"):
         ResidualNet(4, 8, mode="checkpoint", use_reentrant=None)
     with pytest.raises(ValueError, match="depth must be >= 1, got 0"):
         Net(4, 8, depth=0)
+    with pytest.raises(ValueError, match="depth must be >= 1, got 0"):
+        MLPNet(4, 8, depth=0)
+    with pytest.raises(ValueError, match="in_features must be 2 .* got 3"):
+        PINNNet(3)
 
 
 def test_fused_mlp_grad_only_for_input():
@@ -131,3 +239,30 @@ def test_fused_mlp_grad_only_for_input():
     fused(xs[1]).sum().backward()
     assert _rel(xs[1].grad, xs[0].grad) < 1e-12
     assert all(p.grad is None for p in fused.parameters())
+
+
+def _step_flops(net, x):
+    with FlopCounterMode(display=False) as counter:
+        net(x).mean().backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("name", ["chain", "residual", "mlp"])
+def test_recomputed_gemms_are_the_extra_flops(name):
+    # The benchmark's floor adds these GEMMs to plain's step: they must be exactly what each mode
+    # computes beyond plain (FlopCounterMode counts the recompute inside checkpoint and, through
+    # the ops' FLOP formulas, inside the fused backward).
+    B, K, H, D = 6, 5, 8, 3
+    plain = NETWORKS[name](in_features=K, hidden=H, depth=D)
+    x = torch.randn(B, K)
+    base = _step_flops(plain, x)
+    for mode in NETWORKS[name].MODES:
+        net = NETWORKS[name](in_features=K, hidden=H, depth=D, mode=mode)
+        gemms = recomputed_gemms(name, mode, B, K, H, D)
+        assert _step_flops(net, x) - base == sum(2 * m * k * n for m, k, n in gemms), mode
+    if "checkpoint" in NETWORKS[name].MODES:
+        net = NETWORKS[name](in_features=K, hidden=H, depth=D, mode="checkpoint",
+                             use_reentrant=True)
+        gemms = recomputed_gemms(name, "checkpoint", B, K, H, D, use_reentrant=True)
+        assert _step_flops(net, x) - base == sum(2 * m * k * n for m, k, n in gemms)
+    assert recomputed_gemms("pinn", "fused", B, 2, H, D) is None
