@@ -263,19 +263,23 @@ def test_actor_critic_mlp(dtype):
     fused, report = fuse(model)
 
     assert fused is model
-    # Each trunk is Linear, Tanh, Linear, Tanh and its output goes to a Linear head: the run
-    # Linear, Tanh, Linear is fused, the trailing Tanh stays (its output is kept by the head).
-    assert fused_layers(report) == [("policy_net.0", "policy_net.1", "policy_net.2"),
-                                    ("value_net.0", "value_net.1", "value_net.2")]
-    assert [d.layers for d in report.near_misses] == [("policy_net.3",), ("value_net.3",)]
-    assert "kept by action_net (Linear keeps its input)" in report.near_misses[0].why
+    # Each trunk is Linear, Tanh, Linear, Tanh and its output goes only to a Linear head that the
+    # forward calls next: one run of 3 layers from the trunk into the head. The trunk computes it;
+    # the head becomes a RunLayer holding its weight and bias.
+    assert fused_layers(report) == [
+        ("policy_net.0", "policy_net.1", "policy_net.2", "policy_net.3", "action_net"),
+        ("value_net.0", "value_net.1", "value_net.2", "value_net.3", "value_head")]
+    assert [d.how for d in report.fused] == ["across", "across"] and report.near_misses == []
+    assert "policy_net computes the whole run and action_net passes the activation through" in \
+        report.fused[0].why
     assert type(model.policy_net) is FusedSequential and isinstance(model.policy_net, nn.Sequential)
+    assert type(model.action_net) is RunLayer and type(model.value_head) is RunLayer
     assert [list(model.policy_net), list(model.value_net)] == elements  # same element objects
     assert list(model.state_dict()) == keys
     for name, p in model.named_parameters():
         assert p is params[name]  # shared, not copied
     isz = torch.finfo(dtype).bits // 8
-    assert report.bytes_per_row == 2 * 64 * isz
+    assert report.bytes_per_row == 2 * (2 * 64 * isz)  # per trunk, both tanh outputs
     obs = torch.randn(7, 11, dtype=dtype)
     assert_same_computation(before, model, [obs], dtype)
 
@@ -286,21 +290,22 @@ def test_writeup_net(dtype):
     model = Net(dtype=dtype)
     before = copy.deepcopy(model)
     fused, report = fuse(model)
-    # block1's and block2's outputs are the next block's Linear input, kept anyway; block3's is
-    # the model's output.
-    assert fused is model and fused_layers(report) == [("block3.0", "block3.1")]
-    assert [d.layers for d in report.near_misses] == [
-        ("block1.0", "block1.1"), ("block2.0", "block2.1")]
-    assert "kept by block2.0" in report.near_misses[0].why
+    # Net.forward calls block1, block2, block3 one after another: one run across the three
+    # Sequentials (each block's output is kept by the next block's Linear, so fusing block by
+    # block freed only block3's output).
+    assert fused is model and fused_layers(report) == [
+        ("block1.0", "block1.1", "block2.0", "block2.1", "block3.0", "block3.1")]
+    assert report.near_misses == [] and report.fused[0].how == "across"
+    isz = torch.finfo(dtype).bits // 8
+    assert report.bytes_per_row == 3 * 40 * isz and report.flops_per_row == 3 * 2 * 40 * 40
     assert "returned by the model" in report.fused[0].why
-    assert type(model.linear1) is nn.Linear and type(model.block1) is nn.Sequential
+    assert type(model.linear1) is nn.Linear and type(model.block1) is FusedSequential
     assert_same_computation(before, model, [torch.randn(9, 12, dtype=dtype)], dtype)
 
     every = Net(dtype=dtype)
     every.load_state_dict(before.state_dict())
     _, report_all = fuse(every, policy="all")
     assert len(report_all) == 3
-    isz = torch.finfo(dtype).bits // 8
     assert [d.bytes_per_row for d in report_all.fused] == [0, 0, 40 * isz]
     assert_same_computation(before, every, [torch.randn(9, 12, dtype=dtype)], dtype)
 
@@ -499,8 +504,12 @@ def test_old_checkpoint_loads_and_optimizer_keeps_updating():
     checkpoint = copy.deepcopy(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built BEFORE the swap
     _, report = fuse(model)
-    assert fused_layers(report) == [("2.0", "2.1", "2.2")]
-    assert type(model[2]) is FusedSequential and type(model[2][0]) is nn.Linear
+    # One run through the nested Sequential: the outer one runs it whole, the inner one is left
+    # as it is (so model[2] alone, or a slice, still computes its own layers).
+    assert fused_layers(report) == [("0", "1", "2.0", "2.1", "2.2", "2.3", "3")]
+    assert report.fused[0].how == "sequential"
+    assert type(model) is FusedSequential and type(model[2]) is nn.Sequential
+    assert type(model[2][0]) is nn.Linear
     model.load_state_dict(checkpoint, strict=True)  # old keys load unchanged
 
     w0 = model[2][0].weight.detach().clone()
