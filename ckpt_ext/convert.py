@@ -81,6 +81,7 @@ import dataclasses
 import inspect
 import operator
 import textwrap
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -597,7 +598,11 @@ def _trace_module(clone: nn.Module, orig: nn.Module) -> _Trace:
         clone.train(mode)
         before = _snapshot(clone)
         try:
-            g = _LocalTracer().trace(clone)
+            # Warnings raised while fx runs the forward on placeholders (torch.utils.checkpoint:
+            # "None of the inputs have requires_grad=True") are about that run, not the model.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                g = _LocalTracer().trace(clone)
         except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             return _Trace(False, f"torch.fx cannot trace it ({type(e).__name__}: {msg[:160]})")
@@ -1467,7 +1472,7 @@ class _Discovery:
         heads = [c for c in changed if c[1]]
         others = [c for c in changed if not c[1]]
         where = p.where or "<model>"
-        text = f"across {', '.join(c[0] for c in changed)}, which {where} calls one after another: "
+        text = f"it crosses {', '.join(c[0] for c in changed)} in {where}: "
         parts = []
         if heads:
             parts.append(f"{' and '.join(c[0] for c in heads)} "
