@@ -30,12 +30,13 @@ What fuse changes (in place; the returned model is always the object passed in)
   returns the whole run's output and ``block2(h)`` returns ``h``. fuse makes them pass-throughs
   rather than raise because a container can only tell "called as part of the run" from "called on
   its own" by keeping state between calls (the head marking its output): that state would keep an
-  activation alive (the memory fusing frees), break ``torch.compile(fullgraph=True)``, and go
-  wrong under ``torch.utils.checkpoint``, which re-runs one block's forward alone during backward
-  (the write-up ``Net`` in checkpoint mode does exactly that; with pass-throughs it stays exact).
-  The pass-through is also what a fused child already was (``RunLayer``, ``nn.Identity``). The
-  report names these containers and what each returns alone (``dry_run=True`` shows it first); the
-  modules inside them are untouched (``block2[0]`` is still the Linear and computes its layer).
+  activation alive (the memory fusing frees), would be Python state ``torch.compile`` has to guard
+  and replay, and would have to survive ``torch.utils.checkpoint``, which re-runs one block's
+  forward alone during backward (the write-up ``Net`` in checkpoint mode does exactly that; with
+  pass-throughs it stays exact). The pass-through is also what a fused child already was
+  (``RunLayer``, ``nn.Identity``). The report names these containers and what each returns alone
+  (``dry_run=True`` shows it first); the modules inside them are untouched (``block2[0]`` is still
+  the Linear and computes its layer).
   A run crosses into or out of a container only if that container has no hooks, is held at one
   place, and (when a forward calls it) is called once there and by no other method of the class.
 * **forward code** (``F.linear``, ``torch.tanh``, ``.tanh()``, a Linear in a ModuleList loop): only
