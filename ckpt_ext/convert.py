@@ -905,15 +905,13 @@ def _worth_reporting(m: nn.Module) -> bool:
 
 @dataclass
 class _Chain:
-    where: str                    # owner path
-    how: str                      # "sequential", "children" or "rewrite"
+    where: str                    # the module holding its items
+    how: str                      # "rewrite", or "" for module calls (the plan says how)
     labels: List[str]             # one per item, in call order
-    items: List[Any]              # modules (sequential, children) or fx nodes (rewrite)
+    items: List[Any]              # _Site (module calls) or fx nodes (rewrite)
     layers: List[_Layer]          # one per Linear item
     ends_with_tanh: bool
     fate: Callable[[], Fate]      # what the consumer does with the chain's last output
-    owner: Optional[nn.Module] = None
-    names: Optional[List[str]] = None  # element / child names (sequential, children)
 
     def span(self, a: int, b: int, last_tanh: bool) -> Tuple[int, int]:
         """Item indices [start, stop) of layers a..b, with b's Tanh if last_tanh."""
@@ -1035,8 +1033,7 @@ def _split(items_ok: List[Optional[str]], n: int) -> List[Tuple[int, int]]:
 
 def _sub_chain(chain: _Chain, s: int, e: int, fate: Callable[[], Fate]) -> _Chain:
     return _Chain(chain.where, chain.how, chain.labels[s:e], chain.items[s:e],
-                  chain.layers[s // 2:(e + 1) // 2], (e - s) % 2 == 0, fate, chain.owner,
-                  chain.names[s:e] if chain.names else None)
+                  chain.layers[s // 2:(e + 1) // 2], (e - s) % 2 == 0, fate)
 
 
 def _layer(label: str, lin: nn.Linear) -> _Layer:
@@ -1259,8 +1256,10 @@ class _Discovery:
         while isinstance(parent, (nn.ModuleList, nn.ModuleDict)) and ppath in an.parent:
             parent, ppath, holder = an.parent[ppath]
             target = f"{holder}.{target}"
+        # A forward rewritten by an earlier fuse still calls its child Sequentials as its class
+        # graph says (only function pairs became fused ops), so the run may go through it.
         t = an.trace_of(parent)
-        if t is None or t.already_rewritten:
+        if t is None:
             return None, None
         calls = [n for n in t.graph.nodes if n.op == "call_module" and n.target == target]
         if not calls:
@@ -1569,7 +1568,7 @@ def _graph_chains(an: _Model, path: str, owner: nn.Module, t: _Trace, rewrite: b
         if rewrite and all(p is None for p in rw) and all(lay is not None for lay in layers):
             last = items[-1]
             chains.append(_Chain(path, "rewrite", labels, items, layers, len(items) % 2 == 0,
-                                 lambda last=last: an.node_fate(owner, t, last), owner))
+                                 lambda last=last: an.node_fate(owner, t, last)))
             taken.update(x for x in items if x.op == "call_module")
             continue
         # Not rewritten: report the pairs that hold a function call or a Linear held in a list

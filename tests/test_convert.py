@@ -1235,3 +1235,28 @@ def test_fused_writeup_net_compiles_fullgraph_to_one_stack_op():
     assert not any("tanh" in str(t) and "tanh_mlp" not in str(t) for t in targets)
     assert rel_err(out_c[0], out_e[0]) <= 1e-6 and rel_err(in_c[0], in_e[0]) <= 1e-6
     assert all(rel_err(g_c[n], g_e[n]) <= 1e-6 for n in g_e)
+
+
+def test_run_across_blocks_of_a_rewritten_forward_is_kept_by_a_second_fuse():
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+            self.b = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+            self.w = nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, x, /):
+            return self.b(self.a(x)) + torch.tanh(F.linear(x, self.w))
+
+    torch.manual_seed(0)
+    model = Root().double()
+    before = copy.deepcopy(model)
+    _, report = fuse(model, rewrite=True)
+    assert [(d.layers, d.how) for d in report.fused] == [
+        (("F.linear", "torch.tanh"), "rewrite"), (("a.0", "a.1", "b.0", "b.1"), "across")]
+    parts = (model.a._ckpt_ext_runs, model.b._ckpt_ext_runs)
+    _, again = fuse(model, rewrite=True)  # the forward is now the rewritten one
+    assert len(again) == 0 and [d.action for d in again.decisions] == ["already fused"]
+    assert model.a._ckpt_ext_runs is parts[0] and model.b._ckpt_ext_runs is parts[1]
+    assert_same_computation(before, model, [torch.randn(3, 4, dtype=torch.float64)],
+                            torch.float64)
