@@ -389,6 +389,9 @@ class FusedRunHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         run = self._run
+        if run is None:
+            raise RuntimeError("FusedRunHead computes a run that ckpt_ext.fuse planned; this one "
+                               "was built without a run")
         problem = run.problem()
         if problem is not None:
             raise RuntimeError(run.broken(problem))
