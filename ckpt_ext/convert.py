@@ -17,6 +17,28 @@ What fuse changes (in place; the returned model is always the object passed in)
   parameters under the same names, read by the head at forward time). ``state_dict`` keys and
   parameter objects are unchanged, so old checkpoints load and an optimizer built before keeps
   training them. Which children qualify is found by torch.fx on a **copy** of the model (see below).
+* **runs across containers**: a run does not stop at a container's edge. It goes on from a
+  Sequential's last element to what consumes the Sequential's output (the next element of the
+  Sequential holding it, or the next child the calling forward passes it to), and into a nested or
+  next Sequential: ``linear1, block1, block2, block3`` with ``block_i = Sequential(Linear, Tanh)``
+  called in sequence is ONE run ``block1.0 .. block3.1``. A nested Sequential the run covers whole,
+  inside a Sequential holding the whole run, is left as it is (the outer Sequential runs it).
+  Otherwise the container holding the run's first layer computes the whole run, and the
+  containers holding later layers pass the activation through them (Sequentials: a
+  ``FusedSequential`` part that skips those elements; children: ``RunLayer`` / ``nn.Identity``).
+  So, **called on its own**, such a container no longer computes only its own layers: ``block1(h)``
+  returns the whole run's output and ``block2(h)`` returns ``h``. fuse makes them pass-throughs
+  rather than raise because a container can only tell "called as part of the run" from "called on
+  its own" by keeping state between calls (the head marking its output): that state would keep an
+  activation alive (the memory fusing frees), would be Python state ``torch.compile`` has to guard
+  and replay, and would have to survive ``torch.utils.checkpoint``, which re-runs one block's
+  forward alone during backward (the write-up ``Net`` in checkpoint mode does exactly that; with
+  pass-throughs it stays exact). The pass-through is also what a fused child already was
+  (``RunLayer``, ``nn.Identity``). The report names these containers and what each returns alone
+  (``dry_run=True`` shows it first); the modules inside them are untouched (``block2[0]`` is still
+  the Linear and computes its layer).
+  A run crosses into or out of a container only if that container has no hooks, is held at one
+  place, and (when a forward calls it) is called once there and by no other method of the class.
 * **forward code** (``F.linear``, ``torch.tanh``, ``.tanh()``, a Linear in a ModuleList loop): only
   with ``rewrite=True``. The module keeps its class; its instance gets a ``forward`` generated from
   the fx graph of its class's forward with the pairs replaced by the fused ops.
@@ -41,21 +63,26 @@ Which units fuse (``policy="memory"``, the default)
 ---------------------------------------------------
 In ``Linear, Tanh, Linear, Tanh, ...`` every tanh output is also the next Linear's input, so
 fusing one pair at a time frees nothing but costs a recompute. fuse therefore fuses **maximal
-runs** as one ``tanh_mlp`` (it keeps only the run's input); a run's trailing Tanh, and a lone
-``Linear -> Tanh`` pair, are included only where their output is not kept by its consumer anyway
-(a residual add, a ``.mean()`` loss, the model's output — not a following Linear, LayerNorm, matmul,
-or a consumer the analysis cannot see). ``policy="all"`` fuses every pair on its own, as before.
+runs** — across containers, as above — as one ``tanh_mlp`` (the op ``FusedTanhMLP`` runs; it keeps
+only the run's input); a run's trailing Tanh, and a lone ``Linear -> Tanh`` pair, are included
+only where their output is not kept by its consumer anyway (a residual add, a ``.mean()`` loss,
+the model's output — not a following Linear, LayerNorm, matmul, or a consumer the analysis cannot
+see). ``policy="all"`` fuses every pair on its own, as before.
 The report gives, for every decision, the activation bytes per row it frees and the FLOPs per row
-its recompute costs, and says why each near miss was left alone. Running fuse twice with the same
-policy changes nothing.
+its recompute costs, and says why each near miss was left alone (a run that stops at a container
+says which, and why). Running fuse twice with the same policy changes nothing; a run that replaced
+children is kept as it is by a later fuse (with any policy), since its layers are no longer
+Linear/Tanh modules to plan again.
 """
 from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import inspect
 import operator
 import textwrap
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -163,35 +190,114 @@ class Fused(NamedTuple):
 # ------------------------------------------------------------------------------------------------
 # Modules fuse puts in place
 
-class _PlannedRun:
-    """A run of consecutive elements of a FusedSequential, computed by one fused op."""
+class _Run:
+    """One run of Linear/Tanh layers as fuse applied it: the modules holding its layers' weights,
+    what must stay as it was for the fused op to compute it, and that op.
 
-    def __init__(self, names: Sequence[str], modules: Sequence[nn.Module], last_tanh: bool):
-        self.names, self.modules, self.last_tanh = tuple(names), tuple(modules), bool(last_tanh)
-        layers = sum(type(m) is nn.Linear for m in self.modules)
-        # Two or more layers: the lead's FusedTanhMLP over the very same Linear modules (it reads
-        # their weight and bias at every call). One layer: linear_tanh itself, the op a pair is.
-        self.mlp = FusedTanhMLP.from_modules(dict(zip(self.names, self.modules))) \
-            if layers > 1 else None
+    A run may lie inside one container (the elements of one ``nn.Sequential``, or children of one
+    module) or cross several: Sequentials called one after another, nested, or a Sequential and
+    the sibling children its caller calls next. Then the container holding the run's first layer
+    computes the whole run, and those holding later layers pass the activation through (see
+    :class:`FusedSequential`, :class:`FusedRunHead`, :class:`RunLayer`). Every one of them asks
+    :meth:`problem` at each call; the answer depends only on the module structure (which elements
+    and children sit where, hooks, dtypes), which does not change within a forward, so they agree
+    on whether the run is computed fused, without any state carried from one call to the next."""
 
-    def matches(self, items: List[Tuple[str, nn.Module]], i: int) -> bool:
-        """Elements i.. are still exactly this run, without hooks, in a dtype the op runs."""
-        n = len(self.names)
-        if i + n > len(items):
-            return False
-        for (name, m), want_name, want in zip(items[i:i + n], self.names, self.modules):
-            if name != want_name or m is not want:
-                return False
-        return run_problem(self.modules) is None and _unsupported(self.modules[0].weight) is None
+    def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
+                 layers: Sequence[nn.Module], last_tanh: bool,
+                 sequences: Sequence[Tuple[nn.Module, str]],
+                 slots: Sequence[Tuple[nn.Module, str, nn.Module, str]],
+                 unhooked: Sequence[Tuple[nn.Module, str]],
+                 owners: Sequence[Tuple[nn.Module, str]], fallback: bool, local: bool,
+                 elements: Sequence[Tuple[nn.Module, str]],
+                 decision: Optional["Decision"] = None) -> None:
+        self.labels = tuple(labels)        # the layers' paths in call order, for messages
+        self.key = (tuple(members), bool(last_tanh))  # the Linear/Tanh modules fused (identity)
+        self.layers = tuple(layers)        # per Linear: the module whose weight/bias it reads
+        self.last_tanh = bool(last_tanh)
+        # Sequentials whose elements must stay exactly these (name, module) pairs
+        self.sequences = tuple((seq, label, tuple(seq._modules), tuple(seq._modules.values()))
+                               for seq, label in sequences)
+        self.slots = tuple(slots)          # (holder, name, module, label): children in place
+        self.unhooked = tuple(unhooked)    # (module, label): hooks the fused op would skip
+        # (module, label) whose forward calls the run's containers one after another; the forward
+        # each had when fuse finished is set by fuse (a rewrite may set one in the same call).
+        self.owners = tuple((m, label, vars(m).get("forward")) for m, label in owners)
+        # True when every layer is still its own module (only Sequential elements), so that a
+        # run that no longer matches can run element by element; False when fuse replaced
+        # children by pass-throughs, which only the run computes.
+        self.fallback = bool(fallback)
+        self.local = bool(local)           # all its layers are elements of one Sequential
+        self.elements = tuple(elements)    # (Sequential, name) of its layers that are elements
+        self.decision = decision           # what the report said when fuse applied it
+
+    def seal_owners(self) -> None:
+        self.owners = tuple((m, label, vars(m).get("forward")) for m, label, _ in self.owners)
+
+    def problem(self) -> Optional[str]:
+        """None while the run can be computed fused, else what changed since fuse."""
+        for seq, label, names, modules in self.sequences:
+            if len(seq._modules) != len(names):
+                return f"the elements of {label or '<model>'} changed"
+            for (name, m), want_name, want in zip(seq._modules.items(), names, modules):
+                if name != want_name or m is not want:
+                    return f"{_join(label, want_name)} was replaced"
+        for holder, name, want, label in self.slots:
+            if holder._modules.get(name) is not want:
+                return f"{label} was replaced"
+        for m, label in self.unhooked:
+            if _has_hooks(m):
+                return f"{label or '<model>'} has hooks, which the fused run would not call"
+        for m, label, forward in self.owners:
+            if vars(m).get("forward") is not forward:
+                return f"{label or '<model>'}.forward was replaced"
+        w0 = self.layers[0].weight
+        problem = _unsupported(w0)
+        if problem is not None:
+            return problem
+        for layer in self.layers[1:]:
+            if layer.weight.dtype != w0.dtype or layer.weight.device != w0.device:
+                return "its layers' weights no longer share one dtype and device"
+        return None
+
+    def broken(self, problem: str) -> str:
+        return (f"ckpt_ext.fuse: the fused run {' -> '.join(self.labels)} cannot be computed: "
+                f"{problem}. fuse replaced some of its layers by pass-throughs (RunLayer, "
+                f"nn.Identity) that only the run computes, so it cannot fall back to running "
+                f"them one by one; undo the change, or fuse an unfused copy of the model")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mlp is not None:
-            return self.mlp(x)
-        lin = self.modules[0]
-        return linear_tanh(x, lin.weight, lin.bias)
+        weights = [layer.weight for layer in self.layers]
+        biases = [layer.bias for layer in self.layers]
+        if len(weights) == 1 and self.last_tanh:
+            return linear_tanh(x, weights[0], biases[0])  # a lone pair: the op a pair is
+        # What FusedTanhMLP.forward runs: the stack op, keeping only x for backward.
+        return tanh_mlp(x, weights, biases, self.last_tanh)
+
+
+class _RunPart:
+    """The consecutive elements of one FusedSequential that a run covers (Linear/Tanh elements,
+    and nested Sequentials the run covers whole). The head part computes the whole run; any other
+    part passes its input through, since the run was computed where it started."""
+
+    def __init__(self, run: _Run, names: Sequence[str], head: bool) -> None:
+        self.run, self.names, self.head = run, tuple(names), bool(head)
+
+    @property
+    def last_tanh(self) -> bool:
+        return self.run.last_tanh
+
+    @property
+    def key(self) -> Tuple[Any, ...]:
+        return (self.names, self.head, self.run.key)
 
     def describe(self) -> str:
-        return f"{self.names[0]}..{self.names[-1]}" + (" (last tanh)" if self.last_tanh else "")
+        span = f"{self.names[0]}..{self.names[-1]}" if len(self.names) > 1 else self.names[0]
+        if not self.head:
+            return f"{span} (in the run from {self.run.labels[0]}: passes its input through)"
+        if self.run.local:
+            return span + (" (last tanh)" if self.last_tanh else "")
+        return f"{span} (computes the run {self.run.labels[0]}..{self.run.labels[-1]})"
 
 
 class FusedSequential(nn.Sequential):
@@ -203,36 +309,47 @@ class FusedSequential(nn.Sequential):
     planned runs, which it re-checks at every call: a run whose elements were replaced, reordered or
     given hooks since, or whose dtype the op does not support, runs element by element. Indexing
     returns the real elements; a slice is a new FusedSequential without a plan, so it runs unfused.
+
+    A run that continues past this Sequential (into the next Sequential its caller calls, or out
+    of a nested one) is computed whole where it starts; a Sequential it reaches later passes the
+    activation through its elements of the run. Called on its own, such a Sequential therefore
+    does not compute only its own layers: see ``fuse``'s documentation.
     """
 
-    _ckpt_ext_runs: Tuple[_PlannedRun, ...] = ()
+    _ckpt_ext_runs: Tuple[_RunPart, ...] = ()
 
     def forward(self, input):
-        runs = self._ckpt_ext_runs
-        if not runs:
+        parts = self._ckpt_ext_runs
+        if not parts:
             return super().forward(input)
+        starts = {part.names[0]: part for part in parts}
         items = list(self._modules.items())
-        starts = {run.names[0]: run for run in runs}
         i = 0
         while i < len(items):
-            run = starts.get(items[i][0])
-            if run is not None and run.matches(items, i):
-                input = run(input)
-                i += len(run.names)
-            else:
-                input = items[i][1](input)
-                i += 1
+            part = starts.get(items[i][0])
+            if part is not None:
+                problem = part.run.problem()
+                if problem is None:
+                    if part.head:
+                        input = part.run(input)
+                    i += len(part.names)
+                    continue
+                if not part.run.fallback:
+                    raise RuntimeError(part.run.broken(problem))
+            input = items[i][1](input)
+            i += 1
         return input
 
     def extra_repr(self) -> str:
         if not self._ckpt_ext_runs:
             return ""
-        return "fused runs: " + ", ".join(r.describe() for r in self._ckpt_ext_runs)
+        return "fused runs: " + ", ".join(p.describe() for p in self._ckpt_ext_runs)
 
 
 class RunLayer(nn.Module):
-    """Holds a Linear's ``weight`` and ``bias`` (same Parameter objects, same names) for the
-    :class:`FusedRunHead` that computes its layer; its own forward passes its input through."""
+    """Holds a Linear's ``weight`` and ``bias`` (same Parameter objects, same names) for the run
+    that computes its layer (started by a :class:`FusedRunHead` or a :class:`FusedSequential`);
+    its own forward passes its input through."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -248,18 +365,19 @@ class RunLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None} (computed by its run's FusedRunHead)")
+                f"bias={self.bias is not None} (computed by its fused run)")
 
 
 class FusedRunHead(nn.Module):
-    """The first Linear of a run of a module's children ``Linear, Tanh, Linear, ...`` that its
-    forward calls in sequence. It computes the whole run with ``tanh_mlp`` (keeping only the run's
-    input) and holds the first layer's ``weight`` and ``bias``; the later layers' parameters stay
-    in :class:`RunLayer` children of the same module under their own names, read at every call
-    (so ``load_state_dict(assign=True)`` and ``.to()`` are seen)."""
+    """The first Linear of a run ``Linear, Tanh, Linear, ...`` of a module's children that its
+    forward calls in sequence (possibly continuing into a Sequential it calls next). It computes
+    the whole run with ``tanh_mlp`` (keeping only the run's input) and holds the first layer's
+    ``weight`` and ``bias``; the later layers' parameters stay in :class:`RunLayer` children (or
+    Sequential elements) under their own names, read at every call (so
+    ``load_state_dict(assign=True)`` and ``.to()`` are seen). If a layer of the run was replaced
+    or given hooks since, it raises rather than compute without it."""
 
-    def __init__(self, linear: nn.Linear, owner: nn.Module, tail: Sequence[str],
-                 last_tanh: bool) -> None:
+    def __init__(self, linear: nn.Linear, run: Optional[_Run] = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
@@ -267,25 +385,23 @@ class FusedRunHead(nn.Module):
             self.bias = linear.bias
         else:
             self.register_parameter("bias", None)
-        self.tail, self.last_tanh = tuple(tail), bool(last_tanh)
-        # The owner is this module's parent: a plain reference, not a registered child.
-        object.__setattr__(self, "_owner", owner)
+        self._run = run  # a plain object (not a registered child), set by fuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, biases = [self.weight], [self.bias]
-        for name in self.tail:
-            layer = self._owner._modules.get(name)
-            if type(layer) is not RunLayer or _has_hooks(layer):
-                what = "has hooks" if type(layer) is RunLayer else \
-                    f"was replaced by {type(layer).__name__}"
-                raise RuntimeError(f"FusedRunHead: the run's layer {name!r} {what}; this head "
-                                   f"computes the run from the layers' weight and bias only")
-            weights.append(layer.weight)
-            biases.append(layer.bias)
-        return tanh_mlp(x, weights, biases, self.last_tanh)
+        run = self._run
+        if run is None:
+            raise RuntimeError("FusedRunHead computes a run that ckpt_ext.fuse planned; this one "
+                               "was built without a run")
+        problem = run.problem()
+        if problem is not None:
+            raise RuntimeError(run.broken(problem))
+        return run(x)
 
     def extra_repr(self) -> str:
-        return f"runs {', '.join(self.tail)} too, last_tanh={self.last_tanh}"
+        run = self._run
+        if run is None:
+            return ""
+        return f"runs {' -> '.join(run.labels)}, last_tanh={run.last_tanh}"
 
 
 class _RewrittenForward:
@@ -407,6 +523,7 @@ class _Trace:
     reason: str = ""
     graph: Optional[fx.Graph] = None
     already_rewritten: bool = False
+    calls: Optional[Dict[str, int]] = None  # call_module counts per target, filled on first use
 
 
 def _analysis_copy(model: nn.Module) -> nn.Module:
@@ -485,7 +602,11 @@ def _trace_module(clone: nn.Module, orig: nn.Module) -> _Trace:
         clone.train(mode)
         before = _snapshot(clone)
         try:
-            g = _LocalTracer().trace(clone)
+            # Warnings raised while fx runs the forward on placeholders (torch.utils.checkpoint:
+            # "None of the inputs have requires_grad=True") are about that run, not the model.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                g = _LocalTracer().trace(clone)
         except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             return _Trace(False, f"torch.fx cannot trace it ({type(e).__name__}: {msg[:160]})")
@@ -787,15 +908,13 @@ def _worth_reporting(m: nn.Module) -> bool:
 
 @dataclass
 class _Chain:
-    where: str                    # owner path
-    how: str                      # "sequential", "children" or "rewrite"
+    where: str                    # the module holding its items
+    how: str                      # "rewrite", or "" for module calls (the plan says how)
     labels: List[str]             # one per item, in call order
-    items: List[Any]              # modules (sequential, children) or fx nodes (rewrite)
+    items: List[Any]              # _Site (module calls) or fx nodes (rewrite)
     layers: List[_Layer]          # one per Linear item
     ends_with_tanh: bool
     fate: Callable[[], Fate]      # what the consumer does with the chain's last output
-    owner: Optional[nn.Module] = None
-    names: Optional[List[str]] = None  # element / child names (sequential, children)
 
     def span(self, a: int, b: int, last_tanh: bool) -> Tuple[int, int]:
         """Item indices [start, stop) of layers a..b, with b's Tanh if last_tanh."""
@@ -917,50 +1036,11 @@ def _split(items_ok: List[Optional[str]], n: int) -> List[Tuple[int, int]]:
 
 def _sub_chain(chain: _Chain, s: int, e: int, fate: Callable[[], Fate]) -> _Chain:
     return _Chain(chain.where, chain.how, chain.labels[s:e], chain.items[s:e],
-                  chain.layers[s // 2:(e + 1) // 2], (e - s) % 2 == 0, fate, chain.owner,
-                  chain.names[s:e] if chain.names else None)
+                  chain.layers[s // 2:(e + 1) // 2], (e - s) % 2 == 0, fate)
 
 
 def _layer(label: str, lin: nn.Linear) -> _Layer:
     return _Layer(label, lin.in_features, lin.out_features, lin.weight.element_size())
-
-
-def _sequential_chains(an: _Model, path: str, seq: nn.Sequential,
-                       misses: List[Decision]) -> List[_Chain]:
-    names = list(seq._modules)
-    mods = [seq._modules[n] for n in names]
-    chains = []
-    i = 0
-    while i < len(mods):
-        if not (isinstance(mods[i], nn.Linear) and i + 1 < len(mods)
-                and isinstance(mods[i + 1], nn.Tanh)):
-            i += 1
-            continue
-        j = i  # alternate Linear, Tanh, ... as far as it goes
-        while j + 1 < len(mods) and isinstance(mods[j + 1], nn.Tanh if (j - i) % 2 == 0
-                                               else nn.Linear):
-            j += 1
-        n = j - i + 1
-        problems = [(_linear_problem(m) if k % 2 == 0 else _tanh_problem(m))
-                    for k, m in enumerate(mods[i:j + 1])]
-        labels = [_join(path, nm) for nm in names[i:j + 1]]
-        _item_misses(path, labels, problems, misses)
-        full = _Chain(path, "sequential", labels, mods[i:j + 1],
-                      [_layer(labels[k], mods[i + k]) for k in range(0, n, 2)],
-                      n % 2 == 0, lambda: (None, ""), seq, names[i:j + 1])
-        for s, e in _split(problems, n):
-            after = i + e  # element index after the sub-chain
-            fate = (lambda after=after: an.elements_fate(
-                seq, path, after, lambda: an.output_fate(seq), 0))
-            sub = _sub_chain(full, s, e, fate)
-            problem = run_problem(sub.items)
-            if problem is not None:
-                misses.append(Decision(path, tuple(sub.labels), "left alone", "", "", 0, 0, 0,
-                                       problem))
-                continue
-            chains.append(sub)
-        i = j + 1
-    return chains
 
 
 _TANH_FUNCTIONS = {torch.tanh: "torch.tanh", F.tanh: "F.tanh"}
@@ -1016,10 +1096,411 @@ def _node_label(node: fx.Node, owner_path: str) -> str:
     return _TANH_FUNCTIONS[node.target]
 
 
+def _call_counts(t: _Trace) -> Dict[str, int]:
+    """How many times the traced forward calls each submodule target."""
+    if t.calls is None:
+        t.calls = {}
+        for n in t.graph.nodes:
+            if n.op == "call_module":
+                t.calls[n.target] = t.calls.get(n.target, 0) + 1
+    return t.calls
+
+
+def _child_problem(an: "_Model", owner: nn.Module, t: _Trace, target: str, label: str,
+                   sub: nn.Module) -> Optional[str]:
+    """Why fuse may not swap (or compute elsewhere) child ``target`` that ``owner``'s forward
+    calls, else None."""
+    calls = _call_counts(t).get(target, 0)
+    if calls != 1:
+        return f"{label} is called {calls} times"
+    if len(an.slots.get(id(sub), ())) != 1:  # held by another module too: it may be called there
+        return f"{label} is also held elsewhere: {', '.join(an.paths[id(sub)][1:])}"
+    other_uses = _uses_outside_forward(type(owner))
+    if other_uses is None:
+        return f"the source of {type(owner).__name__} is not available to check its methods"
+    name = target.split(".")[0]
+    if name in other_uses:
+        return (f"{label} is also used by {type(owner).__name__}."
+                f"{'/'.join(sorted(set(other_uses[name])))}()")
+    return None
+
+
+def _module_kind(m: Optional[nn.Module]) -> Optional[str]:
+    if isinstance(m, nn.Linear):
+        return "L"
+    if isinstance(m, nn.Tanh):
+        return "T"
+    return None
+
+
+@dataclass(eq=False)
+class _Site:
+    """One call of a Linear or Tanh module: an element of a Sequential, or a direct child that an
+    analysed forward calls (``node`` in its graph)."""
+    container: nn.Module
+    name: str
+    module: nn.Module
+    kind: str                         # "L" or "T"
+    label: str
+    index: int = -1                   # its index among the Sequential's elements
+    node: Optional[fx.Node] = None
+    trace: Optional[_Trace] = None
+
+
+@dataclass
+class _Plan:
+    """How one unit is put in place (computed before anything changes, for the report too)."""
+    how: str                          # "sequential", "children" or "across"
+    where: str                        # the module holding every layer of the unit ("" = model)
+    sites: List[_Site]
+    last_tanh: bool
+    parts: List[Tuple[nn.Module, Tuple[str, ...], bool]] = field(default_factory=list)
+    swaps: List[Tuple[nn.Module, _Site, str]] = field(default_factory=list)  # (owner, site, role)
+    sequences: List[nn.Module] = field(default_factory=list)  # must keep their elements
+    slots: List[Tuple[nn.Module, str, nn.Module, str]] = field(default_factory=list)
+    unhooked: List[nn.Module] = field(default_factory=list)
+    owner: Optional[nn.Module] = None  # the module whose forward calls the containers
+    note: str = ""
+
+    def part_keys(self) -> List[Tuple[nn.Module, Tuple[Any, ...]]]:
+        key = (tuple(s.module for s in self.sites), self.last_tanh)
+        return [(seq, (names, head, key)) for seq, names, head in self.parts]
+
+
+class _Discovery:
+    """Runs of Linear/Tanh module calls that follow one another, across container boundaries.
+
+    A value goes from one call to the next: between consecutive elements of a Sequential; from a
+    Sequential's last element to what consumes the Sequential's output (the next element of the
+    Sequential holding it, or the one call using it in the forward that calls it); into the first
+    element of a Sequential it is passed to; and between children an analysed forward calls one
+    after the other. A step counts only when the value has that single consumer. Crossing into or
+    out of a Sequential needs that Sequential to have no hooks, to be held at one place and, when
+    a forward calls it, to be called once there and by no other method of that class: otherwise
+    the run stops there and the report says why."""
+
+    def __init__(self, an: "_Model", taken_nodes: set, taken_elements: set) -> None:
+        self.an = an
+        self.sites: List[_Site] = []
+        self.at: Dict[Tuple[int, Any], _Site] = {}
+        for path, m in an.model.named_modules():
+            if _is_sequential(m):
+                for i, (name, e) in enumerate(m._modules.items()):
+                    kind = _module_kind(e)
+                    if kind and (id(m), name) not in taken_elements:
+                        self._add((id(m), name), _Site(m, name, e, kind, _join(path, name), i))
+                continue
+            t = an.trace_of(m)
+            if t is None or t.already_rewritten:  # nothing new is fused in a rewritten forward
+                continue
+            for node in t.graph.nodes:
+                if node.op != "call_module" or "." in node.target or node in taken_nodes:
+                    continue  # a Linear held in a list is only fused by a rewrite
+                sub = m._modules.get(node.target)
+                kind = _module_kind(sub)
+                if kind:
+                    self._add((id(m), node), _Site(m, node.target, sub, kind,
+                                                   _join(path, node.target), node=node, trace=t))
+
+    def _add(self, key: Tuple[int, Any], site: _Site) -> None:
+        self.sites.append(site)
+        self.at[key] = site
+
+    # -- one step: the call that receives a site's output, and why it may not be followed --------
+    def succ(self, s: _Site) -> Tuple[Optional[_Site], Optional[str]]:
+        if s.node is None:
+            return self._after_element(s.container, s.index, 0)
+        return self._after_node(s.container, s.trace, s.node, 0)
+
+    def _crossing_problem(self, seq: nn.Module) -> Optional[str]:
+        places = self.an.paths.get(id(seq), [])
+        label = places[0] if places else "<a Sequential>"
+        if _has_hooks(seq):
+            return f"{label} has hooks, which a run computed across it would not call"
+        if len(places) != 1:
+            return f"{label} is held at {len(places)} places ({', '.join(places)})"
+        return None
+
+    def _enter(self, seq: nn.Module, name: str, depth: int):
+        site = self.at.get((id(seq), name))
+        if site is not None:
+            return site, None
+        e = seq._modules[name]
+        if _is_sequential(e) and depth < 64:
+            return self._enter_seq(e, depth + 1)
+        return None, None
+
+    def _enter_seq(self, seq: nn.Module, depth: int):
+        names = list(seq._modules)
+        if not names:
+            return None, None
+        site, why = self._enter(seq, names[0], depth)
+        if site is None:
+            return None, None
+        return site, self._crossing_problem(seq) or why
+
+    def _after_element(self, seq: nn.Module, i: int, depth: int):
+        names = list(seq._modules)
+        if i + 1 < len(names):
+            return self._enter(seq, names[i + 1], depth)
+        return self._after_seq(seq, depth)
+
+    def _after_seq(self, seq: nn.Module, depth: int):
+        an = self.an
+        places = an.paths.get(id(seq), [])
+        if not places or places[0] not in an.parent or depth > 64:
+            return None, None  # the model itself
+        problem = self._crossing_problem(seq)
+        parent, ppath, name = an.parent[places[0]]
+        if _is_sequential(parent):
+            site, why = self._after_element(parent, list(parent._modules).index(name), depth + 1)
+            return site, problem or why
+        target = name  # a Sequential held in a ModuleList/ModuleDict: called as "blocks.0"
+        while isinstance(parent, (nn.ModuleList, nn.ModuleDict)) and ppath in an.parent:
+            parent, ppath, holder = an.parent[ppath]
+            target = f"{holder}.{target}"
+        # A forward rewritten by an earlier fuse still calls its child Sequentials as its class
+        # graph says (only function pairs became fused ops), so the run may go through it.
+        t = an.trace_of(parent)
+        if t is None:
+            return None, None
+        calls = [n for n in t.graph.nodes if n.op == "call_module" and n.target == target]
+        if not calls:
+            return None, None
+        site, why = self._after_node(parent, t, calls[0], depth + 1)
+        if site is None:
+            return None, None
+        return site, problem or _child_problem(an, parent, t, target, _join(ppath, target),
+                                               seq) or why
+
+    def _after_node(self, owner: nn.Module, t: _Trace, node: fx.Node, depth: int):
+        users = list(node.users)
+        if len(users) != 1:
+            return None, None
+        u = users[0]
+        if u.op != "call_module" or len(u.args) != 1 or u.args[0] is not node or u.kwargs:
+            return None, None
+        site = self.at.get((id(owner), u))
+        if site is not None:
+            return site, None
+        sub = owner.get_submodule(u.target)
+        if not _is_sequential(sub) or depth > 64:
+            return None, None
+        site, why = self._enter_seq(sub, depth + 1)
+        if site is None:
+            return None, None
+        label = _join(self.an.path_of(owner), u.target)
+        return site, _child_problem(self.an, owner, t, u.target, label, sub) or why
+
+    # -- the runs ---------------------------------------------------------------------------------
+    def runs(self) -> Tuple[List[List[_Site]], Dict[_Site, str]]:
+        """Maximal alternating paths Linear, Tanh, Linear, ... (from a Linear), and for a site
+        whose next call would have continued the run, why that step was not taken."""
+        links: Dict[_Site, _Site] = {}
+        stops: Dict[_Site, str] = {}
+        for s in self.sites:
+            nxt, problem = self.succ(s)
+            if nxt is None or nxt.kind == s.kind:
+                continue
+            if problem:
+                stops[s] = problem
+            else:
+                links[s] = nxt
+        has_prev = set(links.values())
+        paths = []
+        for s in self.sites:
+            if s in has_prev:
+                continue
+            path, seen = [s], {s}
+            while path[-1] in links and links[path[-1]] not in seen:
+                path.append(links[path[-1]])
+                seen.add(path[-1])
+            while path and path[0].kind != "L":
+                path.pop(0)
+            if len(path) >= 2:
+                paths.append(path)
+        return paths, stops
+
+    def problem(self, s: _Site) -> Optional[str]:
+        if s.node is not None:
+            p = _child_problem(self.an, s.container, s.trace, s.name, s.label, s.module)
+            if p is not None:
+                return p
+        return _linear_problem(s.module) if s.kind == "L" else _tanh_problem(s.module)
+
+    def fate(self, s: _Site) -> Fate:
+        """What consumes the site's output."""
+        an = self.an
+        if s.node is None:
+            seq = s.container
+            return an.elements_fate(seq, an.path_of(seq), s.index + 1,
+                                    lambda: an.output_fate(seq), 0)
+        return an.node_fate(s.container, s.trace, s.node)
+
+    # -- where a unit lives -----------------------------------------------------------------------
+    def _call_parent(self, m: nn.Module) -> Optional[nn.Module]:
+        an = self.an
+        places = an.paths.get(id(m), [])
+        if len(places) != 1 or places[0] not in an.parent:
+            return None
+        parent, ppath, _ = an.parent[places[0]]
+        while isinstance(parent, (nn.ModuleList, nn.ModuleDict)) and ppath in an.parent:
+            parent, ppath, _ = an.parent[ppath]
+        return parent
+
+    def _ancestry(self, sites: Sequence[_Site]):
+        """Each site's containers from its own upward, and the lowest one they share."""
+        chains = []
+        for s in sites:
+            chain = [s.container]
+            while len(chain) < 256:
+                p = self._call_parent(chain[-1])
+                if p is None:
+                    break
+                chain.append(p)
+            chains.append(chain)
+        ids = [{id(c) for c in chain} for chain in chains]
+        lca = next((c for c in chains[0] if all(id(c) in x for x in ids)), None)
+        return chains, lca
+
+    def where(self, sites: Sequence[_Site]) -> str:
+        _, lca = self._ancestry(sites)
+        return self.an.path_of(lca) if lca is not None else ""
+
+    def plan(self, sites: List[_Site], last_tanh: bool) -> Optional[_Plan]:
+        an = self.an
+        chains, lca = self._ancestry(sites)
+        if lca is None:
+            return None
+        member = {(id(s.container), s.name) for s in sites if s.node is None}
+        inside: Dict[int, nn.Module] = {}  # Sequentials below the lca that hold layers of the run
+        for chain in chains:
+            for c in chain:
+                if c is lca:
+                    break
+                inside[id(c)] = c
+        whole_memo: Dict[int, bool] = {}
+
+        def whole(seq: nn.Module) -> bool:  # every element of it belongs to the run
+            if id(seq) not in whole_memo:
+                whole_memo[id(seq)] = bool(seq._modules) and all(
+                    (id(seq), n) in member or (id(e) in inside and whole(e))
+                    for n, e in seq._modules.items())
+            return whole_memo[id(seq)]
+
+        first, first_ids = sites[0], {id(c) for c in chains[0]}
+        p = _Plan("", an.path_of(lca), sites, last_tanh)
+        cut: List[nn.Module] = []
+
+        def holds_first(seq: nn.Module, names: Sequence[str]) -> bool:
+            return any((first.node is None and first.container is seq and first.name == n)
+                       or id(seq._modules[n]) in first_ids for n in names)
+
+        def place(seq: nn.Module) -> None:
+            """Parts for the run's consecutive elements of seq; recurse where it starts or ends
+            inside an element."""
+            seg: List[str] = []
+            for n, e in seq._modules.items():
+                if (id(seq), n) in member or (id(e) in inside and whole(e)):
+                    seg.append(n)
+                    continue
+                if seg:
+                    p.parts.append((seq, tuple(seg), holds_first(seq, seg)))
+                    seg = []
+                if id(e) in inside:
+                    cut.append(e)
+                    place(e)
+            if seg:
+                p.parts.append((seq, tuple(seg), holds_first(seq, seg)))
+
+        if _is_sequential(lca):
+            place(lca)
+            p.how = "sequential" if len(p.parts) == 1 and not cut else "across"
+            p.sequences = [lca] + list(inside.values())
+        else:
+            # The calls the lca's forward makes: child Linear/Tanh sites, or a child Sequential
+            # the run goes through.
+            units: List[Any] = []
+            for s, chain in zip(sites, chains):
+                u = s if s.container is lca else chain[[id(c) for c in chain].index(id(lca)) - 1]
+                if not units or units[-1] is not u:
+                    units.append(u)
+            for u in units:
+                if isinstance(u, _Site):
+                    role = "head" if u is first else ("layer" if u.kind == "L" else "tanh")
+                    p.swaps.append((lca, u, role))
+                    continue
+                holder, hpath, hname = an.parent[an.paths[id(u)][0]]
+                p.slots.append((holder, hname, u, _join(hpath, hname)))
+                if whole(u):
+                    p.parts.append((u, tuple(u._modules), holds_first(u, tuple(u._modules))))
+                else:
+                    cut.append(u)
+                    place(u)
+            if all(isinstance(u, _Site) for u in units):
+                p.how = "children"
+                if len(sites) == 2:  # a lone pair: FusedLinearTanh + Identity
+                    p.swaps[0] = (lca, sites[0], "pair")
+            else:
+                p.how = "across"
+            p.sequences = list(inside.values())
+            p.owner = lca
+        p.unhooked = list(inside.values())
+        if p.how == "across":
+            p.note = self._note(p, lca, cut, chains)
+        return p
+
+    def _note(self, p: _Plan, lca: nn.Module, cut: List[nn.Module], chains: List[list]) -> str:
+        """Which containers the run crosses, and what each does now when called on its own."""
+        ids = [{id(c) for c in chain} for chain in chains]
+
+        def order(m: nn.Module) -> int:  # the first layer of the run inside m
+            return next(i for i, x in enumerate(ids) if id(m) in x)
+
+        # (position, label, holds the run's start, passes every element through)
+        changed: List[Tuple[int, str, bool, bool]] = []
+        seen = set()
+        for seq, names, head in p.parts:
+            if seq is not lca:
+                seen.add(id(seq))
+                changed.append((order(seq), self.an.path_of(seq), head or id(seq) in ids[0],
+                                not head and len(names) == len(seq._modules)))
+        for seq in cut:
+            if id(seq) not in seen:
+                seen.add(id(seq))
+                changed.append((order(seq), self.an.path_of(seq), id(seq) in ids[0], False))
+        for _, s, role in p.swaps:
+            changed.append((p.sites.index(s), s.label, role == "head", role != "head"))
+        changed = [c[1:] for c in sorted(changed, key=lambda c: c[0])]
+        heads = [c for c in changed if c[1]]
+        others = [c for c in changed if not c[1]]
+        where = p.where or "<model>"
+        text = f"it crosses {', '.join(c[0] for c in changed)} in {where}: "
+        parts = []
+        if heads:
+            parts.append(f"{' and '.join(c[0] for c in heads)} "
+                         f"{'computes' if len(heads) == 1 else 'compute'} the whole run")
+        if others:
+            parts.append(f"{', '.join(c[0] for c in others)} pass"
+                         f"{'es' if len(others) == 1 else ''} the activation through")
+        text += " and ".join(parts)
+        alone = []
+        if heads:
+            alone.append(f"{' and '.join(c[0] for c in heads)} "
+                         f"return{'s' if len(heads) == 1 else ''} the run's output")
+        if others:
+            verb = ("return their input" if len(others) > 1 else "returns its input") \
+                if all(c[2] for c in others) else \
+                ("skip the run's layers" if len(others) > 1 else "skips the run's layers")
+            alone.append(f"{', '.join(c[0] for c in others)} {verb}")
+        return text + "; called on its own, " + ", and ".join(alone)
+
+
 def _graph_chains(an: _Model, path: str, owner: nn.Module, t: _Trace, rewrite: bool,
-                  misses: List[Decision]) -> List[_Chain]:
-    """Chains in one module's graph: each is 'children' (every item a swappable direct child) or
-    'rewrite' (needs the forward rewritten; only kept when rewrite=True)."""
+                  misses: List[Decision], taken: set) -> List[_Chain]:
+    """Chains in one module's graph that hold a function call (``F.linear``, ``torch.tanh``) or a
+    Linear held in a list: fused only by rewriting the forward (``rewrite=True``). The nodes of a
+    chain to rewrite go into ``taken``. Chains of direct child modules only are the discovery's."""
     graph = t.graph
     kind = {n: _node_kind(n, owner) for n in graph.nodes}
 
@@ -1032,11 +1513,9 @@ def _graph_chains(an: _Model, path: str, owner: nn.Module, t: _Trace, rewrite: b
         return u if kind[u] == want and _data_input(u) is n else None
 
     has_prev = {nxt(n) for n in graph.nodes if kind[n] is not None} - {None}
-    calls: Dict[str, int] = {}
-    for n in graph.nodes:
-        if n.op == "call_module":
-            calls[n.target] = calls.get(n.target, 0) + 1
-    other_uses = _uses_outside_forward(type(owner))
+
+    def graph_only(n: fx.Node) -> bool:
+        return n.op != "call_module" or "." in n.target
 
     def swap_problem(n: fx.Node) -> Optional[str]:
         label = _node_label(n, path)
@@ -1046,15 +1525,9 @@ def _graph_chains(an: _Model, path: str, owner: nn.Module, t: _Trace, rewrite: b
         if "." in n.target:
             return f"{label} is not a direct child of {path or '<model>'}"
         sub = owner.get_submodule(n.target)
-        if calls[n.target] != 1:
-            return f"{label} is called {calls[n.target]} times"
-        if len(an.slots[id(sub)]) != 1:  # held by another module too: it may be called there
-            return f"{label} is also held elsewhere: {', '.join(an.paths[id(sub)][1:])}"
-        if other_uses is None:
-            return f"the source of {type(owner).__name__} is not available to check its methods"
-        if n.target in other_uses:
-            return f"{label} is also used by {type(owner).__name__}." \
-                   f"{'/'.join(sorted(set(other_uses[n.target])))}()"
+        problem = _child_problem(an, owner, t, n.target, label, sub)
+        if problem is not None:
+            return problem
         return _linear_problem(sub) if kind[n] == "L" else _tanh_problem(sub)
 
     def rewrite_problem(n: fx.Node) -> Optional[str]:
@@ -1089,65 +1562,92 @@ def _graph_chains(an: _Model, path: str, owner: nn.Module, t: _Trace, rewrite: b
         items = [n]
         while nxt(items[-1]) is not None:
             items.append(nxt(items[-1]))
-        labels = [_node_label(x, path) for x in items]
-        swap = [swap_problem(x) for x in items]
-        if all(p is None for p in swap):
-            how, problems = "children", swap
-        else:
-            rw = [rewrite_problem(x) for x in items]
-            if rewrite and all(p is None for p in rw):
-                how, problems = "rewrite", rw
-            else:
-                how, problems = "children", swap
-                _item_misses(path, labels, [p if (rw[k] is None or not rewrite) else rw[k]
-                                            for k, p in enumerate(swap)], misses)
-        layers = [layer_of(x) for x in items[0::2]]
-        if any(lay is None for lay in layers):
+        only = [graph_only(x) for x in items]
+        if not any(only):
             continue
-        full = _Chain(path, how, labels, items, layers, len(items) % 2 == 0, lambda: (None, ""),
-                      owner, [x.target if x.op == "call_module" else None for x in items])
-        for s, e in _split(problems, len(items)):
-            last = items[e - 1]
-            sub = _sub_chain(full, s, e, lambda last=last: an.node_fate(owner, t, last))
-            if how == "children":
-                problem = run_problem([owner.get_submodule(x.target) for x in sub.items])
-                if problem is not None:
-                    misses.append(Decision(path, tuple(sub.labels), "left alone", "", "", 0, 0,
-                                           0, problem))
-                    continue
-            chains.append(sub)
+        labels = [_node_label(x, path) for x in items]
+        rw = [rewrite_problem(x) for x in items]
+        layers = [layer_of(x) for x in items[0::2]]
+        if rewrite and all(p is None for p in rw) and all(lay is not None for lay in layers):
+            last = items[-1]
+            chains.append(_Chain(path, "rewrite", labels, items, layers, len(items) % 2 == 0,
+                                 lambda last=last: an.node_fate(owner, t, last)))
+            taken.update(x for x in items if x.op == "call_module")
+            continue
+        # Not rewritten: report the pairs that hold a function call or a Linear held in a list
+        # (pairs of child modules are the discovery's, which reports their problems itself).
+        problems = [rw[k] if (rewrite and rw[k] is not None) else swap_problem(x)
+                    for k, x in enumerate(items)]
+        in_pair = [only[k - k % 2] or (k - k % 2 + 1 < len(items) and only[k - k % 2 + 1])
+                   for k in range(len(items))]
+        _item_misses(path, labels, [p if in_pair[k] else None for k, p in enumerate(problems)],
+                     misses)
     return chains
 
 
 # ------------------------------------------------------------------------------------------------
 # Applying the units
 
-def _apply_sequential(seq: nn.Sequential, units: List[_Unit]) -> None:
-    runs = []
-    for u in units:
-        s, e = u.chain.span(u.a, u.b, u.last_tanh)
-        runs.append(_PlannedRun(u.chain.names[s:e], u.chain.items[s:e], u.last_tanh))
+def _apply_plan(an: _Model, plan: _Plan, decision: Decision) -> Tuple[Optional[_Run], list]:
+    """Swap the plan's children and make its run; returns the run and its (Sequential, part)s."""
+    new: Dict[int, nn.Module] = {}
+    heads = []
+    for owner, site, role in plan.swaps:
+        if role == "pair":
+            m: nn.Module = FusedLinearTanh.from_linear(site.module)
+        elif role == "head":
+            m = FusedRunHead(site.module)
+            heads.append(m)
+        elif role == "layer":
+            m = RunLayer(site.module)
+        else:
+            m = nn.Identity()
+        owner._modules[site.name] = m
+        new[id(site)] = m
+    if plan.swaps and plan.swaps[0][2] == "pair":
+        return None, []  # FusedLinearTanh computes the pair on its own
+    sites = plan.sites
+    run = _Run(
+        labels=[s.label for s in sites], members=[s.module for s in sites],
+        layers=[new.get(id(s), s.module) for s in sites[0::2]], last_tanh=plan.last_tanh,
+        sequences=[(seq, an.path_of(seq)) for seq in plan.sequences],
+        slots=list(plan.slots) + [(o, s.name, new[id(s)], s.label) for o, s, _ in plan.swaps],
+        unhooked=[(m, an.path_of(m)) for m in plan.unhooked]
+        + [(new.get(id(s), s.module), s.label) for s in sites],
+        owners=[(plan.owner, an.path_of(plan.owner))] if plan.owner is not None else [],
+        fallback=not plan.swaps, local=plan.how == "sequential",
+        elements=[(s.container, s.name) for s in sites if s.node is None], decision=decision)
+    for head in heads:
+        head._run = run
+    return run, [(seq, _RunPart(run, names, head)) for seq, names, head in plan.parts]
+
+
+def _existing_runs(model: nn.Module) -> List[_Run]:
+    """The runs an earlier fuse put in place, each once."""
+    runs: Dict[int, _Run] = {}
+    for m in model.modules():
+        if isinstance(m, FusedSequential):
+            for part in m._ckpt_ext_runs:
+                runs.setdefault(id(part.run), part.run)
+        elif isinstance(m, FusedRunHead) and m._run is not None:
+            runs.setdefault(id(m._run), m._run)
+    return list(runs.values())
+
+
+def _parts_of(seq: nn.Module) -> Tuple[_RunPart, ...]:
+    return seq._ckpt_ext_runs if isinstance(seq, FusedSequential) else ()
+
+
+def _set_parts(seq: nn.Module, parts: List[_RunPart]) -> None:
+    """Give seq exactly these parts (in element order); leave it as it is if it has them."""
+    if [p.key for p in _parts_of(seq)] == [p.key for p in parts]:
+        return
+    if not parts and type(seq) is nn.Sequential:
+        return
+    order = {name: i for i, name in enumerate(seq._modules)}
     if type(seq) is nn.Sequential:
         seq.__class__ = FusedSequential  # a subclass: same object, elements and keys
-    seq._ckpt_ext_runs = tuple(runs)
-
-
-def _planned(seq: nn.Module) -> set:
-    return {(r.names, r.modules, r.last_tanh) for r in getattr(seq, "_ckpt_ext_runs", ())}
-
-
-def _apply_children(owner: nn.Module, u: _Unit) -> None:
-    s, e = u.chain.span(u.a, u.b, u.last_tanh)
-    names = u.chain.names[s:e]
-    lins = [owner._modules[nm] for nm in names[0::2]]
-    if u.a == u.b:
-        owner._modules[names[0]] = FusedLinearTanh.from_linear(lins[0])
-    else:
-        owner._modules[names[0]] = FusedRunHead(lins[0], owner, names[2::2], u.last_tanh)
-        for nm, lin in zip(names[2::2], lins[1:]):
-            owner._modules[nm] = RunLayer(lin)
-    for nm in names[1::2]:
-        owner._modules[nm] = nn.Identity()
+    seq._ckpt_ext_runs = tuple(sorted(parts, key=lambda p: order.get(p.names[0], -1)))
 
 
 def _rewrite_source(owner: nn.Module, graph: fx.Graph, units: List[_Unit]) -> str:
@@ -1208,51 +1708,119 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
                          f" got {policy!r}")
     report = FuseReport(dry_run=dry_run, policy=policy, rewrite=rewrite)
     an = _Model(model, trace, report)
+    units_at: Dict[str, List[Decision]] = {}   # decisions by the module holding their layers
+    misses_at: Dict[str, List[Decision]] = {}
+
+    def add(store: Dict[str, List[Decision]], d: Decision) -> None:
+        store.setdefault(d.where, []).append(d)
+
+    # Runs an earlier fuse applied by replacing children (FusedRunHead, RunLayer, Identity): their
+    # layers are no longer Linear/Tanh modules, so they are kept as they are (and reported), and
+    # their Sequential elements are not planned again.
+    kept_runs = [r for r in _existing_runs(model) if not r.fallback]
+    taken_elements = {(id(seq), name) for r in kept_runs for seq, name in r.elements}
+    for r in kept_runs:
+        if r.decision is not None:
+            problem = r.problem()
+            if problem is None:
+                add(units_at, _already(r.decision))
+            else:
+                add(misses_at, Decision(r.decision.where, r.decision.layers, "left alone", "", "",
+                                        0, 0, 0, f"fused by an earlier fuse, but it cannot run "
+                                                 f"fused any more: {problem}"))
 
     # Plan everything on the unmodified model, then apply.
-    seq_units: List[Tuple[nn.Module, List[_Unit]]] = []
-    child_units: List[Tuple[nn.Module, _Unit]] = []
+    # 1. Forward code: chains that hold a function call, fused only by a rewrite.
     rewrite_units: List[Tuple[str, nn.Module, _Trace, List[_Unit]]] = []
+    taken_nodes: set = set()
     for path, m in model.named_modules():
+        t = an.trace_of(m) if not _is_sequential(m) else None
+        if t is None or t.already_rewritten:
+            continue
         misses: List[Decision] = []
-        if _is_sequential(m):
-            units: List[_Unit] = []
-            for chain in _sequential_chains(an, path, m, misses):
-                us, ms = _decide(chain, policy)
-                units += us
-                misses += ms
-            keys = set()
-            for u in units:
-                s, e = u.chain.span(u.a, u.b, u.last_tanh)
-                keys.add((tuple(u.chain.names[s:e]), tuple(u.chain.items[s:e]), u.last_tanh))
-            done = _planned(m)
-            if keys != done:  # a new plan (idempotence: the same plan is left as it is)
-                seq_units.append((m, units))
-            for u in units:
-                report.decisions.append(_already(u.decision) if keys == done else u.decision)
-        else:
-            t = an.trace_of(m)
-            if t is None or t.already_rewritten:
+        rw: List[_Unit] = []
+        for chain in _graph_chains(an, path, m, t, rewrite, misses, taken_nodes):
+            us, ms = _decide(chain, policy)
+            misses += ms
+            for u in us:
+                rw.append(u)
+                add(units_at, u.decision)
+        for d in misses:
+            add(misses_at, d)
+        if rw:
+            rewrite_units.append((path, m, t, rw))
+
+    # 2. Runs of Linear/Tanh modules, inside a container or across several.
+    disc = _Discovery(an, taken_nodes, taken_elements)
+    paths, stops = disc.runs()
+    planned: List[Tuple[_Plan, Decision, bool]] = []  # (plan, decision, already in place)
+    for sites in paths:
+        where = disc.where(sites)
+        labels = [s.label for s in sites]
+        problems = [disc.problem(s) for s in sites]
+        found: List[Decision] = []
+        _item_misses(where, labels, problems, found)
+        full = _Chain(where, "", labels, sites, [_layer(s.label, s.module) for s in sites[0::2]],
+                      len(sites) % 2 == 0, lambda: (None, ""))
+        for s, e in _split(problems, len(sites)):
+            last = sites[e - 1]
+            sub = _sub_chain(full, s, e, lambda last=last: disc.fate(last))
+            sub.where = disc.where(sub.items)
+            problem = run_problem([x.module for x in sub.items])
+            if problem is not None:
+                found.append(Decision(sub.where, tuple(sub.labels), "left alone", "", "", 0, 0, 0,
+                                      problem))
                 continue
-            rw: List[_Unit] = []
-            for chain in _graph_chains(an, path, m, t, rewrite, misses):
-                us, ms = _decide(chain, policy)
-                misses += ms
-                for u in us:
-                    if chain.how == "rewrite":
-                        rw.append(u)
-                    else:
-                        child_units.append((m, u))
-                    report.decisions.append(u.decision)
-            if rw:
-                rewrite_units.append((path, m, t, rw))
-        report.decisions += misses
+            us, ms = _decide(sub, policy)
+            found += ms
+            for u in us:
+                a, b = sub.span(u.a, u.b, u.last_tanh)
+                plan = disc.plan(sub.items[a:b], u.last_tanh)
+                d = u.decision
+                if plan is None:  # no module holds them all: nothing to swap safely
+                    found.append(dataclasses.replace(
+                        d, action="left alone", unit="", how="", bytes_per_row=0,
+                        why="its layers share no container that calls them in sequence"))
+                    continue
+                d = dataclasses.replace(d, where=plan.where, how=plan.how,
+                                        why=d.why + (f"; {plan.note}" if plan.note else ""))
+                already = not plan.swaps and all(
+                    any(p.key == key for p in _parts_of(seq)) for seq, key in plan.part_keys())
+                planned.append((plan, d, already))
+                found.append(_already(d) if already else d)
+        stop = stops.get(sites[-1])
+        position = {label: i for i, label in enumerate(labels)}
+        found.sort(key=lambda d: position.get(d.layers[0], len(labels)))  # in call order
+        by_label = {s.label: s for s in sites}
+        for d in found:
+            if d.action == "left alone":  # placed at the module holding its own layers
+                d = dataclasses.replace(d, where=disc.where([by_label[x] for x in d.layers]))
+            if stop and sites[-1].label in d.layers:
+                d = dataclasses.replace(
+                    d, why=f"{d.why}; the run stops after {sites[-1].label}: {stop}")
+            add(units_at if d.action != "left alone" else misses_at, d)
 
     if not dry_run:
-        for seq, units in seq_units:
-            _apply_sequential(seq, units)
-        for owner, u in child_units:
-            _apply_children(owner, u)
+        # Each Sequential gets the parts of the runs planned now, plus those of kept runs.
+        desired: Dict[int, List[_RunPart]] = {}
+
+        def parts_for(seq: nn.Module) -> List[_RunPart]:
+            if id(seq) not in desired:
+                desired[id(seq)] = [p for p in _parts_of(seq) if not p.run.fallback]
+            return desired[id(seq)]
+
+        for plan, d, already in planned:
+            if already:  # the same run is in place: keep its very objects
+                for seq, key in plan.part_keys():
+                    parts_for(seq).append(next(p for p in _parts_of(seq) if p.key == key))
+                continue
+            _, parts = _apply_plan(an, plan, d)
+            for seq, part in parts:
+                parts_for(seq).append(part)
+        for _, m in model.named_modules():
+            if _is_sequential(m):
+                _set_parts(m, parts_for(m))
+
     for path, m, t, units in rewrite_units:
         report.rewritten.append(path)
         if dry_run:
@@ -1263,10 +1831,18 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
             report.rewritten.remove(path)
             report.not_analysed.append((path, f"forward not rewritten: {type(e).__name__}: {e}"))
             ids = {id(u.decision) for u in units}
-            report.decisions = [d if id(d) not in ids else _refused(d, str(e))
-                                for d in report.decisions]
+            for store in (units_at, misses_at):
+                for key, ds in store.items():
+                    store[key] = [d if id(d) not in ids else _refused(d, str(e)) for d in ds]
             continue
         m.forward = _RewrittenForward(m, source)
+    if not dry_run:
+        for run in _existing_runs(model):  # the forwards that call its containers, as now set
+            run.seal_owners()
+
+    order = [path for path, _ in model.named_modules()]
+    for path in order + sorted((set(units_at) | set(misses_at)) - set(order)):
+        report.decisions += units_at.get(path, []) + misses_at.get(path, [])
     return Fused(model, report)
 
 
