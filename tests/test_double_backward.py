@@ -122,9 +122,9 @@ def test_first_order_backward_keeps_the_fused_kernel():
     assert calls.get("aten.mm", 0) == 2
 
 
-def test_create_graph_uses_differentiable_path():
-    # With create_graph=True the backward is built from differentiable ops (the fused forward
-    # among them) instead of the opaque fused backward, so it can be differentiated again.
+def test_create_graph_records_the_recomputing_backward_op():
+    # With create_graph=True the first-order backward is the recomputing op itself, recorded by
+    # autograd: no forward is re-run outside it, and its node keeps (grad_out, x), not z or t.
     torch.manual_seed(0)
     layer = FusedLinearTanh(4, 3)
     x = torch.randn(5, 4, requires_grad=True)
@@ -132,5 +132,7 @@ def test_create_graph_uses_differentiable_path():
     with OpCounter() as counter:
         (gx,) = torch.autograd.grad(y, x, create_graph=True)
     assert gx.requires_grad
-    assert "ckpt_ext.linear_tanh_backward" not in counter.calls
-    assert counter.calls.get("ckpt_ext.linear_tanh") == 1
+    assert counter.calls.get("ckpt_ext.linear_tanh_backward") == 1
+    assert "ckpt_ext.linear_tanh" not in counter.calls
+    assert [tuple(t.shape) for t in gx.grad_fn.saved_tensors] == [
+        (5, 3), (5, 4), (3, 4), (3,)]  # grad_out, x, weight, bias
