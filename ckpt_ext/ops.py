@@ -16,8 +16,12 @@ import math
 from typing import List, Optional, Sequence
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 import torch.nn.functional as F
 from torch import Tensor
+from torch._functorch.utils import enable_single_level_autograd_function
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
+from torch.autograd.function import _SingleLevelFunction
 
 from . import _C  # loading the library registers torch.ops.ckpt_ext.*
 
@@ -81,11 +85,15 @@ def tanh_mlp(x: Tensor, weights: Sequence[Tensor],
 # Why not torch.library.register_autograd: the autograd.Function it generates has no
 # setup_context, and functorch refuses such a Function ("In order to use an autograd.Function with
 # functorch transforms ... it must override the setup_context staticmethod": pytorch#168393,
-# still open in torch 2.14). So each op gets its own autograd.Function below — forward,
-# setup_context, backward, jvp, and generate_vmap_rule, with vmap rules for the ops themselves
-# registered by torch.library.register_vmap further down — and a kernel at the Autograd dispatch
-# key that applies it (_register_autograd_kernel), which is what register_autograd installs too.
-# That is what makes torch.func.grad / vjp / jacrev / jvp / jacfwd / hessian / vmap work.
+# still open in torch 2.14). Adding one is not enough either: a Function applied from inside a
+# dispatcher kernel goes to functorch's custom_function_call, which has no kernel at the Autograd
+# key. So each op gets a single-level Function below (forward, setup_context, backward, jvp) and
+# a kernel at the Autograd key that applies it (_register_autograd_kernel). Under a torch.func
+# transform the kernel records the node at the transform's current level only — what ATen's own
+# Autograd kernels do, and how functorch itself applies a Function at one level — and the forward
+# redispatches with grad mode on, so the levels below see the op again. vmap is a rule per op
+# (torch.library.register_vmap, further down). Together: torch.func.grad / vjp / jacrev / jvp /
+# jacfwd / hessian / vmap, nested in any order (tests/test_func.py).
 
 _OPS = torch.ops.ckpt_ext
 
@@ -100,8 +108,10 @@ def _flat(t: Tensor) -> Tensor:
 
 
 def _below_autograd(op, *args):
-    # Inside an autograd.Function's forward: run the kernel itself, not our Autograd kernel again.
-    with torch._C._AutoDispatchBelowAutograd():
+    # Inside a Function's forward: run the kernel itself, not our Autograd kernel again — as ATen's
+    # own Autograd kernels redispatch: grad mode stays on (a Function's forward runs with it off),
+    # so that an enclosing torch.func transform one level down still records the call.
+    with torch.enable_grad(), _set_fwd_grad_enabled(True), torch._C._AutoDispatchBelowAutograd():
         return op(*args)
 
 
@@ -143,10 +153,8 @@ def _zeros_out(x: Tensor, n: int) -> Tensor:
 
 # ---- one layer ---------------------------------------------------------------------------------
 
-class _LinearTanh(torch.autograd.Function):
+class _LinearTanh(_SingleLevelFunction):
     """y = tanh(x·Wᵀ + b); keeps (x, W, b); backward = the recomputing linear_tanh_backward op."""
-
-    generate_vmap_rule = True  # forward/backward/jvp call ops that have vmap rules
 
     @staticmethod
     def forward(x, weight, bias):
@@ -176,11 +184,9 @@ class _LinearTanh(torch.autograd.Function):
             _zeros_out(x, weight.shape[0]), x, weight, bias, [True, False, False, False])[0]
 
 
-class _LinearTanhBackward(torch.autograd.Function):
+class _LinearTanhBackward(_SingleLevelFunction):
     """(grad_x, grad_W, grad_b) = linear_tanh_backward(grad_out, x, W, b, mask); keeps
     (grad_out, x, W, b); backward = the recomputing linear_tanh_double_backward op."""
-
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(grad_out, x, weight, bias, output_mask):
@@ -226,10 +232,8 @@ class _LinearTanhBackward(torch.autograd.Function):
                      for o, m, l in zip(out, mask, like))
 
 
-class _LinearTanhDoubleBackward(torch.autograd.Function):
+class _LinearTanhDoubleBackward(_SingleLevelFunction):
     """The backward of linear_tanh_backward; keeps its inputs; backward = _double_backward_vjp."""
-
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(ggx, ggw, ggb, grad_out, x, weight, bias, output_mask):
@@ -510,12 +514,10 @@ def _stack_double_backward(q_x, q_w, q_b, grad_out, x, weights, layer_b, last_ta
     return grad_gy, grad_x, gws, gbs
 
 
-class _TanhMlp(torch.autograd.Function):
+class _TanhMlp(_SingleLevelFunction):
     """tanh_mlp; keeps (x, weights, biases); backward = the recomputing tanh_mlp_backward op.
     Called as apply(x, has_bias, last_tanh, *weights, *biases): autograd.Function tracks only
     tensors passed directly."""
-
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(x, has_bias, last_tanh, *params):
@@ -576,12 +578,10 @@ class _TanhMlp(torch.autograd.Function):
         return a_t
 
 
-class _TanhMlpBackward(torch.autograd.Function):
+class _TanhMlpBackward(_SingleLevelFunction):
     """tanh_mlp_backward; keeps (grad_out, x, weights, biases); backward =
     _stack_double_backward. apply(grad_out, x, has_bias, last_tanh, need_x, need_w, need_b,
     *weights, *biases) -> (grad_x, *grad_W asked for, *grad_b asked for)."""
-
-    generate_vmap_rule = True
 
     @staticmethod
     def forward(grad_out, x, has_bias, last_tanh, need_x, need_w, need_b, *params):
@@ -691,7 +691,13 @@ def _register_autograd_kernel(name: str, apply) -> None:
     op = getattr(_OPS, name).default
 
     def kernel(keyset, *args):
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        if torch._C._are_functorch_transforms_active():
+            # Inside a torch.func transform, at one of its levels: record a node at this level
+            # only, as ATen's Autograd kernels do (the transforms below see the op again).
+            with enable_single_level_autograd_function():
+                return apply(*args)
+        if (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or (
+                _fwAD._current_level >= 0):  # forward-mode AD: the Function's jvp
             return apply(*args)
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
