@@ -153,8 +153,53 @@ def _zeros_out(x: Tensor, n: int) -> Tensor:
 
 # ---- one layer ---------------------------------------------------------------------------------
 
+def _plain_autograd() -> bool:
+    """No torch.func transform and no forward-mode AD around: where the output-based path of the
+    higher orders is used (see _LinearTanh.backward); the transforms use the recomputing ops."""
+    return not torch._C._are_functorch_transforms_active() and _fwAD._current_level < 0
+
+
+def _result_like(values, mask, likes):
+    """One result per output of a Function: None where the output is not produced (mask False or
+    no tensor to be like), else the value or zeros."""
+    return tuple(None if not m or like is None else (v if v is not None else torch.zeros_like(like))
+                 for v, m, like in zip(values, mask, likes))
+
+
+def _first_order_from(ctx, grad_out, x, weight, bias, mask):
+    """The first-order backward of a linear_tanh node (ctx), outside torch.func.
+
+    With create_graph=True (grad mode on) it is recorded, from the output: t = tanh(x·Wᵀ + b) is
+    recomputed once by a node that keeps it (_LinearTanhKeep) and handed as an input to
+    linear_tanh_backward_from_output, whose node keeps (grad_out, t) and rebuilds g from them.
+    All later orders then reuse this t (no GEMM, no tanh pass again), and every gradient w.r.t. t
+    from every order meets at the one _LinearTanhKeep node, which turns it into x and W
+    gradients once per pass — as plain autograd does at its tanh node. ctx keeps t for the later
+    passes of this node itself. Without create_graph: from that t when a create_graph pass made
+    one (then released), else the recomputing kernel."""
+    t = getattr(ctx, "recomputed_output", None)
+    if torch.is_grad_enabled():
+        if t is None:
+            t = ctx.recomputed_output = _LinearTanhKeep.apply(x, weight, bias)
+        return _OPS.linear_tanh_backward_from_output.default(grad_out, x, t, weight, bias, mask)
+    if t is not None:
+        del ctx.recomputed_output  # the last pass (no graph is built): let it go
+        return _OPS.linear_tanh_backward_from_output.default(grad_out, x, t.detach(), weight, bias,
+                                                             mask)
+    return _OPS.linear_tanh_backward.default(grad_out, x, weight, bias, mask)
+
+
+def _linear_tanh_jvp(x, weight, bias, x_t, weight_t, bias_t):
+    # ẏ = (1 − t²)·(ẋ·Wᵀ + x·Ẇᵀ + ḃ): the grad_grad_out result of the double backward, which
+    # does not read grad_out (so a zero placeholder is passed).
+    return _OPS.linear_tanh_double_backward.default(
+        x_t, weight_t, bias_t if bias is not None else None, _zeros_out(x, weight.shape[0]), x,
+        weight, bias, [True, False, False, False])[0]
+
+
 class _LinearTanh(_SingleLevelFunction):
-    """y = tanh(x·Wᵀ + b); keeps (x, W, b); backward = the recomputing linear_tanh_backward op."""
+    """y = tanh(x·Wᵀ + b); keeps (x, W, b); backward = the recomputing linear_tanh_backward op
+    (or the output-based path with create_graph=True, _first_order_from)."""
 
     @staticmethod
     def forward(x, weight, bias):
@@ -169,19 +214,60 @@ class _LinearTanh(_SingleLevelFunction):
     def backward(ctx, grad_out):
         x, weight, bias = ctx.saved_tensors
         need_x, need_w, need_b = _needed(ctx, 3)
-        # With create_graph=True this call is itself recorded (_LinearTanhBackward): its node keeps
-        # (grad_out, x), and the double backward recomputes what it needs.
-        return _OPS.linear_tanh_backward.default(grad_out, x, weight, bias,
-                                                 [need_x, need_w, need_b and bias is not None])
+        mask = [need_x, need_w, need_b and bias is not None]
+        if _plain_autograd():
+            return _first_order_from(ctx, grad_out, x, weight, bias, mask)
+        # Under torch.func: the recomputing op, recorded (_LinearTanhBackward) where the transform
+        # builds a graph: its node keeps (grad_out, x).
+        return _OPS.linear_tanh_backward.default(grad_out, x, weight, bias, mask)
 
     @staticmethod
     def jvp(ctx, x_t, weight_t, bias_t):
-        # ẏ = (1 − t²)·(ẋ·Wᵀ + x·Ẇᵀ + ḃ): the grad_grad_out result of the double backward, which
-        # does not read grad_out (so a zero placeholder is passed).
-        x, weight, bias = ctx.saved_tensors
-        return _OPS.linear_tanh_double_backward.default(
-            x_t, weight_t, bias_t if bias is not None else None,
-            _zeros_out(x, weight.shape[0]), x, weight, bias, [True, False, False, False])[0]
+        return _linear_tanh_jvp(*ctx.saved_tensors, x_t, weight_t, bias_t)
+
+
+class _LinearTanhKeep(_SingleLevelFunction):
+    """linear_tanh keeping its output too: the recompute node of the create_graph path, whose
+    output (t) the first-order node keeps anyway. Backward from that t, recorded or not."""
+
+    @staticmethod
+    def forward(x, weight, bias):
+        return _below_autograd(_OPS.linear_tanh.default, x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, output)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, t = ctx.saved_tensors  # t: our own output, differentiable
+        need_x, need_w, need_b = _needed(ctx, 3)
+        if not torch.is_grad_enabled():
+            t = t.detach()
+        return _OPS.linear_tanh_backward_from_output.default(
+            grad_out, x, t, weight, bias, [need_x, need_w, need_b and bias is not None])
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, bias_t):
+        return _linear_tanh_jvp(*ctx.saved_tensors, x_t, weight_t, bias_t)
+
+
+def _first_order_jvp(grad_out, x, weight, bias, mask, grad_out_t, x_t, weight_t, bias_t):
+    """Tangent of linear_tanh_backward's outputs. It is linear in grad_out, and its derivative in
+    (x, W, b) applied to (ẋ, Ẇ, ḃ) is the Hessian-vector product that linear_tanh_double_backward
+    computes (the Hessian of <grad_out, y> is symmetric):
+        d(grad_x, grad_W, grad_b) = backward(ġrad_out) + double_backward(ẋ, Ẇ, ḃ)[x, W, b]."""
+    if bias is None:
+        bias_t = None
+    out: List[Optional[Tensor]] = [None, None, None]
+    if grad_out_t is not None:
+        out = list(_OPS.linear_tanh_backward.default(grad_out_t, x, weight, bias, mask))
+    if x_t is not None or weight_t is not None or bias_t is not None:
+        d = _OPS.linear_tanh_double_backward.default(x_t, weight_t, bias_t, grad_out, x, weight,
+                                                     bias, [False, *mask])
+        out = [_add(o, e) for o, e in zip(out, d[1:])]
+    return _result_like(out, mask, (x, weight, bias))
 
 
 class _LinearTanhBackward(_SingleLevelFunction):
@@ -212,24 +298,160 @@ class _LinearTanhBackward(_SingleLevelFunction):
 
     @staticmethod
     def jvp(ctx, grad_out_t, x_t, weight_t, bias_t, _mask_t):
-        # linear_tanh_backward is linear in grad_out, and its derivative in (x, W, b) applied to
-        # (ẋ, Ẇ, ḃ) is the Hessian-vector product that linear_tanh_double_backward computes
-        # (the Hessian of <grad_out, y> is symmetric):
-        #   d(grad_x, grad_W, grad_b) = backward(ġrad_out) + double_backward(ẋ, Ẇ, ḃ)[x, W, b].
         grad_out, x, weight, bias = ctx.saved_tensors
-        mask = ctx.output_mask
-        if bias is None:
-            bias_t = None
-        out: List[Optional[Tensor]] = [None, None, None]
-        if grad_out_t is not None:
-            out = list(_OPS.linear_tanh_backward.default(grad_out_t, x, weight, bias, mask))
-        if x_t is not None or weight_t is not None or bias_t is not None:
-            d = _OPS.linear_tanh_double_backward.default(x_t, weight_t, bias_t, grad_out, x, weight,
-                                                         bias, [False, *mask])
-            out = [_add(o, e) for o, e in zip(out, d[1:])]
-        like = (x, weight, bias)
-        return tuple(None if not m or l is None else (o if o is not None else torch.zeros_like(l))
-                     for o, m, l in zip(out, mask, like))
+        return _first_order_jvp(grad_out, x, weight, bias, ctx.output_mask, grad_out_t, x_t,
+                                weight_t, bias_t)
+
+
+class _LinearTanhBackwardFromOutput(_SingleLevelFunction):
+    """linear_tanh_backward_from_output(grad_out, x, t, W, b, mask) -> (grad_x, grad_W, grad_b):
+    g = grad_out·(1 − t²), grad_x = g·W, grad_W = gᵀ·x, grad_b = Σ g, with t an input. Keeps
+    (grad_out, x, t, W); backward = linear_tanh_backward_from_output_backward (nothing
+    recomputed). b only says whether grad_b is made: no gradient flows into it here (it reaches b
+    through t's node)."""
+
+    @staticmethod
+    def forward(grad_out, x, output, weight, bias, output_mask):
+        return _below_autograd(_OPS.linear_tanh_backward_from_output.default, grad_out, x, output,
+                               weight, bias, output_mask)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        grad_out, x, t, weight, bias, output_mask = inputs
+        ctx.save_for_backward(grad_out, x, t, weight)
+        ctx.save_for_forward(grad_out, x, t, weight)
+        ctx.output_mask = [bool(m) for m in output_mask]
+        ctx.has_bias = bias is not None
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, ggx, ggw, ggb):
+        grad_out, x, t, weight = ctx.saved_tensors
+        need = _needed(ctx, 4)  # grad_out, x, t, weight
+        r = _OPS.linear_tanh_backward_from_output_backward.default(
+            ggx, ggw, ggb if ctx.has_bias else None, grad_out, x, t, weight,
+            [need[0], need[1], need[2], need[3]])
+        return r[0], r[1], r[2], r[3], None, None
+
+    @staticmethod
+    def jvp(ctx, grad_out_t, x_t, t_t, weight_t, _bias_t, _mask_t):
+        # g = gy·s with s = 1 − t²:  ġ = ġy·s − 2·gy·t·ṫ;  then ġx = ġ·W + g·Ẇ,
+        # ġW = ġᵀ·x + gᵀ·ẋ, ġb = Σ ġ.
+        grad_out, x, t, weight = ctx.saved_tensors
+        s = 1 - t * t
+        g = grad_out * s
+        gdot = None if grad_out_t is None else grad_out_t * s
+        if t_t is not None:
+            gdot = _add(gdot, -2 * grad_out * t * t_t)
+        n, k = weight.shape
+        gx = None if gdot is None else gdot @ weight
+        if weight_t is not None:
+            gx = _add(gx, g @ weight_t)
+        gw = None if gdot is None else _flat(gdot).t() @ x.reshape(-1, k)
+        if x_t is not None:
+            gw = _add(gw, _flat(g).t() @ x_t.reshape(-1, k))
+        gb = None if gdot is None else _flat(gdot).sum(0)
+        return _result_like((gx, gw, gb), ctx.output_mask,
+                            (x, weight, weight[:, 0] if ctx.has_bias else None))
+
+
+class _LinearTanhBackwardFromOutputBackward(_SingleLevelFunction):
+    """The backward of linear_tanh_backward_from_output; keeps its inputs; backward =
+    _from_output_backward_vjp (ATen ops: differentiable again)."""
+
+    @staticmethod
+    def forward(ggx, ggw, ggb, grad_out, x, output, weight, output_mask):
+        return _below_autograd(_OPS.linear_tanh_backward_from_output_backward.default, ggx, ggw,
+                               ggb, grad_out, x, output, weight, output_mask)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        *tensors, output_mask = inputs
+        ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, u_gy, u_x, u_t, u_w):
+        return (*_from_output_backward_vjp(*ctx.saved_tensors, u_gy, u_x, u_t, u_w,
+                                           _needed(ctx, 7)), None)
+
+
+def _from_output_backward_vjp(ggx, ggw, ggb, gy, x, t, weight, u_gy, u_x, u_t, u_w,
+                              need: Sequence[bool]) -> List[Optional[Tensor]]:
+    """The vjp of linear_tanh_backward_from_output_backward, from ATen ops.
+
+    Its forward, on (M, ·) rows: s = 1 − t², g = gy·s, dg = ggx·Wᵀ + x·ggWᵀ + ggb,
+        out_gy = dg·s,  out_x = g·ggW,  out_t = −2·dg·gy·t,  out_W = gᵀ·ggx.
+    With u_* the cotangents of the outputs:
+        d̄g = u_gy·s − 2·u_t·gy·t          ḡ = u_x·ggWᵀ + ggx·u_Wᵀ          s̄ = u_gy·dg + ḡ·gy
+    and the results
+        ggx: d̄g·W + g·u_W     ggW: d̄gᵀ·x + gᵀ·u_x     ggb: Σ d̄g
+        gy:  ḡ·s − 2·u_t·dg·t        t: −2·t·s̄ − 2·u_t·dg·gy
+        x:   d̄g·ggW                  W: d̄gᵀ·ggx
+    ``need`` says which of (ggx, ggW, ggb, gy, x, t, W) to return; the others are None."""
+    res: List[Optional[Tensor]] = [None] * 7
+    if not any(need) or all(u is None for u in (u_gy, u_x, u_t, u_w)):
+        return res
+    n, k = weight.shape
+    m = _rows(x)
+    x2, gy2, t2 = x.reshape(m, k), gy.reshape(m, n), t.reshape(m, n)
+    ggx2 = None if ggx is None else ggx.reshape(m, k)
+    ugy2 = None if u_gy is None else u_gy.reshape(m, n)
+    ux2 = None if u_x is None else u_x.reshape(m, k)
+    ut2 = None if u_t is None else u_t.reshape(m, n)
+    s = 1 - t2 * t2
+    dg = None
+    if ggx2 is not None:
+        dg = ggx2 @ weight.t()
+    if ggw is not None:
+        dg = _add(dg, x2 @ ggw.t())
+    if ggb is not None:
+        dg = _add(dg, ggb.expand(m, n))
+    dgbar = None if ugy2 is None else ugy2 * s
+    m2ut = None if ut2 is None else -2 * ut2  # −2·u_t
+    if m2ut is not None:
+        dgbar = _add(dgbar, m2ut * gy2 * t2)
+    gbar = None
+    if ux2 is not None and ggw is not None:
+        gbar = ux2 @ ggw.t()
+    if u_w is not None and ggx2 is not None:
+        gbar = _add(gbar, ggx2 @ u_w.t())
+    g = gy2 * s if (u_w is not None and need[0]) or (ux2 is not None and need[1]) else None
+
+    if need[0] and dgbar is not None:
+        res[0] = dgbar @ weight
+    if need[0] and g is not None and u_w is not None:
+        res[0] = _add(res[0], g @ u_w)
+    if need[1] and dgbar is not None:
+        res[1] = dgbar.t() @ x2
+    if need[1] and g is not None and ux2 is not None:
+        res[1] = _add(res[1], g.t() @ ux2)
+    if need[2] and dgbar is not None:
+        res[2] = dgbar.sum(0)
+    if need[3]:
+        r = None if gbar is None else gbar * s
+        if m2ut is not None and dg is not None:
+            r = _add(r, m2ut * dg * t2)
+        res[3] = r
+    if need[4] and dgbar is not None and ggw is not None:
+        res[4] = dgbar @ ggw
+    if need[5]:
+        sbar = None
+        if ugy2 is not None and dg is not None:
+            sbar = ugy2 * dg
+        if gbar is not None:
+            sbar = _add(sbar, gbar * gy2)
+        r = None if sbar is None else -2 * t2 * sbar
+        if m2ut is not None and dg is not None:
+            r = _add(r, m2ut * dg * gy2)
+        res[5] = r
+    if need[6] and dgbar is not None and ggx2 is not None:
+        res[6] = dgbar.t() @ ggx2
+    shapes = (x.shape, weight.shape, None, gy.shape, x.shape, t.shape, weight.shape)
+    for i, shape in enumerate(shapes):
+        if res[i] is not None and shape is not None:
+            res[i] = res[i].reshape(shape)
+    return res
 
 
 class _LinearTanhDoubleBackward(_SingleLevelFunction):
@@ -267,13 +489,11 @@ class _LinearTanhDoubleBackward(_SingleLevelFunction):
         if ggx_t is not None or ggw_t is not None or ggb_t is not None:
             out = list(_OPS.linear_tanh_double_backward.default(ggx_t, ggw_t, ggb_t, grad_out, x,
                                                                 weight, bias, mask))
-        if any(t is not None for t in (grad_out_t, x_t, weight_t, bias_t)):
+        if any(v is not None for v in (grad_out_t, x_t, weight_t, bias_t)):
             h = _double_backward_vjp(ggx, ggw, ggb, grad_out, x, weight, bias, grad_out_t, x_t,
                                      weight_t, bias_t, [False, False, False, *mask])
             out = [_add(o, e) for o, e in zip(out, h[3:])]
-        like = (grad_out, x, weight, bias)
-        return tuple(None if not m or l is None else (o if o is not None else torch.zeros_like(l))
-                     for o, m, l in zip(out, mask, like))
+        return _result_like(out, mask, (grad_out, x, weight, bias))
 
 
 def _double_backward_vjp(ggx, ggw, ggb, gy, x, weight, bias, u_gy, u_x, u_w, u_b,
@@ -409,8 +629,26 @@ def _stack_activations(x, weights, layer_b, upto: int) -> List[Tensor]:
     return acts
 
 
-def _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh, need_x, need_w, need_b):
-    """tanh_mlp_backward from the one-layer ops: (grad_x?, [grad_W_i?], [grad_b_i?] per layer)."""
+def _stack_outputs_kept(x, weights, layer_b, last_tanh) -> List[Optional[Tensor]]:
+    """The layers' outputs t_0 .. t_{L−1}, recomputed by nodes that keep them (_LinearTanhKeep);
+    None for a top layer without tanh. The create_graph path of the stack (_TanhMlp.backward)."""
+    outs: List[Optional[Tensor]] = []
+    h = x
+    for i, (w, b) in enumerate(zip(weights, layer_b)):
+        if i + 1 == len(weights) and not last_tanh:
+            outs.append(None)
+        else:
+            h = _LinearTanhKeep.apply(h, w, b)
+            outs.append(h)
+    return outs
+
+
+def _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh, need_x, need_w, need_b,
+                              outputs: Optional[Sequence[Optional[Tensor]]] = None):
+    """tanh_mlp_backward from the one-layer ops: (grad_x?, [grad_W_i?], [grad_b_i?] per layer).
+    With ``outputs`` (the layers' outputs, _stack_outputs_kept) each layer runs the output-based
+    op on them; without, the activations are recomputed with linear_tanh and each layer runs the
+    recomputing linear_tanh_backward."""
     L = len(weights)
     need_b = [nb and b is not None for nb, b in zip(need_b, layer_b)]
     lowest = 0 if need_x else min([i for i in range(L) if need_w[i] or need_b[i]], default=L)
@@ -418,19 +656,25 @@ def _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh, need_x, 
     gbs: List[Optional[Tensor]] = [None] * L
     if lowest == L:
         return None, gws, gbs
-    acts = _stack_activations(x, weights, layer_b, L - 1)
+    if outputs is None:
+        acts = _stack_activations(x, weights, layer_b, L - 1)
+    else:
+        acts = [x, *outputs[:L - 1]]
     grad = grad_out
     for i in reversed(range(lowest, L)):
         want_x = i > lowest or need_x
         w, a = weights[i], acts[i]
+        mask = (want_x, need_w[i], need_b[i])
         if i == L - 1 and not last_tanh:  # a plain Linear on top
             g2, a2 = _flat(grad), _flat(a)
             gws[i] = g2.t() @ a2 if need_w[i] else None
             gbs[i] = g2.sum(0) if need_b[i] else None
             gx = grad @ w if want_x else None
+        elif outputs is None:
+            gx, gws[i], gbs[i] = linear_tanh_backward(grad, a, w, layer_b[i], mask)
         else:
-            gx, gws[i], gbs[i] = linear_tanh_backward(grad, a, w, layer_b[i],
-                                                      (want_x, need_w[i], need_b[i]))
+            gx, gws[i], gbs[i] = _OPS.linear_tanh_backward_from_output.default(
+                grad, a, outputs[i], w, layer_b[i], list(mask))
         grad = gx
     return (grad if need_x else None), gws, gbs
 
@@ -539,6 +783,23 @@ class _TanhMlp(_SingleLevelFunction):
         weights, biases = params[:L], params[L:]
         need = _needed(ctx, 3 + len(params))
         need_x, need_w, need_b = need[0], need[3:3 + L], need[3 + L:]
+        if _plain_autograd():
+            # As for one layer (_first_order_from): with create_graph=True, the layers' outputs are
+            # recomputed once by nodes that keep them and the first-order backward is built from
+            # the output-based one-layer ops on them; ctx keeps the outputs for later passes.
+            outs = getattr(ctx, "recomputed_outputs", None)
+            layer_b = _layer_biases(biases, has_bias)
+            if torch.is_grad_enabled() and outs is None:
+                outs = ctx.recomputed_outputs = _stack_outputs_kept(x, weights, layer_b,
+                                                                    ctx.last_tanh)
+            elif outs is not None and not torch.is_grad_enabled():
+                del ctx.recomputed_outputs  # the last pass (no graph is built)
+                outs = [None if o is None else o.detach() for o in outs]
+            if outs is not None:
+                gx, gw, gb = _stack_backward_composite(grad_out, x, weights, layer_b,
+                                                       ctx.last_tanh, need_x, need_w,
+                                                       _layer_biases(need_b, has_bias), outs)
+                return gx, None, None, *gw, *[g for g, hb in zip(gb, has_bias) if hb]
         # With create_graph=True this call is recorded (_TanhMlpBackward): its node keeps only
         # (grad_out, x) for the whole stack.
         gx, gw_asked, gb_asked = _OPS.tanh_mlp_backward.default(
@@ -570,9 +831,7 @@ class _TanhMlp(_SingleLevelFunction):
                     a_t = a.new_zeros(*a.shape[:-1], w.shape[0])
                 a_t = a_t.expand(*a.shape[:-1], w.shape[0])
             else:
-                a_t = _OPS.linear_tanh_double_backward.default(
-                    a_t, w_t[i], b_t[i] if b is not None else None, _zeros_out(a, w.shape[0]),
-                    a, w, b, [True, False, False, False])[0]
+                a_t = _linear_tanh_jvp(a, w, b, a_t, w_t[i], b_t[i])
                 if i + 1 < L:
                     a = linear_tanh(a, w, b)
         return a_t
@@ -709,6 +968,16 @@ def _apply_linear_tanh_backward(grad_out, x, weight, bias, output_mask):
     return _LinearTanhBackward.apply(grad_out, x, weight, bias, tuple(output_mask))
 
 
+def _apply_backward_from_output(grad_out, x, output, weight, bias, output_mask):
+    return _LinearTanhBackwardFromOutput.apply(grad_out, x, output, weight, bias,
+                                               tuple(output_mask))
+
+
+def _apply_from_output_backward(ggx, ggw, ggb, grad_out, x, output, weight, output_mask):
+    return _LinearTanhBackwardFromOutputBackward.apply(ggx, ggw, ggb, grad_out, x, output, weight,
+                                                       tuple(output_mask))
+
+
 def _apply_double_backward(ggx, ggw, ggb, grad_out, x, weight, bias, output_mask):
     return _LinearTanhDoubleBackward.apply(ggx, ggw, ggb, grad_out, x, weight, bias,
                                            tuple(output_mask))
@@ -728,6 +997,8 @@ def _apply_tanh_mlp_backward(grad_out, x, weights, biases, has_bias, last_tanh, 
 
 _register_autograd_kernel("linear_tanh", _LinearTanh.apply)
 _register_autograd_kernel("linear_tanh_backward", _apply_linear_tanh_backward)
+_register_autograd_kernel("linear_tanh_backward_from_output", _apply_backward_from_output)
+_register_autograd_kernel("linear_tanh_backward_from_output_backward", _apply_from_output_backward)
 _register_autograd_kernel("linear_tanh_double_backward", _apply_double_backward)
 _register_autograd_kernel("tanh_mlp", _apply_tanh_mlp)
 _register_autograd_kernel("tanh_mlp_backward", _apply_tanh_mlp_backward)
@@ -842,6 +1113,47 @@ def _linear_tanh_double_backward_vmap(info, in_dims, ggx, ggw, ggb, grad_out, x,
     return r, tuple(None if t is None else 0 for t in r)
 
 
+# The output-based ops serve create_graph=True in plain autograd (torch.func uses the recomputing
+# ones); their rules are the batched formulas, for completeness.
+@torch.library.register_vmap("ckpt_ext::linear_tanh_backward_from_output")
+def _linear_tanh_backward_from_output_vmap(info, in_dims, grad_out, x, output, weight, bias,
+                                           output_mask):
+    B = info.batch_size
+    grad_out, x, output, weight, bias = (_bdim_first(t, d, B) for t, d in
+                                         zip((grad_out, x, output, weight, bias), in_dims))
+    gy3, x3, t3 = _batched_rows(grad_out), _batched_rows(x), _batched_rows(output)
+    g = gy3 * (1 - t3 * t3)
+    r = (_unrows(g @ weight, x.shape[1:]) if output_mask[0] else None,
+         g.transpose(-1, -2) @ x3 if output_mask[1] else None,
+         g.sum(1) if output_mask[2] and bias is not None else None)
+    return r, tuple(None if v is None else 0 for v in r)
+
+
+@torch.library.register_vmap("ckpt_ext::linear_tanh_backward_from_output_backward")
+def _linear_tanh_backward_from_output_backward_vmap(info, in_dims, ggx, ggw, ggb, grad_out, x,
+                                                    output, weight, output_mask):
+    B = info.batch_size
+    ggx, ggw, ggb, grad_out, x, output, weight = (
+        _bdim_first(t, d, B) for t, d in zip((ggx, ggw, ggb, grad_out, x, output, weight), in_dims))
+    gy3, x3, t3 = _batched_rows(grad_out), _batched_rows(x), _batched_rows(output)
+    s = 1 - t3 * t3
+    g = gy3 * s
+    dg = torch.zeros_like(t3)
+    if ggx is not None:
+        dg = dg + _batched_rows(ggx) @ weight.transpose(-1, -2)
+    if ggw is not None:
+        dg = dg + x3 @ ggw.transpose(-1, -2)
+    if ggb is not None:
+        dg = dg + ggb.unsqueeze(1)
+    r = (_unrows(dg * s, grad_out.shape[1:]) if output_mask[0] else None,
+         _unrows(g @ ggw if ggw is not None else torch.zeros_like(x3), x.shape[1:])
+         if output_mask[1] else None,
+         _unrows(-2 * dg * gy3 * t3, output.shape[1:]) if output_mask[2] else None,
+         (g.transpose(-1, -2) @ _batched_rows(ggx) if ggx is not None
+          else torch.zeros_like(weight)) if output_mask[3] else None)
+    return r, tuple(None if v is None else 0 for v in r)
+
+
 def _slices(args, dims, i):
     """Sample i of each (possibly nested) argument, by its batch dimension."""
     out = []
@@ -944,6 +1256,26 @@ def _linear_tanh_double_backward_flop(ggx_shape, ggw_shape, ggb_shape, grad_out_
     n = 1 + int(has_ggx) + int(has_ggw)
     n += int(output_mask[1]) * (1 + int(has_ggw)) + int(output_mask[2]) * (1 + int(has_ggx))
     return n * gemm
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.linear_tanh_backward_from_output)
+def _linear_tanh_backward_from_output_flop(grad_out_shape, x_shape, output_shape, w_shape,
+                                           bias_shape, output_mask, *args, **kwargs) -> int:
+    # linear_tanh_backward without its recompute: grad_x and grad_W, each where asked.
+    return _gemm_flops(x_shape, w_shape) * (int(output_mask[0]) + int(output_mask[1]))
+
+
+@torch.utils.flop_counter.register_flop_formula(
+    torch.ops.ckpt_ext.linear_tanh_backward_from_output_backward)
+def _linear_tanh_backward_from_output_backward_flop(ggx_shape, ggw_shape, ggb_shape,
+                                                    grad_out_shape, x_shape, output_shape,
+                                                    w_shape, output_mask, *args, **kwargs) -> int:
+    # dg = ggx·Wᵀ + x·ggWᵀ (one GEMM per defined input) when grad_grad_out or grad_output is
+    # asked; grad_x = g·ggW and grad_W = gᵀ·ggx where asked and their input is given.
+    has_ggx, has_ggw = ggx_shape is not None, ggw_shape is not None
+    n = (int(has_ggx) + int(has_ggw)) * int(output_mask[0] or output_mask[2])
+    n += int(output_mask[1] and has_ggw) + int(output_mask[3] and has_ggx)
+    return n * _gemm_flops(x_shape, w_shape)
 
 
 @torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.tanh_mlp)

@@ -1,42 +1,57 @@
-// linear_tanh_double_backward.cpp — the backward of linear_tanh_backward, as a recomputing op.
+// linear_tanh_double_backward.cpp — the higher-order backward ops of linear_tanh.
 //
 //   linear_tanh_double_backward(grad_grad_x?, grad_grad_weight?, grad_grad_bias?, grad_out, x,
 //                               weight, bias?, output_mask[4])
 //       -> (grad_grad_out?, grad_x?, grad_weight?, grad_bias?)
+//   linear_tanh_backward_from_output(grad_out, x, output, weight, bias?, output_mask[3])
+//       -> (grad_x?, grad_weight?, grad_bias?)
+//   linear_tanh_backward_from_output_backward(grad_grad_x?, grad_grad_weight?, grad_grad_bias?,
+//                                             grad_out, x, output, weight, output_mask[4])
+//       -> (grad_grad_out?, grad_x?, grad_output?, grad_weight?)
 //
-//   Shapes: x (..., K), weight (N, K), bias (N)?, grad_out (..., N) — the inputs of
-//   linear_tanh_backward — and the gradients flowing back into its outputs: grad_grad_x like x,
-//   grad_grad_weight like weight, grad_grad_bias like bias (each may be None: no gradient reached
-//   that output). The results are the gradients w.r.t. linear_tanh_backward's inputs, shaped like
-//   grad_out, x, weight and bias; only those asked for in output_mask are computed, the others
-//   come back undefined (None in Python; grad_bias is None also when bias is None).
+//   Shapes: x (..., K), weight (N, K), bias (N)?, grad_out and output (..., N); grad_grad_x like
+//   x, grad_grad_weight like weight, grad_grad_bias (N) (each may be None: no gradient reached
+//   that output). Only the results asked for in output_mask are computed; the others come back
+//   undefined (None in Python; a bias gradient is None also when bias is None).
 //
-// Why an op: with create_graph=True (physics-informed losses: u_x, u_xx by autograd.grad), the
-// first-order backward linear_tanh_backward is itself recorded by autograd (ckpt_ext/ops.py). Its
-// node then keeps only its inputs (grad_out, x and references to the parameters), not the
-// intermediates z, t, g that plain autograd keeps; this op recomputes them when the second-order
-// pass reaches the node. Autograd for this op (the third order) is registered in ops.py.
+// Two ways to write linear_tanh's first-order backward as a function that autograd can record
+// (create_graph=True: physics-informed losses take u_x, u_xx by autograd.grad):
 //
-// The math. linear_tanh_backward computes, with x and grad_out flattened to (M, K) and (M, N):
+// 1. Recomputing: linear_tanh_backward(grad_out, x, W, b) (linear_tanh.cpp) recomputes
+//    t = tanh(x·Wᵀ + b) inside. Its node keeps (grad_out, x); its backward is
+//    linear_tanh_double_backward, which recomputes t again. Used under torch.func and for direct
+//    calls of the op.
+// 2. From the output: linear_tanh_backward_from_output(grad_out, x, t, W, b) takes t as an input.
+//    Its node keeps (grad_out, t) (x only for grad_W), and g = grad_out·(1 − t²) is rebuilt from
+//    them: one elementwise pass, never a GEMM or a tanh. ckpt_ext/ops.py uses it with
+//    create_graph=True in plain autograd, with t from one recompute that keeps its output, so
+//    every gradient w.r.t. t from every order lands on that one node and is turned into x and
+//    W gradients there, once per pass, as plain autograd does at its tanh node. Its backward is
+//    linear_tanh_backward_from_output_backward, which needs no recompute at all.
+//
+// The math. The first-order backward, with x and grad_out flattened to (M, K) and (M, N):
 //   z = x·Wᵀ + b,  t = tanh(z),  s = 1 − t²,  g = grad_out·s,
 //   grad_x = g·W,  grad_W = gᵀ·x,  grad_b = Σ_rows g.
 // Given ggx, ggW, ggb (the gradients w.r.t. grad_x, grad_W, grad_b), L = <ggx, g·W> +
 // <ggW, gᵀ·x> + <ggb, Σ_rows g>, and its gradient w.r.t. g (x and W held) is
 //   dg = ggx·Wᵀ + x·ggWᵀ + ggb                                     (M, N)
 // Through g = grad_out·s:  grad_grad_out = dg·s.
-// Through s = 1 − tanh(z)²:  ∂L/∂t = −2·dg·grad_out·t, and dt/dz = s, so
+// Through s = 1 − t²:      grad_t = −2·dg·grad_out·t                (M, N)
+// and x and W also appear explicitly, in grad_W = gᵀ·x and grad_x = g·W:
+//   explicit grad_x = g·ggW  (M, K),   explicit grad_W = gᵀ·ggx  (N, K).
+// From the output (2.), t is an input: the results are grad_grad_out, the explicit terms and
+// grad_t, period. Recomputing (1.), t = tanh(x·Wᵀ + b) is internal, so grad_t goes on through
+// dt/dz = s to
 //   dz = −2·dg·grad_out·t·s                                          (M, N)
-// and z = x·Wᵀ + b gives x, W and b their share; x and W also appear explicitly in grad_W = gᵀ·x
-// and grad_x = g·W:
-//   grad_x      = dz·W + g·ggW                                       (M, K)
-//   grad_W      = dzᵀ·x + gᵀ·ggx                                     (N, K)
-//   grad_b      = Σ_rows dz                                          (N)
-// (Checked: tests/test_double_backward.py runs gradcheck and gradgradcheck of this op in float64.)
+//   grad_x = dz·W + g·ggW,   grad_W = dzᵀ·x + gᵀ·ggx,   grad_b = Σ_rows dz.
+// (Checked: tests/test_double_backward.py runs gradcheck and gradgradcheck of these ops in
+// float64, and compares the third order with stock PyTorch.)
 //
-// Cost: the recompute GEMM of z, one GEMM per defined input of dg, and per output asked for one
-// GEMM (two where both ggx and ggW feed it). Device-generic: the GEMMs and elementwise steps are
-// ATen ops, tanh and the bias sums the primitives of linear_tanh.h (the documented summation
-// order); float16/bfloat16 compute in float32 and round each result once.
+// Device-generic: the GEMMs and elementwise steps are ATen ops, tanh, tanh's derivative and the
+// bias sums the primitives of linear_tanh.h (the documented summation order); float16/bfloat16
+// double backward computes in float32 and rounds each result once. linear_tanh_backward_from_output
+// runs linear_tanh_backward's arithmetic after its recompute (the same primitive and GEMMs), so
+// given the forward's t it returns the same bits.
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -51,7 +66,9 @@ namespace ckpt_ext {
 
 namespace {
 
-constexpr const char* kOp = "linear_tanh_double_backward";
+constexpr const char* kDouble = "linear_tanh_double_backward";
+constexpr const char* kFromOutput = "linear_tanh_backward_from_output";
+constexpr const char* kFromOutputBackward = "linear_tanh_backward_from_output_backward";
 
 std::string shape_of(const at::Tensor& t) {
   std::ostringstream s;
@@ -59,36 +76,59 @@ std::string shape_of(const at::Tensor& t) {
   return s.str();
 }
 
-// A gradient flowing into one of linear_tanh_backward's outputs must match that output (the
-// tensor `like`: x, weight or bias) in shape, dtype and device.
-void check_like(const char* name, const std::optional<at::Tensor>& grad, const at::Tensor& like,
-                const char* like_name) {
-  if (!grad.has_value()) return;
-  TORCH_CHECK_VALUE(grad->sym_sizes() == like.sym_sizes(), "ckpt_ext.", kOp, ": ", name,
+// An argument that must match another tensor (`like`) in shape, dtype and device: a gradient
+// flowing into one of the first-order backward's outputs (like x, weight or bias), or the output
+// t (like grad_out).
+void check_like(const char* op, const char* name, const std::optional<at::Tensor>& t,
+                const at::Tensor& like, const char* like_name) {
+  if (!t.has_value()) return;
+  TORCH_CHECK_VALUE(t->sym_sizes() == like.sym_sizes(), "ckpt_ext.", op, ": ", name,
                     " must have the shape of ", like_name, " ", shape_of(like), ", got ",
-                    shape_of(*grad));
-  TORCH_CHECK_TYPE(grad->scalar_type() == like.scalar_type(), "ckpt_ext.", kOp, ": ", name,
+                    shape_of(*t));
+  TORCH_CHECK_TYPE(t->scalar_type() == like.scalar_type(), "ckpt_ext.", op, ": ", name,
                    " must have the dtype of ", like_name, " (", like.scalar_type(), "), got ",
-                   grad->scalar_type());
-  TORCH_CHECK_VALUE(grad->device() == like.device(), "ckpt_ext.", kOp, ": ", name,
+                   t->scalar_type());
+  TORCH_CHECK_VALUE(t->device() == like.device(), "ckpt_ext.", op, ": ", name,
                     " must be on the device of ", like_name, " (", like.device(), "), got ",
-                    grad->device());
+                    t->device());
 }
 
-void check_inputs(const std::optional<at::Tensor>& ggx, const std::optional<at::Tensor>& ggw,
-                  const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out,
-                  const at::Tensor& x, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias) {
-  check_linear_tanh_inputs(kOp, x, weight, bias);
-  check_grad_out(kOp, grad_out, x, weight.sym_size(0));
-  check_like("grad_grad_x", ggx, x, "x");
-  check_like("grad_grad_weight", ggw, weight, "weight");
-  if (ggb.has_value()) {
-    TORCH_CHECK_VALUE(bias.has_value(), "ckpt_ext.", kOp,
-                      ": grad_grad_bias was given but bias is None (a layer without bias has no "
-                      "grad_bias output to receive a gradient)");
-    check_like("grad_grad_bias", ggb, *bias, "bias");
-  }
+// grad_grad_bias (N): given only where the layer has a bias (`has_bias`).
+void check_ggb(const char* op, const std::optional<at::Tensor>& ggb, bool has_bias,
+               const at::Tensor& x, const at::Tensor& weight) {
+  if (!ggb.has_value()) return;
+  TORCH_CHECK_VALUE(has_bias, "ckpt_ext.", op,
+                    ": grad_grad_bias was given but bias is None (a layer without bias has no "
+                    "grad_bias output to receive a gradient)");
+  TORCH_CHECK_VALUE(ggb->dim() == 1 && ggb->sym_size(0) == weight.sym_size(0), "ckpt_ext.", op,
+                    ": grad_grad_bias must have shape [", weight.sym_size(0),
+                    "] (out_features), got shape ", shape_of(*ggb));
+  TORCH_CHECK_TYPE(ggb->scalar_type() == x.scalar_type(), "ckpt_ext.", op,
+                   ": grad_grad_bias must have the dtype of x (", x.scalar_type(), "), got ",
+                   ggb->scalar_type());
+  TORCH_CHECK_VALUE(ggb->device() == x.device(), "ckpt_ext.", op,
+                    ": grad_grad_bias must be on the device of x (", x.device(), "), got ",
+                    ggb->device());
+}
+
+void check_second_order_inputs(const char* op, const std::optional<at::Tensor>& ggx,
+                               const std::optional<at::Tensor>& ggw,
+                               const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out,
+                               const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, bool has_bias) {
+  check_linear_tanh_inputs(op, x, weight, bias);
+  check_grad_out(op, grad_out, x, weight.sym_size(0));
+  check_like(op, "grad_grad_x", ggx, x, "x");
+  check_like(op, "grad_grad_weight", ggw, weight, "weight");
+  check_ggb(op, ggb, has_bias, x, weight);
+}
+
+void check_from_output_inputs(const at::Tensor& grad_out, const at::Tensor& x,
+                              const at::Tensor& output, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias) {
+  check_linear_tanh_inputs(kFromOutput, x, weight, bias);
+  check_grad_out(kFromOutput, grad_out, x, weight.sym_size(0));
+  check_like(kFromOutput, "output", output, grad_out, "grad_out");
 }
 
 std::optional<at::Tensor> rows_of(const std::optional<at::Tensor>& t) {
@@ -101,8 +141,30 @@ std::optional<at::Tensor> to_float(const std::optional<at::Tensor>& t) {
   return t->to(at::kFloat);
 }
 
-// The computation, on (M, K) / (M, N) matrices of one dtype (float or double; the op upcasts half
-// types first). Returns (dgy (M, N), dx (M, K), dW (N, K), db (N)), undefined where not asked.
+bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// dg = ggx·Wᵀ + x·ggWᵀ + ggb (M, N) in a new buffer, the bias term in the GEMM where there is one;
+// at least one of the three is given. x, ggx: (M, K).
+at::Tensor grad_of_g(const std::optional<at::Tensor>& ggx, const std::optional<at::Tensor>& ggw,
+                     const std::optional<at::Tensor>& ggb, const at::Tensor& x,
+                     const at::Tensor& weight) {
+  at::Tensor dg;
+  if (ggx.has_value()) {
+    dg = ggb.has_value() ? at::addmm(*ggb, *ggx, weight.t()) : at::mm(*ggx, weight.t());
+    if (ggw.has_value()) dg.addmm_(x, ggw->t());
+  } else if (ggw.has_value()) {
+    dg = ggb.has_value() ? at::addmm(*ggb, x, ggw->t()) : at::mm(x, ggw->t());
+  } else {
+    dg = ggb->expand({x.size(0), weight.size(0)}).contiguous();
+  }
+  return dg;
+}
+
+// ----------------------------------------------------------------------------------------------
+// linear_tanh_double_backward: the backward of linear_tanh_backward (recomputing)
+
+// On (M, K) / (M, N) matrices of one dtype (float or double; the op upcasts half types first).
+// Returns (dgy (M, N), dx (M, K), dW (N, K), db (N)), undefined where not asked.
 std::array<at::Tensor, 4> double_backward_2d(const std::optional<at::Tensor>& ggx,
                                              const std::optional<at::Tensor>& ggw,
                                              const std::optional<at::Tensor>& ggb,
@@ -127,35 +189,24 @@ std::array<at::Tensor, 4> double_backward_2d(const std::optional<at::Tensor>& gg
   // t = tanh(x·Wᵀ + b), recomputed the way the forward computes it (one GEMM, bias in it).
   at::Tensor t = pre_activation(x, weight, bias);  // (M, N): z, then t in place
   // Qualified: an unqualified tanh_(t) on a non-const at::Tensor finds at::tanh_(Tensor&) by
-  // argument-dependent lookup, a better match than our tanh_(const Tensor&), and runs ATen's tanh
-  // instead of the primitive the forward uses.
+  // argument-dependent lookup (a better match than our tanh_(const Tensor&)) and would run
+  // ATen's tanh instead of the primitive.
   ckpt_ext::tanh_(t);
 
   // g = grad_out·s, needed only for the explicit terms g·ggW (grad_x) and gᵀ·ggx (grad_W).
   at::Tensor g;
   if ((want_dx && ggw.has_value()) || (want_dw && ggx.has_value())) g = at::tanh_backward(gy, t);
 
-  // dg = ggx·Wᵀ + x·ggWᵀ + ggb, bias in the GEMM where there is one.
-  at::Tensor dg;
-  if (ggx.has_value()) {
-    dg = ggb.has_value() ? at::addmm(*ggb, *ggx, weight.t()) : at::mm(*ggx, weight.t());
-    if (ggw.has_value()) dg.addmm_(x, ggw->t());
-  } else if (ggw.has_value()) {
-    dg = ggb.has_value() ? at::addmm(*ggb, x, ggw->t()) : at::mm(x, ggw->t());
-  } else {
-    dg = ggb->expand({M, N}).contiguous();
-  }
-  // dg·s: the grad_grad_out result, and the factor of dz.
-  at::Tensor dg_s = at::tanh_backward(dg, t);
-  dg = at::Tensor();  // freed (dg·s is all that is needed from here)
+  // dg·s, in place in dg's buffer: the grad_grad_out result, and a factor of dz.
+  at::Tensor dg_s = grad_of_g(ggx, ggw, ggb, x, weight);
+  at::tanh_backward_out(dg_s, dg_s, t);
   if (want_dgy) out[0] = dg_s;
 
-  const bool need_dz = want_dx || want_dw || want_db;
-  if (need_dz) {
+  if (want_dx || want_dw || want_db) {
     // dz = −2·dg·grad_out·t·s = −2·(dg·s)·grad_out·t, in place in t's buffer.
     at::Tensor dz = t.mul_(gy).mul_(dg_s).mul_(-2);
     t = at::Tensor();
-    if (!want_dgy) dg_s = at::Tensor();
+    dg_s = at::Tensor();
     if (want_db) out[3] = bias_grad(dz);
     if (want_dx) {
       out[1] = at::mm(dz, weight);
@@ -174,15 +225,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_tanh_double_ba
     const std::optional<at::Tensor>& grad_grad_bias, const at::Tensor& grad_out,
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     std::array<bool, 4> output_mask) {
-  check_inputs(grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x, weight, bias);
+  check_second_order_inputs(kDouble, grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x,
+                            weight, bias, bias.has_value());
   const c10::OptionalDeviceGuard guard(at::device_of(x));
-  const int64_t N = weight.size(0);
   at::Tensor x2 = flatten_rows(x);
-  at::Tensor gy2 = grad_out.reshape({x2.size(0), N});
+  at::Tensor gy2 = grad_out.reshape({x2.size(0), weight.size(0)});
   std::optional<at::Tensor> ggx2 = rows_of(grad_grad_x);
   std::array<at::Tensor, 4> r;
   const at::ScalarType dtype = x.scalar_type();
-  if (dtype == at::kHalf || dtype == at::kBFloat16) {
+  if (is_half(dtype)) {
     // Half types: compute in float32 and round each result once, as the other ops do.
     r = double_backward_2d(to_float(ggx2), to_float(grad_grad_weight), to_float(grad_grad_bias),
                            gy2.to(at::kFloat), x2.to(at::kFloat), weight.to(at::kFloat),
@@ -205,13 +256,131 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_tanh_double_ba
     const std::optional<at::Tensor>& grad_grad_bias, const at::Tensor& grad_out,
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     std::array<bool, 4> output_mask) {
-  check_inputs(grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x, weight, bias);
+  check_second_order_inputs(kDouble, grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x,
+                            weight, bias, bias.has_value());
   return {output_mask[0] ? at::empty_symint(grad_out.sym_sizes(), x.options()) : at::Tensor(),
           output_mask[1] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
           output_mask[2] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor(),
           output_mask[3] && bias.has_value()
               ? at::empty_symint({weight.sym_size(0)}, x.options())
               : at::Tensor()};
+}
+
+// ----------------------------------------------------------------------------------------------
+// linear_tanh_backward_from_output: linear_tanh_backward after its recompute, from t.
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& output,
+    const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    std::array<bool, 3> output_mask) {
+  check_from_output_inputs(grad_out, x, output, weight, bias);
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  at::Tensor x2 = flatten_rows(x);
+  const int64_t M = x2.size(0), N = weight.size(0);
+  // g = grad_out·(1 − t²) into a copy of t (t stays as it is), the bias gradient summed in the
+  // same pass in the documented order: what linear_tanh_backward does to its recomputed t.
+  at::Tensor g = new_buffer({M, N}, x.options());
+  g.copy_(output.reshape({M, N}));
+  at::Tensor grad_b = tanh_backward_(g, grad_out.reshape({M, N}), Holds::kTanhOutput,
+                                     output_mask[2] && bias.has_value());
+  at::Tensor grad_x = output_mask[0] ? at::mm(g, weight).view(x.sizes()) : at::Tensor();
+  at::Tensor grad_w = output_mask[1] ? at::mm(g.t(), x2) : at::Tensor();
+  return {grad_x, grad_w, grad_b};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output_meta(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& output,
+    const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    std::array<bool, 3> output_mask) {
+  check_from_output_inputs(grad_out, x, output, weight, bias);
+  return {output_mask[0] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[1] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[2] && bias.has_value()
+              ? at::empty_symint({weight.sym_size(0)}, x.options())
+              : at::Tensor()};
+}
+
+// ----------------------------------------------------------------------------------------------
+// linear_tanh_backward_from_output_backward: its backward (nothing to recompute)
+
+// Returns (dgy (M, N), dx (M, K), dt (M, N), dW (N, K)), undefined where not asked.
+std::array<at::Tensor, 4> from_output_backward_2d(const std::optional<at::Tensor>& ggx,
+                                                  const std::optional<at::Tensor>& ggw,
+                                                  const std::optional<at::Tensor>& ggb,
+                                                  const at::Tensor& gy, const at::Tensor& x,
+                                                  const at::Tensor& t, const at::Tensor& weight,
+                                                  std::array<bool, 4> mask) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const bool want_dgy = mask[0], want_dx = mask[1], want_dt = mask[2], want_dw = mask[3];
+  std::array<at::Tensor, 4> out;
+  // The explicit terms g·ggW and gᵀ·ggx, with g = grad_out·(1 − t²).
+  at::Tensor g;
+  if ((want_dx && ggw.has_value()) || (want_dw && ggx.has_value())) g = at::tanh_backward(gy, t);
+  if (want_dx) out[1] = ggw.has_value() ? at::mm(g, *ggw) : at::zeros({M, K}, x.options());
+  if (want_dw) out[3] = ggx.has_value() ? at::mm(g.t(), *ggx) : at::zeros({N, K}, x.options());
+  g = at::Tensor();
+  if (!want_dgy && !want_dt) return out;
+  if (!ggx.has_value() && !ggw.has_value() && !ggb.has_value()) {
+    if (want_dgy) out[0] = at::zeros({M, N}, x.options());
+    if (want_dt) out[2] = at::zeros({M, N}, x.options());
+    return out;
+  }
+  at::Tensor dg = grad_of_g(ggx, ggw, ggb, x, weight);
+  if (want_dt) out[2] = at::mul(dg, gy).mul_(t).mul_(-2);  // −2·dg·grad_out·t
+  if (want_dgy) {
+    at::tanh_backward_out(dg, dg, t);  // dg·(1 − t²), in place
+    out[0] = dg;
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output_backward(
+    const std::optional<at::Tensor>& grad_grad_x, const std::optional<at::Tensor>& grad_grad_weight,
+    const std::optional<at::Tensor>& grad_grad_bias, const at::Tensor& grad_out,
+    const at::Tensor& x, const at::Tensor& output, const at::Tensor& weight,
+    std::array<bool, 4> output_mask) {
+  constexpr const char* op = kFromOutputBackward;
+  check_second_order_inputs(op, grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x,
+                            weight, std::nullopt, /*has_bias=*/true);
+  check_like(op, "output", output, grad_out, "grad_out");
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  at::Tensor x2 = flatten_rows(x);
+  const int64_t M = x2.size(0), N = weight.size(0);
+  at::Tensor gy2 = grad_out.reshape({M, N}), t2 = output.reshape({M, N});
+  std::optional<at::Tensor> ggx2 = rows_of(grad_grad_x);
+  std::array<at::Tensor, 4> r;
+  const at::ScalarType dtype = x.scalar_type();
+  if (is_half(dtype)) {
+    r = from_output_backward_2d(to_float(ggx2), to_float(grad_grad_weight),
+                                to_float(grad_grad_bias), gy2.to(at::kFloat), x2.to(at::kFloat),
+                                t2.to(at::kFloat), weight.to(at::kFloat), output_mask);
+    for (auto& t : r) {
+      if (t.defined()) t = t.to(dtype);
+    }
+  } else {
+    r = from_output_backward_2d(ggx2, grad_grad_weight, grad_grad_bias, gy2, x2, t2, weight,
+                                output_mask);
+  }
+  if (r[0].defined()) r[0] = r[0].view(grad_out.sizes());
+  if (r[1].defined()) r[1] = r[1].view(x.sizes());
+  if (r[2].defined()) r[2] = r[2].view(output.sizes());
+  return {r[0], r[1], r[2], r[3]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+linear_tanh_backward_from_output_backward_meta(
+    const std::optional<at::Tensor>& grad_grad_x, const std::optional<at::Tensor>& grad_grad_weight,
+    const std::optional<at::Tensor>& grad_grad_bias, const at::Tensor& grad_out,
+    const at::Tensor& x, const at::Tensor& output, const at::Tensor& weight,
+    std::array<bool, 4> output_mask) {
+  constexpr const char* op = kFromOutputBackward;
+  check_second_order_inputs(op, grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x,
+                            weight, std::nullopt, /*has_bias=*/true);
+  check_like(op, "output", output, grad_out, "grad_out");
+  return {output_mask[0] ? at::empty_symint(grad_out.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[1] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[2] ? at::empty_symint(output.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[3] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor()};
 }
 
 }  // namespace
@@ -225,15 +394,28 @@ TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
       "Tensor? grad_grad_bias, Tensor grad_out, Tensor x, Tensor weight, Tensor? bias, "
       "bool[4] output_mask) -> (Tensor grad_grad_out, Tensor grad_x, Tensor grad_weight, "
       "Tensor grad_bias)");
+  m.def(
+      "linear_tanh_backward_from_output(Tensor grad_out, Tensor x, Tensor output, Tensor weight, "
+      "Tensor? bias, bool[3] output_mask) -> (Tensor grad_x, Tensor grad_weight, "
+      "Tensor grad_bias)");
+  m.def(
+      "linear_tanh_backward_from_output_backward(Tensor? grad_grad_x, Tensor? grad_grad_weight, "
+      "Tensor? grad_grad_bias, Tensor grad_out, Tensor x, Tensor output, Tensor weight, "
+      "bool[4] output_mask) -> (Tensor grad_grad_out, Tensor grad_x, Tensor grad_output, "
+      "Tensor grad_weight)");
 }
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
   m.impl("linear_tanh_double_backward", &linear_tanh_double_backward);
+  m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output);
+  m.impl("linear_tanh_backward_from_output_backward", &linear_tanh_backward_from_output_backward);
 }
 
 #ifdef CKPT_EXT_WITH_CUDA
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   m.impl("linear_tanh_double_backward", &linear_tanh_double_backward);
+  m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output);
+  m.impl("linear_tanh_backward_from_output_backward", &linear_tanh_backward_from_output_backward);
 }
 #else
 namespace {
@@ -245,13 +427,18 @@ void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
-  m.impl("linear_tanh_double_backward",
-         torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
+  for (const char* name : {"linear_tanh_double_backward", "linear_tanh_backward_from_output",
+                           "linear_tanh_backward_from_output_backward"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
+  }
 }
 #endif
 
 TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
   m.impl("linear_tanh_double_backward", &linear_tanh_double_backward_meta);
+  m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output_meta);
+  m.impl("linear_tanh_backward_from_output_backward",
+         &linear_tanh_backward_from_output_backward_meta);
 }
 
 }  // namespace ckpt_ext

@@ -122,9 +122,9 @@ def test_first_order_backward_keeps_the_fused_kernel():
     assert calls.get("aten.mm", 0) == 2
 
 
-def test_create_graph_records_the_recomputing_backward_op():
-    # With create_graph=True the first-order backward is the recomputing op itself, recorded by
-    # autograd: no forward is re-run outside it, and its node keeps (grad_out, x), not z or t.
+def test_create_graph_records_the_output_based_backward():
+    # With create_graph=True the first-order backward is recorded as one node per layer that keeps
+    # (grad_out, x, t) — t from one recompute by a node that keeps its output — never z or g.
     torch.manual_seed(0)
     layer = FusedLinearTanh(4, 3)
     x = torch.randn(5, 4, requires_grad=True)
@@ -132,7 +132,9 @@ def test_create_graph_records_the_recomputing_backward_op():
     with OpCounter() as counter:
         (gx,) = torch.autograd.grad(y, x, create_graph=True)
     assert gx.requires_grad
-    assert counter.calls.get("ckpt_ext.linear_tanh_backward") == 1
-    assert "ckpt_ext.linear_tanh" not in counter.calls
-    assert [tuple(t.shape) for t in gx.grad_fn.saved_tensors] == [
-        (5, 3), (5, 4), (3, 4), (3,)]  # grad_out, x, weight, bias
+    assert counter.calls.get("ckpt_ext.linear_tanh") == 1  # the one recompute of t
+    assert counter.calls.get("ckpt_ext.linear_tanh_backward_from_output") == 1
+    node = gx.grad_fn
+    assert [tuple(t.shape) for t in node.saved_tensors] == [(5, 3), (5, 4), (5, 3), (3, 4)]
+    t = node.saved_tensors[2]
+    assert rel_err(t, torch.tanh(torch.nn.functional.linear(x, layer.weight, layer.bias))) <= 1e-6
