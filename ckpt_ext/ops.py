@@ -328,9 +328,12 @@ class _LinearTanhBackwardFromOutput(_SingleLevelFunction):
     def backward(ctx, ggx, ggw, ggb):
         grad_out, x, t, weight = ctx.saved_tensors
         need = _needed(ctx, 4)  # grad_out, x, t, weight
+        # x appears only in grad_W = gᵀ·x, W only in grad_x = g·W (their share through t goes to
+        # t's node): without ggW (ggx) their gradient here is zero, so it is not made at all.
+        need[1] = need[1] and ggw is not None
+        need[3] = need[3] and ggx is not None
         r = _OPS.linear_tanh_backward_from_output_backward.default(
-            ggx, ggw, ggb if ctx.has_bias else None, grad_out, x, t, weight,
-            [need[0], need[1], need[2], need[3]])
+            ggx, ggw, ggb if ctx.has_bias else None, grad_out, x, t, weight, need)
         return r[0], r[1], r[2], r[3], None, None
 
     @staticmethod

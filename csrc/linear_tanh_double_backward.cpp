@@ -49,9 +49,7 @@
 //
 // Device-generic: the GEMMs and elementwise steps are ATen ops, tanh, tanh's derivative and the
 // bias sums the primitives of linear_tanh.h (the documented summation order); float16/bfloat16
-// double backward computes in float32 and rounds each result once. linear_tanh_backward_from_output
-// runs linear_tanh_backward's arithmetic after its recompute (the same primitive and GEMMs), so
-// given the forward's t it returns the same bits.
+// double backward computes in float32 and rounds each result once.
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -277,12 +275,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output(
   const c10::OptionalDeviceGuard guard(at::device_of(x));
   at::Tensor x2 = flatten_rows(x);
   const int64_t M = x2.size(0), N = weight.size(0);
-  // g = grad_out·(1 − t²) into a copy of t (t stays as it is), the bias gradient summed in the
-  // same pass in the documented order: what linear_tanh_backward does to its recomputed t.
-  at::Tensor g = new_buffer({M, N}, x.options());
-  g.copy_(output.reshape({M, N}));
-  at::Tensor grad_b = tanh_backward_(g, grad_out.reshape({M, N}), Holds::kTanhOutput,
-                                     output_mask[2] && bias.has_value());
+  // g = grad_out·(1 − t²), t left as it is; the bias gradient as the column sums of g in the
+  // documented order (linear_tanh.h), as linear_tanh_backward sums it.
+  at::Tensor g = at::tanh_backward(grad_out.reshape({M, N}), output.reshape({M, N}));
+  at::Tensor grad_b = output_mask[2] && bias.has_value() ? bias_grad(g) : at::Tensor();
   at::Tensor grad_x = output_mask[0] ? at::mm(g, weight).view(x.sizes()) : at::Tensor();
   at::Tensor grad_w = output_mask[1] ? at::mm(g.t(), x2) : at::Tensor();
   return {grad_x, grad_w, grad_b};
