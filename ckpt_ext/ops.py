@@ -359,7 +359,8 @@ class _LinearTanhBackwardFromOutput(_SingleLevelFunction):
 
 
 class _LinearTanhBackwardFromOutputBackward(_SingleLevelFunction):
-    """The backward of linear_tanh_backward_from_output; keeps its inputs; backward =
+    """The backward of linear_tanh_backward_from_output; keeps its inputs; backward = the CPU
+    kernel linear_tanh_backward_from_output_double_backward where no graph is built, else
     _from_output_backward_vjp (ATen ops: differentiable again)."""
 
     @staticmethod
@@ -375,8 +376,21 @@ class _LinearTanhBackwardFromOutputBackward(_SingleLevelFunction):
 
     @staticmethod
     def backward(ctx, u_gy, u_x, u_t, u_w):
-        return (*_from_output_backward_vjp(*ctx.saved_tensors, u_gy, u_x, u_t, u_w,
-                                           _needed(ctx, 7)), None)
+        tensors = ctx.saved_tensors
+        need = _needed(ctx, 7)
+        if all(u is None for u in (u_gy, u_x, u_t, u_w)):
+            return (None,) * 8
+        # x and W enter only through dg = ggx·Wᵀ + x·ggWᵀ: without ggW (ggx) their gradient is
+        # zero; not made at all.
+        need[4] = need[4] and tensors[1] is not None
+        need[6] = need[6] and tensors[0] is not None
+        if not torch.is_grad_enabled() and tensors[4].device.type == "cpu":
+            # The last pass (no graph to build): the fused CPU kernel, one elementwise pass
+            # instead of a dozen.
+            r = _OPS.linear_tanh_backward_from_output_double_backward.default(
+                *tensors, u_gy, u_x, u_t, u_w, need)
+            return (*r, None)
+        return (*_from_output_backward_vjp(*tensors, u_gy, u_x, u_t, u_w, need), None)
 
 
 def _from_output_backward_vjp(ggx, ggw, ggb, gy, x, t, weight, u_gy, u_x, u_t, u_w,
@@ -1003,6 +1017,20 @@ _register_autograd_kernel("linear_tanh_backward", _apply_linear_tanh_backward)
 _register_autograd_kernel("linear_tanh_backward_from_output", _apply_backward_from_output)
 _register_autograd_kernel("linear_tanh_backward_from_output_backward", _apply_from_output_backward)
 _register_autograd_kernel("linear_tanh_double_backward", _apply_double_backward)
+
+
+def _apply_from_output_triple(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, u_x, u_t, u_w,
+                              output_mask):
+    # The third-order CPU kernel, differentiated: by its ATen composition, which autograd (and
+    # torch.func) differentiate to any order.
+    mask = [bool(m) for m in output_mask]
+    r = _from_output_backward_vjp(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, u_x, u_t, u_w,
+                                  mask)
+    return _result_like(r, mask, (x, weight, weight[:, 0], grad_out, x, output, weight))
+
+
+_register_autograd_kernel("linear_tanh_backward_from_output_double_backward",
+                          _apply_from_output_triple)
 _register_autograd_kernel("tanh_mlp", _apply_tanh_mlp)
 _register_autograd_kernel("tanh_mlp_backward", _apply_tanh_mlp_backward)
 
@@ -1278,6 +1306,27 @@ def _linear_tanh_backward_from_output_backward_flop(ggx_shape, ggw_shape, ggb_sh
     has_ggx, has_ggw = ggx_shape is not None, ggw_shape is not None
     n = (int(has_ggx) + int(has_ggw)) * int(output_mask[0] or output_mask[2])
     n += int(output_mask[1] and has_ggw) + int(output_mask[3] and has_ggx)
+    return n * _gemm_flops(x_shape, w_shape)
+
+
+@torch.utils.flop_counter.register_flop_formula(
+    torch.ops.ckpt_ext.linear_tanh_backward_from_output_double_backward)
+def _linear_tanh_backward_from_output_double_backward_flop(
+        ggx_shape, ggw_shape, ggb_shape, grad_out_shape, x_shape, output_shape, w_shape,
+        u_gy_shape, u_x_shape, u_t_shape, u_w_shape, output_mask, *args, **kwargs) -> int:
+    # As the kernel runs them: dg (one GEMM per defined ggx, ggW) and ḡ (u_x·ggWᵀ, ggx·u_Wᵀ) when
+    # d_grad_out or d_output is asked; then per result the GEMMs of its terms whose inputs exist.
+    has = {k: v is not None for k, v in dict(ggx=ggx_shape, ggw=ggw_shape, ux=u_x_shape,
+                                             uw=u_w_shape).items()}
+    any_u_dg = u_gy_shape is not None or u_t_shape is not None
+    n = 0
+    if output_mask[3] or output_mask[5]:
+        n += (int(has["ggx"]) + int(has["ggw"])) * int(any_u_dg)
+        n += int(has["ux"] and has["ggw"]) + int(has["uw"] and has["ggx"])
+    n += int(output_mask[0]) * (int(any_u_dg) + int(has["uw"]))
+    n += int(output_mask[1]) * (int(any_u_dg) + int(has["ux"]))
+    n += int(output_mask[4] and any_u_dg and has["ggw"]) + int(output_mask[6] and any_u_dg and
+                                                               has["ggx"])
     return n * _gemm_flops(x_shape, w_shape)
 
 

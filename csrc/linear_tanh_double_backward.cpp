@@ -8,6 +8,11 @@
 //   linear_tanh_backward_from_output_backward(grad_grad_x?, grad_grad_weight?, grad_grad_bias?,
 //                                             grad_out, x, output, weight, output_mask[4])
 //       -> (grad_grad_out?, grad_x?, grad_output?, grad_weight?)
+//   linear_tanh_backward_from_output_double_backward(grad_grad_x?, grad_grad_weight?,
+//       grad_grad_bias?, grad_out, x, output, weight, u_grad_grad_out?, u_grad_x?, u_grad_output?,
+//       u_grad_weight?, output_mask[7])
+//       -> (d_grad_grad_x?, d_grad_grad_weight?, d_grad_grad_bias?, d_grad_out?, d_x?, d_output?,
+//           d_weight?)          CPU only
 //
 //   Shapes: x (..., K), weight (N, K), bias (N)?, grad_out and output (..., N); grad_grad_x like
 //   x, grad_grad_weight like weight, grad_grad_bias (N) (each may be None: no gradient reached
@@ -47,9 +52,24 @@
 // (Checked: tests/test_double_backward.py runs gradcheck and gradgradcheck of these ops in
 // float64, and compares the third order with stock PyTorch.)
 //
+// The third order of the output-based path, linear_tanh_backward_from_output_double_backward, is
+// the vjp of linear_tanh_backward_from_output_backward: given the gradients u_* w.r.t. its four
+// results, the gradients d_* w.r.t. its seven inputs. Written out (rows flattened as above):
+//   s = 1 − t²,  g = grad_out·s,  dg = ggx·Wᵀ + x·ggWᵀ + ggb,
+//   d̄g = u_gy·s − 2·u_t·grad_out·t,   ḡ = u_x·ggWᵀ + ggx·u_Wᵀ,   s̄ = u_gy·dg + ḡ·grad_out,
+//   d_ggx = d̄g·W + g·u_W,   d_ggW = d̄gᵀ·x + gᵀ·u_x,   d_ggb = Σ_rows d̄g,
+//   d_grad_out = ḡ·s − 2·u_t·dg·t,   d_t = −2·t·s̄ − 2·u_t·dg·grad_out,
+//   d_x = d̄g·ggW,   d_W = d̄gᵀ·ggx.
+// Its elementwise part (d̄g, d_grad_out, d_t) is one branch-free loop per result on the CPU
+// (triple_pass below), where the same formulas written with ATen ops cost a dozen passes; other
+// devices use that ATen composition (ckpt_ext/ops.py, _from_output_backward_vjp), which is also
+// what autograd differentiates for the fourth order.
+//
 // Device-generic: the GEMMs and elementwise steps are ATen ops, tanh, tanh's derivative and the
 // bias sums the primitives of linear_tanh.h (the documented summation order); float16/bfloat16
 // double backward computes in float32 and rounds each result once.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -57,6 +77,7 @@
 #include <optional>
 #include <sstream>
 #include <tuple>
+#include <type_traits>
 
 #include "linear_tanh.h"
 
@@ -379,6 +400,225 @@ linear_tanh_backward_from_output_backward_meta(
           output_mask[3] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor()};
 }
 
+// ----------------------------------------------------------------------------------------------
+// linear_tanh_backward_from_output_double_backward: the third order, CPU
+
+// The elementwise part. Each result is its own loop over the M·N elements, templated on which
+// inputs it reads are present (an absent one is zero), so that no loop has a branch and the
+// compiler vectorizes each (a single loop with null checks per element ran 6x slower). All arrays
+// are (M·N) contiguous; a null output pointer is not computed.
+template <bool kUgy, bool kUt, typename T>
+void dgbar_loop(int64_t n, const T* t, const T* gy, const T* ugy, const T* ut, T* out) {
+  at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T v = T(0);
+      if constexpr (kUgy) v += ugy[i] * (T(1) - t[i] * t[i]);      // u_gy·s
+      if constexpr (kUt) v += T(-2) * ut[i] * gy[i] * t[i];           // − 2·u_t·gy·t
+      out[i] = v;
+    }
+  });
+}
+
+template <bool kGbar, bool kUtDg, typename T>
+void gybar_loop(int64_t n, const T* t, const T* dg, const T* gbar, const T* ut, T* out) {
+  at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T v = T(0);
+      if constexpr (kGbar) v += gbar[i] * (T(1) - t[i] * t[i]);     // ḡ·s
+      if constexpr (kUtDg) v += T(-2) * ut[i] * dg[i] * t[i];         // − 2·u_t·dg·t
+      out[i] = v;
+    }
+  });
+}
+
+template <bool kUgyDg, bool kGbar, bool kUtDg, typename T>
+void tbar_loop(int64_t n, const T* t, const T* gy, const T* dg, const T* gbar, const T* ugy,
+               const T* ut, T* out) {
+  at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T sbar = T(0);
+      if constexpr (kUgyDg) sbar += ugy[i] * dg[i];                   // u_gy·dg
+      if constexpr (kGbar) sbar += gbar[i] * gy[i];                   // + ḡ·gy
+      T v = T(-2) * t[i] * sbar;                                      // −2·t·s̄
+      if constexpr (kUtDg) v += T(-2) * ut[i] * dg[i] * gy[i];        // − 2·u_t·dg·gy
+      out[i] = v;
+    }
+  });
+}
+
+// Calls f(std::bool_constant<a>{}, std::bool_constant<b>{}) for runtime a, b.
+template <typename F>
+void with_bools(bool a, bool b, F&& f) {
+  if (a) {
+    if (b) f(std::true_type{}, std::true_type{}); else f(std::true_type{}, std::false_type{});
+  } else {
+    if (b) f(std::false_type{}, std::true_type{}); else f(std::false_type{}, std::false_type{});
+  }
+}
+
+template <typename T>
+void triple_pass(int64_t n, const T* t, const T* gy, const T* dg, const T* gbar, const T* ugy,
+                 const T* ut, T* dgbar, T* gybar, T* tbar) {
+  if (dgbar) {
+    with_bools(ugy != nullptr, ut != nullptr, [&](auto u, auto v) {
+      dgbar_loop<decltype(u)::value, decltype(v)::value>(n, t, gy, ugy, ut, dgbar);
+    });
+  }
+  const bool ut_dg = ut != nullptr && dg != nullptr;
+  if (gybar) {
+    with_bools(gbar != nullptr, ut_dg, [&](auto u, auto v) {
+      gybar_loop<decltype(u)::value, decltype(v)::value>(n, t, dg, gbar, ut, gybar);
+    });
+  }
+  if (tbar) {
+    const bool ugy_dg = ugy != nullptr && dg != nullptr;
+    with_bools(ugy_dg, gbar != nullptr, [&](auto u, auto v) {
+      if (ut_dg) {
+        tbar_loop<decltype(u)::value, decltype(v)::value, true>(n, t, gy, dg, gbar, ugy, ut, tbar);
+      } else {
+        tbar_loop<decltype(u)::value, decltype(v)::value, false>(n, t, gy, dg, gbar, ugy, ut,
+                                                                 tbar);
+      }
+    });
+  }
+}
+
+template <typename T>
+const T* ptr_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<T>() : nullptr;
+}
+
+template <typename T>
+T* mut_ptr_or_null(const at::Tensor& t) {
+  return t.defined() ? t.mutable_data_ptr<T>() : nullptr;
+}
+
+at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t, int64_t rows) {
+  if (!t.has_value()) return at::Tensor();
+  return t->reshape({rows, t->size(-1)}).contiguous();
+}
+
+using Seven = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                         at::Tensor>;
+
+void check_triple_inputs(const std::optional<at::Tensor>& ggx, const std::optional<at::Tensor>& ggw,
+                         const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out,
+                         const at::Tensor& x, const at::Tensor& output, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& u_gy, const std::optional<at::Tensor>& u_x,
+                         const std::optional<at::Tensor>& u_t, const std::optional<at::Tensor>& u_w) {
+  constexpr const char* op = "linear_tanh_backward_from_output_double_backward";
+  check_second_order_inputs(op, ggx, ggw, ggb, grad_out, x, weight, std::nullopt,
+                            /*has_bias=*/true);
+  check_like(op, "output", output, grad_out, "grad_out");
+  check_like(op, "u_grad_grad_out", u_gy, grad_out, "grad_out");
+  check_like(op, "u_grad_x", u_x, x, "x");
+  check_like(op, "u_grad_output", u_t, grad_out, "grad_out");
+  check_like(op, "u_grad_weight", u_w, weight, "weight");
+}
+
+Seven linear_tanh_backward_from_output_double_backward(
+    const std::optional<at::Tensor>& ggx, const std::optional<at::Tensor>& ggw,
+    const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out, const at::Tensor& x,
+    const at::Tensor& output, const at::Tensor& weight, const std::optional<at::Tensor>& u_gy,
+    const std::optional<at::Tensor>& u_x, const std::optional<at::Tensor>& u_t,
+    const std::optional<at::Tensor>& u_w, std::array<bool, 7> mask) {
+  check_triple_inputs(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, u_x, u_t, u_w);
+  TORCH_CHECK(x.device().is_cpu(), "ckpt_ext.linear_tanh_backward_from_output_double_backward: "
+              "a CPU kernel; on ", x.device(), " ckpt_ext/ops.py uses its ATen composition");
+  const at::ScalarType dtype = x.scalar_type();
+  const bool half = is_half(dtype);
+  auto up = [&](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    return half ? to_float(t) : t;
+  };
+  const at::Tensor x2 = flatten_rows(half ? x.to(at::kFloat) : x);
+  const at::Tensor w = half ? weight.to(at::kFloat) : weight;
+  const int64_t M = x2.size(0), K = x2.size(1), N = w.size(0);
+  const std::optional<at::Tensor> ggw_ = up(ggw), ggb_ = up(ggb), u_w_ = up(u_w);
+  const std::optional<at::Tensor> ggx2 = rows_of(up(ggx)), ux2 = rows_of(up(u_x));
+  const at::Tensor t2 = (half ? output.to(at::kFloat) : output).reshape({M, N}).contiguous();
+  const at::Tensor gy2 = (half ? grad_out.to(at::kFloat) : grad_out).reshape({M, N}).contiguous();
+  const at::Tensor ugy2 = contiguous_or_undefined(up(u_gy), M);
+  const at::Tensor ut2 = contiguous_or_undefined(up(u_t), M);
+  const at::TensorOptions opts = x2.options();
+
+  const bool any_q = ggx2.has_value() || ggw_.has_value() || ggb_.has_value();
+  // d̄g feeds d_ggx, d_ggW, d_ggb, d_x, d_W; ḡ feeds d_grad_out and d_t; dg feeds d_grad_out,
+  // d_t (and nothing else).
+  const bool want_dgbar = (mask[0] || mask[1] || mask[2] || mask[4] || mask[6]) &&
+                          (ugy2.defined() || ut2.defined());
+  const bool want_g = (mask[0] && u_w_.has_value()) || (mask[1] && ux2.has_value());
+  at::Tensor dg = any_q && (mask[3] || mask[5]) && (ugy2.defined() || ut2.defined())
+                      ? grad_of_g(ggx2, ggw_, ggb_, x2, w)
+                      : at::Tensor();
+  at::Tensor gbar;
+  if (mask[3] || mask[5]) {
+    if (ux2.has_value() && ggw_.has_value()) gbar = at::mm(*ux2, ggw_->t());
+    if (u_w_.has_value() && ggx2.has_value()) {
+      gbar = gbar.defined() ? gbar.addmm_(*ggx2, u_w_->t()) : at::mm(*ggx2, u_w_->t());
+    }
+  }
+  at::Tensor dgbar = want_dgbar ? at::empty({M, N}, opts) : at::Tensor();
+  at::Tensor gybar = mask[3] ? at::empty({M, N}, opts) : at::Tensor();
+  at::Tensor tbar = mask[5] ? at::empty({M, N}, opts) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(t2.scalar_type(), "from_output_triple_pass", [&] {
+    triple_pass<scalar_t>(M * N, t2.const_data_ptr<scalar_t>(), gy2.const_data_ptr<scalar_t>(),
+                          ptr_or_null<scalar_t>(dg), ptr_or_null<scalar_t>(gbar),
+                          ptr_or_null<scalar_t>(ugy2), ptr_or_null<scalar_t>(ut2),
+                          mut_ptr_or_null<scalar_t>(dgbar), mut_ptr_or_null<scalar_t>(gybar),
+                          mut_ptr_or_null<scalar_t>(tbar));
+  });
+  // g = grad_out·s, only for the terms g·u_W and gᵀ·u_x.
+  const at::Tensor g = want_g ? at::tanh_backward(gy2, t2) : at::Tensor();
+  dg = at::Tensor();
+  gbar = at::Tensor();
+
+  // The GEMMs of the results (each a sum of the terms whose inputs are given), zeros where a
+  // result is asked for and nothing contributes.
+  auto sum_mm = [&](std::initializer_list<std::pair<at::Tensor, at::Tensor>> terms,
+                    at::IntArrayRef shape) {
+    at::Tensor out;
+    for (const auto& [a, b] : terms) {
+      if (!a.defined() || !b.defined()) continue;
+      out = out.defined() ? out.addmm_(a, b) : at::mm(a, b);
+    }
+    return out.defined() ? out : at::zeros(shape, opts);
+  };
+  const at::Tensor none;
+  auto val = [&](const std::optional<at::Tensor>& t) { return t.has_value() ? *t : none; };
+  auto tr = [&](const at::Tensor& t) { return t.defined() ? t.t() : t; };
+  std::array<at::Tensor, 7> r;
+  if (mask[0]) r[0] = sum_mm({{dgbar, w}, {g, val(u_w_)}}, {M, K}).view(x.sizes());
+  if (mask[1]) r[1] = sum_mm({{tr(dgbar), x2}, {tr(g), val(ux2)}}, {N, K});
+  if (mask[2]) r[2] = dgbar.defined() ? dgbar.sum(0) : at::zeros({N}, opts);
+  if (mask[3]) r[3] = gybar.view(grad_out.sizes());
+  if (mask[4]) r[4] = sum_mm({{dgbar, val(ggw_)}}, {M, K}).view(x.sizes());
+  if (mask[5]) r[5] = tbar.view(output.sizes());
+  if (mask[6]) r[6] = sum_mm({{tr(dgbar), val(ggx2)}}, {N, K});
+  if (half) {
+    for (auto& v : r) {
+      if (v.defined()) v = v.to(dtype);
+    }
+  }
+  return {r[0], r[1], r[2], r[3], r[4], r[5], r[6]};
+}
+
+Seven linear_tanh_backward_from_output_double_backward_meta(
+    const std::optional<at::Tensor>& ggx, const std::optional<at::Tensor>& ggw,
+    const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out, const at::Tensor& x,
+    const at::Tensor& output, const at::Tensor& weight, const std::optional<at::Tensor>& u_gy,
+    const std::optional<at::Tensor>& u_x, const std::optional<at::Tensor>& u_t,
+    const std::optional<at::Tensor>& u_w, std::array<bool, 7> mask) {
+  check_triple_inputs(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, u_x, u_t, u_w);
+  auto like = [&](bool want, c10::SymIntArrayRef shape) {
+    return want ? at::empty_symint(shape, x.options()) : at::Tensor();
+  };
+  const std::vector<c10::SymInt> n{weight.sym_size(0)};
+  return {like(mask[0], x.sym_sizes()),        like(mask[1], weight.sym_sizes()),
+          like(mask[2], n),                    like(mask[3], grad_out.sym_sizes()),
+          like(mask[4], x.sym_sizes()),        like(mask[5], output.sym_sizes()),
+          like(mask[6], weight.sym_sizes())};
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
@@ -399,12 +639,21 @@ TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
       "Tensor? grad_grad_bias, Tensor grad_out, Tensor x, Tensor output, Tensor weight, "
       "bool[4] output_mask) -> (Tensor grad_grad_out, Tensor grad_x, Tensor grad_output, "
       "Tensor grad_weight)");
+  m.def(
+      "linear_tanh_backward_from_output_double_backward(Tensor? grad_grad_x, "
+      "Tensor? grad_grad_weight, Tensor? grad_grad_bias, Tensor grad_out, Tensor x, "
+      "Tensor output, Tensor weight, Tensor? u_grad_grad_out, Tensor? u_grad_x, "
+      "Tensor? u_grad_output, Tensor? u_grad_weight, bool[7] output_mask) -> "
+      "(Tensor d_grad_grad_x, Tensor d_grad_grad_weight, Tensor d_grad_grad_bias, "
+      "Tensor d_grad_out, Tensor d_x, Tensor d_output, Tensor d_weight)");
 }
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
   m.impl("linear_tanh_double_backward", &linear_tanh_double_backward);
   m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output);
   m.impl("linear_tanh_backward_from_output_backward", &linear_tanh_backward_from_output_backward);
+  m.impl("linear_tanh_backward_from_output_double_backward",
+         &linear_tanh_backward_from_output_double_backward);
 }
 
 #ifdef CKPT_EXT_WITH_CUDA
@@ -435,6 +684,8 @@ TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
   m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output_meta);
   m.impl("linear_tanh_backward_from_output_backward",
          &linear_tanh_backward_from_output_backward_meta);
+  m.impl("linear_tanh_backward_from_output_double_backward",
+         &linear_tanh_backward_from_output_double_backward_meta);
 }
 
 }  // namespace ckpt_ext
