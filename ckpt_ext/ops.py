@@ -166,24 +166,47 @@ def _result_like(values, mask, likes):
                  for v, m, like in zip(values, mask, likes))
 
 
+def _recompute_chain(ctx, x, weight, bias):
+    """(input, t) for the linear_tanh node ctx in a create_graph pass: t = tanh(x·Wᵀ + b)
+    recomputed once by a node that keeps it (_LinearTanhKeep), and remembered by ctx. When x is the
+    unmodified output of another linear_tanh node (a chain of FusedLinearTanh), the input is that
+    node's own recomputed t instead (recursively): the recompute nodes then form one chain fed by
+    the chain's first input, so the gradients of every later order meet at them and never reach
+    the forward nodes, as in the stack op."""
+    t = getattr(ctx, "recomputed_output", None)
+    if t is not None:
+        return ctx.recomputed_input, t
+    x_in = x
+    below = x.grad_fn
+    if isinstance(below, _LinearTanh._backward_cls):
+        try:
+            bx, bw, bb = below.saved_tensors
+        except RuntimeError:  # that node's saved tensors are already freed: no chain
+            pass
+        else:
+            x_in = _recompute_chain(below, bx, bw, bb)[1]
+    t = _LinearTanhKeep.apply(x_in, weight, bias)
+    ctx.recomputed_input, ctx.recomputed_output = x_in, t
+    return x_in, t
+
+
 def _first_order_from(ctx, grad_out, x, weight, bias, mask):
     """The first-order backward of a linear_tanh node (ctx), outside torch.func.
 
     With create_graph=True (grad mode on) it is recorded, from the output: t = tanh(x·Wᵀ + b) is
-    recomputed once by a node that keeps it (_LinearTanhKeep) and handed as an input to
-    linear_tanh_backward_from_output, whose node keeps (grad_out, t) and rebuilds g from them.
+    recomputed once by a node that keeps it (_recompute_chain) and handed as an input to
+    linear_tanh_backward_from_output, whose node keeps (grad_out, x, t) and rebuilds g from them.
     All later orders then reuse this t (no GEMM, no tanh pass again), and every gradient w.r.t. t
     from every order meets at the one _LinearTanhKeep node, which turns it into x and W
-    gradients once per pass — as plain autograd does at its tanh node. ctx keeps t for the later
-    passes of this node itself. Without create_graph: from that t when a create_graph pass made
-    one (then released), else the recomputing kernel."""
-    t = getattr(ctx, "recomputed_output", None)
+    gradients once per pass — as plain autograd does at its tanh node. Without create_graph: from
+    that t when a create_graph pass made one (then released), else the recomputing kernel."""
     if torch.is_grad_enabled():
-        if t is None:
-            t = ctx.recomputed_output = _LinearTanhKeep.apply(x, weight, bias)
-        return _OPS.linear_tanh_backward_from_output.default(grad_out, x, t, weight, bias, mask)
+        x_in, t = _recompute_chain(ctx, x, weight, bias)
+        return _OPS.linear_tanh_backward_from_output.default(grad_out, x_in, t, weight, bias,
+                                                             mask)
+    t = getattr(ctx, "recomputed_output", None)
     if t is not None:
-        del ctx.recomputed_output  # the last pass (no graph is built): let it go
+        del ctx.recomputed_output, ctx.recomputed_input  # the last pass: let them go
         return _OPS.linear_tanh_backward_from_output.default(grad_out, x, t.detach(), weight, bias,
                                                              mask)
     return _OPS.linear_tanh_backward.default(grad_out, x, weight, bias, mask)
