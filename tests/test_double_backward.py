@@ -475,7 +475,7 @@ def _pinn_step_bytes(model, points):
 def test_physics_informed_step_keeps_and_peaks_less_than_plain(fused_as):
     # The network (2 -> 64x4 -> 1, 4096 points, float32), exact bytes. Measured: plain
     # keeps 36,769,808 B and peaks at 41,009,676 B; the stack keeps 15,798,288 B (43 %) and peaks
-    # at 30,523,916 B (74 %); pairs keep 23,138,320 B (63 %) and peak at 35,799,564 B (87 %).
+    # at 24,248,844 B (59 %); pairs keep 19,992,592 B (54 %) and peak at 28,443,148 B (69 %).
     plain = _pinn_net()
     seq = copy.deepcopy(plain)
     if fused_as == "stack":
@@ -490,8 +490,9 @@ def test_physics_informed_step_keeps_and_peaks_less_than_plain(fused_as):
     kept_f, peak_f = _pinn_step_bytes(fused, points)
     assert kept_f <= kept_p
     assert peak_f <= peak_p
-    if fused_as == "stack":  # the memory the recompute buys: well under plain
-        assert kept_f <= 0.5 * kept_p and peak_f <= 0.8 * peak_p
+    # and what the recompute buys: well under plain (bounds ~10 % above the measured ratios)
+    bound = {"stack": (0.48, 0.65), "pairs": (0.6, 0.76)}[fused_as]
+    assert kept_f <= bound[0] * kept_p and peak_f <= bound[1] * peak_p
 
 
 # ------------------------------------------------------------------------------------------------
