@@ -1,13 +1,16 @@
 """The fused ops: public functions, autograd and FLOP formulas, side by side.
 
 The kernels are C++/CUDA ops registered with the dispatcher under ``torch.ops.ckpt_ext`` (schemas in
-``csrc/linear_tanh.cpp``). The C++ side also registers a Meta kernel per op, which FakeTensor and
+``csrc/linear_tanh.cpp``; those of the higher orders in
+``csrc/linear_tanh_double_backward.cpp``). The C++ side also registers a Meta kernel per op, which FakeTensor and
 ``torch.compile`` run; it calls the very checks the eager ops call, so a traced program is rejected
 with the eager message and there is no Python copy of the checks to keep in step. This file adds:
 
 * the public functions, :func:`linear_tanh` and :func:`tanh_mlp`;
 * the autograd formulas: they save only the input ``x`` and references to the parameters; the
-  backward ops recompute the activations;
+  backward ops recompute the activations; every order above the first is an op with its own
+  backward (create_graph=True keeps op inputs, never intermediates);
+* torch.func support: single-level autograd Functions with jvp rules, and vmap rules;
 * FLOP formulas for ``torch.utils.flop_counter``.
 """
 from __future__ import annotations
@@ -67,20 +70,29 @@ def tanh_mlp(x: Tensor, weights: Sequence[Tensor],
 # Autograd: this is where the memory is saved. Only x is kept (weights and biases are parameters the
 # model holds anyway); nothing of size batch x out_features survives the forward.
 #
-# Every order is a recomputing op with its own backward, so that a graph built with
-# create_graph=True (physics-informed losses: u_x and u_xx by torch.autograd.grad) keeps only the
-# inputs of each op, never its intermediates:
+# A plain first-order backward runs the recomputing kernel linear_tanh_backward (tanh_mlp_backward
+# for the stack). Every higher order is an op with its own backward too, so that a graph built
+# with create_graph=True (physics-informed losses: u_x and u_xx by torch.autograd.grad) keeps only
+# the inputs of each op, never its intermediates. Two families (the math is in
+# csrc/linear_tanh_double_backward.cpp):
 #
-#   order  op (C++)                      its node keeps          its backward
-#   1      linear_tanh                   x                       linear_tanh_backward
-#   2      linear_tanh_backward          grad_out, x             linear_tanh_double_backward
-#   3      linear_tanh_double_backward   grad_grad_x, grad_out, x  _double_backward_vjp (below:
-#                                                                 ATen ops and linear_tanh, so
-#                                                                 every further order works too)
+#   From the output — plain autograd with create_graph=True (_first_order_from):
+#     t = linear_tanh(x) recomputed once per layer by _LinearTanhKeep, which keeps x and t;
+#     order 1: linear_tanh_backward_from_output(grad_out, x, t)   keeps grad_out, x, t
+#     order 2: linear_tanh_backward_from_output_backward          keeps its inputs; no recompute
+#     order 3: linear_tanh_backward_from_output_double_backward   (CPU kernel; elsewhere, and for
+#              order 4 and up, its ATen composition _from_output_backward_vjp)
+#     Every gradient w.r.t. t meets at the one _LinearTanhKeep node of its layer, and a chain of
+#     layers recomputes as one chain (_recompute_chain), so the forward nodes are not reached
+#     again until the last pass.
+#   Recomputing — under torch.func, and for the backward ops called directly:
+#     order 1: linear_tanh_backward(grad_out, x)                  keeps grad_out, x
+#     order 2: linear_tanh_double_backward                        keeps its inputs, recomputes t
+#     order 3: _double_backward_vjp (ATen ops and linear_tanh: differentiable again)
+#     The stack: tanh_mlp_backward keeps (grad_out, x) for all layers; its backward is
+#     _stack_double_backward, a composition of the one-layer ops.
 #
-# (plus references to weight and bias everywhere). The stack op tanh_mlp has the same structure one
-# level up: tanh_mlp_backward is an op whose node keeps (grad_out, x), and its backward is a
-# composition of the per-layer ops above (_stack_double_backward).
+# (plus references to weight and bias everywhere.)
 #
 # Why not torch.library.register_autograd: the autograd.Function it generates has no
 # setup_context, and functorch refuses such a Function ("In order to use an autograd.Function with
@@ -623,7 +635,8 @@ def _double_backward_vjp(ggx, ggw, ggb, gy, x, weight, bias, u_gy, u_x, u_w, u_b
     if need[0]:
         res[0] = mm_sum((dgbar, weight), (g, u_w))
     if need[1]:
-        res[1] = mm_sum((None if dgbar is None else dgbar.t(), x2), (None if g is None else g.t(), ux2))
+        res[1] = mm_sum((None if dgbar is None else dgbar.t(), x2),
+                        (None if g is None else g.t(), ux2))
     if need[2]:
         res[2] = None if dgbar is None else dgbar.sum(0)
     if need[3]:
@@ -907,7 +920,8 @@ class _TanhMlpBackward(_SingleLevelFunction):
 
     @staticmethod
     def _per_layer(ctx, asked: Sequence[Optional[Tensor]]):
-        """(q_x, q_w per layer, q_b per layer) from the outputs' layout (grad_x, asked W, asked b)."""
+        """(q_x, q_w per layer, q_b per layer) from the outputs' layout (grad_x, the asked W
+        gradients, the asked b gradients)."""
         L, has_bias = len(ctx.has_bias), ctx.has_bias
         rest = list(asked[1:])
         n_w = sum(ctx.need_w)

@@ -65,9 +65,11 @@
 // devices use that ATen composition (ckpt_ext/ops.py, _from_output_backward_vjp), which is also
 // what autograd differentiates for the fourth order.
 //
-// Device-generic: the GEMMs and elementwise steps are ATen ops, tanh, tanh's derivative and the
-// bias sums the primitives of linear_tanh.h (the documented summation order); float16/bfloat16
-// double backward computes in float32 and rounds each result once.
+// The other three ops are device-generic (CPU and CUDA, one function each): the GEMMs and
+// elementwise steps are ATen ops, tanh and the bias sums the primitives of linear_tanh.h (the
+// documented summation order). float16/bfloat16 compute in float32 and round each result once,
+// except linear_tanh_backward_from_output, which follows linear_tanh_backward (its GEMMs in the
+// storage type).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
@@ -351,7 +353,8 @@ std::array<at::Tensor, 4> from_output_backward_2d(const std::optional<at::Tensor
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+linear_tanh_backward_from_output_backward(
     const std::optional<at::Tensor>& grad_grad_x, const std::optional<at::Tensor>& grad_grad_weight,
     const std::optional<at::Tensor>& grad_grad_bias, const at::Tensor& grad_out,
     const at::Tensor& x, const at::Tensor& output, const at::Tensor& weight,
@@ -501,11 +504,14 @@ at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t, int64_t r
 using Seven = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                          at::Tensor>;
 
-void check_triple_inputs(const std::optional<at::Tensor>& ggx, const std::optional<at::Tensor>& ggw,
+void check_triple_inputs(const std::optional<at::Tensor>& ggx,
+                         const std::optional<at::Tensor>& ggw,
                          const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out,
                          const at::Tensor& x, const at::Tensor& output, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& u_gy, const std::optional<at::Tensor>& u_x,
-                         const std::optional<at::Tensor>& u_t, const std::optional<at::Tensor>& u_w) {
+                         const std::optional<at::Tensor>& u_gy,
+                         const std::optional<at::Tensor>& u_x,
+                         const std::optional<at::Tensor>& u_t,
+                         const std::optional<at::Tensor>& u_w) {
   constexpr const char* op = "linear_tanh_backward_from_output_double_backward";
   check_second_order_inputs(op, ggx, ggw, ggb, grad_out, x, weight, std::nullopt,
                             /*has_bias=*/true);
@@ -523,8 +529,6 @@ Seven linear_tanh_backward_from_output_double_backward(
     const std::optional<at::Tensor>& u_x, const std::optional<at::Tensor>& u_t,
     const std::optional<at::Tensor>& u_w, std::array<bool, 7> mask) {
   check_triple_inputs(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, u_x, u_t, u_w);
-  TORCH_CHECK(x.device().is_cpu(), "ckpt_ext.linear_tanh_backward_from_output_double_backward: "
-              "a CPU kernel; on ", x.device(), " ckpt_ext/ops.py uses its ATen composition");
   const at::ScalarType dtype = x.scalar_type();
   const bool half = is_half(dtype);
   auto up = [&](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {

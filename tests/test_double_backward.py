@@ -184,7 +184,8 @@ def test_gradgradcheck_tanh_mlp_backward(last_tanh):
 # issue 12 item 6: the backward ops called directly, in grad mode, with inputs that require grad
 
 def test_linear_tanh_backward_callable_in_grad_mode():
-    gy, x, w, b = _randn(6, 3, seed=0), _randn(6, 4, seed=1), _randn(3, 4, seed=2), _randn(3, seed=3)
+    gy, x = _randn(6, 3, seed=0), _randn(6, 4, seed=1)
+    w, b = _randn(3, 4, seed=2), _randn(3, seed=3)
     gx, gw, gb = OPS.linear_tanh_backward(gy, x, w, b, [True, True, True])
     assert gx.requires_grad and gw.requires_grad and gb.requires_grad
     xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
