@@ -587,3 +587,31 @@ def test_chain_of_pairs_recomputes_each_layer_once_for_all_orders():
         kinds["recompute"] += isinstance(node, ops._LinearTanhKeep._backward_cls)
         stack.extend(n for n, _ in node.next_functions)
     assert kinds == {"forward": 0, "recompute": 3}
+
+
+def test_flop_formulas_of_the_higher_order_ops():
+    # FlopCounterMode counts what each kernel runs, in GEMMs of 2·M·K·N (M = 6 rows, K = 5, N = 4).
+    from torch.utils.flop_counter import FlopCounterMode
+    gy, x, w, b, t = (torch.randn(6, 4), torch.randn(6, 5), torch.randn(4, 5), torch.randn(4),
+                      torch.randn(6, 4))
+    ggx, ggw, u = torch.randn(6, 5), torch.randn(4, 5), torch.randn(6, 4)
+    gemm = 2 * 6 * 5 * 4
+    cases = [
+        # recompute + dg from ggx + grad_x (dz·W) + grad_W (dzᵀ·x + gᵀ·ggx)
+        (lambda: OPS.linear_tanh_double_backward(ggx, None, None, gy, x, w, b, [True] * 4), 5),
+        (lambda: OPS.linear_tanh_double_backward(ggx, None, None, gy, x, w, b,
+                                                 [True, False, False, False]), 2),
+        (lambda: OPS.linear_tanh_backward_from_output(gy, x, t, w, b, [True, True, True]), 2),
+        (lambda: OPS.linear_tanh_backward_from_output(gy, x, t, w, b, [True, False, True]), 1),
+        # dg from ggx and ggW, grad_x = g·ggW, grad_W = gᵀ·ggx
+        (lambda: OPS.linear_tanh_backward_from_output_backward(ggx, ggw, None, gy, x, t, w,
+                                                               [True] * 4), 4),
+        # dg (ggx), ḡ (ggx·u_Wᵀ), d_ggx = d̄g·W + g·u_W, d_W = d̄gᵀ·ggx
+        (lambda: OPS.linear_tanh_backward_from_output_double_backward(
+            ggx, None, None, gy, x, t, w, u, None, u, ggw,
+            [True, False, False, True, False, True, True]), 5),
+    ]
+    for run, n_gemms in cases:
+        with FlopCounterMode(display=False) as counter:
+            run()
+        assert counter.get_total_flops() == n_gemms * gemm
