@@ -201,7 +201,9 @@ at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
 #define CKPT_EXT_ON_DEVICE(t, cpu_call, cuda_call) (cpu_call)
 #endif
 
-void tanh_(const at::Tensor& acc) { CKPT_EXT_ON_DEVICE(acc, tanh_cpu_(acc), tanh_cuda_(acc)); }
+void tanh_in_place(const at::Tensor& acc) {
+  CKPT_EXT_ON_DEVICE(acc, tanh_cpu_(acc), tanh_cuda_(acc));
+}
 
 at::Tensor tanh_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Holds holds,
                           bool want_bias_grad) {

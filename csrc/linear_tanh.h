@@ -9,6 +9,8 @@
 // Layering (as in flash-attention's fused_dense): the ops in linear_tanh.cpp / tanh_mlp.cpp do the
 // checks, the GEMMs (ATen: MKL/oneDNN on CPU, cuBLAS on CUDA) and the buffer bookkeeping once, for
 // every device; the device files only provide the three elementwise/reduction primitives below.
+// (The generic primitive is tanh_in_place, not tanh_: an unqualified tanh_(t) on an at::Tensor
+// would find at::tanh_ by argument-dependent lookup and silently run ATen's tanh instead.)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -64,7 +66,7 @@ at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
 
 // ------------------------------------------------------------------------------------------------
 // The device primitives. CPU: cpu/linear_tanh.cpp; CUDA: cuda/linear_tanh.cu. The generic
-// versions (no suffix, linear_tanh.cpp) pick one by the buffer's device.
+// versions (no device suffix, linear_tanh.cpp) pick one by the buffer's device.
 //
 // The documented order of every bias-gradient sum (shared by CPU and CUDA, bitwise reproducible,
 // independent of thread count): for each column, rows are summed in increasing order in chunks
@@ -81,7 +83,7 @@ enum class Holds {
 
 // acc: (M, N) contiguous, holds z; becomes t = tanh(z) in place. Every element goes through the
 // same tanh, so the backward's recompute equals the forward's to the bit.
-void tanh_(const at::Tensor& acc);
+void tanh_in_place(const at::Tensor& acc);
 void tanh_cpu_(const at::Tensor& acc);
 void tanh_cuda_(const at::Tensor& acc);
 

@@ -209,10 +209,7 @@ std::array<at::Tensor, 4> double_backward_2d(const std::optional<at::Tensor>& gg
 
   // t = tanh(x·Wᵀ + b), recomputed the way the forward computes it (one GEMM, bias in it).
   at::Tensor t = pre_activation(x, weight, bias);  // (M, N): z, then t in place
-  // Qualified: an unqualified tanh_(t) on a non-const at::Tensor finds at::tanh_(Tensor&) by
-  // argument-dependent lookup (a better match than our tanh_(const Tensor&)) and would run
-  // ATen's tanh instead of the primitive.
-  ckpt_ext::tanh_(t);
+  tanh_in_place(t);
 
   // g = grad_out·s, needed only for the explicit terms g·ggW (grad_x) and gᵀ·ggx (grad_W).
   at::Tensor g;

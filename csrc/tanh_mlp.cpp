@@ -62,7 +62,7 @@ at::Tensor stack_forward(const at::Tensor& x, at::TensorList weights, at::Tensor
   at::Tensor a = flatten_rows(x);
   for (int64_t i = 0; i < L; ++i) {
     at::Tensor z = pre_activation(a, weights[i], b[i]);  // (M, N_i), the only new buffer
-    if (i + 1 < L || last_tanh) tanh_(z);
+    if (i + 1 < L || last_tanh) tanh_in_place(z);
     a = std::move(z);  // the previous layer's output is freed here
   }
   // _unsafe_view: the result must not be an autograd view of an internal buffer, or in-place ops
@@ -103,7 +103,7 @@ StackGrads stack_backward(const at::Tensor& grad_out, const at::Tensor& x, at::T
   const int64_t M = acts[0].size(0);
   for (int64_t i = 0; i + 1 < L; ++i) {
     at::Tensor z = pre_activation(acts[i], weights[i], b[i]);
-    tanh_(z);
+    tanh_in_place(z);
     acts[i + 1] = std::move(z);
     if (i < lo) acts[i] = at::Tensor();
   }

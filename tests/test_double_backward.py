@@ -499,19 +499,22 @@ def test_physics_informed_step_keeps_and_peaks_less_than_plain(fused_as):
 # ------------------------------------------------------------------------------------------------
 # which kernels run
 
-def test_first_order_backward_keeps_the_fused_kernel():
+@pytest.mark.parametrize("policy,kernel,count", [("all", "linear_tanh_backward", 3),
+                                                  ("memory", "tanh_mlp_backward", 1)])
+def test_first_order_backward_keeps_the_fused_kernel(policy, kernel, count):
     torch.manual_seed(0)
-    model, _ = fuse(Net(d_in=12, d_hidden=16))
+    model, _ = fuse(Net(d_in=12, d_hidden=16), policy=policy)
     x = torch.randn(5, 12, requires_grad=True)
     y = model(x).sum()
     with OpCounter() as counter:
         y.backward()
     calls = counter.calls
-    # 3 fused blocks: one fused backward each, no tanh and no tanh_backward outside it, and the
-    # only mm calls are the 2 of the plain linear1 (grad_x, grad_W).
-    assert calls.get("ckpt_ext.linear_tanh_backward") == 3
+    # 3 blocks, fused pair by pair (policy="all": one fused backward each) or as one run (the
+    # default: one stack backward); no tanh and no tanh_backward outside them, and the only mm
+    # calls are the 2 of the plain linear1 (grad_x, grad_W).
+    assert calls.get(f"ckpt_ext.{kernel}") == count
     assert "aten.tanh" not in calls and "aten.tanh_backward" not in calls
-    assert "ckpt_ext.linear_tanh" not in calls
+    assert "ckpt_ext.linear_tanh" not in calls and "ckpt_ext.tanh_mlp" not in calls
     assert calls.get("aten.mm", 0) == 2
 
 

@@ -496,3 +496,17 @@ def test_forward_refuses_a_replaced_or_hooked_layer():
 def test_module_rejects_too_few_sizes():
     with pytest.raises(ValueError, match=r"sizes must hold at least 2 entries"):
         FusedTanhMLP([4])
+
+
+def test_forward_and_recompute_use_the_library_tanh_not_atens():
+    # An unqualified tanh_(z) on an at::Tensor once resolved to at::tanh_ by argument-dependent
+    # lookup, so the forward ran ATen's tanh and the recompute the library's: two tanh functions
+    # where the design needs one. The profiler sees every ATen op the kernels call.
+    ws, bs = _stack_params([5, 7, 3], True, 0, torch.float32)
+    x = torch.randn(9, 5, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        tanh_mlp(x, ws, bs).sum().backward()
+        ckpt_ext.linear_tanh(x, ws[0], bs[0]).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert "ckpt_ext::tanh_mlp" in names and "ckpt_ext::tanh_mlp_backward" in names
+    assert not names & {"aten::tanh", "aten::tanh_", "aten::tanh_backward"}, names
