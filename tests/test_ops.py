@@ -64,13 +64,14 @@ def test_matches_float64_reference(device, poison, seed, lead, k, n, bias, dtype
 
 
 # Scale 30 saturates tanh (1 − t² rounds to ~0 in float32 where float64 still has 1e-26), 1e-3
-# keeps it linear: both ends of the activation, where a norm-wise bound alone would be flaky.
+# keeps it linear (and float16 products underflow): both ends of the activation, where only the
+# conditioned bound is fair.
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scale", [1e-3, 30.0])
 @pytest.mark.parametrize("lead,k,n", [((1,), 1, 1), ((2, 5), 7, 3), ((300,), 17, 9)], ids=str)
 def test_saturated_and_linear_regimes(device, poison, seed, lead, k, n, scale, dtype):
     x, w, b, gy = make_inputs(lead, k, n, dtype, device, scale=scale, seed=seed)
-    assert_matches_reference(x, w, b, gy, relative=None if scale < 1 else False)
+    assert_matches_reference(x, w, b, gy)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
