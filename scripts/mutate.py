@@ -1,0 +1,266 @@
+#!/usr/bin/env python
+"""scripts/mutate.py — does the test suite catch the bugs it claims to catch?
+
+Swaps deliberately wrong kernels into a copy of the source tree, one at a time, builds each
+mutant CPU-only, runs the chosen tests against it and reports which tests fail ("catch" it). A
+mutant that no test catches is a hole in the suite; the script then exits 1. An unpatched
+control build runs the same tests first and must pass, or the figures mean nothing.
+
+    python scripts/mutate.py                      # every mutant, tests/test_ops.py
+    python scripts/mutate.py --list               # the table of mutants
+    python scripts/mutate.py --only stale_recompute --tests tests/test_ops.py tests/test_property.py
+    nice python scripts/mutate.py --keep /tmp/mut # keep the tree (its build/ makes a rerun fast)
+
+How. The tree is copied once (the files git tracks, plus untracked ones it does not ignore) into a
+temporary directory and built there with `CKPT_EXT_CUDA=0 setup.py build_ext --inplace`; each
+mutant patches one file in that copy, ninja rebuilds only that translation unit, the tests run
+from the copy's root (so its ckpt_ext is imported), and the file is restored. Each run takes
+about 1-3 minutes per mutant on a 2-core machine.
+
+Retargeting. Every mutant is one row of MUTANTS: (name, file, old text, new text, what it breaks).
+`old` must occur exactly once in `file`; when the code moves (say the CPU kernels split into
+per-ISA files) a row that no longer applies is reported as "does not apply: retarget" and counts
+as a failure of this script, so the table cannot silently go stale.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str   # relative to the repository root
+    old: str    # must occur exactly once in file
+    new: str
+    breaks: str  # what is wrong, in words
+
+
+CPU = "csrc/cpu/linear_tanh.cpp"
+ENGINE = "csrc/tanh_mlp.cpp"
+OPS = "csrc/linear_tanh.cpp"
+
+_COMBINE = "      out[col] = static_cast<scalar_t>(combine_chunks_pairwise(partial, C, N, col));\n"
+
+MUTANTS = [
+    Mutant(
+        "bias_grad_off_by_1e-4", CPU, _COMBINE,
+        "      out[col] = static_cast<scalar_t>(combine_chunks_pairwise(partial, C, N, col) *\n"
+        "                                       static_cast<at::opmath_type<scalar_t>>(1.0001));\n",
+        "every bias gradient 1e-4 (relative) too large"),
+    Mutant(
+        "dropped_factor_in_one_column", CPU,
+        "      const V g = tanh_grad_from_output(gy, t);\n"
+        "      g.store(row + c, k);\n",
+        "      V g = tanh_grad_from_output(gy, t);\n"
+        "      if (c + k == n) {  // the last column keeps grad_out: the (1 - t^2) factor dropped\n"
+        "        scalar_t tmp[V::size()];\n"
+        "        g.store(tmp, k);\n"
+        "        tmp[k - 1] = gy_bcast ? grad_row[0] : grad_row[n - 1];\n"
+        "        g = V::loadu(tmp, k);\n"
+        "      }\n"
+        "      g.store(row + c, k);\n",
+        "float32/float64: g = grad_out in the last column, without 1 - tanh(z)^2"),
+    Mutant(
+        "stale_recompute", ENGINE,
+        "  if (last_tanh) top_z = pre_activation(acts[L - 1], weights[L - 1], b[L - 1]);\n",
+        "  if (last_tanh) {  // the recompute cached across calls of the same shape and dtype\n"
+        "    static at::Tensor stale;\n"
+        "    if (!stale.defined() || stale.size(0) != acts[L - 1].size(0) ||\n"
+        "        stale.size(1) != weights[L - 1].size(0) ||\n"
+        "        stale.scalar_type() != x.scalar_type() || stale.device() != x.device()) {\n"
+        "      stale = pre_activation(acts[L - 1], weights[L - 1], b[L - 1]);\n"
+        "    }\n"
+        "    top_z = stale.clone();\n"
+        "  }\n",
+        "backward reuses the z recomputed by an earlier call of the same shape"),
+    Mutant(
+        "summation_order_left_to_right", CPU, _COMBINE,
+        "      at::opmath_type<scalar_t> s = 0;  // chunk sums left to right, not pairwise\n"
+        "      for (int64_t i = 0; i < C; ++i) s += partial[i * N + col];\n"
+        "      out[col] = static_cast<scalar_t>(s);\n",
+        "bias gradient: chunk sums combined left to right instead of pairwise"),
+    Mutant(
+        "summation_order_aten_sum", ENGINE,
+        "      grad_b = tanh_backward_(g, grad, top ? Holds::kPreActivation : Holds::kTanhOutput,\n"
+        "                              need_bias[i]);\n",
+        "      tanh_backward_(g, grad, top ? Holds::kPreActivation : Holds::kTanhOutput, false);\n"
+        "      if (need_bias[i]) grad_b = g.sum(0);  // ATen's own order\n",
+        "bias gradient summed by ATen's sum(0) instead of the documented order"),
+    Mutant(
+        "half_arithmetic_in_storage_precision", CPU,
+        "      acc_t t = static_cast<acc_t>(row[c]);\n"
+        "      if (holds == Holds::kPreActivation) t = std::tanh(t);\n"
+        "      const acc_t g = tanh_grad_from_output(static_cast<acc_t>(grad_row[gy_bcast ? 0 : c]), t);\n",
+        "      scalar_t t = row[c];  // t, t*t, 1 - t*t and the product rounded to the storage type\n"
+        "      if (holds == Holds::kPreActivation) {\n"
+        "        t = static_cast<scalar_t>(std::tanh(static_cast<acc_t>(t)));\n"
+        "      }\n"
+        "      const scalar_t g = tanh_grad_from_output(grad_row[gy_bcast ? 0 : c], t);\n",
+        "bfloat16/float16 backward arithmetic in the storage type instead of float32"),
+    Mutant(
+        "bias_added_after_the_gemm", OPS,
+        "    at::addmm_out(out, *bias, a, weight.t());\n",
+        "    at::mm_out(out, a, weight.t());\n"
+        "    out.add_(*bias);  // z rounded twice in half types\n",
+        "z = round(round(x·Wᵀ) + b): the bias added after the GEMM, forward and recompute"),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _tree_files(root: Path) -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         cwd=root, check=True, capture_output=True).stdout
+    return [p for p in out.decode().split("\0") if p and (root / p).is_file()]
+
+
+def _copy_tree(root: Path, dest: Path) -> None:
+    for rel in _tree_files(root):
+        source, target = root / rel, dest / rel
+        if target.exists() and target.read_bytes() == source.read_bytes():
+            continue  # unchanged since an earlier run (--keep): ninja keeps its object file
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)
+
+
+def _build(tree: Path, log: Path) -> bool:
+    env = dict(os.environ, CKPT_EXT_CUDA="0", MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+                           cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return r.returncode == 0
+
+
+def _run_tests(tree: Path, tests: list[str], extra: list[str], junit: Path) -> tuple[int, list]:
+    """(pytest's exit code, [(test id, 'failed'|'error')])."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
+           f"--junitxml={junit}", *extra, *tests]
+    r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    bad = []
+    if junit.exists():
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            for kind in ("failure", "error"):
+                if case.find(kind) is not None:
+                    file = case.get("classname", "").split(".")[-1]
+                    bad.append((f"{file}.py::{case.get('name')}", kind))
+    elif r.returncode != 0:
+        bad.append(("<pytest did not run>: " + (r.stdout + r.stderr)[-400:], "error"))
+    return r.returncode, bad
+
+
+def _group(bad: list) -> "OrderedDict[str, int]":
+    """test id -> number of failing parametrisations."""
+    groups: "OrderedDict[str, int]" = OrderedDict()
+    for test_id, _ in bad:
+        key = test_id.split("[")[0]
+        groups[key] = groups.get(key, 0) + 1
+    return groups
+
+
+def _apply(tree: Path, m: Mutant) -> str | None:
+    """Patch the copy; returns the original text, or None when the patch does not apply."""
+    path = tree / m.file
+    if not path.exists():
+        return None
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        return None
+    path.write_text(text.replace(m.old, m.new))
+    return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tests", nargs="+", default=["tests/test_ops.py"],
+                    help="test files or ids to run against each mutant (default: tests/test_ops.py)")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
+    ap.add_argument("--keep", metavar="DIR", help="build in DIR and keep it (reused if present)")
+    ap.add_argument("--list", action="store_true", help="print the table of mutants and exit")
+    ap.add_argument("--check-patches", action="store_true",
+                    help="only check that every patch applies to this tree (no build)")
+    ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = ap.parse_args()
+
+    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.only and len(mutants) != len(args.only):
+        ap.error(f"unknown mutant in {args.only}; known: {[m.name for m in MUTANTS]}")
+    if args.list or args.check_patches:
+        print("| mutant | file | applies | what it breaks |\n|---|---|---|---|")
+        ok = True
+        for m in mutants:
+            text = (ROOT / m.file).read_text() if (ROOT / m.file).exists() else ""
+            applies = text.count(m.old) == 1
+            ok &= applies
+            print(f"| {m.name} | {m.file} | {'yes' if applies else 'NO: retarget'} | {m.breaks} |")
+        return 0 if ok or args.list else 1
+
+    tree = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ckpt_ext_mutate_"))
+    tree.mkdir(parents=True, exist_ok=True)
+    logs = tree / "_mutate_logs"
+    logs.mkdir(exist_ok=True)
+    _log(f"mutate: tree {tree}; tests {' '.join(args.tests)}")
+    rows = []
+    try:
+        _copy_tree(ROOT, tree)
+        t0 = time.time()
+        if not _build(tree, logs / "control-build.log"):
+            _log(f"mutate: the unpatched tree does not build; see {logs / 'control-build.log'}")
+            return 2
+        code, bad = _run_tests(tree, args.tests, args.pytest_args, logs / "control.xml")
+        _log(f"mutate: control built and tested in {time.time() - t0:.0f} s: pytest exit {code}")
+        if code != 0 or bad:
+            _log("mutate: the control (no mutation) fails these tests, fix them first:\n  " +
+                 "\n  ".join(t for t, _ in bad))
+            return 2
+        for m in mutants:
+            t0 = time.time()
+            original = _apply(tree, m)
+            if original is None:
+                rows.append((m, "does not apply: retarget", None))
+                continue
+            try:
+                if not _build(tree, logs / f"{m.name}-build.log"):
+                    rows.append((m, f"does not build (see {logs / (m.name + '-build.log')})", None))
+                    continue
+                code, bad = _run_tests(tree, args.tests, args.pytest_args, logs / f"{m.name}.xml")
+            finally:
+                (tree / m.file).write_text(original)
+            verdict = "caught" if bad else "NOT CAUGHT"
+            rows.append((m, verdict, _group(bad)))
+            _log(f"mutate: {m.name}: {verdict} ({len(bad)} failing tests, {time.time() - t0:.0f} s)")
+        # leave the copy's build matching its sources
+        _build(tree, logs / "restore-build.log")
+    finally:
+        if not args.keep:
+            shutil.rmtree(tree, ignore_errors=True)
+
+    print(f"\nMutation check: {len(rows)} mutants, tests: {' '.join(args.tests)}\n")
+    print("| mutant | file | verdict | failing tests (parametrisations) |")
+    print("|---|---|---|---|")
+    for m, verdict, groups in rows:
+        caught_by = "; ".join(f"{k.split('::')[-1]} ({v})" for k, v in (groups or {}).items())
+        print(f"| {m.name} | {m.file} | {verdict} | {caught_by or '-'} |")
+    return 0 if all(v == "caught" for _, v, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
