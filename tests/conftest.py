@@ -3,8 +3,10 @@
 Devices. Tests that take the `device` fixture run on the CPU always and on CUDA where a GPU is
 visible and ckpt_ext was built with CUDA kernels. Every GPU test carries the `cuda` marker (the
 device fixture's "cuda" parameter adds it; CUDA-only tests write @pytest.mark.cuda), so
-`pytest -m cuda` selects exactly the GPU tests and `pytest -m "not cuda"` the rest; where no GPU
-can run them they are skipped with the reason, never silently passed.
+`pytest -m cuda` selects exactly the GPU tests and `pytest -m "not cuda"` the rest. Where no GPU
+can run them they are skipped with the reason (reference.requires_gpu; the device fixture adds it),
+never silently passed. The marker alone does not skip: a cuda-marked check that runs on any
+machine (test_ops_cuda.py's build facts) still runs in CPU CI.
 
 Seeds. Every test starts from torch.manual_seed(seed), and tests that draw inputs take the `seed`
 fixture for their own generator. The seed is derived from the test's id (file::name[params]), so
@@ -32,16 +34,9 @@ _SWEEP_RUNS = pytest.StashKey[list]()
 # ------------------------------------------------------------------------------------------------
 # devices and the cuda marker
 
-def cuda_skip_reason():
-    """Why the GPU tests cannot run here, or None when they can."""
-    if not torch.cuda.is_available():
-        return "CUDA kernels need a GPU; none visible here"
-    if not ckpt_ext.WITH_CUDA:
-        return "ckpt_ext was built without CUDA kernels (ckpt_ext.WITH_CUDA is False)"
-    return None
+from reference import requires_gpu  # noqa: E402  (defined once, in reference.py)
 
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_gpu])]
 
 
 @pytest.fixture(params=DEVICES)
@@ -60,16 +55,6 @@ def pytest_addoption(parser):
         "--seed-sweep", default=None, metavar="START:STOP",
         help="run the body of every test that takes the `seed` fixture once per seed offset in "
              "range(START, STOP), in a loop inside this one process (the flakiness check)")
-
-
-def pytest_collection_modifyitems(config, items):
-    reason = cuda_skip_reason()
-    if reason is None:
-        return
-    skip = pytest.mark.skip(reason=reason)
-    for item in items:
-        if item.get_closest_marker("cuda") is not None:
-            item.add_marker(skip)
 
 
 # ------------------------------------------------------------------------------------------------

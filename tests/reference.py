@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,6 +38,20 @@ TOL = {torch.float64: 5e-15, torch.float32: 3e-06, torch.bfloat16: 5e-02, torch.
 KAPPA_MEASURE = 10
 
 RESULTS = ("out", "grad_x", "grad_weight", "grad_bias")
+
+
+def cuda_skip_reason():
+    """Why GPU tests cannot run here, or None when they can."""
+    import ckpt_ext
+    if not torch.cuda.is_available():
+        return "CUDA kernels need a GPU; none visible here"
+    if not ckpt_ext.WITH_CUDA:
+        return "ckpt_ext was built without CUDA kernels (ckpt_ext.WITH_CUDA is False)"
+    return None
+
+
+# What every GPU test carries besides the `cuda` marker (tests/conftest.py registers the marker).
+requires_gpu = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
 
 # The largest value of every measured figure in this session, by key (assert_matches_reference
 # records its errors; other tests call measured() themselves). With CKPT_EXT_MEASURE=<file>,

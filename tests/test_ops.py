@@ -22,7 +22,7 @@ import ckpt_ext
 from reference import (RESULTS, ROWS_PER_CHUNK, TOL, assert_matches_reference,
                        bias_grad_chunks_left_to_right, bias_grad_documented_order, check_result,
                        conditioned_scales, linear_tanh_ref, linear_tanh_ref_grads, make_inputs,
-                       measured, rel_err, run_fused)
+                       measured, rel_err, requires_gpu, run_fused)
 
 # Old names, still imported by tests/test_ops_cuda.py.
 _run_fused = run_fused
@@ -361,6 +361,7 @@ def test_half_types_compute_the_tanh_derivative_in_float32(device, dtype):
 # CUDA only
 
 @pytest.mark.cuda
+@requires_gpu
 def test_runs_on_the_current_stream(seed):
     # Deterministic, no sleeps: capture the ops into a CUDA graph on a side stream made current,
     # then replay on new inputs. A kernel launched on any other stream is either refused during
