@@ -26,13 +26,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Conditioned bound, every case, per dtype of the computation. MEASURED-COND
-COND_TOL = {torch.float64: 2e-16, torch.float32: 3e-07, torch.bfloat16: 1e-02,
-            torch.float16: 5e-03}
+# Conditioned bound, every case, per dtype of the computation: ~5x the largest scaled error
+# measured over 280,000 seeded runs (pytest --seed-sweep=0:500 of test_ops, test_property,
+# test_modules, test_autocast; CPU, AVX2 build): float64 1.07e-16, float32 1.09e-07, bfloat16
+# 6.0e-03, float16 7.2e-04 (all four results: out, grad_x, grad_weight, grad_bias).
+COND_TOL = {torch.float64: 5e-16, torch.float32: 5e-07, torch.bfloat16: 3e-02,
+            torch.float16: 4e-03}
 
-# Relative bound for fixed, well-conditioned comparisons (e.g. a module against nn.Sequential).
-# MEASURED-REL
-TOL = {torch.float64: 5e-15, torch.float32: 3e-06, torch.bfloat16: 5e-02, torch.float16: 5e-03}
+# Relative bound for fixed, well-conditioned comparisons. float64/float32: ~5x the largest
+# measured in the same sweep by the comparisons that use it (FusedLinearTanh against
+# nn.Sequential: float64 3.3e-16, float32 1.9e-07). bfloat16/float16: the previous bounds, used
+# only by the GPU tests (test_ops_cuda.py), to be set from what a GPU run measures.
+TOL = {torch.float64: 2e-15, torch.float32: 1e-06, torch.bfloat16: 1e-02, torch.float16: 2e-03}
 
 # Relative errors are recorded (measured(), not asserted) for results with κ ≤ this.
 KAPPA_MEASURE = 10

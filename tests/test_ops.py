@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ckpt_ext
-from reference import (RESULTS, ROWS_PER_CHUNK, TOL, assert_matches_reference,
+from reference import (RESULTS, ROWS_PER_CHUNK, assert_matches_reference,
                        bias_grad_chunks_left_to_right, bias_grad_documented_order, check_result,
                        conditioned_scales, linear_tanh_ref, linear_tanh_ref_grads, make_inputs,
                        measured, rel_err, requires_gpu, run_fused)
@@ -224,8 +224,9 @@ def test_bias_grad_follows_the_documented_summation_order(device, seed, dtype):
     g = gw.t().cpu()
     # g really is the gradient w.r.t. z (so the rebuild starts from the right numbers)
     t = linear_tanh_ref(x, w, b).cpu()
+    # (measured at most 0.5 eps of the dtype: 5.8e-08 float32, 8.4e-17 float64)
     err = measured(f"order/{str(dtype)[6:]}/g", rel_err(g, gy.double().cpu() * (1 - t ** 2)))
-    assert err <= TOL[dtype]
+    assert err <= 4 * torch.finfo(dtype).eps
     expected = bias_grad_documented_order(g, dtype)
     assert torch.equal(gb.cpu(), expected), \
         f"{(gb.cpu() != expected).sum().item()} of {N} columns differ from the documented order"
