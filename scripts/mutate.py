@@ -17,10 +17,14 @@ mutant patches one file in that copy, ninja rebuilds only that translation unit,
 from the copy's root (so its ckpt_ext is imported), and the file is restored. Each run takes
 about 1-3 minutes per mutant on a 2-core machine.
 
-Retargeting. Every mutant is one row of MUTANTS: (name, file, old text, new text, what it breaks).
-`old` must occur exactly once in `file`; when the code moves (say the CPU kernels split into
-per-ISA files) a row that no longer applies is reported as "does not apply: retarget" and counts
-as a failure of this script, so the table cannot silently go stale.
+Retargeting. MUTANTS is one table of rows (name, file, old text, new text, what it breaks). A
+row applies when `old` occurs exactly once in `file`. Rows sharing a name are alternatives for
+different layouts of the code, tried in order, the first that applies is used: the CPU kernels
+have rows for main's csrc/cpu/linear_tanh.cpp and for the per-ISA csrc/cpu/linear_tanh_kernels.cpp
+of the cpu branch. A mutant none of whose rows applies is reported as "does not apply: retarget"
+and counts as a failure of this script, so the table cannot silently go stale.
+`--source-root DIR` takes the sources (csrc/, setup.py, ckpt_ext/) from another checkout and the
+tests from this one, to run this table against a branch before it merges.
 """
 from __future__ import annotations
 
@@ -48,7 +52,8 @@ class Mutant:
     breaks: str  # what is wrong, in words
 
 
-CPU = "csrc/cpu/linear_tanh.cpp"
+CPU = "csrc/cpu/linear_tanh.cpp"              # main: the CPU primitives, kernels included
+CPU_KERNELS = "csrc/cpu/linear_tanh_kernels.cpp"  # cpu branch: the per-ISA kernels
 ENGINE = "csrc/tanh_mlp.cpp"
 OPS = "csrc/linear_tanh.cpp"
 
@@ -73,6 +78,21 @@ MUTANTS = [
         "      }\n"
         "      g.store(row + c, k);\n",
         "float32/float64: g = grad_out in the last column, without 1 - tanh(z)^2"),
+    Mutant(  # cpu branch: per-ISA kernels, half types vectorised in float
+        "dropped_factor_in_one_column", CPU_KERNELS,
+        "        t.v[i] = tanh_grad_from_output(gy.v[i], t.v[i]);\n"
+        "      }\n"
+        "      t.store(row + c, k);\n",
+        "        t.v[i] = tanh_grad_from_output(gy.v[i], t.v[i]);\n"
+        "      }\n"
+        "      if (c + k == N) {  // the last column keeps grad_out: the (1 - t^2) factor dropped\n"
+        "        scalar_t tmp[W];\n"
+        "        t.store(tmp, k);\n"
+        "        tmp[k - 1] = sc == 0 ? grad_row[0] : grad_row[(N - 1) * sc];\n"
+        "        t = Step<scalar_t>::load(tmp, k);\n"
+        "      }\n"
+        "      t.store(row + c, k);\n",
+        "every dtype: g = grad_out in the last column, without 1 - tanh(z)^2"),
     Mutant(
         "stale_recompute", ENGINE,
         "  if (last_tanh) top_z = pre_activation(acts[L - 1], weights[L - 1], b[L - 1]);\n",
@@ -110,6 +130,21 @@ MUTANTS = [
         "      }\n"
         "      const scalar_t g = tanh_grad_from_output(grad_row[gy_bcast ? 0 : c], t);\n",
         "bfloat16/float16 backward arithmetic in the storage type instead of float32"),
+    Mutant(  # cpu branch
+        "half_arithmetic_in_storage_precision", CPU_KERNELS,
+        "        t.v[i] = tanh_grad_from_output(gy.v[i], t.v[i]);\n",
+        "        if constexpr (kReduced<scalar_t>) {  // t, t*t, 1 - t*t, the product rounded\n"
+        "          using F = Vectorized<float>;\n"
+        "          auto rd = [](F v) {\n"
+        "            return std::get<0>(at::vec::convert_to_float<scalar_t>(\n"
+        "                at::vec::convert_from_float<scalar_t>(v, v)));\n"
+        "          };\n"
+        "          const F tr = rd(t.v[i]);\n"
+        "          t.v[i] = rd(gy.v[i] * rd(F(1) - rd(tr * tr)));\n"
+        "        } else {\n"
+        "          t.v[i] = tanh_grad_from_output(gy.v[i], t.v[i]);\n"
+        "        }\n",
+        "bfloat16/float16 backward arithmetic in the storage type instead of float32"),
     Mutant(
         "bias_added_after_the_gemm", OPS,
         "    at::addmm_out(out, *bias, a, weight.t());\n",
@@ -131,13 +166,16 @@ def _tree_files(root: Path) -> list[str]:
     return [p for p in out.decode().split("\0") if p and (root / p).is_file()]
 
 
+def _copy_file(source: Path, target: Path) -> None:
+    if target.exists() and target.read_bytes() == source.read_bytes():
+        return  # unchanged since an earlier run (--keep): ninja keeps its object file
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source, target)
+
+
 def _copy_tree(root: Path, dest: Path) -> None:
     for rel in _tree_files(root):
-        source, target = root / rel, dest / rel
-        if target.exists() and target.read_bytes() == source.read_bytes():
-            continue  # unchanged since an earlier run (--keep): ninja keeps its object file
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, target)
+        _copy_file(root / rel, dest / rel)
 
 
 def _build(tree: Path, log: Path) -> bool:
@@ -176,16 +214,28 @@ def _group(bad: list) -> "OrderedDict[str, int]":
     return groups
 
 
-def _apply(tree: Path, m: Mutant) -> str | None:
-    """Patch the copy; returns the original text, or None when the patch does not apply."""
+def _applicable(tree: Path, rows: list) -> Mutant | None:
+    """The first row (of one mutant's alternatives) whose old text occurs exactly once."""
+    for m in rows:
+        path = tree / m.file
+        if path.exists() and path.read_text().count(m.old) == 1:
+            return m
+    return None
+
+
+def _apply(tree: Path, m: Mutant) -> str:
+    """Patch the copy with one applicable row; returns the file's original text."""
     path = tree / m.file
-    if not path.exists():
-        return None
     text = path.read_text()
-    if text.count(m.old) != 1:
-        return None
     path.write_text(text.replace(m.old, m.new))
     return text
+
+
+def _by_name(rows: list) -> "OrderedDict[str, list]":
+    out: "OrderedDict[str, list]" = OrderedDict()
+    for m in rows:
+        out.setdefault(m.name, []).append(m)
+    return out
 
 
 def main() -> int:
@@ -197,20 +247,26 @@ def main() -> int:
     ap.add_argument("--list", action="store_true", help="print the table of mutants and exit")
     ap.add_argument("--check-patches", action="store_true",
                     help="only check that every patch applies to this tree (no build)")
+    ap.add_argument("--source-root", metavar="DIR",
+                    help="take csrc/, setup.py and ckpt_ext/ from this checkout (tests from this one)")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = ap.parse_args()
 
-    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
-    if args.only and len(mutants) != len(args.only):
-        ap.error(f"unknown mutant in {args.only}; known: {[m.name for m in MUTANTS]}")
+    known = _by_name(MUTANTS)
+    if args.only and set(args.only) - set(known):
+        ap.error(f"unknown mutant in {args.only}; known: {list(known)}")
+    mutants = OrderedDict((k, v) for k, v in known.items() if not args.only or k in args.only)
+    source_root = Path(args.source_root).resolve() if args.source_root else ROOT
     if args.list or args.check_patches:
+        print(f"Patches against {source_root}\n")
         print("| mutant | file | applies | what it breaks |\n|---|---|---|---|")
         ok = True
-        for m in mutants:
-            text = (ROOT / m.file).read_text() if (ROOT / m.file).exists() else ""
-            applies = text.count(m.old) == 1
-            ok &= applies
-            print(f"| {m.name} | {m.file} | {'yes' if applies else 'NO: retarget'} | {m.breaks} |")
+        for name, rows in mutants.items():
+            used = _applicable(source_root, rows)
+            ok &= used is not None
+            for m in rows:
+                state = "yes (used)" if m is used else ("no" if used else "NO: retarget")
+                print(f"| {m.name} | {m.file} | {state} | {m.breaks} |")
         return 0 if ok or args.list else 1
 
     tree = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ckpt_ext_mutate_"))
@@ -220,7 +276,11 @@ def main() -> int:
     _log(f"mutate: tree {tree}; tests {' '.join(args.tests)}")
     rows = []
     try:
-        _copy_tree(ROOT, tree)
+        _copy_tree(source_root, tree)
+        if source_root != ROOT:  # this checkout's tests and scripts over the other's sources
+            for rel in _tree_files(ROOT):
+                if rel.startswith(("tests/", "scripts/")):
+                    _copy_file(ROOT / rel, tree / rel)
         t0 = time.time()
         if not _build(tree, logs / "control-build.log"):
             _log(f"mutate: the unpatched tree does not build; see {logs / 'control-build.log'}")
@@ -231,12 +291,13 @@ def main() -> int:
             _log("mutate: the control (no mutation) fails these tests, fix them first:\n  " +
                  "\n  ".join(t for t, _ in bad))
             return 2
-        for m in mutants:
+        for name, alternatives in mutants.items():
             t0 = time.time()
-            original = _apply(tree, m)
-            if original is None:
-                rows.append((m, "does not apply: retarget", None))
+            m = _applicable(tree, alternatives)
+            if m is None:
+                rows.append((alternatives[0], "does not apply: retarget", None))
                 continue
+            original = _apply(tree, m)
             try:
                 if not _build(tree, logs / f"{m.name}-build.log"):
                     rows.append((m, f"does not build (see {logs / (m.name + '-build.log')})", None))
