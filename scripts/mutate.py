@@ -6,9 +6,9 @@ mutant CPU-only, runs the chosen tests against it and reports which tests fail (
 mutant that no test catches is a hole in the suite; the script then exits 1. An unpatched
 control build runs the same tests first and must pass, or the figures mean nothing.
 
-    python scripts/mutate.py                      # every mutant, tests/test_ops.py
+    python scripts/mutate.py                      # every mutant; test_ops.py, test_property.py
     python scripts/mutate.py --list               # the table of mutants
-    python scripts/mutate.py --only stale_recompute --tests tests/test_ops.py tests/test_property.py
+    python scripts/mutate.py --only stale_recompute --tests tests/test_ops.py
     nice python scripts/mutate.py --keep /tmp/mut # keep the tree (its build/ makes a rerun fast)
 
 How. The tree is copied once (the files git tracks, plus untracked ones it does not ignore) into a
@@ -123,8 +123,9 @@ MUTANTS = [
         "half_arithmetic_in_storage_precision", CPU,
         "      acc_t t = static_cast<acc_t>(row[c]);\n"
         "      if (holds == Holds::kPreActivation) t = std::tanh(t);\n"
-        "      const acc_t g = tanh_grad_from_output(static_cast<acc_t>(grad_row[gy_bcast ? 0 : c]), t);\n",
-        "      scalar_t t = row[c];  // t, t*t, 1 - t*t and the product rounded to the storage type\n"
+        "      const acc_t g = "
+        "tanh_grad_from_output(static_cast<acc_t>(grad_row[gy_bcast ? 0 : c]), t);\n",
+        "      scalar_t t = row[c];  // t, t*t, 1 - t*t, the product rounded to the storage type\n"
         "      if (holds == Holds::kPreActivation) {\n"
         "        t = static_cast<scalar_t>(std::tanh(static_cast<acc_t>(t)));\n"
         "      }\n"
@@ -240,15 +241,15 @@ def _by_name(rows: list) -> "OrderedDict[str, list]":
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tests", nargs="+", default=["tests/test_ops.py"],
-                    help="test files or ids to run against each mutant (default: tests/test_ops.py)")
+    ap.add_argument("--tests", nargs="+", default=["tests/test_ops.py", "tests/test_property.py"],
+                    help="test files or ids to run against each mutant")
     ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
     ap.add_argument("--keep", metavar="DIR", help="build in DIR and keep it (reused if present)")
     ap.add_argument("--list", action="store_true", help="print the table of mutants and exit")
     ap.add_argument("--check-patches", action="store_true",
                     help="only check that every patch applies to this tree (no build)")
     ap.add_argument("--source-root", metavar="DIR",
-                    help="take csrc/, setup.py and ckpt_ext/ from this checkout (tests from this one)")
+                    help="take the sources from this checkout (the tests from this one)")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = ap.parse_args()
 
@@ -307,7 +308,8 @@ def main() -> int:
                 (tree / m.file).write_text(original)
             verdict = "caught" if bad else "NOT CAUGHT"
             rows.append((m, verdict, _group(bad)))
-            _log(f"mutate: {m.name}: {verdict} ({len(bad)} failing tests, {time.time() - t0:.0f} s)")
+            _log(f"mutate: {m.name}: {verdict} ({len(bad)} failing tests, "
+                 f"{time.time() - t0:.0f} s)")
         # leave the copy's build matching its sources
         _build(tree, logs / "restore-build.log")
     finally:

@@ -66,7 +66,7 @@ MAXIMA: dict = {}
 
 
 def measured(key: str, value: float) -> float:
-    """Record value under key (keeping the maximum) and return it, for `assert measured(...) <= b`."""
+    """Record value under key (keeping the maximum); returns it: `assert measured(k, e) <= b`."""
     if not value <= MAXIMA.get(key, -math.inf):
         MAXIMA[key] = value
     return value
