@@ -1,16 +1,79 @@
-"""The one plain-PyTorch reference every test compares against, and the error measure."""
+"""The suite's one plain-PyTorch reference, its input maker and its error measures.
+
+Every kernel test (test_ops.py, test_property.py, test_modules.py; test_ops_cuda.py can) draws
+inputs with make_inputs, runs the op with run_fused and compares with the float64 reference
+through assert_matches_reference, so there is one formula for each.
+
+The bound, on the float64 norm of out − ref per result (out, grad_x, grad_weight, grad_bias), is
+the conditioned one: ‖out − ref‖ ≤ COND_TOL·‖s‖ + an underflow floor, where s =
+conditioned_scales(...) are the magnitudes the rounding acts on. A sum that cancels (few rows,
+saturated tanh, 1 − t² near 0) is only as exact as the sum of its terms' magnitudes allows, in any
+implementation, so the bound holds for every shape, scale and seed (issue 12, item 1: bounded by
+the conditioning of the case); a wrong index or a dropped factor is still off by O(1) against it.
+
+A relative bound ‖out − ref‖/‖ref‖ ≤ TOL cannot be held for every case: the relative error of any
+implementation grows with κ = ‖s‖/‖ref‖ (the 1×1 float32 case with a saturated tanh; a bfloat16
+weight gradient of 3 rows with κ = 27 is off by 6 % in stock nn.Linear too). It is measured (not
+asserted) where κ ≤ 10, for the README; TOL bounds the simpler fixed-shape comparisons.
+"""
 from __future__ import annotations
 
 import math
 from typing import Optional
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Relative-error bounds against the float64 reference, per dtype of the computation.
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# Conditioned bound, every case, per dtype of the computation: ~5x the largest scaled error
+# measured over 280,000 seeded runs (pytest --seed-sweep=0:500 of test_ops, test_property,
+# test_modules, test_autocast; CPU, AVX2 build): float64 1.07e-16, float32 1.09e-07, bfloat16
+# 6.0e-03, float16 7.2e-04 (all four results: out, grad_x, grad_weight, grad_bias).
+COND_TOL = {torch.float64: 5e-16, torch.float32: 5e-07, torch.bfloat16: 3e-02,
+            torch.float16: 4e-03}
 
+# Relative bound for fixed, well-conditioned comparisons. float64/float32: ~5x the largest
+# measured in the same sweep by the comparisons that use it (FusedLinearTanh against
+# nn.Sequential: float64 3.3e-16, float32 1.9e-07). bfloat16/float16: the previous bounds, used
+# only by the GPU tests (test_ops_cuda.py), to be set from what a GPU run measures.
+TOL = {torch.float64: 2e-15, torch.float32: 1e-06, torch.bfloat16: 1e-02, torch.float16: 2e-03}
+
+# Relative errors are recorded (measured(), not asserted) for results with κ ≤ this.
+KAPPA_MEASURE = 10
+
+RESULTS = ("out", "grad_x", "grad_weight", "grad_bias")
+
+
+def cuda_skip_reason():
+    """Why GPU tests cannot run here, or None when they can."""
+    import ckpt_ext
+    if not torch.cuda.is_available():
+        return "CUDA kernels need a GPU; none visible here"
+    if not ckpt_ext.WITH_CUDA:
+        return "ckpt_ext was built without CUDA kernels (ckpt_ext.WITH_CUDA is False)"
+    return None
+
+
+# What every GPU test carries besides the `cuda` marker (tests/conftest.py registers the marker).
+requires_gpu = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
+
+# The largest value of every measured figure in this session, by key (assert_matches_reference
+# records its errors; other tests call measured() themselves). With CKPT_EXT_MEASURE=<file>,
+# tests/conftest.py writes them there as JSON at the end of the run: this is how the figures in
+# the comments next to the bounds were taken (pytest --seed-sweep=0:500).
+MAXIMA: dict = {}
+
+
+def measured(key: str, value: float) -> float:
+    """Record value under key (keeping the maximum); returns it: `assert measured(k, e) <= b`."""
+    if not value <= MAXIMA.get(key, -math.inf):
+        MAXIMA[key] = value
+    return value
+
+
+# ------------------------------------------------------------------------------------------------
+# reference
 
 def linear_tanh_ref(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """tanh(x @ weight.T + bias), computed by stock PyTorch in float64."""
@@ -29,6 +92,37 @@ def linear_tanh_ref_grads(x, weight, bias, grad_out):
     return y.detach(), xs.grad, ws.grad, (None if bs is None else bs.grad)
 
 
+# ------------------------------------------------------------------------------------------------
+# inputs and the op under test
+
+def make_inputs(lead, k, n, dtype, device="cpu", bias=True, scale=1.0, seed=0):
+    """x (*lead, k) ~ N(0, scale²), weight (n, k) ~ N(0, 1/k) (so x·Wᵀ has x's scale), bias (n) ~
+    N(0, 1) or None, grad_out (*lead, n) ~ N(0, 1); drawn in float32 on the CPU from `seed`, then
+    cast, so every device and dtype sees the same values up to rounding."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, k, generator=g) * scale
+    w = torch.randn(n, k, generator=g) / max(k, 1) ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    gy = torch.randn(*lead, n, generator=g)
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)
+    return cast(x), cast(w), cast(b), cast(gy)
+
+
+def run_fused(x, w, b, gy):
+    """(out, grad_x, grad_weight, grad_bias) of ckpt_ext.linear_tanh through autograd."""
+    import ckpt_ext
+    # detach(), not clone(): a view keeps its exact strides (clone would densify a strided bias)
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    b = None if b is None else b.detach().requires_grad_()
+    y = ckpt_ext.linear_tanh(x, w, b)
+    y.backward(gy)
+    return y.detach(), x.grad, w.grad, (None if b is None else b.grad)
+
+
+# ------------------------------------------------------------------------------------------------
+# error measures
+
 def rel_err(out: Tensor, ref: Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64, on out's device (no copy of a large GPU result); inf when
     out has a NaN/inf or the shapes differ, so a non-finite result can never pass a bound."""
@@ -43,3 +137,127 @@ def rel_err(out: Tensor, ref: Tensor) -> float:
     if denom == 0.0:
         return diff  # an all-zero reference (e.g. 0 rows): the output must be zero too
     return diff / denom
+
+
+def scaled_err(out: Tensor, ref: Tensor, scale: Tensor) -> float:
+    """‖out − ref‖ / ‖scale‖ in float64 (on the CPU); inf for NaN/inf or a shape mismatch."""
+    if out.shape != ref.shape:
+        return math.inf
+    out = out.detach().double().cpu()
+    if not torch.isfinite(out).all():
+        return math.inf
+    denom = scale.norm().item()
+    diff = (out - ref.detach().double().cpu()).norm().item()
+    return diff if denom == 0.0 else diff / denom
+
+
+def conditioned_scales(x, w, b, gy):
+    """The magnitudes the rounding acts on, per result (out, grad_x, grad_weight, grad_bias), from
+    a first-order error analysis in float64 on the CPU:
+      z = x·Wᵀ + b is off by at most ~u·za, za = |x|·|W|ᵀ + |b|, and tanh is 1-Lipschitz and
+      rounds with |t| ≤ 1: out scale = za + 1;
+      g = gy·(1 − t²) is off by |gy|·(2|δt| + few u) ≤ ~u·|gy|·(za + 1): gs = |gy|·(za + 1);
+      grad_x = g·W, grad_W = gᵀ·x, grad_b = Σ g add their own sums of magnitudes:
+      gs·|W|, gsᵀ·|x| and Σ gs.
+    A constant factor per dtype (COND_TOL) then bounds the error for any shape and scale."""
+    n, k = w.shape
+    m = math.prod(x.shape[:-1])  # not reshape(-1, k): -1 is ambiguous for k = 0
+    xa = x.detach().double().abs().cpu().reshape(m, k)
+    wa = w.detach().double().abs().cpu()
+    ga = gy.detach().double().abs().cpu().reshape(m, n)
+    za = xa @ wa.t() + (0 if b is None else b.detach().double().abs().cpu())
+    gs = ga * (za + 1)
+    lead = x.shape[:-1]
+    return ((za + 1).reshape(*lead, n), (gs @ wa).reshape(*lead, k), gs.t() @ xa, gs.sum(0))
+
+
+def underflow_floor(dtype, numel: int) -> float:
+    """The norm of one unit of the smallest subnormal spacing per element, twice: the absolute
+    error a product or sum that underflows may add (float16: grad_W = g·x with g ~ 1e-5 and
+    x ~ 1e-3 is 1e-8, below float16's smallest subnormal 6e-8, and rounds to 0, as in
+    nn.Linear). Negligible for the other dtypes."""
+    fi = torch.finfo(dtype)
+    return 2 * fi.smallest_normal * fi.eps * math.sqrt(numel)
+
+
+def check_result(name, out, ref, scale, dtype=None):
+    """One result against its float64 reference under the conditioned bound (see the module
+    docstring); records the scaled error, and the relative error where κ ≤ KAPPA_MEASURE."""
+    dtype = dtype or out.dtype
+    dt = str(dtype).removeprefix("torch.")
+    assert out.shape == ref.shape, (name, out.shape, ref.shape)
+    out = out.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    assert torch.isfinite(out).all(), f"{name}: not finite"
+    diff = (out - ref).norm().item()
+    s_norm, r_norm = scale.norm().item(), ref.norm().item()
+    floor = underflow_floor(dtype, ref.numel())
+    bound = COND_TOL[dtype] * s_norm + floor
+    if s_norm > 0:
+        measured(f"scaled/{dt}/{name}", max(diff - floor, 0.0) / s_norm)
+    if r_norm > 0 and s_norm <= KAPPA_MEASURE * r_norm:
+        measured(f"rel_kappa10/{dt}/{name}", max(diff - floor, 0.0) / r_norm)
+    assert diff <= bound, (f"{name}: ‖out − ref‖ = {diff:.3g} > {COND_TOL[dtype]:g}·‖scale‖ + "
+                           f"floor = {bound:.3g} (scaled error {diff / (s_norm or 1):.3g})")
+
+
+def assert_matches_reference(x, w, b, gy, got=None):
+    """The op's output and grads (run_fused, or `got`) against the float64 reference, each under
+    the conditioned bound (check_result), in x's dtype and on x's device."""
+    got = run_fused(x, w, b, gy) if got is None else got
+    ref = linear_tanh_ref_grads(x, w, b, gy)
+    scales = conditioned_scales(x, w, b, gy)
+    for name, o, r, s in zip(RESULTS, got, ref, scales):
+        if r is None:
+            assert o is None, f"{name}: expected None"
+            continue
+        assert o.dtype == x.dtype and o.device == x.device, (name, o.dtype, o.device)
+        check_result(name, o, r, s, x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# the documented bias-gradient summation order (csrc/linear_tanh.h), rebuilt in Python
+
+ROWS_PER_CHUNK = 32  # kRowsPerChunk in csrc/linear_tanh_math.h (tests check it against _C)
+
+
+def _chunk_sums(g: Tensor, acc_dtype) -> list:
+    """Per 32-row chunk, the column sums of g with rows added in increasing order, in acc_dtype,
+    one rounding per add (elementwise float adds of whole rows: each column is its own scalar
+    sum)."""
+    g = g.detach().cpu().to(acc_dtype)
+    M, N = g.shape
+    sums = []
+    for start in range(0, M, ROWS_PER_CHUNK):
+        part = torch.zeros(N, dtype=acc_dtype)
+        for r in range(start, min(start + ROWS_PER_CHUNK, M)):
+            part = part + g[r]
+        sums.append(part)
+    return sums
+
+
+def bias_grad_documented_order(g: Tensor, acc_dtype, out_dtype=None) -> Tensor:
+    """Column sums of g (M, N) in the order csrc/linear_tanh.h documents: rows in increasing order
+    within 32-row chunks, then the chunk sums combined pairwise level by level (at each level w =
+    1, 2, 4, ... the chunk at i, a multiple of 2w, adds the one at i + w if any), in acc_dtype,
+    rounded to out_dtype once at the end."""
+    sums = _chunk_sums(g, acc_dtype)
+    out_dtype = out_dtype or acc_dtype
+    if not sums:
+        return torch.zeros(g.shape[1], dtype=out_dtype)
+    w = 1
+    while w < len(sums):
+        for i in range(0, len(sums) - w, 2 * w):
+            sums[i] = sums[i] + sums[i + w]
+        w *= 2
+    return sums[0].to(out_dtype)
+
+
+def bias_grad_chunks_left_to_right(g: Tensor, acc_dtype, out_dtype=None) -> Tensor:
+    """The same chunk sums, combined left to right: NOT the documented order (the tests use it to
+    show that the bitwise check tells the two apart)."""
+    sums = _chunk_sums(g, acc_dtype)
+    total = torch.zeros(g.shape[1], dtype=acc_dtype)
+    for s in sums:
+        total = total + s
+    return total.to(out_dtype or acc_dtype)

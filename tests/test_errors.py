@@ -93,3 +93,55 @@ def test_checks_run_before_any_kernel():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         torch.ops.ckpt_ext.linear_tanh(x, torch.randn(3, 5), None)
     assert {"aten::mm", "aten::empty"} <= {e.name for e in prof.events()}
+
+
+# ------------------------------------------------------------------------------------------------
+# The stack op's own list checks, reachable only through torch.ops (ckpt_ext.tanh_mlp builds
+# has_bias and the masks itself); tests/test_tanh_mlp.py covers the per-layer shape/dtype/device
+# messages.
+
+def _stack():
+    x = torch.randn(4, 5)
+    ws = [torch.randn(3, 5), torch.randn(2, 3)]
+    bs = [torch.randn(3)]
+    return x, ws, bs
+
+
+STACK_CASES = [
+    ("has_bias_length", lambda x, ws, bs: (x, ws, bs, [True], True),
+     r"ckpt_ext.tanh_mlp: has_bias must have one entry per layer \(2\), got 1"),
+    ("biases_count", lambda x, ws, bs: (x, ws, bs, [True, True], True),
+     r"ckpt_ext.tanh_mlp: biases must hold one tensor per layer whose has_bias is true \(2\), "
+     r"got 1"),
+]
+
+
+@pytest.mark.parametrize("args,pattern", [c[1:] for c in STACK_CASES],
+                         ids=[c[0] for c in STACK_CASES])
+def test_stack_op_rejects_inconsistent_lists(args, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        torch.ops.ckpt_ext.tanh_mlp(*args(*_stack()))
+    with FakeTensorMode() as mode:  # the Meta kernel runs the same check
+        x, ws, bs = _stack()
+        fake = (mode.from_tensor(x), [mode.from_tensor(w) for w in ws],
+                [mode.from_tensor(b) for b in bs])
+        with pytest.raises(ValueError, match=pattern):
+            torch.ops.ckpt_ext.tanh_mlp(*args(*fake))
+
+
+@pytest.mark.parametrize("need_weights,need_biases,pattern", [
+    ([True], [True], r"need_weights must have one entry per weight \(2\), got 1"),
+    ([True, True], [True, True], r"need_biases must have one entry per bias \(1\), got 2"),
+], ids=["need_weights", "need_biases"])
+def test_stack_backward_rejects_masks_of_the_wrong_length(need_weights, need_biases, pattern):
+    x, ws, bs = _stack()
+    gy = torch.randn(4, 2)
+    with pytest.raises(ValueError, match="ckpt_ext.tanh_mlp_backward: " + pattern):
+        torch.ops.ckpt_ext.tanh_mlp_backward(gy, x, ws, bs, [True, False], True, True,
+                                             need_weights, need_biases)
+    with FakeTensorMode() as mode:
+        fx, fgy = mode.from_tensor(x), mode.from_tensor(gy)
+        fws, fbs = [mode.from_tensor(w) for w in ws], [mode.from_tensor(b) for b in bs]
+        with pytest.raises(ValueError, match="ckpt_ext.tanh_mlp_backward: " + pattern):
+            torch.ops.ckpt_ext.tanh_mlp_backward(fgy, fx, fws, fbs, [True, False], True, True,
+                                                 need_weights, need_biases)
