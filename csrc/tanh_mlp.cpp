@@ -62,7 +62,9 @@ at::Tensor stack_forward(const at::Tensor& x, at::TensorList weights, at::Tensor
   at::Tensor a = flatten_rows(x);
   for (int64_t i = 0; i < L; ++i) {
     at::Tensor z = pre_activation(a, weights[i], b[i]);  // (M, N_i), the only new buffer
-    if (i + 1 < L || last_tanh) tanh_(z);
+    // Qualified: for a non-const Tensor, unqualified tanh_(z) finds ATen's own at::tanh_ by ADL
+    // (a better match than our const&), and the forward would not use the device primitive.
+    if (i + 1 < L || last_tanh) ckpt_ext::tanh_(z);
     a = std::move(z);  // the previous layer's output is freed here
   }
   // _unsafe_view: the result must not be an autograd view of an internal buffer, or in-place ops
@@ -103,7 +105,7 @@ StackGrads stack_backward(const at::Tensor& grad_out, const at::Tensor& x, at::T
   const int64_t M = acts[0].size(0);
   for (int64_t i = 0; i + 1 < L; ++i) {
     at::Tensor z = pre_activation(acts[i], weights[i], b[i]);
-    tanh_(z);
+    ckpt_ext::tanh_(z);  // qualified, see stack_forward
     acts[i + 1] = std::move(z);
     if (i < lo) acts[i] = at::Tensor();
   }
