@@ -308,3 +308,19 @@ def test_levels_agree_on_whole_ops(dtype):
     if "avx2" in outs and "avx512" in outs:  # one tanh (Sleef), no FMA contraction: same bits
         for a, c in zip(outs["avx2"], outs["avx512"]):
             assert torch.equal(a, c)
+
+
+def test_bench_script_runs(tmp_path):
+    """scripts/bench_cpu_kernels.py (timing is its business, not this test's): it runs, and
+    reports every case it was asked for with finite times."""
+    script = os.path.join(ROOT, "scripts", "bench_cpu_kernels.py")
+    if not os.path.exists(script):
+        pytest.skip("scripts/ is not beside these tests")
+    import runpy
+    bench = runpy.run_path(script, run_name="bench_under_test")
+    out = bench["main"](["--shapes", "33x5->17", "--dtypes", "bfloat16,float16", "--threads", "1",
+                         "--levels", _C._cpu_capability(), "--warmup", "0", "--repeats", "1",
+                         "--json", str(tmp_path / "b.json")])
+    assert [(r["dtype"], r["shape"]) for r in out["results"]] == [
+        ("bfloat16", "33x5->17"), ("float16", "33x5->17")]
+    assert all(0 < r["fwd_ours_ms"] < 1e4 and 0 < r["bwd_stock_ms"] < 1e4 for r in out["results"])
