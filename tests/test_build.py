@@ -179,7 +179,7 @@ def test_installed_metadata_requires_the_build_torch():
     files = [os.path.realpath(dist.locate_file(f)) for f in (dist.files or [])]
     if init not in files:
         pytest.skip("the installed ckpt_ext distribution is not the one imported "
-                    "(an editable install of another checkout)")
+                    "(an editable install lists no package files)")
     major, minor = _C.TORCH_BUILD_VERSION.split(".")[:2]
     assert [r for r in dist.requires or [] if r.startswith("torch")] == [
         f"torch=={major}.{minor}.*"]
