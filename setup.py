@@ -9,18 +9,25 @@ CUDA or not (environment, all optional):
   CKPT_EXT_CUDA=0     CPU-only, even where CUDA is available.
   CUDA_HOME           the toolkit root; when unset it is derived from `nvcc` on PATH by asking nvcc
                       where it lives (a wrapper script in /usr/local/bin is seen through).
-  TORCH_CUDA_ARCH_LIST  GPU architectures, e.g. "8.0;9.0". Default: the visible GPUs' own when a
-                      GPU is visible at build time, else "9.0" (H100/H200; keeps CI builds short).
+  TORCH_CUDA_ARCH_LIST  GPU architectures, e.g. "8.0;9.0". Default: 8.0;8.6;8.9;9.0+PTX (A100,
+                      consumer Ampere, Ada/L4, H100/H200, and PTX that the driver compiles for
+                      anything newer), whatever GPU the build machine has or lacks. CI sets 9.0
+                      to stay fast (.ci/run).
 
-CPU vector width:
-  CKPT_EXT_CPU_SIMD=auto  (default) on x86-64 build hosts with AVX2, FMA and F16C, compile the CPU
-                      kernels for AVX2 (ATen's Vectorized<float> then uses 8-wide Sleef tanh; the
-                      fused forward ran 5x and backward 8x faster than the baseline build on the
-                      2-core CI machine). The result then needs an AVX2 CPU to run.
-  CKPT_EXT_CPU_SIMD=none  portable baseline x86-64 build (tanh one element at a time).
+CPU kernels: built for every ISA level, chosen at run time. cpu/linear_tanh_kernels.cpp is
+compiled once per level with its own flags (DEFAULT: none; AVX2: -mavx2 -mfma -mf16c; AVX512:
+-mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma; AVX levels on x86-64 only) and linked in
+after the portable objects; every other source is compiled with no -m flag, so the module loads
+and runs on any CPU of the architecture. The level runs from at::get_cpu_capability(), capped by
+CKPT_EXT_CPU_CAPABILITY=default|avx2|avx512 at run time (csrc/cpu/dispatch.cpp).
+
+The build's torch version goes into the module (ckpt_ext._C.TORCH_BUILD_VERSION; `import
+ckpt_ext` refuses another major.minor, ckpt_ext/_native.py), and into the package's run-time
+requirement: torch==<major>.<minor>.* of the torch that built it.
 """
 import glob
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -29,7 +36,9 @@ import sys
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCH_LIST = "9.0"
+# Data-center and consumer GPUs people have (A100, RTX 30xx/A-series, L4/RTX 40xx, H100/H200), and
+# PTX of the newest for anything later (Blackwell runs it through the driver's JIT).
+DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0+PTX"
 
 
 def _log(msg):
@@ -119,64 +128,106 @@ def want_cuda(torch_mod):
 
 # ------------------------------------------------------------------------------------------------
 
-def cpu_simd_flags():
-    """AVX2 flags for the CPU kernels when wanted and the build host has AVX2, FMA and F16C.
+# CPU ISA levels: (name, flags) of each copy of the per-ISA kernels. The names are ATen's
+# CPU_CAPABILITY values, which also select ATen's Vectorized<T> implementation inside that copy.
+# Per-file flags rather than `#pragma GCC target`: under the pragma GCC does not define __AVX2__,
+# which ATen's vector headers (and sleef.h) test.
+ISA_SOURCES = [os.path.join("csrc", "cpu", "linear_tanh_kernels.cpp")]
+# No FMA contraction: g = grad_out·(1 − t²) rounds the same at every level (csrc/cpu/kernels.h).
+ISA_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-Wno-unknown-pragmas"]  # (ATen's #pragma unroll)
 
-    CPU_CAPABILITY=AVX2 puts ATen's Vectorized types in their own inline namespace
-    (at::vec::AVX2), as ATen's own per-ISA kernels do, so nothing clashes with other builds."""
-    mode = os.environ.get("CKPT_EXT_CPU_SIMD", "auto").lower()
-    if mode in ("none", "0", "off"):
-        return []
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(re.search(r"^flags\s*:(.*)$", f.read(), re.M).group(1).split())
-    except (OSError, AttributeError):
-        flags = set()
-    if {"avx2", "fma", "f16c"} <= flags:
-        _log("CPU kernels built for AVX2 (CKPT_EXT_CPU_SIMD=none for a portable build)")
-        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    if mode == "avx2":
-        raise SystemExit("ckpt_ext setup: CKPT_EXT_CPU_SIMD=avx2 but this CPU lacks AVX2/FMA/F16C")
-    return []
+
+def isa_levels():
+    levels = [("DEFAULT", [])]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        levels += [("AVX2", ["-mavx2", "-mfma", "-mf16c"]),
+                   ("AVX512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"])]
+    return [(name, flags + [f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}"])
+            for name, flags in levels]
+
+
+def cuda_arch_list():
+    """TORCH_CUDA_ARCH_LIST as given, else DEFAULT_ARCH_LIST (set in the environment, where
+    torch's build reads it)."""
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip() or DEFAULT_ARCH_LIST
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    return archs
+
+
+def torch_requirement(version):
+    """The run-time requirement matching the torch that builds: same major.minor (the C++ ABI of
+    an extension holds within a minor release, not across)."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return f"torch=={major}.{minor}.*"
 
 
 def extensions():
     import torch
 
+    if os.environ.get("CKPT_EXT_CPU_SIMD"):
+        _log("CKPT_EXT_CPU_SIMD is gone: every ISA level is built and one is chosen at run time "
+             "(CKPT_EXT_CPU_CAPABILITY=default|avx2|avx512 caps it); ignoring it")
     with_cuda = want_cuda(torch)
     # Imported only now: it reads CUDA_HOME at import (see above).
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    sources = [s for s in sources if s not in ISA_SOURCES]  # built per level by BuildWithISA
     include_dirs = [os.path.join(ROOT, "csrc")]
-    extra = {"cxx": ["-O3"] + cpu_simd_flags()}
+    cxx = ["-O3", f'-DCKPT_EXT_TORCH_VERSION="{torch.__version__}"']
+    cxx += [f"-DCKPT_EXT_CPU_{name}" for name, _ in isa_levels() if name != "DEFAULT"]
+    extra = {"cxx": cxx}
+    # setuptools relinks only when a file listed here or in sources is newer than the module;
+    # ninja then rebuilds what changed. The per-ISA sources and the headers are not in sources.
+    depends = sorted(glob.glob(os.path.join("csrc", "**", "*.*"), recursive=True))
     if not with_cuda:
         return [CppExtension("ckpt_ext._C", sources, include_dirs=include_dirs,
-                             extra_compile_args=extra)]
+                             extra_compile_args=extra, depends=depends)]
 
-    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-        # No GPU to ask: torch would otherwise build for every arch it knows (slow).
-        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
-    _log("TORCH_CUDA_ARCH_LIST=" + os.environ.get("TORCH_CUDA_ARCH_LIST", "(the visible GPUs')"))
+    archs = cuda_arch_list()
+    _log("TORCH_CUDA_ARCH_LIST=" + archs)
     sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     # No --use_fast_math: its tanh approximation would cost the accuracy the tests hold us to.
     # -lineinfo lets compute-sanitizer and ncu point at source lines, at no runtime cost.
     extra["nvcc"] = ["-O3", "-lineinfo", "-DCKPT_EXT_WITH_CUDA"]
-    extra["cxx"].append("-DCKPT_EXT_WITH_CUDA")
+    extra["cxx"] += ["-DCKPT_EXT_WITH_CUDA", f'-DCKPT_EXT_CUDA_ARCH_LIST="{archs}"']
     return [CUDAExtension("ckpt_ext._C", sources,
                           include_dirs=include_dirs + wheel_cuda_include_dirs(torch),
-                          extra_compile_args=extra)]
+                          extra_compile_args=extra, depends=depends)]
 
 
 def build_ext_cmd():
     from torch.utils.cpp_extension import BuildExtension
 
-    return BuildExtension.with_options(use_ninja=True)
+    class BuildWithISA(BuildExtension):
+        """torch's BuildExtension (ninja) has one set of flags for every source. This compiles
+        ISA_SOURCES once per ISA level with that level's flags, through the same (ninja-wrapped)
+        compiler and the extension's own flags, each level in its own folder (its own
+        build.ninja, so rebuilds stay incremental), and hands the objects to the link after the
+        portable ones: where an inline function from a header is compiled into several objects,
+        the linker keeps the first copy, which is then a portable one."""
+
+        def build_extension(self, ext):
+            base = ext.extra_compile_args
+            base_cxx = base["cxx"] if isinstance(base, dict) else list(base)
+            objects = []
+            for name, flags in isa_levels():
+                args = {"cxx": base_cxx + ISA_COMMON_FLAGS + flags, "nvcc": []}
+                objects += self.compiler.compile(
+                    ISA_SOURCES, output_dir=os.path.join(self.build_temp, f"isa_{name}"),
+                    include_dirs=ext.include_dirs, extra_postargs=args)
+            ext.extra_objects = [o for o in (ext.extra_objects or []) if o not in objects] + objects
+            super().build_extension(ext)
+
+    return BuildWithISA.with_options(use_ninja=True)
 
 
-ext_modules = extensions()
-setup(
-    packages=find_packages(include=["ckpt_ext", "ckpt_ext.*"]),
-    ext_modules=ext_modules,
-    cmdclass={"build_ext": build_ext_cmd()},
-)
+if __name__ == "__main__":  # also under pip (setuptools runs this file as __main__); tests import it
+    import torch
+
+    setup(
+        packages=find_packages(include=["ckpt_ext", "ckpt_ext.*"]),
+        ext_modules=extensions(),
+        cmdclass={"build_ext": build_ext_cmd()},
+        install_requires=[torch_requirement(torch.__version__)],
+    )

@@ -2,7 +2,7 @@
 activation in its own backward — the memory of gradient checkpointing at less cost."""
 import torch  # noqa: F401  (first: loads libc10/libtorch, which _C links against)
 
-from . import _C
+from ._native import _C  # refuses a _C built for another torch, naming both versions
 from .modules import FusedLinearTanh, FusedTanhMLP
 from .ops import linear_tanh, tanh_mlp
 

@@ -6,7 +6,9 @@ timeline of memory through a step.
   temporaries, those inside our C++ kernels, Inductor buffers — is counted to the byte (the size
   asked for), and freeing it subtracts the same figure. Not counted: storages allocated before
   installation, pinned host memory, scratch that MKL/oneDNN/OpenMP allocate with their own malloc,
-  tensors over foreign memory (``torch.from_numpy``).
+  tensors over foreign memory (``torch.from_numpy``). Memory the meter never handed out that
+  reaches its deleter anyway goes to the wrapped allocator's deleter and is counted in
+  ``_C.cpu_meter_stats()["foreign_frees"]``; the deleter never throws.
 * CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` (the caching allocator's
   figures, block sizes rounded up to 512 bytes), the allocator's trace for the timeline, and the
   device's own view through NVML (:func:`nvml_usage`, :func:`show_usage`, as in the write-up).
@@ -81,6 +83,9 @@ class MemoryMeter:
             self._installed_here = _C.cpu_meter_install() or self._installed_here
 
     def stop(self) -> None:
+        """On CPU: put c10's previous allocator back, at the priority the meter found in place
+        (it never raises c10's allocator priority, so anything may replace the allocator again
+        afterwards). Storages counted so far are still subtracted when freed."""
         if self.device.type == "cpu" and self._installed_here:
             _C.cpu_meter_uninstall()
             self._installed_here = False

@@ -1,23 +1,39 @@
 #!/usr/bin/env bash
 # Sets everything up from nothing: a venv in .venv with the pinned torch and the tools, then the
-# build of ckpt_ext into it. Safe to re-run: finished steps are skipped.
+# build of ckpt_ext into it. Safe to re-run, and offline once set up: finished steps are skipped,
+# pip is not called when nothing is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+export PIP_DISABLE_PIP_VERSION_CHECK=1  # no call home from pip on re-runs
 
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
-# torch is pinned; the rest are the build, test and benchmark tools.
-"$VENV/bin/python" -m pip install -q -r requirements.txt
+# torch is pinned; the rest are the build, test and benchmark tools. pip runs only when
+# requirements.txt changed since it last ran here (the stamp holds its sha256) or something it
+# lists is missing or at a wrong version (scripts/check_requirements.py reads installed metadata).
+REQ_STAMP="$VENV/.ckpt_ext_requirements.sha256"
+REQ_SUM=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [ "$(cat "$REQ_STAMP" 2>/dev/null)" = "$REQ_SUM" ] \
+    && "$VENV/bin/python" scripts/check_requirements.py requirements.txt >/dev/null \
+    && "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+  echo "ckpt_ext: requirements installed and requirements.txt unchanged; pip not run"
+else
+  "$VENV/bin/python" -m pip install -q -r requirements.txt
+  "$VENV/bin/python" scripts/check_requirements.py requirements.txt
+  echo "$REQ_SUM" >"$REQ_STAMP"
+fi
 
 # The build: setup.py builds the CUDA kernels when torch is a CUDA build and nvcc is found
-# (CKPT_EXT_CUDA=0|1 forces either; CUDA_HOME and TORCH_CUDA_ARCH_LIST are honoured). pip builds in a
-# fresh temporary folder on every editable install, and the CUDA build takes minutes, so it is
-# skipped when the built module is newer than every source and was made with the same settings.
+# (CKPT_EXT_CUDA=0|1 forces either; CUDA_HOME and TORCH_CUDA_ARCH_LIST are honoured; the CPU
+# kernels are built for every ISA level and chosen at run time). pip builds in a fresh temporary
+# folder on every editable install, and the CUDA build takes minutes, so it is skipped when the
+# built module is newer than every source and was made with the same settings. (pip needs no
+# network here: no build isolation, no dependencies.)
 PYABS=$(cd "$(dirname "$VENV/bin/python")" && pwd)/python
-SETTINGS="torch=$("$PYABS" -c 'import torch; print(torch.__version__)') CKPT_EXT_CUDA=${CKPT_EXT_CUDA:-auto} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} CUDA_HOME=${CUDA_HOME:-} CKPT_EXT_CPU_SIMD=${CKPT_EXT_CPU_SIMD:-auto}"
+SETTINGS="torch=$("$PYABS" -c 'import torch; print(torch.__version__)') CKPT_EXT_CUDA=${CKPT_EXT_CUDA:-auto} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-} CUDA_HOME=${CUDA_HOME:-}"
 STAMP=build/.ckpt_ext_build_settings
 SO=$(ls ckpt_ext/_C*.so 2>/dev/null | head -n 1 || true)
 if [ -n "$SO" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$SETTINGS" ] \
@@ -25,10 +41,10 @@ if [ -n "$SO" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$SETTINGS" ] \
     && (cd / && "$PYABS" -c "import ckpt_ext") 2>/dev/null; then
   echo "ckpt_ext: build up to date ($SO), not rebuilt"
 else
-  "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
+  "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps --no-index -e .
   mkdir -p build && echo "$SETTINGS" >"$STAMP"
 fi
-"$VENV/bin/python" -c "import ckpt_ext, torch; print('ckpt_ext ready: torch', torch.__version__, '| CUDA kernels built:', ckpt_ext.WITH_CUDA)"
+"$VENV/bin/python" -c "import ckpt_ext, torch; print('ckpt_ext ready: torch', torch.__version__, '| CUDA kernels built:', ckpt_ext.WITH_CUDA, '| CPU kernels:', ckpt_ext._C._cpu_capability())"
 # No silent CPU-only fallback: where auto mode should have built the kernels, fail loudly.
 if [ "${CKPT_EXT_CUDA:-auto}" != 0 ] && command -v nvcc >/dev/null \
     && "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.version.cuda is None)"; then

@@ -7,75 +7,25 @@
 //                                                  place; grad_out (M, N) any strides; -> grad_b (N)?
 //   bias_grad_cpu(grad_out)                        grad_out (M, N) any strides -> column sums (N)
 //
-// Every element, tails included, goes through the one vectorised tanh (Vectorized<T>::tanh, with
-// a partial load/store for the last < width columns), so the backward's recomputed t equals the
-// forward's to the bit. Half types compute in float. The bias sums follow the documented order of
-// ../linear_tanh_math.h: rows in increasing order per 32-row chunk (chunks in parallel), then the
-// chunk sums pairwise per column (columns in parallel).
+// This file is built portably: it allocates, splits the work across threads and combines the
+// bias partial sums; the arithmetic on the elements is in cpu/linear_tanh_kernels.cpp, compiled
+// once per ISA level, reached through cpu::kernels() (cpu/dispatch.cpp picks the level at run
+// time). The bias sums follow the documented order of ../linear_tanh_math.h: rows in increasing
+// order per 32-row chunk (one chunk per task, chunks in parallel, columns in vectors), then the
+// chunk sums pairwise per column (columns in parallel). Neither step depends on the level or the
+// thread count, so given the same g every level gives the same bits.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
-#include <type_traits>
-#include <vector>
 
 #include "../linear_tanh.h"
 #include "../linear_tanh_math.h"
+#include "kernels.h"
 
 namespace ckpt_ext {
 namespace {
-
-template <typename scalar_t>
-constexpr bool kVectorized = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>;
-
-template <typename T>
-using Vec = at::vec::Vectorized<T>;
-
-// n (1 <= n <= width) values at p through the vector tanh, in place.
-template <typename scalar_t>
-void tanh_span(scalar_t* p, int64_t n) {
-  if constexpr (kVectorized<scalar_t>) {
-    int64_t i = 0;
-    for (; i + Vec<scalar_t>::size() <= n; i += Vec<scalar_t>::size()) {
-      Vec<scalar_t>::loadu(p + i).tanh().store(p + i);
-    }
-    if (i < n) Vec<scalar_t>::loadu(p + i, n - i).tanh().store(p + i, n - i);
-  } else {
-    using acc_t = at::opmath_type<scalar_t>;
-    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<scalar_t>(std::tanh(static_cast<acc_t>(p[i])));
-  }
-}
-
-// One row of the backward pass: row (n columns) holds z or t and becomes g; grad_row is the
-// grad_out row, contiguous (gy_contig) or one value broadcast along the row (gy_bcast);
-// sums (n, acc_t) accumulates g, or is nullptr.
-template <typename scalar_t>
-void backward_row(scalar_t* row, const scalar_t* grad_row, bool gy_bcast, int64_t n, Holds holds,
-                  at::opmath_type<scalar_t>* sums) {
-  using acc_t = at::opmath_type<scalar_t>;
-  if constexpr (kVectorized<scalar_t>) {
-    using V = Vec<scalar_t>;
-    for (int64_t c = 0; c < n; c += V::size()) {
-      const int64_t k = std::min<int64_t>(V::size(), n - c);
-      const V gy = gy_bcast ? V(grad_row[0]) : V::loadu(grad_row + c, k);
-      V t = V::loadu(row + c, k);
-      if (holds == Holds::kPreActivation) t = t.tanh();
-      const V g = tanh_grad_from_output(gy, t);
-      g.store(row + c, k);
-      if (sums != nullptr) (V::loadu(sums + c, k) + g).store(sums + c, k);
-    }
-  } else {
-    for (int64_t c = 0; c < n; ++c) {
-      acc_t t = static_cast<acc_t>(row[c]);
-      if (holds == Holds::kPreActivation) t = std::tanh(t);
-      const acc_t g = tanh_grad_from_output(static_cast<acc_t>(grad_row[gy_bcast ? 0 : c]), t);
-      row[c] = static_cast<scalar_t>(g);
-      if (sums != nullptr) sums[c] += g;
-    }
-  }
-}
 
 // partial (C, N) in acc_t -> out (N) in scalar_t, combining each column's chunks pairwise.
 template <typename scalar_t>
@@ -87,29 +37,24 @@ void combine_partials(at::opmath_type<scalar_t>* partial, int64_t C, int64_t N, 
   });
 }
 
-// The grad_out row r as a pointer the row kernels can read: the row itself when its columns are
-// contiguous or broadcast (stride 0), else a copy in `scratch`.
 template <typename scalar_t>
-const scalar_t* grad_row_ptr(const scalar_t* gy, int64_t sr, int64_t sc, int64_t r, int64_t N,
-                             std::vector<scalar_t>& scratch) {
-  const scalar_t* p = gy + r * sr;
-  if (sc == 0 || sc == 1) return p;
-  scratch.resize(N);
-  for (int64_t c = 0; c < N; ++c) scratch[c] = p[c * sc];
-  return scratch.data();
+at::Tensor new_partials(const at::Tensor& like, int64_t C, int64_t N) {
+  using acc_t = at::opmath_type<scalar_t>;
+  static_assert(std::is_same_v<acc_t, cpu::acc_type_t<scalar_t>>);
+  return at::zeros({C, N}, like.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
 }
 
 }  // namespace
 
 void tanh_cpu_(const at::Tensor& acc) {
   TORCH_INTERNAL_ASSERT(acc.is_contiguous());
+  const cpu::Kernels& kern = cpu::kernels();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, acc.scalar_type(), "tanh_cpu_", [&] {
     scalar_t* p = acc.data_ptr<scalar_t>();
+    const auto tanh = kern.of<scalar_t>().tanh;
     // 32k-element grains keep thread start-up small against the work. The tanh is elementwise,
     // so where a grain ends (a partial vector or not) does not change a value.
-    at::parallel_for(0, acc.numel(), 32768, [&](int64_t i0, int64_t i1) {
-      tanh_span(p + i0, i1 - i0);
-    });
+    at::parallel_for(0, acc.numel(), 32768, [&](int64_t i0, int64_t i1) { tanh(p + i0, i1 - i0); });
   });
 }
 
@@ -117,26 +62,23 @@ at::Tensor tanh_backward_cpu_(const at::Tensor& acc, const at::Tensor& grad_out,
                               bool want_bias_grad) {
   TORCH_INTERNAL_ASSERT(acc.is_contiguous() && acc.dim() == 2 && grad_out.dim() == 2);
   const int64_t M = acc.size(0), N = acc.size(1), C = num_chunks(M);
+  const cpu::Kernels& kern = cpu::kernels();
   at::Tensor grad_b;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, acc.scalar_type(),
                                   "tanh_backward_cpu_", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     at::Tensor partial;
-    if (want_bias_grad) {
-      partial = at::zeros({C, N}, acc.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    }
+    if (want_bias_grad) partial = new_partials<scalar_t>(acc, C, N);
     scalar_t* a = acc.data_ptr<scalar_t>();
     const scalar_t* gy = grad_out.const_data_ptr<scalar_t>();
     const int64_t sr = grad_out.stride(0), sc = grad_out.stride(1);
     acc_t* part = want_bias_grad ? partial.data_ptr<acc_t>() : nullptr;
+    const auto rows = kern.of<scalar_t>().backward_rows;
+    const bool pre = holds == Holds::kPreActivation;
     at::parallel_for(0, C, 1, [&](int64_t k0, int64_t k1) {
-      std::vector<scalar_t> scratch;
       for (int64_t k = k0; k < k1; ++k) {
-        const int64_t r_end = std::min(M, (k + 1) * kRowsPerChunk);
-        for (int64_t r = k * kRowsPerChunk; r < r_end; ++r) {
-          backward_row(a + r * N, grad_row_ptr(gy, sr, sc, r, N, scratch), sc == 0, N, holds,
-                       part != nullptr ? part + k * N : nullptr);
-        }
+        rows(a, gy, sr, sc, k * kRowsPerChunk, std::min(M, (k + 1) * kRowsPerChunk), N, pre,
+             part != nullptr ? part + k * N : nullptr);
       }
     });
     if (want_bias_grad) {
@@ -150,22 +92,20 @@ at::Tensor tanh_backward_cpu_(const at::Tensor& acc, const at::Tensor& grad_out,
 at::Tensor bias_grad_cpu(const at::Tensor& grad_out) {
   TORCH_INTERNAL_ASSERT(grad_out.dim() == 2);
   const int64_t M = grad_out.size(0), N = grad_out.size(1), C = num_chunks(M);
+  const cpu::Kernels& kern = cpu::kernels();
   at::Tensor grad_b = new_buffer({N}, grad_out.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_out.scalar_type(),
                                   "bias_grad_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    at::Tensor partial =
-        at::zeros({C, N}, grad_out.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    at::Tensor partial = new_partials<scalar_t>(grad_out, C, N);
     acc_t* part = partial.data_ptr<acc_t>();
     const scalar_t* gy = grad_out.const_data_ptr<scalar_t>();
     const int64_t sr = grad_out.stride(0), sc = grad_out.stride(1);
+    const auto sums = kern.of<scalar_t>().column_sums;
     at::parallel_for(0, C, 1, [&](int64_t k0, int64_t k1) {
       for (int64_t k = k0; k < k1; ++k) {
-        acc_t* sums = part + k * N;
-        const int64_t r_end = std::min(M, (k + 1) * kRowsPerChunk);
-        for (int64_t r = k * kRowsPerChunk; r < r_end; ++r) {
-          for (int64_t c = 0; c < N; ++c) sums[c] += static_cast<acc_t>(gy[r * sr + c * sc]);
-        }
+        sums(gy, sr, sc, k * kRowsPerChunk, std::min(M, (k + 1) * kRowsPerChunk), N,
+             part + k * N);
       }
     });
     combine_partials<scalar_t>(part, C, N, grad_b.data_ptr<scalar_t>());

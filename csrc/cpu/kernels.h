@@ -1,0 +1,75 @@
+// cpu/kernels.h — the vectorised CPU kernels, compiled once per ISA level, and how the portable
+// code (cpu/linear_tanh.cpp, cpu/dispatch.cpp) reaches them.
+//
+// cpu/linear_tanh_kernels.cpp is compiled three times by setup.py, each time with its own flags:
+//   DEFAULT  no -m flags (baseline x86-64, or whatever the host architecture's baseline is)
+//   AVX2     -mavx2 -mfma -mf16c                         -DCPU_CAPABILITY=AVX2
+//   AVX512   -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma  -DCPU_CAPABILITY=AVX512
+// and puts its code in namespace ckpt_ext::cpu::<CPU_CAPABILITY>, as ATen does with its own
+// per-ISA kernels (ATen's Vectorized<T> picks its implementation from the same macros). Each copy
+// exports one table of plain function pointers, kernels(); cpu/dispatch.cpp picks a table at run
+// time. This header is included by both sides, so it holds only types that mean the same under
+// every set of flags: no Vectorized, no Tensor.
+//
+// Every kernel works on raw pointers over a row range; the caller (cpu/linear_tanh.cpp) allocates,
+// splits the work across threads and combines the bias partial sums. Shapes:
+//   tanh(p, n)                    p: n contiguous values; z -> tanh(z) in place
+//   backward_rows(acc, gy, sr, sc, r0, r1, N, pre, sums)
+//                                 acc (M, N) contiguous, rows r0..r1-1: z (pre) or t -> g in
+//                                 place; gy (M, N) with strides (sr, sc), sc == 0 = one value per
+//                                 row; sums (N, acc_t) += the rows' g, in increasing row order, or
+//                                 nullptr
+//   column_sums(gy, sr, sc, r0, r1, N, sums)
+//                                 sums (N, acc_t) += rows r0..r1-1 of gy, in increasing row order
+// acc_t is double for double and float otherwise (at::opmath_type): half types load to float
+// vectors, compute in float and round once on the store.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace ckpt_ext::cpu {
+
+template <typename scalar_t>
+using acc_type_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+
+template <typename scalar_t>
+struct KernelsFor {
+  using acc_t = acc_type_t<scalar_t>;
+  void (*tanh)(scalar_t* p, int64_t n);
+  void (*backward_rows)(scalar_t* acc, const scalar_t* grad_out, int64_t sr, int64_t sc,
+                        int64_t r0, int64_t r1, int64_t N, bool pre_activation, acc_t* sums);
+  void (*column_sums)(const scalar_t* grad_out, int64_t sr, int64_t sc, int64_t r0, int64_t r1,
+                      int64_t N, acc_t* sums);
+};
+
+struct Kernels {
+  KernelsFor<float> f32;
+  KernelsFor<double> f64;
+  KernelsFor<c10::BFloat16> bf16;
+  KernelsFor<c10::Half> f16;
+  int vector_bytes;  // the width of Vectorized<float> in this copy, for the record
+
+  template <typename scalar_t>
+  const KernelsFor<scalar_t>& of() const {
+    if constexpr (std::is_same_v<scalar_t, float>) return f32;
+    else if constexpr (std::is_same_v<scalar_t, double>) return f64;
+    else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) return bf16;
+    else return f16;
+  }
+};
+
+// One per compiled copy of cpu/linear_tanh_kernels.cpp. Only the ones setup.py built exist
+// (CKPT_EXT_CPU_AVX2 / CKPT_EXT_CPU_AVX512 say so to cpu/dispatch.cpp).
+namespace DEFAULT { const Kernels& kernels(); }
+namespace AVX2 { const Kernels& kernels(); }
+namespace AVX512 { const Kernels& kernels(); }
+
+// cpu/dispatch.cpp. The table of the level in force: at::get_cpu_capability() (which honours
+// ATEN_CPU_CAPABILITY), capped by the builds present and by CKPT_EXT_CPU_CAPABILITY.
+const Kernels& kernels();
+
+}  // namespace ckpt_ext::cpu

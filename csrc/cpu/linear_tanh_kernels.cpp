@@ -1,0 +1,170 @@
+// cpu/linear_tanh_kernels.cpp — the vectorised CPU kernels of the fused Linear+Tanh ops, written
+// once and compiled by setup.py once per ISA level (DEFAULT, AVX2, AVX512) with that level's
+// flags and -DCPU_CAPABILITY=<level>; see cpu/kernels.h for the kernels and their shapes, and
+// cpu/dispatch.cpp for the choice at run time.
+//
+// Everything here sits in namespace ckpt_ext::cpu::CPU_CAPABILITY, and at::vec::Vectorized<T> in
+// ATen's own at::vec::CPU_CAPABILITY, so no symbol of one copy can stand in for another's. The
+// file uses no Tensor and no heap: the fewer header functions it instantiates, the fewer chances
+// that an out-of-line copy compiled with AVX flags is the one the linker keeps for the portable
+// code (setup.py also links these objects last, so the portable copy of any shared inline
+// function comes first; tests/test_build.py checks the module's code outside these namespaces
+// for AVX instructions).
+//
+// One tanh for every element. Forward (tanh) and backward (backward_rows with pre_activation)
+// both go through Vectorized<float or double>::tanh, the last < width columns included (a
+// partial load, zero-filled, and a partial store), so the backward's recomputed t equals the
+// forward's to the bit at every level. Which tanh that is depends on the level: Sleef's
+// vectorised tanh (1.0-ulp bound) for AVX2 and AVX512, the C library's tanh/tanhf per lane for
+// DEFAULT (tests/test_cpu_dispatch.py measures how far they are apart).
+//
+// Half types (bfloat16, float16) load a Vectorized<T> (twice the float width), convert it to two
+// float vectors, compute in float and round once on the store; their bias sums are in float.
+//
+// No FMA contraction (-ffp-contract=off, setup.py): g = grad_out·(1 − t²) is then the same three
+// roundings at every level, so levels that agree on t agree on g and on the bias sums.
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "../linear_tanh_math.h"
+#include "kernels.h"
+
+#ifndef CPU_CAPABILITY
+#error "cpu/linear_tanh_kernels.cpp is compiled once per ISA level with -DCPU_CAPABILITY=<level> (setup.py)"
+#endif
+
+namespace ckpt_ext::cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+
+template <typename scalar_t>
+constexpr bool kReduced = std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>;
+
+// ------------------------------------------------------------------------------------------------
+// Loads and stores of one "step": kStep<scalar_t> consecutive values as vectors of acc_t. For
+// float/double a step is one Vectorized<acc_t>; for half types it is one Vectorized<scalar_t>
+// (2 float vectors), so each memory access is a full vector. k < kStep loads zero-fill the rest.
+
+template <typename scalar_t>
+constexpr int64_t kStep = Vectorized<scalar_t>::size();
+
+template <typename scalar_t>
+struct Step {
+  using acc_t = acc_type_t<scalar_t>;
+  using V = Vectorized<acc_t>;
+  static constexpr int kParts = kReduced<scalar_t> ? 2 : 1;
+  V v[kParts];
+
+  static Step load(const scalar_t* p, int64_t k) {
+    Step s;
+    if constexpr (kReduced<scalar_t>) {
+      auto [a, b] = at::vec::convert_to_float<scalar_t>(Vectorized<scalar_t>::loadu(p, k));
+      s.v[0] = a;
+      s.v[1] = b;
+    } else {
+      s.v[0] = V::loadu(p, k);
+    }
+    return s;
+  }
+  static Step broadcast(scalar_t x) {
+    Step s;
+    for (int i = 0; i < kParts; ++i) s.v[i] = V(static_cast<acc_t>(x));
+    return s;
+  }
+  void store(scalar_t* p, int64_t k) const {
+    if constexpr (kReduced<scalar_t>) {
+      at::vec::convert_from_float<scalar_t>(v[0], v[1]).store(p, k);
+    } else {
+      v[0].store(p, k);
+    }
+  }
+  // sums[0..k) += these values, in acc_t.
+  void add_to(acc_t* sums, int64_t k) const {
+    for (int i = 0; i < kParts; ++i) {
+      const int64_t lo = i * V::size(), n = std::min<int64_t>(V::size(), k - lo);
+      if (n <= 0) break;
+      (V::loadu(sums + lo, n) + v[i]).store(sums + lo, n);
+    }
+  }
+};
+
+// k values of a row of grad_out starting at column c: contiguous (sc == 1), one value broadcast
+// along the row (sc == 0), or gathered from a stride into a small stack buffer.
+template <typename scalar_t>
+Step<scalar_t> load_grad(const scalar_t* row, int64_t sc, int64_t c, int64_t k) {
+  if (sc == 1) return Step<scalar_t>::load(row + c, k);
+  if (sc == 0) return Step<scalar_t>::broadcast(row[0]);
+  scalar_t tmp[kStep<scalar_t>];
+  for (int64_t j = 0; j < k; ++j) tmp[j] = row[(c + j) * sc];
+  return Step<scalar_t>::load(tmp, k);
+}
+
+// ------------------------------------------------------------------------------------------------
+// The kernels
+
+template <typename scalar_t>
+void tanh_kernel(scalar_t* p, int64_t n) {
+  constexpr int64_t W = kStep<scalar_t>;
+  for (int64_t i = 0; i < n; i += W) {
+    const int64_t k = std::min(W, n - i);
+    Step<scalar_t> s = Step<scalar_t>::load(p + i, k);
+    for (auto& v : s.v) v = v.tanh();
+    s.store(p + i, k);
+  }
+}
+
+template <typename scalar_t>
+void backward_rows_kernel(scalar_t* acc, const scalar_t* grad_out, int64_t sr, int64_t sc,
+                          int64_t r0, int64_t r1, int64_t N, bool pre_activation,
+                          acc_type_t<scalar_t>* sums) {
+  constexpr int64_t W = kStep<scalar_t>;
+  for (int64_t r = r0; r < r1; ++r) {
+    scalar_t* row = acc + r * N;
+    const scalar_t* grad_row = grad_out + r * sr;
+    for (int64_t c = 0; c < N; c += W) {
+      const int64_t k = std::min(W, N - c);
+      Step<scalar_t> t = Step<scalar_t>::load(row + c, k);  // z or t, becomes g
+      const Step<scalar_t> gy = load_grad(grad_row, sc, c, k);
+      for (int i = 0; i < Step<scalar_t>::kParts; ++i) {
+        if (pre_activation) t.v[i] = t.v[i].tanh();
+        t.v[i] = tanh_grad_from_output(gy.v[i], t.v[i]);
+      }
+      t.store(row + c, k);
+      if (sums != nullptr) t.add_to(sums + c, k);
+    }
+  }
+}
+
+template <typename scalar_t>
+void column_sums_kernel(const scalar_t* grad_out, int64_t sr, int64_t sc, int64_t r0, int64_t r1,
+                        int64_t N, acc_type_t<scalar_t>* sums) {
+  constexpr int64_t W = kStep<scalar_t>;
+  for (int64_t r = r0; r < r1; ++r) {
+    const scalar_t* grad_row = grad_out + r * sr;
+    for (int64_t c = 0; c < N; c += W) {
+      const int64_t k = std::min(W, N - c);
+      load_grad(grad_row, sc, c, k).add_to(sums + c, k);
+    }
+  }
+}
+
+template <typename scalar_t>
+constexpr KernelsFor<scalar_t> kernels_for() {
+  return {&tanh_kernel<scalar_t>, &backward_rows_kernel<scalar_t>, &column_sums_kernel<scalar_t>};
+}
+
+constexpr Kernels kKernels{kernels_for<float>(), kernels_for<double>(),
+                           kernels_for<c10::BFloat16>(), kernels_for<c10::Half>(),
+                           static_cast<int>(Vectorized<float>::size() * sizeof(float))};
+
+}  // namespace
+
+const Kernels& kernels() { return kKernels; }
+
+}  // namespace CPU_CAPABILITY
+}  // namespace ckpt_ext::cpu
