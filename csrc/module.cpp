@@ -3,6 +3,7 @@
 // only carries build facts and helpers that are not ops.
 #include <torch/extension.h>
 
+#include "autograd_node.h"
 #include "linear_tanh.h"
 #include "linear_tanh_math.h"
 #include "memory.h"
@@ -19,6 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Test hook: fill every buffer the ops allocate with NaN before the kernels write it.");
   m.def("_poison_buffers", &ckpt_ext::poison_buffers);
   ckpt_ext::bind_cpu_meter(m);
+  ckpt_ext::bind_autograd_node(m);
 #ifdef CKPT_EXT_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else
