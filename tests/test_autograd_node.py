@@ -319,6 +319,59 @@ def test_only_the_gradients_the_pass_uses_are_computed():
     assert torch.equal(gx, grads[0])
 
 
+def test_bad_input_raises_the_ops_message_and_saves_nothing():
+    packed = []
+    x = torch.randn(5, 7, requires_grad=True)
+    w = torch.randn(3, 4, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        with pytest.raises(ValueError, match=r"weights\[0\]\.shape\[1\] \(in_features\) must equal "
+                           r"x\.shape\[-1\] = 7"):
+            tanh_mlp(x, [w])
+        with pytest.raises(ValueError, match=r"x\.shape\[-1\] must equal weight\.shape\[1\]"):
+            linear_tanh(x, w)
+    assert packed == []
+
+
+class _NoGrad(torch.autograd.Function):
+    """Passes y on and sends no gradient back: the node below gets an undefined gradient."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+@pytest.mark.parametrize("op", ["tanh_mlp", "linear_tanh"])
+def test_an_undefined_incoming_gradient_gives_no_gradients(op):
+    # As ATen's nodes: a zero (undefined) gradient in, nothing out (the Function's node made
+    # zero tensors instead).
+    ws, bs = _params([4, 6, 3])
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    y = _run(op, x, ws, bs)
+    (_NoGrad.apply(y).sum() + x.sum()).backward()
+    assert torch.equal(x.grad, torch.ones_like(x)) and ws[0].grad is None
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_of_a_fused_module(use_reentrant):
+    # Non-reentrant checkpoint packs through saved-tensor hooks and recomputes on unpack;
+    # reentrant reruns the forward in backward: both through the node.
+    torch.manual_seed(0)
+    m = FusedTanhMLP([4, 6, 3]).double()
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    m(x).mean().backward()
+    want = [t.grad for t in [x, *m.parameters()]]
+    for t in [x, *m.parameters()]:
+        t.grad = None
+    y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=use_reentrant)
+    y.mean().backward()  # (reentrant checkpoint refuses autograd.grad)
+    for t, w in zip([x, *m.parameters()], want):
+        assert torch.equal(t.grad, w)
+
+
 # ------------------------------------------------------------------------------------------------
 # what it is for: the peak, in exact bytes
 
