@@ -62,8 +62,8 @@ using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
-// Set once by ckpt_ext.ops at import (_set_node_python_backward), never released: the node's
-// Python path, and the type of the per-node state object (types.SimpleNamespace).
+// Set by ckpt_ext.ops at import (_set_node_python_backward) and held for the process's life: the
+// node's Python path, and the type of the per-node state object (types.SimpleNamespace).
 PyObject* g_python_backward = nullptr;
 PyObject* g_state_type = nullptr;
 
@@ -275,8 +275,8 @@ class StackBackward : public Node {
         return h.is_none() ? at::Tensor() : h.cast<at::Tensor>();
       };
       g.grad_x = tensor(r[0]);
-      for (const py::handle& h : r[1].cast<py::list>()) g.grad_weights.push_back(tensor(h));
-      for (const py::handle& h : r[2].cast<py::list>()) g.grad_biases.push_back(tensor(h));
+      for (const py::handle& h : r[1].cast<py::sequence>()) g.grad_weights.push_back(tensor(h));
+      for (const py::handle& h : r[2].cast<py::sequence>()) g.grad_biases.push_back(tensor(h));
       TORCH_CHECK(g.grad_weights.size() == has_bias_.size() &&
                       g.grad_biases.size() == biases_.size(),
                   "ckpt_ext: the node's Python backward returned ", g.grad_weights.size(),

@@ -1,6 +1,7 @@
 // module.cpp — the Python module ckpt_ext._C. The ops themselves are registered with the
 // dispatcher (TORCH_LIBRARY in linear_tanh.cpp) and reached as torch.ops.ckpt_ext.*; this module
-// only carries build facts and helpers that are not ops.
+// only carries build facts, helpers that are not ops, and the entry points of the eager autograd
+// node that ops.py's Autograd kernels call (autograd_node.cpp).
 #include <torch/extension.h>
 
 #include "autograd_node.h"
