@@ -9,13 +9,16 @@ with the eager message and there is no Python copy of the checks to keep in step
 * the public functions, :func:`linear_tanh` and :func:`tanh_mlp`;
 * the autograd formulas: they save only the input ``x`` and references to the parameters; the
   backward ops recompute the activations; every order above the first is an op with its own
-  backward (create_graph=True keeps op inputs, never intermediates);
+  backward (create_graph=True keeps op inputs, never intermediates). In plain eager autograd the
+  forward ops record a C++ node (``csrc/autograd_node.cpp``, see _node_backward) that frees the
+  incoming gradient as early as plain autograd does; elsewhere, autograd Functions;
 * torch.func support: single-level autograd Functions with jvp rules, and vmap rules;
 * FLOP formulas for ``torch.utils.flop_counter``.
 """
 from __future__ import annotations
 
 import math
+import types
 from typing import List, Optional, Sequence
 
 import torch
@@ -189,17 +192,29 @@ def _recompute_chain(ctx, x, weight, bias):
     if t is not None:
         return ctx.recomputed_input, t
     x_in = x
-    below = x.grad_fn
-    if isinstance(below, _LinearTanh._backward_cls):
-        try:
-            bx, bw, bb = below.saved_tensors
-        except RuntimeError:  # that node's saved tensors are already freed: no chain
-            pass
-        else:
-            x_in = _recompute_chain(below, bx, bw, bb)[1]
+    below = _linear_tanh_below(x)
+    if below is not None:
+        below_ctx, (bx, bw, bb) = below
+        x_in = _recompute_chain(below_ctx, bx, bw, bb)[1]
     t = _LinearTanhKeep.apply(x_in, weight, bias)
     ctx.recomputed_input, ctx.recomputed_output = x_in, t
     return x_in, t
+
+
+def _linear_tanh_below(x):
+    """(ctx, (x, W, b)) of the linear_tanh node whose output x is (unmodified), with its saved
+    tensors still there; else None. The node is the C++ one eager autograd records (its ctx is the
+    per-node state object, _C._linear_tanh_node_state) or a _LinearTanh Function's (the node is
+    its own ctx)."""
+    below = x.grad_fn
+    if below is None:
+        return None
+    if isinstance(below, _LinearTanh._backward_cls):
+        try:
+            return below, below.saved_tensors
+        except RuntimeError:  # that node's saved tensors are already freed: no chain
+            return None
+    return _C._linear_tanh_node_state(x)
 
 
 def _first_order_from(ctx, grad_out, x, weight, bias, mask):
@@ -811,6 +826,36 @@ def _stack_double_backward(q_x, q_w, q_b, grad_out, x, weights, layer_b, last_ta
     return grad_gy, grad_x, gws, gbs
 
 
+def _tanh_mlp_first_order(ctx, grad_out, x, weights, biases, has_bias, last_tanh, need_x, need_w,
+                          need_b):
+    """The first-order backward of a tanh_mlp node (ctx: the Function's ctx, or the C++ node's
+    state object): (grad_x?, [grad_W_i?] per layer, [grad_b_j?] per bias), None where not asked."""
+    if _plain_autograd():
+        # As for one layer (_first_order_from): with create_graph=True, the layers' outputs are
+        # recomputed once by nodes that keep them and the first-order backward is built from
+        # the output-based one-layer ops on them; ctx keeps the outputs for later passes.
+        outs = getattr(ctx, "recomputed_outputs", None)
+        layer_b = _layer_biases(biases, has_bias)
+        if torch.is_grad_enabled() and outs is None:
+            outs = ctx.recomputed_outputs = _stack_outputs_kept(x, weights, layer_b, last_tanh)
+        elif outs is not None and not torch.is_grad_enabled():
+            del ctx.recomputed_outputs  # the last pass (no graph is built)
+            outs = [None if o is None else o.detach() for o in outs]
+        if outs is not None:
+            gx, gw, gb = _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh,
+                                                   need_x, need_w,
+                                                   _layer_biases(need_b, has_bias), outs)
+            return gx, gw, [g for g, hb in zip(gb, has_bias) if hb]
+    # With create_graph=True this call is recorded (_TanhMlpBackward): its node keeps only
+    # (grad_out, x) for the whole stack.
+    gx, gw_asked, gb_asked = _OPS.tanh_mlp_backward.default(
+        grad_out, x, weights, biases, has_bias, last_tanh, need_x, need_w, need_b)
+    it_w, it_b = iter(gw_asked), iter(gb_asked)
+    gw = [next(it_w) if n else None for n in need_w]
+    gb = [next(it_b) if n else None for n in need_b]
+    return (gx if need_x else None), gw, gb
+
+
 class _TanhMlp(_SingleLevelFunction):
     """tanh_mlp; keeps (x, weights, biases); backward = the recomputing tanh_mlp_backward op.
     Called as apply(x, has_bias, last_tanh, *weights, *biases): autograd.Function tracks only
@@ -831,36 +876,13 @@ class _TanhMlp(_SingleLevelFunction):
 
     @staticmethod
     def backward(ctx, grad_out):
-        L, has_bias = len(ctx.has_bias), list(ctx.has_bias)
+        L = len(ctx.has_bias)
         x, *params = ctx.saved_tensors
-        weights, biases = params[:L], params[L:]
         need = _needed(ctx, 3 + len(params))
-        need_x, need_w, need_b = need[0], need[3:3 + L], need[3 + L:]
-        if _plain_autograd():
-            # As for one layer (_first_order_from): with create_graph=True, the layers' outputs are
-            # recomputed once by nodes that keep them and the first-order backward is built from
-            # the output-based one-layer ops on them; ctx keeps the outputs for later passes.
-            outs = getattr(ctx, "recomputed_outputs", None)
-            layer_b = _layer_biases(biases, has_bias)
-            if torch.is_grad_enabled() and outs is None:
-                outs = ctx.recomputed_outputs = _stack_outputs_kept(x, weights, layer_b,
-                                                                    ctx.last_tanh)
-            elif outs is not None and not torch.is_grad_enabled():
-                del ctx.recomputed_outputs  # the last pass (no graph is built)
-                outs = [None if o is None else o.detach() for o in outs]
-            if outs is not None:
-                gx, gw, gb = _stack_backward_composite(grad_out, x, weights, layer_b,
-                                                       ctx.last_tanh, need_x, need_w,
-                                                       _layer_biases(need_b, has_bias), outs)
-                return gx, None, None, *gw, *[g for g, hb in zip(gb, has_bias) if hb]
-        # With create_graph=True this call is recorded (_TanhMlpBackward): its node keeps only
-        # (grad_out, x) for the whole stack.
-        gx, gw_asked, gb_asked = _OPS.tanh_mlp_backward.default(
-            grad_out, x, weights, biases, has_bias, ctx.last_tanh, need_x, need_w, need_b)
-        it_w, it_b = iter(gw_asked), iter(gb_asked)
-        gw = [next(it_w) if n else None for n in need_w]
-        gb = [next(it_b) if n else None for n in need_b]
-        return (gx if need_x else None), None, None, *gw, *gb
+        gx, gw, gb = _tanh_mlp_first_order(ctx, grad_out, x, params[:L], params[L:],
+                                           list(ctx.has_bias), ctx.last_tanh, need[0],
+                                           need[3:3 + L], need[3 + L:])
+        return gx, None, None, *gw, *gb
 
     @staticmethod
     def jvp(ctx, x_t, _hb_t, _lt_t, *param_t):
@@ -998,9 +1020,12 @@ def linear_tanh_double_backward(grad_grad_x: Optional[Tensor], grad_grad_weight:
 _AUTOGRAD_LIB = torch.library.Library("ckpt_ext", "IMPL")  # kept alive: it owns the kernels
 
 
-def _register_autograd_kernel(name: str, apply) -> None:
+def _register_autograd_kernel(name: str, apply, record_node=None) -> None:
     """Install ``apply`` as the op's Autograd kernel: used when grad mode is on and an input
-    requires grad; otherwise the call goes straight to the device kernel."""
+    requires grad; otherwise the call goes straight to the device kernel. ``record_node`` (the
+    forward ops): tried first in plain eager autograd, see _node_backward; it returns None where
+    the C++ node cannot be used (Python modes, tensor subclasses, FakeTensor), and ``apply``
+    runs."""
     op = getattr(_OPS, name).default
 
     def kernel(keyset, *args):
@@ -1009,13 +1034,55 @@ def _register_autograd_kernel(name: str, apply) -> None:
             # only, as ATen's Autograd kernels do (the transforms below see the op again).
             with enable_single_level_autograd_function():
                 return apply(*args)
-        if (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)) or (
-                _fwAD._current_level >= 0):  # forward-mode AD: the Function's jvp
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            if (record_node is not None and _fwAD._current_level < 0
+                    and not torch.compiler.is_compiling()):
+                out = record_node(*args)
+                if out is not None:
+                    return out
+            return apply(*args)
+        if _fwAD._current_level >= 0:  # forward-mode AD: the Function's jvp
             return apply(*args)
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
     _AUTOGRAD_LIB.impl(name, kernel, "Autograd", with_keyset=True)
+
+
+# The C++ node (csrc/autograd_node.cpp). Plain eager autograd — grad mode on, an input requiring
+# grad, no torch.func transform, no forward-mode AD level, no dispatch or function mode, every
+# tensor a plain dense one, not compiling — records linear_tanh and tanh_mlp with a C++ node
+# instead of the Functions above. It saves the same tensors (as SavedVariables, so saved-tensor
+# hooks, the in-place check and retain_graph behave as for any node), and in a first-order
+# backward it hands the incoming gradient to the stack engine, which frees it after the top
+# layer's elementwise pass: a Python node holds it until its backward returns, one (batch,
+# out_features) buffer above plain autograd's peak under the write-up's out.mean() loss.
+# Everywhere else — create_graph=True, a mode active during backward, tensor subclasses — the
+# node calls _node_backward, which is the Functions' backward above with a per-node state object
+# as ctx (it keeps the create_graph path's recomputed outputs across passes).
+
+def _node_backward(one_layer, state, grad_out, x, weights, biases, has_bias, last_tanh, need_x,
+                   need_w, need_b):
+    """The C++ node's Python path: (grad_x?, [grad_W_i?], [grad_b_j?], keep_state)."""
+    if one_layer:
+        bias = biases[0] if biases else None
+        mask = [need_x, need_w[0], bool(need_b) and need_b[0]]
+        if _plain_autograd():
+            gx, gw, gb = _first_order_from(state, grad_out, x, weights[0], bias, mask)
+        else:
+            gx, gw, gb = _OPS.linear_tanh_backward.default(grad_out, x, weights[0], bias, mask)
+        grads = (gx, [gw], [gb] if bias is not None else [])
+    else:
+        grads = _tanh_mlp_first_order(state, grad_out, x, weights, biases, has_bias, last_tanh,
+                                      need_x, need_w, need_b)
+    # The node keeps its state only while it holds recomputed outputs for a later pass.
+    return (*grads, bool(vars(state)))
+
+
+_C._set_node_python_backward(_node_backward, types.SimpleNamespace)
+# isinstance(y.grad_fn, torch.autograd.graph.Node) holds, as it did for the Functions' nodes.
+torch.autograd.graph.Node.register(_C.LinearTanhBackward)
+torch.autograd.graph.Node.register(_C.TanhMlpBackward)
 
 
 def _apply_linear_tanh_backward(grad_out, x, weight, bias, output_mask):
@@ -1049,7 +1116,7 @@ def _apply_tanh_mlp_backward(grad_out, x, weights, biases, has_bias, last_tanh, 
     return out[0], list(out[1:1 + n_w]), list(out[1 + n_w:])
 
 
-_register_autograd_kernel("linear_tanh", _LinearTanh.apply)
+_register_autograd_kernel("linear_tanh", _LinearTanh.apply, _C._linear_tanh_with_node)
 _register_autograd_kernel("linear_tanh_backward", _apply_linear_tanh_backward)
 _register_autograd_kernel("linear_tanh_backward_from_output", _apply_backward_from_output)
 _register_autograd_kernel("linear_tanh_backward_from_output_backward", _apply_from_output_backward)
@@ -1068,7 +1135,7 @@ def _apply_from_output_triple(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, 
 
 _register_autograd_kernel("linear_tanh_backward_from_output_double_backward",
                           _apply_from_output_triple)
-_register_autograd_kernel("tanh_mlp", _apply_tanh_mlp)
+_register_autograd_kernel("tanh_mlp", _apply_tanh_mlp, _C._tanh_mlp_with_node)
 _register_autograd_kernel("tanh_mlp_backward", _apply_tanh_mlp_backward)
 
 

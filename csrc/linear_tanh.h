@@ -118,7 +118,11 @@ struct StackGrads {
   std::vector<at::Tensor> grad_weights;  // one per weight; undefined where not asked for
   std::vector<at::Tensor> grad_biases;   // one per entry of `biases`; undefined where not asked
 };
-StackGrads stack_backward(const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
+// grad_out is taken by value, and this function drops its reference right after the top layer's
+// elementwise pass (before any GEMM allocates): a caller that moves its only reference in (the
+// autograd node, autograd_node.cpp) lets the incoming gradient be freed there, as plain autograd
+// frees it after the top TanhBackward. The ops pass a copy: their caller's tensor lives on.
+StackGrads stack_backward(at::Tensor grad_out, const at::Tensor& x, at::TensorList weights,
                           at::TensorList biases, const std::vector<bool>& has_bias, bool last_tanh,
                           bool need_x, const std::vector<bool>& need_weights,
                           const std::vector<bool>& need_biases);

@@ -1,8 +1,10 @@
 // module.cpp — the Python module ckpt_ext._C. The ops themselves are registered with the
 // dispatcher (TORCH_LIBRARY in linear_tanh.cpp) and reached as torch.ops.ckpt_ext.*; this module
-// only carries build facts and helpers that are not ops.
+// only carries build facts, helpers that are not ops, and the entry points of the eager autograd
+// node that ops.py's Autograd kernels call (autograd_node.cpp).
 #include <torch/extension.h>
 
+#include "autograd_node.h"
 #include "build_info.h"
 #include "linear_tanh.h"
 #include "linear_tanh_math.h"
@@ -21,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_poison_buffers", &ckpt_ext::poison_buffers);
   ckpt_ext::bind_cpu_meter(m);
   ckpt_ext::bind_build_info(m);  // TORCH_BUILD_VERSION, CPU level hooks (build_info.cpp)
+  ckpt_ext::bind_autograd_node(m);  // the C++ first-order autograd node (autograd_node.cpp)
 #ifdef CKPT_EXT_WITH_CUDA
   m.attr("WITH_CUDA") = true;
 #else

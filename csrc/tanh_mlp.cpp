@@ -21,7 +21,8 @@
 // output is not needed). Then, layer by layer from the top:
 //   g = grad · (1 − t²), in place in the buffer that held t = a_{i+1} (or z on top), with the
 //       bias gradient summed in the same pass (the documented order, linear_tanh.h); the incoming
-//       gradient is freed right after, before any GEMM allocates;
+//       gradient is dropped right after, before any GEMM allocates (and freed there when the
+//       caller handed over its only reference: the autograd node does, autograd_node.cpp);
 //   grad_W_i = gᵀ·a_i, and grad = g·W_i for the layer below (or grad_x), each only if needed;
 //   g (the buffer that held a_{i+1}) is then freed.
 // So no (M, N) buffer is ever allocated for g: at every point the backward holds at most what plain
@@ -70,7 +71,7 @@ at::Tensor stack_forward(const at::Tensor& x, at::TensorList weights, at::Tensor
   return at::_unsafe_view(a, out_sizes(x, weights[L - 1].size(0)));
 }
 
-StackGrads stack_backward(const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
+StackGrads stack_backward(at::Tensor grad_out, const at::Tensor& x, at::TensorList weights,
                           at::TensorList biases, const std::vector<bool>& has_bias, bool last_tanh,
                           bool need_x, const std::vector<bool>& need_weights,
                           const std::vector<bool>& need_biases) {
@@ -112,7 +113,10 @@ StackGrads stack_backward(const at::Tensor& grad_out, const at::Tensor& x, at::T
 
   // grad: the gradient w.r.t. the current layer's output, (M, N_i); starts as grad_out (a view
   // where possible: out.mean() gives strides (0, 0), which the primitives read as they are).
+  // From here `grad` is this function's only reference to the incoming gradient, so dropping it
+  // below frees it when the caller handed over its own (see stack_backward in linear_tanh.h).
   at::Tensor grad = grad_out.reshape({M, weights[L - 1].size(0)});
+  grad_out = at::Tensor();
   for (int64_t i = L - 1; i >= lo; --i) {
     at::Tensor g;  // the gradient w.r.t. z_i
     at::Tensor grad_b;

@@ -92,9 +92,13 @@ def test_cli_exact_memory_figures(tiny_run):
     for name in ("chain", "residual", "mlp"):
         fused, compiled = nets[name]["fused"], nets[name]["compile-fused"]
         # compiling the fused model must not make it keep more (a partitioner re-deciding what
-        # to save) nor peak higher
+        # to save) nor peak higher, but for one thing: the compiled region's backward node is
+        # AOTAutograd's Python autograd.Function, which holds the incoming (batch, hidden)
+        # gradient to its end, while eager's C++ node (csrc/autograd_node.cpp) frees it after the
+        # top layer's elementwise pass
         assert compiled["kept_for_backward"] == fused["kept_for_backward"], name
-        assert compiled["peak_above_before_forward"] <= fused["peak_above_before_forward"], name
+        assert compiled["peak_above_before_forward"] <= \
+            fused["peak_above_before_forward"] + unit, name
     for name, modes in nets.items():
         for mode, r in modes.items():
             if "readings" not in r:
@@ -165,7 +169,9 @@ def test_inductor_compiled_fused_keeps_what_eager_fused_keeps(tmp_path):
     fused, compiled = res["fused"], res["compile-fused"]
     assert "error" not in compiled, compiled.get("error")
     assert compiled["kept_for_backward"] == fused["kept_for_backward"] == 16 * 64 * 4
-    assert compiled["peak_above_before_forward"] <= fused["peak_above_before_forward"]
+    # at most the incoming (batch, hidden) gradient above: AOTAutograd's backward node (a Python
+    # autograd.Function) holds it to its end, eager's C++ node frees it after the top layer
+    assert compiled["peak_above_before_forward"] <= fused["peak_above_before_forward"] + 16 * 64 * 4
     assert compiled["grad_rel_err"] < 1e-5
 
 

@@ -1,0 +1,471 @@
+"""The C++ autograd node that eager tanh_mlp and linear_tanh record (csrc/autograd_node.cpp).
+
+Covers: where it is recorded and where the autograd Functions still are (torch.func, forward-mode
+AD, dispatch modes, tensor subclasses, torch.compile's tracing); that its gradients equal the
+Functions' to the bit; that it behaves as any autograd node (saved-tensor hooks, the in-place
+check, retain_graph, backward twice, tensor and node hooks, anomaly mode, only the gradients the
+pass uses, the profiler's view); and what it is for, in exact bytes: the first-order backward frees
+the incoming gradient after the top layer's elementwise pass, so the write-up's mean-loss chain
+peaks no higher than plain autograd, fused as one stack or pair by pair.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ckpt_ext
+from ckpt_ext import FusedLinearTanh, FusedTanhMLP, linear_tanh, tanh_mlp
+from ckpt_ext.bench import clear_grads, measured_step
+from ckpt_ext.memory import MemoryMeter
+from ckpt_ext.models import Net
+
+NODE = {"tanh_mlp": "TanhMlpBackward", "linear_tanh": "LinearTanhBackward"}
+FUNCTION = {"tanh_mlp": "_TanhMlpBackward", "linear_tanh": "_LinearTanhBackward"}
+
+
+class Passthrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing but is there: the ops then go through the Python
+    Functions (what any mode, FakeTensorMode or FlopCounterMode included, gets)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _params(sizes, bias=(True,), dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ws, bs = [], []
+    for i, (k, n) in enumerate(zip(sizes[:-1], sizes[1:])):
+        ws.append((torch.randn(n, k, generator=g, dtype=dtype) / k ** 0.5).requires_grad_())
+        b = bias[i % len(bias)]
+        bs.append(torch.randn(n, generator=g, dtype=dtype).requires_grad_() if b else None)
+    return ws, bs
+
+
+def _run(op, x, ws, bs, last_tanh=True):
+    if op == "linear_tanh":
+        return linear_tanh(x, ws[0], bs[0])
+    return tanh_mlp(x, ws, bs, last_tanh=last_tanh)
+
+
+# ------------------------------------------------------------------------------------------------
+# where the node is recorded
+
+@pytest.mark.parametrize("op", ["tanh_mlp", "linear_tanh"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_eager_records_the_cpp_node(op, bias):
+    ws, bs = _params([4, 6, 3] if op == "tanh_mlp" else [4, 6], (bias,))
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    y = _run(op, x, ws, bs)
+    node = y.grad_fn
+    assert node.name() == NODE[op] and type(node).__name__ == NODE[op]
+    assert isinstance(node, torch.autograd.graph.Node)
+    # one next edge per tensor: x, the weights, the biases that exist
+    n_b = sum(b is not None for b in bs)
+    assert len(node.next_functions) == 1 + len(ws) + n_b
+    assert all(type(f).__name__ == "AccumulateGrad" for f, _ in node.next_functions)
+
+
+def test_modules_record_the_cpp_node():
+    x = torch.randn(5, 4, requires_grad=True)
+    assert FusedTanhMLP([4, 6, 3])(x).grad_fn.name() == "TanhMlpBackward"
+    assert FusedLinearTanh(4, 6)(x).grad_fn.name() == "LinearTanhBackward"
+
+
+@pytest.mark.parametrize("op", ["tanh_mlp", "linear_tanh"])
+def test_functions_under_a_dispatch_mode(op):
+    ws, bs = _params([4, 6, 3])
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with Passthrough():
+        y = _run(op, x, ws, bs)
+    assert y.grad_fn.name() == FUNCTION[op]
+
+
+@pytest.mark.parametrize("op", ["tanh_mlp", "linear_tanh"])
+def test_functions_under_torch_func_and_forward_ad(op):
+    ws, bs = _params([4, 6, 3])
+    x = torch.randn(5, 4, dtype=torch.float64)
+    seen = []
+
+    def f(x):
+        y = _run(op, x, ws, bs)
+        seen.append(y.grad_fn.name())
+        return y.sum()
+
+    torch.func.grad(f)(x)
+    assert seen == [FUNCTION[op]]
+    with fwAD.dual_level():
+        y = _run(op, fwAD.make_dual(x, torch.ones_like(x)), ws, bs)
+        assert y.grad_fn.name() == FUNCTION[op]
+        assert fwAD.unpack_dual(y).tangent is not None
+
+
+def test_function_for_a_tensor_subclass():
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    ws, bs = _params([4, 6, 3])
+    x = two_tensor.TwoTensor(torch.randn(5, 4, dtype=torch.float64),
+                             torch.randn(5, 4, dtype=torch.float64)).requires_grad_()
+    y = tanh_mlp(x, ws, bs)
+    assert y.grad_fn.name() == "_TanhMlpBackward"
+    y.sum().backward()
+    assert x.grad is not None
+
+
+def test_compile_traces_the_ops_not_the_node():
+    # torch.compile traces with FakeTensors (a Python key): the Functions, whose backward op lands
+    # in the compiled backward graph; the compiled step computes what eager computes.
+    ws, bs = _params([4, 6, 3], dtype=torch.float32)
+    x = torch.randn(5, 4)
+
+    def step(x):
+        return tanh_mlp(x, ws, bs).mean()
+
+    torch._dynamo.reset()
+    loss = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
+    assert loss.grad_fn.name() == "CompiledFunctionBackward"
+    got = torch.autograd.grad(loss, ws + [bs[0], bs[1]])
+    want = torch.autograd.grad(step(x), ws + [bs[0], bs[1]])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+# ------------------------------------------------------------------------------------------------
+# the same gradients as the Functions
+
+CASES = [  # (sizes, bias pattern, last_tanh, which inputs require grad: x, weights, biases)
+    ([7, 9, 5, 3], (True,), True, (True, True, True)),
+    ([7, 9, 5, 3], (True, False), False, (True, True, True)),
+    ([7, 9, 5, 3], (False,), True, (False, True, False)),
+    ([7, 9, 5, 3], (True,), False, (True, False, False)),
+    ([7, 3], (True,), True, (True, True, True)),
+]
+
+
+@pytest.mark.parametrize("sizes,bias,last_tanh,req", CASES)
+@pytest.mark.parametrize("grad_kind", ["mean", "tensor"])
+def test_node_gradients_equal_the_functions_bitwise(sizes, bias, last_tanh, req, grad_kind):
+    def grads(mode):
+        ws, bs = _params(sizes, bias)
+        x = torch.randn(2, 3, sizes[0], dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(1))
+        x.requires_grad_(req[0])
+        for w in ws:
+            w.requires_grad_(req[1])
+        for b in bs:
+            if b is not None:
+                b.requires_grad_(req[2])
+        with mode:
+            y = tanh_mlp(x, ws, bs, last_tanh=last_tanh)
+        assert y.grad_fn.name() == ("_TanhMlpBackward" if isinstance(mode, Passthrough)
+                                    else "TanhMlpBackward")
+        if grad_kind == "mean":
+            y.mean().backward()
+        else:
+            y.backward(torch.randn(y.shape, dtype=y.dtype,
+                                   generator=torch.Generator().manual_seed(2)))
+        return [t.grad for t in [x, *ws, *bs] if t is not None]
+
+    node, function = grads(contextlib.nullcontext()), grads(Passthrough())
+    for a, b in zip(node, function):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+
+
+def test_create_graph_through_the_node_matches_plain_autograd():
+    # create_graph=True goes through the node's Python path (the Functions' backward): u_x, u_xx
+    # and the parameter gradient of both, against nn.Sequential, float64.
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    seq = seq.double()
+    fused = FusedTanhMLP.from_modules(seq)
+    tx = torch.rand(16, 2, dtype=torch.float64, requires_grad=True)
+
+    def loss(model):
+        u = model(tx)
+        (du,) = torch.autograd.grad(u.sum(), tx, create_graph=True)
+        (ddu,) = torch.autograd.grad(du[:, 1].sum(), tx, create_graph=True)
+        return (ddu[:, 1] ** 2).mean() + (u ** 2).mean()
+
+    assert fused(tx).grad_fn.name() == "TanhMlpBackward"
+    want = torch.autograd.grad(loss(seq), list(seq.parameters()))
+    got = torch.autograd.grad(loss(fused), list(seq.parameters()))
+    for g, w in zip(got, want):
+        assert (g - w).norm() <= 1e-12 * w.norm()
+
+
+# ------------------------------------------------------------------------------------------------
+# an autograd node like any other
+
+def test_saved_tensor_hooks_see_what_is_saved_and_unpack_it():
+    ws, bs = _params([4, 6, 3])
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t)
+        return t.clone()  # the node must use what unpack returns
+
+    def unpack(t):
+        unpacked.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        y = tanh_mlp(x, ws, bs)
+    assert y.grad_fn.name() == "TanhMlpBackward"
+    assert [p.data_ptr() for p in packed] == [t.data_ptr() for t in [x, *ws, *bs]]
+    y.sum().backward()
+    assert len(unpacked) == len(packed) == 5
+    ref = [t.grad.clone() for t in [x, *ws, *bs]]
+    for t in [x, *ws, *bs]:
+        t.grad = None
+    tanh_mlp(x, ws, bs).sum().backward()
+    assert all(torch.equal(a, t.grad) for a, t in zip(ref, [x, *ws, *bs]))
+
+
+@pytest.mark.parametrize("op", ["tanh_mlp", "linear_tanh"])
+def test_in_place_modification_of_a_saved_tensor_raises(op):
+    ws, bs = _params([4, 6, 3])
+    base = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    x = base * 1
+    y = _run(op, x, ws, bs)
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    y = _run(op, base, ws, bs)
+    with torch.no_grad():
+        ws[0].mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("op", ["tanh_mlp", "linear_tanh"])
+def test_retain_graph_and_backward_twice(op):
+    ws, bs = _params([4, 6, 3])
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    y = _run(op, x, ws, bs)
+    y.mean().backward(retain_graph=True)
+    once = [t.grad.clone() for t in (x, ws[0], bs[0])]
+    y.mean().backward()  # the saved tensors are still there: gradients accumulate
+    for a, t in zip(once, (x, ws[0], bs[0])):
+        assert torch.equal(t.grad, 2 * a)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.mean().backward()
+
+
+def test_tensor_and_node_hooks_run():
+    ws, bs = _params([4, 6, 3])
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    y = tanh_mlp(x, ws, bs)
+    y.sum().backward()
+    ref_x, ref_w = x.grad.clone(), ws[0].grad.clone()
+    x.grad = None
+    ws[0].grad = None
+
+    y = tanh_mlp(x, ws, bs)
+    y.retain_grad()
+    seen = {}
+    y.register_hook(lambda g: 3 * g)  # the node gets 3x the gradient
+
+    def keep(key, value):
+        seen[key] = value  # and return None: the hooks change nothing
+
+    x.register_hook(lambda g: keep("x", g.clone()))
+    y.grad_fn.register_prehook(lambda grad_outputs: keep("pre", grad_outputs[0].clone()))
+    y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: keep("post", grad_inputs))
+    y.sum().backward()
+    assert torch.equal(seen["pre"], torch.full_like(y, 3.0))
+    torch.testing.assert_close(x.grad, 3 * ref_x, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(ws[0].grad, 3 * ref_w, rtol=1e-12, atol=1e-15)
+    assert torch.equal(seen["x"], x.grad)
+    assert len(seen["post"]) == 1 + 2 + 2 and torch.equal(seen["post"][0], x.grad)
+    assert torch.equal(y.grad, seen["pre"])  # retain_grad runs after the tensor hooks
+
+
+def test_anomaly_mode_names_the_node():
+    ws, bs = _params([4, 6, 3])
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    with torch.autograd.detect_anomaly(check_nan=True):
+        y = tanh_mlp(x, ws, bs)
+        with pytest.raises(RuntimeError, match="Function 'TanhMlpBackward' returned nan values"):
+            y.backward(torch.full_like(y, float("nan")))
+
+
+def test_only_the_gradients_the_pass_uses_are_computed():
+    # autograd.grad w.r.t. x: no weight-gradient GEMM. Per layer the backward runs one mm for
+    # the gradient to the layer below and one more for grad_W when it is used (the recompute is
+    # addmm). The profiler sees the op's name, as when the op ran through the dispatcher, and,
+    # with record_shapes, the shapes it was given.
+    ws, bs = _params([4, 6, 3], dtype=torch.float32)
+    x = torch.randn(5, 4, requires_grad=True)
+
+    def mm_calls(inputs):
+        y = tanh_mlp(x, ws, bs)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    record_shapes=True) as prof:
+            grads = torch.autograd.grad(y.sum(), inputs)
+        events = prof.events()
+        op = [e for e in events if e.name == "ckpt_ext::tanh_mlp_backward"]
+        assert len(op) == 1 and op[0].input_shapes[:2] == [[5, 3], [5, 4]]
+        return sum(e.name == "aten::mm" for e in events), grads
+
+    n_x, (gx,) = mm_calls([x])
+    n_all, grads = mm_calls([x, *ws])
+    assert (n_x, n_all) == (2, 4)
+    assert torch.equal(gx, grads[0])
+
+
+def test_an_error_in_the_python_path_reaches_the_caller(monkeypatch):
+    # create_graph=True goes through Python (ops._node_backward): an exception raised there comes
+    # out of autograd.grad as itself, as from a Function's backward.
+    from ckpt_ext import ops
+
+    def boom(*args, **kwargs):
+        raise ValueError("boom from the node's Python path")
+
+    ws, bs = _params([4, 6, 3])
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    y = tanh_mlp(x, ws, bs)
+    monkeypatch.setattr(ops, "_tanh_mlp_first_order", boom)
+    with pytest.raises(ValueError, match="boom from the node's Python path"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+def test_bad_input_raises_the_ops_message_and_saves_nothing():
+    packed = []
+    x = torch.randn(5, 7, requires_grad=True)
+    w = torch.randn(3, 4, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        with pytest.raises(ValueError, match=r"weights\[0\]\.shape\[1\] \(in_features\) must equal "
+                           r"x\.shape\[-1\] = 7"):
+            tanh_mlp(x, [w])
+        with pytest.raises(ValueError, match=r"x\.shape\[-1\] must equal weight\.shape\[1\]"):
+            linear_tanh(x, w)
+    assert packed == []
+
+
+class _NoGrad(torch.autograd.Function):
+    """Passes y on and sends no gradient back: the node below gets an undefined gradient."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+@pytest.mark.parametrize("op", ["tanh_mlp", "linear_tanh"])
+def test_an_undefined_incoming_gradient_gives_no_gradients(op):
+    # As ATen's nodes: a zero (undefined) gradient in, nothing out (the Function's node made
+    # zero tensors instead).
+    ws, bs = _params([4, 6, 3])
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    y = _run(op, x, ws, bs)
+    (_NoGrad.apply(y).sum() + x.sum()).backward()
+    assert torch.equal(x.grad, torch.ones_like(x)) and ws[0].grad is None
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_of_a_fused_module(use_reentrant):
+    # Non-reentrant checkpoint packs through saved-tensor hooks and recomputes on unpack;
+    # reentrant reruns the forward in backward: both through the node.
+    torch.manual_seed(0)
+    m = FusedTanhMLP([4, 6, 3]).double()
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    m(x).mean().backward()
+    want = [t.grad for t in [x, *m.parameters()]]
+    for t in [x, *m.parameters()]:
+        t.grad = None
+    y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=use_reentrant)
+    y.mean().backward()  # (reentrant checkpoint refuses autograd.grad)
+    for t, w in zip([x, *m.parameters()], want):
+        assert torch.equal(t.grad, w)
+
+
+# ------------------------------------------------------------------------------------------------
+# what it is for: the peak, in exact bytes
+
+class _Pairs(nn.Module):
+    """The write-up's chain with each block a FusedLinearTanh sharing the block's Linear."""
+
+    def __init__(self, net: Net):
+        super().__init__()
+        self.linear1 = net.linear1
+        self.blocks = nn.Sequential(*[FusedLinearTanh.from_linear(b[0]) for b in net.blocks()])
+
+    def forward(self, x):
+        return self.blocks(self.linear1(x))
+
+
+PEAK_SIZES = [dict(batch=256, in_features=16, hidden=64, depth=3),
+              dict(batch=32, in_features=16, hidden=256, depth=3)]
+PEAK_IDS = ["activation-bound", "weight-bound"]
+
+
+def _chain(fused_as, sizes):
+    torch.manual_seed(0)
+    net = Net(mode="fused" if fused_as == "stack" else "plain", in_features=sizes["in_features"],
+              hidden=sizes["hidden"], depth=sizes["depth"])
+    return _Pairs(net) if fused_as == "pairs" else net
+
+
+def _peak(model, sizes, forward_mode=None):
+    """Peak bytes above "before forward" of one write-up step (loss out.mean()), exact CPU meter;
+    the forward under ``forward_mode`` if given (the backward never is)."""
+    x = torch.randn(sizes["batch"], sizes["in_features"])
+    with MemoryMeter("cpu") as meter:
+        clear_grads(model)
+        if forward_mode is None:
+            return measured_step(model, x, meter)["peak_above_before_forward"]
+
+        def under_mode(inp):
+            with forward_mode:
+                return model(inp)
+
+        return measured_step(under_mode, x, meter)["peak_above_before_forward"]
+
+
+@pytest.mark.parametrize("sizes", PEAK_SIZES, ids=PEAK_IDS)
+@pytest.mark.parametrize("fused_as", ["stack", "pairs"])
+def test_mean_loss_chain_peak_not_above_plain(fused_as, sizes):
+    fused = _peak(_chain(fused_as, sizes), sizes)
+    plain = _peak(_chain("plain", sizes), sizes)
+    assert 0 < fused <= plain, (fused, plain)
+
+
+@pytest.mark.parametrize("sizes", PEAK_SIZES, ids=PEAK_IDS)
+@pytest.mark.parametrize("fused_as", ["stack", "pairs"])
+def test_the_node_peaks_one_gradient_below_the_function(fused_as, sizes):
+    # The same step with the Python Function's node (the forward under a dispatch mode): its
+    # backward holds the incoming (batch, hidden) gradient to the end, the C++ node frees it after
+    # the top layer's elementwise pass. Exactly that one buffer apart.
+    model = _chain(fused_as, sizes)
+    node = _peak(model, sizes)
+    function = _peak(model, sizes, forward_mode=Passthrough())
+    assert function - node == sizes["batch"] * sizes["hidden"] * 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_node_gradients_equal_the_functions():
+    def grads(mode):
+        ws, bs = _params([7, 9, 3], dtype=torch.float32)
+        ws = [w.detach().cuda().requires_grad_() for w in ws]
+        bs = [b.detach().cuda().requires_grad_() for b in bs]
+        torch.manual_seed(0)
+        x = torch.randn(5, 7, device="cuda", requires_grad=True)
+        with mode:
+            y = tanh_mlp(x, ws, bs)
+        y.mean().backward()
+        return y.grad_fn.name(), [t.grad for t in [x, *ws, *bs]]
+
+    name_n, node = grads(contextlib.nullcontext())
+    name_f, function = grads(Passthrough())
+    assert (name_n, name_f) == ("TanhMlpBackward", "_TanhMlpBackward")
+    for a, b in zip(node, function):
+        assert torch.equal(a, b)
