@@ -19,9 +19,8 @@ about 1-3 minutes per mutant on a 2-core machine.
 
 Retargeting. MUTANTS is one table of rows (name, file, old text, new text, what it breaks). A
 row applies when `old` occurs exactly once in `file`. Rows sharing a name are alternatives for
-different layouts of the code, tried in order, the first that applies is used: the CPU kernels
-have rows for main's csrc/cpu/linear_tanh.cpp and for the per-ISA csrc/cpu/linear_tanh_kernels.cpp
-of the cpu branch. A mutant none of whose rows applies is reported as "does not apply: retarget"
+different layouts of the code, tried in order, the first that applies is used (a row can be added
+beside the current one while a branch moves the code). A mutant none of whose rows applies is reported as "does not apply: retarget"
 and counts as a failure of this script, so the table cannot silently go stale.
 `--source-root DIR` takes the sources (csrc/, setup.py, ckpt_ext/) from another checkout and the
 tests from this one, to run this table against a branch before it merges.
@@ -52,8 +51,8 @@ class Mutant:
     breaks: str  # what is wrong, in words
 
 
-CPU = "csrc/cpu/linear_tanh.cpp"              # main: the CPU primitives, kernels included
-CPU_KERNELS = "csrc/cpu/linear_tanh_kernels.cpp"  # cpu branch: the per-ISA kernels
+CPU = "csrc/cpu/linear_tanh.cpp"              # the CPU primitives: threads, bias sums
+CPU_KERNELS = "csrc/cpu/linear_tanh_kernels.cpp"  # the per-ISA element kernels
 ENGINE = "csrc/tanh_mlp.cpp"
 OPS = "csrc/linear_tanh.cpp"
 
@@ -66,19 +65,6 @@ MUTANTS = [
         "                                       static_cast<at::opmath_type<scalar_t>>(1.0001));\n",
         "every bias gradient 1e-4 (relative) too large"),
     Mutant(
-        "dropped_factor_in_one_column", CPU,
-        "      const V g = tanh_grad_from_output(gy, t);\n"
-        "      g.store(row + c, k);\n",
-        "      V g = tanh_grad_from_output(gy, t);\n"
-        "      if (c + k == n) {  // the last column keeps grad_out: the (1 - t^2) factor dropped\n"
-        "        scalar_t tmp[V::size()];\n"
-        "        g.store(tmp, k);\n"
-        "        tmp[k - 1] = gy_bcast ? grad_row[0] : grad_row[n - 1];\n"
-        "        g = V::loadu(tmp, k);\n"
-        "      }\n"
-        "      g.store(row + c, k);\n",
-        "float32/float64: g = grad_out in the last column, without 1 - tanh(z)^2"),
-    Mutant(  # cpu branch: per-ISA kernels, half types vectorised in float
         "dropped_factor_in_one_column", CPU_KERNELS,
         "        t.v[i] = tanh_grad_from_output(gy.v[i], t.v[i]);\n"
         "      }\n"
@@ -120,18 +106,6 @@ MUTANTS = [
         "      if (need_bias[i]) grad_b = g.sum(0);  // ATen's own order\n",
         "bias gradient summed by ATen's sum(0) instead of the documented order"),
     Mutant(
-        "half_arithmetic_in_storage_precision", CPU,
-        "      acc_t t = static_cast<acc_t>(row[c]);\n"
-        "      if (holds == Holds::kPreActivation) t = std::tanh(t);\n"
-        "      const acc_t g = "
-        "tanh_grad_from_output(static_cast<acc_t>(grad_row[gy_bcast ? 0 : c]), t);\n",
-        "      scalar_t t = row[c];  // t, t*t, 1 - t*t, the product rounded to the storage type\n"
-        "      if (holds == Holds::kPreActivation) {\n"
-        "        t = static_cast<scalar_t>(std::tanh(static_cast<acc_t>(t)));\n"
-        "      }\n"
-        "      const scalar_t g = tanh_grad_from_output(grad_row[gy_bcast ? 0 : c], t);\n",
-        "bfloat16/float16 backward arithmetic in the storage type instead of float32"),
-    Mutant(  # cpu branch
         "half_arithmetic_in_storage_precision", CPU_KERNELS,
         "        t.v[i] = tanh_grad_from_output(gy.v[i], t.v[i]);\n",
         "        if constexpr (kReduced<scalar_t>) {  // t, t*t, 1 - t*t, the product rounded\n"
