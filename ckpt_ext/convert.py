@@ -346,10 +346,9 @@ class FusedSequential(nn.Sequential):
         return "fused runs: " + ", ".join(p.describe() for p in self._ckpt_ext_runs)
 
 
-class RunLayer(nn.Module):
-    """Holds a Linear's ``weight`` and ``bias`` (same Parameter objects, same names) for the run
-    that computes its layer (started by a :class:`FusedRunHead` or a :class:`FusedSequential`);
-    its own forward passes its input through."""
+class _LinearParams(nn.Module):
+    """A Linear's ``weight`` and ``bias`` (the same Parameter objects, under the same names, so
+    ``state_dict`` keys and an optimizer built before stay valid) and its sizes."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -360,6 +359,12 @@ class RunLayer(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+
+class RunLayer(_LinearParams):
+    """Holds a Linear's ``weight`` and ``bias`` (same Parameter objects, same names) for the run
+    that computes its layer (started by a :class:`FusedRunHead` or a :class:`FusedSequential`);
+    its own forward passes its input through."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
@@ -368,7 +373,7 @@ class RunLayer(nn.Module):
                 f"bias={self.bias is not None} (computed by its fused run)")
 
 
-class FusedRunHead(nn.Module):
+class FusedRunHead(_LinearParams):
     """The first Linear of a run ``Linear, Tanh, Linear, ...`` of a module's children that its
     forward calls in sequence (possibly continuing into a Sequential it calls next). It computes
     the whole run with ``tanh_mlp`` (keeping only the run's input) and holds the first layer's
@@ -378,13 +383,7 @@ class FusedRunHead(nn.Module):
     or given hooks since, it raises rather than compute without it."""
 
     def __init__(self, linear: nn.Linear, run: Optional[_Run] = None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        if linear.bias is not None:
-            self.bias = linear.bias
-        else:
-            self.register_parameter("bias", None)
+        super().__init__(linear)
         self._run = run  # a plain object (not a registered child), set by fuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -160,6 +160,21 @@ def _add(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
     return a if b is None else a + b
 
 
+def _grad_of_g(ggx2: Optional[Tensor], ggw: Optional[Tensor], ggb: Optional[Tensor], x2: Tensor,
+               weight: Tensor) -> Optional[Tensor]:
+    """dg, the gradient reaching g = grad_out·(1 − t²) from the first-order results' gradients
+    (ggx, ggW, ggb): ggx·Wᵀ (through grad_x = g·W), x·ggWᵀ (through grad_W = gᵀ·x), ggb on every
+    row (through grad_b = Σ g). None when none of them is given."""
+    dg = None
+    if ggx2 is not None:
+        dg = ggx2 @ weight.t()
+    if ggw is not None:
+        dg = _add(dg, x2 @ ggw.t())
+    if ggb is not None:
+        dg = _add(dg, ggb.expand(x2.shape[0], weight.shape[0]))
+    return dg
+
+
 def _zeros_out(x: Tensor, n: int) -> Tensor:
     """A zero tensor of shape x.shape[:-1] + (n,) that owns no memory (an expanded scalar): the
     grad_out placeholder of a double-backward call whose result does not read it."""
@@ -467,13 +482,7 @@ def _from_output_backward_vjp(ggx, ggw, ggb, gy, x, t, weight, u_gy, u_x, u_t, u
     ux2 = None if u_x is None else u_x.reshape(m, k)
     ut2 = None if u_t is None else u_t.reshape(m, n)
     s = 1 - t2 * t2
-    dg = None
-    if ggx2 is not None:
-        dg = ggx2 @ weight.t()
-    if ggw is not None:
-        dg = _add(dg, x2 @ ggw.t())
-    if ggb is not None:
-        dg = _add(dg, ggb.expand(m, n))
+    dg = _grad_of_g(ggx2, ggw, ggb, x2, weight)
     dgbar = None if ugy2 is None else ugy2 * s
     m2ut = None if ut2 is None else -2 * ut2  # −2·u_t
     if m2ut is not None:
@@ -601,13 +610,7 @@ def _double_backward_vjp(ggx, ggw, ggb, gy, x, weight, bias, u_gy, u_x, u_w, u_b
 
     t = linear_tanh(x2, weight, bias)  # recomputed, as the forward computes it
     s = 1 - t * t
-    dg = None
-    if ggx2 is not None:
-        dg = ggx2 @ weight.t()
-    if ggw is not None:
-        dg = _add(dg, x2 @ ggw.t())
-    if ggb is not None:
-        dg = _add(dg, ggb.expand(m, n))
+    dg = _grad_of_g(ggx2, ggw, ggb, x2, weight)
 
     c = None if u_b is None else u_b.expand(m, n)
     if u_w is not None:

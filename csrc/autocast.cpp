@@ -24,18 +24,11 @@
 #include <optional>
 #include <vector>
 
+#include "linear_tanh.h"
+
 namespace ckpt_ext {
 
 namespace {
-
-at::Tensor call_linear_tanh(const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ckpt_ext::linear_tanh", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                         const std::optional<at::Tensor>&)>();
-  return op.call(x, weight, bias);
-}
 
 template <c10::DeviceType device_type>
 at::Tensor linear_tanh_autocast(const at::Tensor& x, const at::Tensor& weight,
@@ -48,15 +41,6 @@ at::Tensor linear_tanh_autocast(const at::Tensor& x, const at::Tensor& weight,
   return call_linear_tanh(at::autocast::cached_cast(dtype, x, device_type),
                           at::autocast::cached_cast(dtype, weight, device_type),
                           at::autocast::cached_cast(dtype, bias, device_type));
-}
-
-at::Tensor call_tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                         const c10::List<bool>& has_bias, bool last_tanh) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ckpt_ext::tanh_mlp", "")
-                       .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
-                                         const c10::List<bool>&, bool)>();
-  return op.call(x, weights, biases, has_bias, last_tanh);
 }
 
 std::vector<at::Tensor> cast_all(at::ScalarType dtype, at::TensorList ts,

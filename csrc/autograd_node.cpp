@@ -336,24 +336,6 @@ void add_node_type(py::module_& m, PyTypeObject& type, const char* qualified_nam
 // ------------------------------------------------------------------------------------------------
 // recording the node
 
-at::Tensor call_tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                         const c10::List<bool>& has_bias, bool last_tanh) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ckpt_ext::tanh_mlp", "")
-                       .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
-                                         const c10::List<bool>&, bool)>();
-  return op.call(x, weights, biases, has_bias, last_tanh);
-}
-
-at::Tensor call_linear_tanh(const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ckpt_ext::linear_tanh", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                         const std::optional<at::Tensor>&)>();
-  return op.call(x, weight, bias);
-}
-
 // y's grad_fn becomes a StackBackward saving (x, weights, biases). Called after the forward ran,
 // as a Function saves after its forward (a rejected input packs nothing).
 void record_node(at::Tensor& y, bool one_layer, const at::Tensor& x, at::TensorList weights,

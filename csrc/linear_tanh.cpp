@@ -218,6 +218,27 @@ at::Tensor bias_grad(const at::Tensor& grad_out) {
 #undef CKPT_EXT_ON_DEVICE
 
 // ----------------------------------------------------------------------------------------------
+// calling the ops through the dispatcher
+
+at::Tensor call_linear_tanh(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ckpt_ext::linear_tanh", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&)>();
+  return op.call(x, weight, bias);
+}
+
+at::Tensor call_tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                         const c10::List<bool>& has_bias, bool last_tanh) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ckpt_ext::tanh_mlp", "")
+                       .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
+                                         const c10::List<bool>&, bool)>();
+  return op.call(x, weights, biases, has_bias, last_tanh);
+}
+
+// ----------------------------------------------------------------------------------------------
 // the ops
 
 namespace {
@@ -308,15 +329,11 @@ TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   m.impl("linear_tanh_backward", &linear_tanh_backward);
 }
 #else
-// A CPU-only build given CUDA tensors says so, instead of the dispatcher's generic "could not run
-// with arguments from the 'CUDA' backend".
-namespace {
 void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
   TORCH_CHECK(false, op.schema().name(), ": got CUDA tensors, but this build of ckpt_ext has no "
               "CUDA kernels (ckpt_ext.WITH_CUDA is False); rebuild it where nvcc and a CUDA build "
               "of torch are present (CKPT_EXT_CUDA=1 makes a missing toolkit an error)");
 }
-}  // namespace
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   for (const char* name : {"linear_tanh", "linear_tanh_backward", "tanh_mlp", "tanh_mlp_backward"}) {

@@ -14,6 +14,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 
 #include <optional>
 #include <string>
@@ -43,6 +45,20 @@ void check_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor
 // one dtype and one device. Messages name the layer index.
 void check_tanh_mlp_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
                            at::TensorList biases, const std::vector<bool>& has_bias);
+
+// ------------------------------------------------------------------------------------------------
+// Calling the ops through the dispatcher from C++ (linear_tanh.cpp): the autocast kernels and the
+// autograd node re-enter the library this way, so every key below theirs still runs.
+at::Tensor call_linear_tanh(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias);
+at::Tensor call_tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                         const c10::List<bool>& has_bias, bool last_tanh);
+
+#ifndef CKPT_EXT_WITH_CUDA
+// The CUDA kernel of every op in a CPU-only build: an error that names the problem, instead of
+// the dispatcher's generic "could not run with arguments from the 'CUDA' backend".
+void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Buffers (linear_tanh.cpp)

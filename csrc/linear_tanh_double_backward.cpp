@@ -664,14 +664,6 @@ TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   m.impl("linear_tanh_backward_from_output_backward", &linear_tanh_backward_from_output_backward);
 }
 #else
-namespace {
-void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
-  TORCH_CHECK(false, op.schema().name(), ": got CUDA tensors, but this build of ckpt_ext has no "
-              "CUDA kernels (ckpt_ext.WITH_CUDA is False); rebuild it where nvcc and a CUDA build "
-              "of torch are present (CKPT_EXT_CUDA=1 makes a missing toolkit an error)");
-}
-}  // namespace
-
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   for (const char* name : {"linear_tanh_double_backward", "linear_tanh_backward_from_output",
                            "linear_tanh_backward_from_output_backward"}) {
