@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ckpt_ext
-from reference import TOL, linear_tanh_ref, rel_err
+from reference import TOL, linear_tanh_ref, rel_err, run_fused, scaled_err
 from reference import linear_tanh_ref_grads as ref_grads
 
 pytestmark = pytest.mark.cuda
@@ -63,16 +63,6 @@ def acc_dtype(dtype):
 # ------------------------------------------------------------------------------------------------
 # references (plain PyTorch, on the CPU)
 
-def run_fused(x, w, b, gy):
-    """Output and grads of ckpt_ext.linear_tanh; detach(), not clone(), so views keep their strides."""
-    x = x.detach().requires_grad_()
-    w = w.detach().requires_grad_()
-    b = None if b is None else b.detach().requires_grad_()
-    y = ckpt_ext.linear_tanh(x, w, b)
-    y.backward(gy)
-    return y.detach(), x.grad, w.grad, (None if b is None else b.grad)
-
-
 def ref_scales(x, w, gy, y):
     """The float64 reference computed on absolute values: |y|, |g|·|W|, |g|ᵀ·|x|, Σ|g|. A gradient
     that is a sum with cancellation (few rows or columns, random-sign grad_out) is only as exact as
@@ -83,18 +73,6 @@ def ref_scales(x, w, gy, y):
     g = (gy.detach().double().cpu() * (1 - y ** 2)).reshape(x2.shape[0], w.shape[0])
     wa = w.detach().double().cpu().abs()
     return y.abs(), (g.abs() @ wa).reshape(x.shape), g.abs().t() @ x2.abs(), g.abs().sum(0)
-
-
-def scaled_err(out, ref, scale):
-    """‖out − ref‖ / ‖scale‖ in float64; inf for NaN/inf or a shape mismatch."""
-    if out.shape != ref.shape:
-        return math.inf
-    out = out.detach().double().cpu()
-    if not torch.isfinite(out).all():
-        return math.inf
-    denom = scale.norm().item()
-    diff = (out - ref).norm().item()
-    return diff if denom == 0.0 else diff / denom
 
 
 def assert_matches_reference(x, w, b, gy, tol):
