@@ -145,7 +145,9 @@ def _copy_file(source: Path, target: Path) -> None:
     if target.exists() and target.read_bytes() == source.read_bytes():
         return  # unchanged since an earlier run (--keep): ninja keeps its object file
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(source, target)
+    # shutil.copy, not copy2: the copy must be newer than any object file built from what it
+    # replaces (e.g. a mutant left behind by a killed run), or ninja keeps that stale object.
+    shutil.copy(source, target)
 
 
 def _copy_tree(root: Path, dest: Path) -> None:

@@ -451,6 +451,7 @@ def test_the_node_peaks_one_gradient_below_the_function(fused_as, sizes):
     assert function - node == sizes["batch"] * sizes["hidden"] * 4
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_node_gradients_equal_the_functions():
     def grads(mode):

@@ -801,6 +801,7 @@ def test_unsupported_dtype_left_alone():
     assert "complex64 is not supported" in report.near_misses[0].why
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and ckpt_ext.WITH_CUDA),
                     reason="CUDA variant: needs a GPU and a CUDA build of ckpt_ext")
 def test_cuda_model():

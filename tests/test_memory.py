@@ -228,6 +228,7 @@ def test_cuda_without_driver_gives_clear_messages(capsys):
             nvml_usage()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_meter_counts_allocations():
     with MemoryMeter("cuda") as m:
