@@ -577,7 +577,8 @@ def _signature_problem(m: nn.Module) -> Optional[str]:
         return "its forward has no inspectable signature"
     for p in list(sig.parameters.values())[1:]:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            return f"its forward takes *{p.name}; fx would see only the traced arity"
+            stars = "*" if p.kind == p.VAR_POSITIONAL else "**"
+            return f"its forward takes {stars}{p.name}; fx would see only the traced arity"
         if p.default is not p.empty:
             return (f"its forward has an optional argument {p.name}={p.default!r}; fx would see "
                     f"only one value of it")

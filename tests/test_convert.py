@@ -407,6 +407,36 @@ def test_child_run_keeps_keys_parameters_and_trains():
     assert rel_err(model(x), before(x)) <= 1e-12
 
 
+@pytest.mark.parametrize("overwrite", [False, True], ids=["in_place", "new_parameters"])
+@pytest.mark.parametrize("make,width", [(Children, 3), (ActorCritic, 11)],
+                         ids=["children", "across"])
+def test_to_after_fusing_is_seen_by_the_fused_run(make, width, overwrite):
+    """README: the run's head reads the later layers' parameters at every call, so `.to()` after
+    fusing is seen. A float32 model fused, then `.to(torch.float64)` as a whole, computes what the
+    unfused model converted the same way computes, to float64 precision. With
+    torch.__future__'s overwrite flag `.to()` puts new Parameter objects in the modules: a run
+    that had kept the old ones would compute in float32 (or fail on mixed dtypes)."""
+    torch.manual_seed(0)
+    model = make()
+    before = copy.deepcopy(model)
+    _, report = fuse(model)
+    assert len(report) >= 1 and {d.how for d in report.fused} <= {"children", "across"}
+    fused_kinds = kinds(model)
+    assert {FusedRunHead, RunLayer} & {t for _, t in fused_kinds}
+    model(torch.randn(2, width))  # used in float32 first
+    old = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    try:
+        model.to(torch.float64)
+        before.to(torch.float64)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(old)
+    assert kinds(model) == fused_kinds  # still fused: the run computes the converted layers
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    x = torch.randn(6, width, dtype=torch.float64)
+    assert_same_computation(before, model, [x], torch.float64)
+
+
 def test_child_called_twice_held_twice_hooked_or_used_elsewhere_is_not_swapped():
     class Twice(nn.Module):  # the same Tanh after two Linears
         def __init__(self):
@@ -609,6 +639,54 @@ def test_rewrite_linear_called_twice_keeps_its_module():
                             torch.float64)
 
 
+class LinearsInModuleList(nn.Module):
+    """Linears held in a ModuleList and called in a loop, with Tanh modules (also in a
+    ModuleList) or torch.tanh between them."""
+
+    def __init__(self, tanh_modules: bool) -> None:
+        super().__init__()
+        self.tanh_modules = tanh_modules
+        self.layers = nn.ModuleList([nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)])
+        self.acts = nn.ModuleList([nn.Tanh(), nn.Tanh()])
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers[:-1]):
+            x = self.acts[i](layer(x)) if self.tanh_modules else torch.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+@pytest.mark.parametrize("tanh_modules", [True, False], ids=["nn.Tanh", "torch.tanh"])
+def test_rewrite_fuses_linears_called_in_a_module_list_loop(tanh_modules):
+    """README: Linears called in a ModuleList loop can only be fused by rewriting the forward;
+    rewrite=True does it (one run, the modules and their parameters kept)."""
+    torch.manual_seed(0)
+    model = LinearsInModuleList(tanh_modules).double()
+    before = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    params = dict(model.named_parameters())
+    module_kinds = kinds(model)
+
+    _, plain = fuse(copy.deepcopy(model))  # no opt-in: left alone, and the report says why
+    assert len(plain) == 0 and plain.rewritten == []
+    assert any("layers.0 is not a direct child of <model>" in d.why for d in plain.near_misses)
+
+    _, report = fuse(model, rewrite=True)
+    act = "acts.{}" if tanh_modules else "torch.tanh"
+    assert fused_layers(report) == [
+        ("layers.0", act.format(0), "layers.1", act.format(1), "layers.2")]
+    assert report.fused[0].how == "rewrite" and report.rewritten == [""]
+    assert "forward" in vars(model) and type(model).forward is LinearsInModuleList.forward
+    assert model.forward.source.count("ckpt_ext_ops_tanh_mlp(") == 1
+    assert kinds(model) == module_kinds  # the Linears stay nn.Linear in their ModuleList
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())
+    rows = 5
+    x = torch.randn(rows, 4, dtype=torch.float64)
+    assert_same_computation(before, model, [x], torch.float64)
+    assert saved_activation_bytes(before, x) - saved_activation_bytes(model, x) == \
+        rows * report.bytes_per_row == rows * 2 * 8 * 8  # the two tanh outputs
+
+
 # ------------------------------------------------------------------------------------------------
 # What is left alone
 
@@ -680,6 +758,69 @@ def test_forward_with_optional_argument_is_not_used():
     assert torch.equal(model(x, scale=3.0), torch.tanh(model.lin(x)) * 3.0)
 
 
+class VarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.Tanh()
+
+    def forward(self, *xs):
+        h = xs[0]
+        for extra in xs[1:]:
+            h = h + extra
+        return self.act(self.lin(h))
+
+
+class VarKwargs(VarArgs):
+    def forward(self, x, **options):
+        return self.act(self.lin(x)) * options.get("scale", 1.0)
+
+
+class ForwardOnInstance(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.Tanh()
+
+    def forward(self, x):  # not what runs: the instance's forward below skips the tanh
+        return self.act(self.lin(x))
+
+
+def _forward_on_instance():
+    model = ForwardOnInstance()
+    model.forward = lambda x: model.lin(x)
+    return model
+
+
+@pytest.mark.parametrize("make,why", [
+    (VarArgs, "its forward takes *xs; fx would see only the traced arity"),
+    (VarKwargs, "its forward takes **options; fx would see only the traced arity"),
+    (_forward_on_instance, "its forward is set on the instance (fx would trace its class's "
+                           "forward, not what runs)"),
+], ids=["star_args", "star_kwargs", "forward_on_instance"])
+def test_forward_taking_star_args_or_replaced_on_the_instance_is_not_analysed(make, why):
+    """README: a forward with `*args` arguments, or a `forward` replaced on the instance, is not
+    used: the report lists the module under "not analysed" with the reason, and its children are
+    neither swapped nor its code rewritten."""
+    torch.manual_seed(0)
+    model = make()
+    before = copy.deepcopy(model)
+    forward = vars(model).get("forward")
+    fused, report = fuse(model, rewrite=True)
+    assert fused is model and len(report) == 0 and report.rewritten == []
+    assert report.not_analysed == [("", why)]
+    assert f"not analysed: <model>: {why}" in str(report)
+    assert type(model.lin) is nn.Linear and type(model.act) is nn.Tanh
+    assert vars(model).get("forward") is forward
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    if make is VarArgs:
+        assert torch.equal(model(x), before(x)) and torch.equal(model(x, y), before(x, y))
+    elif make is VarKwargs:
+        assert torch.equal(model(x, scale=2.0), before(x, scale=2.0))
+    else:
+        assert torch.equal(model(x), model.lin(x))  # still the instance's forward: no tanh
+
+
 def test_untraceable_model_keeps_sequential_runs_and_reports_why():
     class DataDependent(nn.Module):
         def __init__(self):
@@ -704,6 +845,114 @@ def test_untraceable_model_keeps_sequential_runs_and_reports_why():
     x = torch.randn(3, 4, dtype=torch.float64).abs()
     assert_same_computation(before, model, [x], torch.float64)
     assert_same_computation(before, model, [-x], torch.float64)
+
+
+class PairInto(nn.Module):
+    """A Linear -> Tanh pair (or, with run=True, a run whose trailing Tanh is a child) whose tanh
+    output goes to one consumer."""
+
+    def __init__(self, consumer: str, run: bool = False) -> None:
+        super().__init__()
+        self.consumer = consumer
+        self.fc = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)) if run else \
+            nn.Linear(6, 6)
+        self.act = nn.Tanh()
+        self.norm = nn.LayerNorm(6)
+        self.w = nn.Parameter(torch.randn(6, 5))
+        self.scale = nn.Parameter(torch.randn(6))  # a learned tensor: mul saves h for its grad
+
+    def forward(self, x):
+        h = self.act(self.fc(x))
+        if self.consumer == "LayerNorm":
+            return self.norm(h)
+        if self.consumer == "F.layer_norm":
+            return F.layer_norm(h, (6,))
+        if self.consumer == "matmul":
+            return h @ self.w
+        if self.consumer == "multiply by a tensor":
+            return h * self.scale
+        if self.consumer == "F.mse_loss":
+            return F.mse_loss(h, x)
+        return h * 2.0  # multiply by a constant: does not keep h
+
+
+KEPT_BY = {"LayerNorm": "kept by norm (LayerNorm keeps its input)",
+           "F.layer_norm": "kept by F.layer_norm", "matmul": "kept by operator.matmul",
+           "multiply by a tensor": "kept by operator.mul with another tensor",
+           "F.mse_loss": "kept by F.mse_loss"}
+
+
+@pytest.mark.parametrize("run", [False, True], ids=["lone_pair", "trailing_tanh"])
+@pytest.mark.parametrize("consumer", list(KEPT_BY) + ["multiply by a constant"])
+def test_tanh_output_kept_by_its_consumer_is_left_alone_under_memory_policy(consumer, run):
+    """README (policy="memory"): a lone Linear -> Tanh pair, and a run's trailing Tanh, are left
+    alone before a LayerNorm, a matmul or a multiply by another tensor (and an mse_loss), with
+    the reason in the report: that consumer keeps the output anyway. Fusing it (policy="all")
+    frees nothing there. A multiply by a constant does not keep it: fused."""
+    torch.manual_seed(0)
+    model = PairInto(consumer, run).double()
+    before = copy.deepcopy(model)
+    _, report = fuse(model)
+    rows = 4
+    x = torch.randn(rows, 6, dtype=torch.float64)
+    head = ("fc.0", "fc.1", "fc.2") if run else ("fc",)
+    if consumer == "multiply by a constant":
+        assert fused_layers(report) == [head + ("act",)] and report.near_misses == []
+        assert "operator.mul by a constant does not keep it" in report.fused[0].why
+        assert type(model.act) is nn.Identity
+    else:
+        (miss,) = report.near_misses
+        if run:  # the run is fused without its trailing Tanh
+            assert fused_layers(report) == [head]
+            assert miss.layers == ("act",)
+            what = "the trailing Tanh is left out of the run (its output is kept anyway)"
+            assert type(model.fc) is FusedSequential
+        else:
+            assert len(report) == 0 and miss.layers == ("fc", "act")
+            what = "a lone pair whose output is kept anyway"
+            assert type(model.fc) is nn.Linear
+        assert miss.why.startswith(f"{what}: {KEPT_BY[consumer]}; fusing it would free nothing")
+        assert f"left alone  {' -> '.join(miss.layers)}: {what}" in str(report)
+        assert type(model.act) is nn.Tanh
+    assert_same_computation(before, model, [x], torch.float64)
+    if not run:
+        # What "kept anyway" means: fused regardless (policy="all"), the pair frees nothing.
+        every = copy.deepcopy(before)
+        _, r_all = fuse(every, policy="all")
+        assert len(r_all) == 1
+        freed = saved_activation_bytes(before, x) - saved_activation_bytes(every, x)
+        assert freed == rows * r_all.bytes_per_row == \
+            (rows * 6 * 8 if consumer == "multiply by a constant" else 0)
+
+
+def test_model_output_is_freed_unless_the_loss_keeps_it():
+    """README: a pair whose output is the model's output is fused under policy="memory": that
+    output is freed unless the loss keeps it (.mean()/.sum() do not, mse_loss does), as the report
+    says."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double()
+    plain = copy.deepcopy(model)
+    _, report = fuse(model)
+    assert len(report) == 1 and ("returned by the model (freed unless the loss keeps it: "
+                                 ".mean()/.sum() do not, mse_loss does)") in report.fused[0].why
+    rows = 4
+    x, target = torch.randn(rows, 6, dtype=torch.float64), torch.randn(rows, 6, dtype=torch.float64)
+
+    class WithLoss(nn.Module):
+        def __init__(self, net, loss):
+            super().__init__()
+            self.net, self.loss = net, loss
+
+        def forward(self, inp):
+            return self.loss(self.net(inp))
+
+    def freed(loss):
+        return saved_activation_bytes(WithLoss(plain, loss), x) - \
+            saved_activation_bytes(WithLoss(model, loss), x)
+
+    assert freed(lambda out: out.sum()) == freed(lambda out: out.mean()) == \
+        rows * report.bytes_per_row == rows * 6 * 8
+    assert freed(lambda out: F.mse_loss(out, target)) == 0  # mse_loss keeps the output itself
 
 
 # ------------------------------------------------------------------------------------------------
@@ -799,6 +1048,43 @@ def test_unsupported_dtype_left_alone():
     fused, report = fuse(model, policy="all")
     assert len(report) == 0 and type(model[0]) is nn.Linear
     assert "complex64 is not supported" in report.near_misses[0].why
+
+
+@pytest.fixture(scope="module")
+def lazy_device():
+    """A device this build of the op does not support that runs without special hardware: the
+    lazy-tensor device (TorchScript backend, CPU)."""
+    try:
+        import torch._lazy
+        import torch._lazy.ts_backend
+
+        torch._lazy.ts_backend.init()
+        torch.zeros(1, device="lazy").cpu()
+    except Exception as e:  # a torch build without the lazy TorchScript backend
+        pytest.skip(f"no lazy tensor device in this torch build ({type(e).__name__}: {e})")
+    return "lazy"
+
+
+@pytest.mark.parametrize("make,width,misses", [
+    (lambda: _mlp_policy(8, 16, 4), 8, [("0", "1"), ("2", "3"), ("4",)]),
+    (Children, 3, [("fc1", "a1"), ("fc2", "a2"), ("fc3",)]),
+], ids=["sequential", "children"])
+@pytest.mark.parametrize("policy", ["memory", "all"])
+def test_unsupported_device_left_alone(make, width, misses, policy, lazy_device):
+    """README: a model on a device the op does not support (here: 'lazy'; this build supports
+    cpu, meta and, in a CUDA build, cuda) is left alone, with the reason in the report."""
+    torch.manual_seed(0)
+    model = make().double()
+    x = torch.randn(5, width, dtype=torch.float64)
+    ref = model(x)
+    model.to(lazy_device)
+    module_kinds = kinds(model)
+    fused, report = fuse(model, policy=policy)
+    assert fused is model and len(report) == 0 and kinds(model) == module_kinds
+    assert [d.layers for d in report.near_misses] == misses and report.not_analysed == []
+    assert all("device lazy:0 is not supported by this build of the fused op" in d.why
+               for d in report.near_misses), str(report)
+    assert rel_err(model(x.to(lazy_device)).cpu(), ref) <= 1e-14
 
 
 @pytest.mark.cuda
