@@ -137,6 +137,18 @@ def test_runs_on_a_cpu_without_avx():
 # ------------------------------------------------------------------------------------------------
 # torch versions: build and run time agree
 
+@pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) not installed")
+@pytest.mark.skipif(not (torch._C.has_openmp and sys.platform.startswith("linux")),
+                    reason="torch's parallel backend here is not OpenMP on Linux")
+def test_cpu_passes_are_openmp_parallel_regions():
+    """at::parallel_for is a header template whose OpenMP backend is a `#pragma omp parallel`
+    compiled into our own objects: built without -fopenmp, every CPU pass of ours silently ran on
+    one thread. Built right, the module calls GOMP_parallel, resolved to torch's libgomp."""
+    syms = subprocess.run(["nm", "-D", "--undefined-only", SO], capture_output=True, text=True,
+                          check=True).stdout.split()
+    assert "GOMP_parallel" in syms, "ckpt_ext's at::parallel_for loops were compiled without OpenMP"
+
+
 def test_torch_build_version_recorded():
     assert _C.TORCH_BUILD_VERSION == torch.__version__
     with open(SO, "rb") as f:
