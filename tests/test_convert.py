@@ -858,6 +858,11 @@ class PairInto(nn.Module):
             nn.Linear(6, 6)
         self.act = nn.Tanh()
         self.norm = nn.LayerNorm(6)
+        # A random affine: with weight 1 and bias 0, sum(LayerNorm(h)²) hardly depends on h, so the
+        # gradients compared below would be rounding noise around 0 (1e-12 apart across two tanh
+        # implementations that agree to 1 ulp).
+        nn.init.normal_(self.norm.weight)
+        nn.init.normal_(self.norm.bias)
         self.w = nn.Parameter(torch.randn(6, 5))
         self.scale = nn.Parameter(torch.randn(6))  # a learned tensor: mul saves h for its grad
 
@@ -866,7 +871,7 @@ class PairInto(nn.Module):
         if self.consumer == "LayerNorm":
             return self.norm(h)
         if self.consumer == "F.layer_norm":
-            return F.layer_norm(h, (6,))
+            return F.layer_norm(h, (6,), self.norm.weight, self.norm.bias)
         if self.consumer == "matmul":
             return h @ self.w
         if self.consumer == "multiply by a tensor":
