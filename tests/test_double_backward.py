@@ -105,25 +105,31 @@ MASKS4 = [(True, True, True, True), (True, True, False, False), (False, False, T
           (False, True, False, True)]
 
 
+def _gradgradcheck_second_order_op(op, given, rest, mask):
+    """gradcheck and gradgradcheck of a second-order op taking (grad_grad_x, grad_grad_weight,
+    grad_grad_bias, *rest, mask) for x (3, 5) and weight (4, 5): the grad-grads named in `given`
+    ("ggx+ggw", "all", ...) are inputs, the others None."""
+    made = {"ggx": _randn(3, 5, seed=4), "ggw": _randn(4, 5, seed=5), "ggb": _randn(4, seed=6)}
+    gg_in = [made[k] if k in given or given == "all" else None for k in ("ggx", "ggw", "ggb")]
+    present = [v for v in gg_in if v is not None]
+
+    def f(*args):
+        it = iter(args[:len(present)])
+        gg = [next(it) if v is not None else None for v in gg_in]
+        out = op(*gg, *args[len(present):], list(mask))
+        return tuple(o for o in out if o is not None)
+
+    inputs = (*present, *rest)
+    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradgradcheck(f, inputs)
+
+
 @pytest.mark.parametrize("given", ["ggx", "ggx+ggw", "ggw+ggb", "all"])
 @pytest.mark.parametrize("mask", MASKS4, ids=lambda m: "".join("1" if v else "0" for v in m))
 def test_gradgradcheck_linear_tanh_double_backward(mask, given):
     gy, x, w, b = (_randn(3, 4, seed=0), _randn(3, 5, seed=1), _randn(4, 5, seed=2),
                    _randn(4, seed=3))
-    ggx = _randn(3, 5, seed=4) if "ggx" in given or given == "all" else None
-    ggw = _randn(4, 5, seed=5) if "ggw" in given or given == "all" else None
-    ggb = _randn(4, seed=6) if "ggb" in given or given == "all" else None
-    present = [t for t in (ggx, ggw, ggb) if t is not None]
-
-    def f(*args):
-        it = iter(args[:len(present)])
-        gg = [next(it) if t is not None else None for t in (ggx, ggw, ggb)]
-        out = OPS.linear_tanh_double_backward(*gg, *args[len(present):], list(mask))
-        return tuple(o for o in out if o is not None)
-
-    inputs = (*present, gy, x, w, b)
-    assert torch.autograd.gradcheck(f, inputs)
-    assert torch.autograd.gradgradcheck(f, inputs)
+    _gradgradcheck_second_order_op(OPS.linear_tanh_double_backward, given, (gy, x, w, b), mask)
 
 
 @pytest.mark.parametrize("mask", MASKS3, ids=lambda m: "".join("1" if v else "0" for v in m))
@@ -147,21 +153,8 @@ def test_gradgradcheck_linear_tanh_backward_from_output(mask):
 def test_gradgradcheck_linear_tanh_backward_from_output_backward(mask, given):
     gy, x, t, w = (_randn(3, 4, seed=0), _randn(3, 5, seed=1), _randn(3, 4, seed=2, scale=0.5),
                    _randn(4, 5, seed=3))
-    ggx = _randn(3, 5, seed=4) if "ggx" in given or given == "all" else None
-    ggw = _randn(4, 5, seed=5) if "ggw" in given or given == "all" else None
-    ggb = _randn(4, seed=6) if "ggb" in given or given == "all" else None
-    present = [v for v in (ggx, ggw, ggb) if v is not None]
-
-    def f(*args):
-        it = iter(args[:len(present)])
-        gg = [next(it) if v is not None else None for v in (ggx, ggw, ggb)]
-        out = OPS.linear_tanh_backward_from_output_backward(*gg, *args[len(present):],
-                                                            list(mask))
-        return tuple(o for o in out if o is not None)
-
-    inputs = (*present, gy, x, t, w)
-    assert torch.autograd.gradcheck(f, inputs)
-    assert torch.autograd.gradgradcheck(f, inputs)
+    _gradgradcheck_second_order_op(OPS.linear_tanh_backward_from_output_backward, given,
+                                   (gy, x, t, w), mask)
 
 
 @pytest.mark.parametrize("last_tanh", [True, False])
