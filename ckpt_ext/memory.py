@@ -9,9 +9,15 @@ timeline of memory through a step.
   tensors over foreign memory (``torch.from_numpy``). Memory the meter never handed out that
   reaches its deleter anyway goes to the wrapped allocator's deleter and is counted in
   ``_C.cpu_meter_stats()["foreign_frees"]``; the deleter never throws.
-* CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` (the caching allocator's
-  figures, block sizes rounded up to 512 bytes), the allocator's trace for the timeline, and the
-  device's own view through NVML (:func:`nvml_usage`, :func:`show_usage`, as in the write-up).
+* CUDA: requested bytes, the sizes tensors asked the caching allocator for
+  (``torch.cuda.memory_stats()["requested_bytes.all.current"]`` and ``.peak``), in readings and
+  timeline alike. ``memory_allocated`` would count the blocks handed out instead: rounded up to
+  512 bytes, and a cached block a little larger than the request is handed out whole, so the
+  figure for the same step depends on what earlier code left in the cache. The timeline comes
+  from the allocator's trace (its alloc and free_completed entries carry the requested size, and
+  are the moments the requested figure moves), recorded without stack traces
+  (``context=None``): gathering a C++ stack on every allocation costs seconds per step. The
+  device's own view is NVML's (:func:`nvml_usage`, :func:`show_usage`, as in the write-up).
 
 Usage::
 
@@ -25,6 +31,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Union
 
@@ -96,18 +103,19 @@ class MemoryMeter:
             torch.cuda.synchronize(self.device)
 
     def current(self) -> int:
-        """Tensor bytes alive now (on CPU: of those allocated while the meter was installed)."""
+        """Tensor bytes alive now (on CPU: of those allocated while the meter was installed; on
+        CUDA: requested bytes)."""
         self._sync()
         if self.device.type == "cpu":
             return int(_C.cpu_meter_stats()["current"])
-        return int(torch.cuda.memory_allocated(self.device))
+        return cuda_requested_bytes(self.device)[0]
 
     def peak(self) -> int:
         """The highest :meth:`current` since the last :meth:`reset_peak`."""
         self._sync()
         if self.device.type == "cpu":
             return int(_C.cpu_meter_stats()["peak"])
-        return int(torch.cuda.max_memory_allocated(self.device))
+        return cuda_requested_bytes(self.device)[1]
 
     def reset_peak(self) -> int:
         """Start a new peak at the current figure, and return it."""
@@ -115,7 +123,7 @@ class MemoryMeter:
         if self.device.type == "cpu":
             return int(_C.cpu_meter_reset_peak())
         torch.cuda.reset_peak_memory_stats(self.device)
-        return int(torch.cuda.max_memory_allocated(self.device))
+        return cuda_requested_bytes(self.device)[1]
 
     def now_ns(self) -> int:
         return int(_C.cpu_meter_now_ns())
@@ -144,55 +152,101 @@ class MemoryMeter:
             return
         first = len(self.readings)
         start_bytes, start_ns = self.current(), self.now_ns()
-        traced = _cuda_trace_start()
+        # the trace stamps events on the wall clock, in microseconds: this maps them to the meter's
+        unix_minus_meter_ns = time.time_ns() - self.now_ns()
+        traced = cuda_trace_start()
         try:
             yield
         finally:
             self._sync()
-            tl = _cuda_trace_stop(start_bytes, start_ns, self.device) if traced else None
-            if tl is None:
+            trace = cuda_trace_stop(self.device) if traced else None
+            if trace is not None:
+                tl = timeline_from_trace(trace, start_bytes, start_ns, self.now_ns(),
+                                         unix_minus_meter_ns, end_bytes=self.current())
+            else:
                 inside = self.readings[first:]
                 tl = Timeline([start_ns] + [r.t_ns for r in inside],
                               [start_bytes] + [r.bytes for r in inside], exact=False)
             self.last_timeline = tl
 
 
-def _cuda_trace_start() -> bool:
+# ------------------------------------------------------------------------------------------------
+# CUDA: requested bytes and the allocator's trace
+
+#: Trace entries kept (a ring buffer: an overflow loses the oldest, and the timeline says so).
+TRACE_MAX_ENTRIES = 1_000_000
+
+
+def cuda_requested_bytes(device: Union[str, torch.device, None] = None) -> tuple[int, int]:
+    """(current, peak) requested bytes of the caching allocator on ``device``: the sum of the
+    sizes tensors asked for, whatever block (rounded, or a larger cached one) served them.
+    Zeros before the allocator's first use."""
+    stats = torch.cuda.memory_stats(device)
+    return (int(stats.get("requested_bytes.all.current", 0)),
+            int(stats.get("requested_bytes.all.peak", 0)))
+
+
+def cuda_trace_start() -> bool:
+    """Start the allocator's event history, with no stack traces, cleared of earlier entries.
+    False where this torch or allocator backend has no history (cudaMallocAsync)."""
+    record = torch.cuda.memory._record_memory_history  # private API, stable since torch 2.1
+    kw = dict(context=None, stacks="python", max_entries=TRACE_MAX_ENTRIES)
     try:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        try:
+            record("all", clear_history=True, **kw)
+        except TypeError:  # a torch without clear_history, whose enabling clears the history
+            record("all", **kw)
         return True
-    except Exception:  # noqa: BLE001 - private API; fall back to readings
+    except Exception:  # noqa: BLE001 - private API; the readings stand in
         return False
 
 
-def _cuda_trace_stop(start_bytes: int, start_ns: int, device: torch.device) -> Optional[Timeline]:
-    # Rebuild the figure from the allocator's trace: +size at each alloc, -size when a free
-    # completes (memory_allocated drops then too). Times come as time_us on the wall clock; they
-    # are shifted to start at start_ns so CPU and CUDA timelines read alike.
+def cuda_trace_stop(device: torch.device) -> Optional[list]:
+    """The trace entries recorded on ``device`` since :func:`cuda_trace_start`; history off."""
     try:
         snap = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        traces = snap["device_traces"][device.index]
+        return list(snap["device_traces"][device.index or 0])
     except Exception:  # noqa: BLE001
         return None
-    tl = Timeline([start_ns], [start_bytes], exact=True)
-    cur, t0 = start_bytes, None
-    for i, e in enumerate(traces):
-        action = e.get("action")
-        if action == "alloc":
-            cur += int(e["size"])
-        elif action == "free_completed":
-            cur -= int(e["size"])
-        else:
-            continue
-        t_us = e.get("time_us")
-        if t_us is None:
-            t = start_ns + i  # no timestamps in this torch: event order only
-        else:
-            t0 = t_us if t0 is None else t0
-            t = start_ns + int((t_us - t0) * 1000)
-        tl.t_ns.append(t)
+    finally:
+        try:
+            torch.cuda.memory._record_memory_history(None)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def timeline_from_trace(trace: list, start_bytes: int, start_ns: int, end_ns: int,
+                        unix_minus_meter_ns: int, end_bytes: Optional[int] = None) -> Timeline:
+    """Requested bytes after every allocator event of ``trace`` (entries as in
+    ``torch.cuda.memory._snapshot()["device_traces"][i]``), from ``start_bytes`` at ``start_ns``:
+    +size at each ``alloc``, -size at each ``free_completed`` (the two moments the allocator's
+    requested-bytes figure moves; ``free_requested`` waits for the streams that used the block,
+    and segment events are cached memory, not tensors).
+
+    Times: an event's ``time_us`` (wall clock) minus ``unix_minus_meter_ns`` is on the meter's
+    clock. Should those times fall outside [start_ns, end_ns] by more than a second (a clock this
+    mapping does not know), the events are shifted to start at ``start_ns`` instead; without
+    timestamps they are spaced 1 ns apart. Times never go backwards. ``exact`` is False when the
+    trace filled its ring buffer (the oldest events lost) or its last figure disagrees with
+    ``end_bytes``, the reading taken after it."""
+    events = [(e, int(e["size"]) if e.get("action") == "alloc" else -int(e["size"]))
+              for e in trace if e.get("action") in ("alloc", "free_completed")]
+    stamps = [e.get("time_us") for e, _ in events]
+    if events and all(t is not None for t in stamps):
+        times = [int(t) * 1000 - unix_minus_meter_ns for t in stamps]
+        if not all(start_ns - 10**9 <= t <= end_ns + 10**9 for t in times):
+            times = [start_ns + (t - times[0]) for t in times]
+    else:
+        times = [start_ns + i + 1 for i in range(len(events))]
+    tl = Timeline([start_ns], [start_bytes], exact=len(trace) < TRACE_MAX_ENTRIES)
+    cur, t_prev = start_bytes, start_ns
+    for (_, delta), t in zip(events, times):
+        cur += delta
+        t_prev = max(t, t_prev)
+        tl.t_ns.append(t_prev)
         tl.bytes.append(cur)
+    if end_bytes is not None and cur != end_bytes:
+        tl.exact = False
     return tl
 
 

@@ -1,9 +1,13 @@
-"""The counting CPU allocator (csrc/memory.cpp, ckpt_ext.memory.MemoryMeter) is safe to use:
-its deleter never throws (a throw there is std::terminate), and after stop() c10's CPU allocator
-can be replaced again at the default priority.
+"""The meter's machinery (ckpt_ext.memory).
 
-c10's allocator priority is process-wide and can only go up, so each case runs in a fresh
-interpreter: the state it checks cannot have been changed by another test.
+CPU: the counting allocator (csrc/memory.cpp) is safe to use: its deleter never throws (a throw
+there is std::terminate), and after stop() c10's CPU allocator can be replaced again at the default
+priority. c10's allocator priority is process-wide and can only go up, so each of these cases runs
+in a fresh interpreter: the state it checks cannot have been changed by another test.
+
+CUDA: readings and timeline in requested bytes. The pure parts (the trace-to-timeline function,
+the history's settings, the statistic read) are checked here on any machine with stand-ins for
+torch.cuda; the `cuda` tests check the same on a GPU, against blocks cached by earlier code.
 """
 from __future__ import annotations
 
@@ -11,6 +15,12 @@ import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
+import torch
+
+from ckpt_ext import memory
+from ckpt_ext.memory import MemoryMeter, timeline_from_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,7 +57,7 @@ def test_allocator_replaceable_after_stop():
 def test_foreign_free_does_not_terminate():
     """A block raw-allocated from c10's default allocator and freed through the meter (the
     allocator in place at the time of the free) reaches the meter's deleter with a pointer it
-    never handed out. Before the fix that was a throwing assert inside a deleter: abort."""
+    never handed out. A throwing assert there would abort the process (std::terminate)."""
     proc = _run("""
         import torch
         from ckpt_ext import _C
@@ -67,3 +77,147 @@ def test_foreign_free_does_not_terminate():
     """)
     assert proc.returncode == 0, f"exit {proc.returncode} (-6 = abort): {proc.stderr[-2000:]}"
     assert proc.stdout.strip().endswith("OK")
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA, on any machine: the trace-to-timeline function and the calls into torch.cuda
+
+def _ev(action, size, time_us=None):
+    e = {"action": action, "addr": 0x7F0000, "size": size, "stream": 0, "frames": []}
+    if time_us is not None:
+        e["time_us"] = time_us
+    return e
+
+
+def test_timeline_counts_alloc_and_free_completed_only():
+    # wall clock 1_000_000 us = meter 5_000_000 ns: unix_minus_meter = 1e12 - 5e6 ns
+    off = 1_000_000 * 1000 - 5_000_000
+    trace = [_ev("segment_alloc", 2 << 20, 1_000_001), _ev("alloc", 1000, 1_000_001),
+             _ev("alloc", 24, 1_000_002), _ev("free_requested", 1000, 1_000_003),
+             _ev("free_completed", 1000, 1_000_004), _ev("segment_free", 2 << 20, 1_000_005),
+             _ev("snapshot", 0, 1_000_006)]
+    tl = timeline_from_trace(trace, start_bytes=512, start_ns=5_000_000, end_ns=5_010_000,
+                             unix_minus_meter_ns=off, end_bytes=536)
+    assert tl.bytes == [512, 1512, 1536, 536]
+    assert tl.t_ns == [5_000_000, 5_001_000, 5_002_000, 5_004_000]
+    assert tl.exact
+
+
+def test_timeline_flags_a_trace_that_disagrees_or_overflowed(monkeypatch):
+    trace = [_ev("alloc", 64, 10), _ev("free_completed", 64, 11)]
+    kw = dict(start_bytes=0, start_ns=0, end_ns=10**6, unix_minus_meter_ns=10_000)
+    assert timeline_from_trace(trace, end_bytes=0, **kw).exact
+    assert not timeline_from_trace(trace, end_bytes=64, **kw).exact  # an event missing
+    monkeypatch.setattr(memory, "TRACE_MAX_ENTRIES", 2)
+    assert not timeline_from_trace(trace, end_bytes=0, **kw).exact  # ring buffer full
+
+
+def test_timeline_times_fall_back_to_order_and_never_go_back():
+    # no timestamps: 1 ns apart from the start
+    tl = timeline_from_trace([_ev("alloc", 8), _ev("alloc", 8)], 0, 100, 200, 0)
+    assert tl.t_ns == [100, 101, 102] and tl.bytes == [0, 8, 16]
+    # timestamps on a clock the mapping does not know (far outside the block): shifted to start
+    tl = timeline_from_trace([_ev("alloc", 8, 7), _ev("alloc", 8, 9)], 0, 10**12, 10**12 + 10**6, 0)
+    assert tl.t_ns == [10**12, 10**12, 10**12 + 2000]
+    # a stamp a little before the start (clock jitter) is held at the start, and order kept
+    tl = timeline_from_trace([_ev("alloc", 8, 0), _ev("alloc", 8, 5), _ev("alloc", 8, 3)],
+                             0, 1000, 10**6, 0)
+    assert tl.t_ns == [1000, 1000, 5000, 5000]
+
+
+def test_history_is_recorded_without_stacks(monkeypatch):
+    calls = []
+
+    def record(enabled="all", *args, **kwargs):
+        calls.append((enabled, args, kwargs))
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+    assert memory.cuda_trace_start()
+    (enabled, args, kw), = calls
+    assert enabled == "all" and not args
+    assert kw["context"] is None and kw["stacks"] == "python" and kw["clear_history"]
+
+    def record_old(enabled="all", context="all", stacks="all", max_entries=0, device=None):
+        calls.append((enabled, context, stacks))
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record_old)
+    calls.clear()
+    assert memory.cuda_trace_start()  # a torch without clear_history
+    assert calls == [("all", None, "python")]
+
+    def record_none(*args, **kwargs):
+        raise RuntimeError("not supported by this allocator backend")
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record_none)
+    assert not memory.cuda_trace_start()  # the readings stand in
+
+
+def test_cuda_figures_are_requested_bytes(monkeypatch):
+    stats = {"requested_bytes.all.current": 1000003, "requested_bytes.all.peak": 2000003,
+             "allocated_bytes.all.current": 1000448, "allocated_bytes.all.peak": 2000896}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: stats)
+    assert memory.cuda_requested_bytes("cuda:0") == (1000003, 2000003)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})  # allocator unused
+    assert memory.cuda_requested_bytes("cuda:0") == (0, 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA, on a GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _fill_cache():
+    """Leave the caching allocator holding free blocks of odd sizes, as earlier tests do."""
+    xs = [torch.empty(n, dtype=torch.uint8, device="cuda")
+          for n in (3 << 20, (5 << 20) + 123, 700_001, 4096, 511)]
+    del xs
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("cached", [False, True], ids=["empty-cache", "cached-blocks"])
+def test_cuda_meter_counts_requested_bytes(cached):
+    """Readings, peak and timeline in one unit, relative to a baseline, whatever free blocks the
+    cache holds (a block handed out whole or rounded would show in allocated bytes)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if cached:
+        _fill_cache()
+    sizes = (1_000_003, 4 << 20, 513)  # odd sizes: block rounding would show
+    with MemoryMeter("cuda") as m:
+        base = m.current()
+        assert m.reset_peak() == base
+        with m.timeline():
+            a = torch.empty(sizes[0], dtype=torch.uint8, device="cuda")
+            r1 = m.read("a")
+            b = torch.empty(sizes[1], dtype=torch.uint8, device="cuda")
+            r2 = m.read("a, b")
+            del a
+            c = torch.empty(sizes[2], dtype=torch.uint8, device="cuda")
+            r3 = m.read("b, c")
+            del b, c
+        assert (r1.bytes - base, r2.bytes - base, r3.bytes - base) == (
+            sizes[0], sizes[0] + sizes[1], sizes[1] + sizes[2])
+        assert m.peak() - base == sizes[0] + sizes[1]
+        assert m.current() == base
+        tl = m.last_timeline
+        assert tl.exact, "the trace's last figure disagrees with the reading after it"
+        above = [x - base for x in tl.bytes]
+        # one unit: every reading is a point of the timeline, and the peaks agree
+        assert above == [0, sizes[0], sizes[0] + sizes[1], sizes[1], sizes[1] + sizes[2],
+                         sizes[2], 0]
+        assert max(above) == m.peak() - base
+        assert tl.t_ns == sorted(tl.t_ns)
+        assert tl.t_ns[0] <= r1.t_ns <= r3.t_ns <= tl.t_ns[-1] + 10**7
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_history_has_no_stacks():
+    with MemoryMeter("cuda") as m:
+        with m.timeline():
+            x = torch.empty(1 << 16, device="cuda")
+            snap = torch.cuda.memory._snapshot()
+            del x
+    trace = snap["device_traces"][m.device.index]
+    allocs = [e for e in trace if e["action"] == "alloc"]
+    assert allocs and all(not e.get("frames") for e in allocs), allocs[:2]
+    assert all("time_us" in e for e in allocs)
