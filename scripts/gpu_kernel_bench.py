@@ -3,6 +3,7 @@ copy of the same bytes (run by scripts/gpu_check.sh; needs a GPU and a CUDA buil
 
     python scripts/gpu_kernel_bench.py [--json out.json] [--dtypes float32,bfloat16]
                                        [--log2-sizes 20-27] [--width 4096] [--samples 7]
+                                       [--max-seconds S] [--dry-run]
 
 For each dtype and each size M·N = 2^20 .. 2^27 (N = --width columns, M = size / N rows; plus one
 narrow layer, N = 64 at 2^24, where the bias sums have many chunks per column) it times, through
@@ -27,9 +28,11 @@ launch hits data a previous launch left in L2, and no Python or launch overhead 
 launches); in-place inputs are restored outside the timed region. Time = median over --samples
 replays of (CUDA-event time / R), after one warm-up replay.
 
-Prints a table of % of copy bandwidth per kernel and size, the targets of issue 11 (forward tanh and
-backward kernels >= 80 % of copy at M·N >= 2^24, float32 and bfloat16) as met or not, and writes
-every figure to --json.
+Prints a table of % of copy bandwidth per kernel and size, the targets (forward tanh and backward
+kernels >= 80 % of copy at M·N >= 2^24, float32 and bfloat16) as met or not, and writes every
+figure to --json, after each shape (a run stopped at its time limit keeps what it measured).
+--max-seconds starts no new shape after that many seconds; --dry-run prints the shapes and the
+bytes each kernel moves, without a GPU.
 """
 from __future__ import annotations
 
@@ -116,7 +119,7 @@ def table(rows, dtypes) -> str:
 
 
 def targets(rows) -> dict:
-    """Issue 11's target per (dtype, kernel): >= 80 % of copy at every M·N >= 2^24 measured."""
+    """The target per (dtype, kernel): >= 80 % of copy at every M·N >= 2^24 measured."""
     out = {}
     for r in rows:
         if r["kernel"] not in TARGET_KERNELS or r["dtype"] not in ("float32", "bfloat16"):
@@ -220,8 +223,12 @@ def measure(dtype_name: str, M: int, N: int, samples: int) -> list[dict]:
 
 
 def parse_range(s: str) -> list[int]:
-    lo, _, hi = s.partition("-")
-    return list(range(int(lo), int(hi or lo) + 1))
+    """'20-27' -> 20..27; '20,24,27' -> those; the two forms mix ('20,24-27')."""
+    out = []
+    for part in s.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return sorted(set(out))
 
 
 def main(argv=None) -> int:
@@ -231,11 +238,29 @@ def main(argv=None) -> int:
     ap.add_argument("--log2-sizes", default="20-27", help="M·N = 2^a .. 2^b")
     ap.add_argument("--width", type=int, default=4096, help="N (out_features)")
     ap.add_argument("--samples", type=int, default=7)
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="start no new shape after this many seconds")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the shapes and bytes per kernel; no GPU needed")
     args = ap.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
         if d not in DTYPES:
             ap.error(f"--dtypes: unknown dtype {d!r}; expected some of {', '.join(DTYPES)}")
+    try:
+        sizes = parse_range(args.log2_sizes)
+    except ValueError:
+        ap.error(f"--log2-sizes: expected a range like 20-27 or a list like 20,24,27, "
+                 f"got {args.log2_sizes!r}")
+    if args.dry_run:
+        for d in dtypes:
+            itemsize = torch.empty((), dtype=DTYPES[d]).element_size()
+            acc = 8 if d == "float64" else 4
+            for M, N in shapes(sizes, args.width):
+                mib = ", ".join(f"{k} {kernel_bytes(k, M, N, itemsize, acc) / 2**20:.1f}"
+                                for k in KERNEL_NAMES)
+                print(f"{d} {M}x{N}: MiB moved: {mib}")
+        return 0
     import ckpt_ext
     if not (torch.cuda.is_available() and ckpt_ext.WITH_CUDA):
         print("gpu_kernel_bench: needs a GPU and a CUDA build of ckpt_ext (cuda available: "
@@ -243,12 +268,6 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    rows = []
-    for d in dtypes:
-        for M, N in shapes(parse_range(args.log2_sizes), args.width):
-            rows += measure(d, M, N, args.samples)
-            print(f"  {d} {M}x{N}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
-                  flush=True)
     props = torch.cuda.get_device_properties(0)
     res = {
         "device": torch.cuda.get_device_name(0), "capability": f"{props.major}.{props.minor}",
@@ -256,14 +275,29 @@ def main(argv=None) -> int:
         "method": "CUDA graph of R launches over R distinct buffer sets (>= 256 MiB in all), "
                   "median over samples of event time / R after a warm-up replay; copy = "
                   "cudaMemcpyAsync D2D of bytes/2",
-        "samples": args.samples, "results": rows, "targets": targets(rows),
-        "wall_s": round(time.perf_counter() - t0, 1),
+        "samples": args.samples, "results": [], "not_measured": [],
     }
+    rows = res["results"]
+    for d in dtypes:
+        for M, N in shapes(sizes, args.width):
+            if args.max_seconds is not None and time.perf_counter() - t0 > args.max_seconds:
+                res["not_measured"].append(f"{d} {M}x{N}")
+                continue
+            rows += measure(d, M, N, args.samples)
+            print(f"  {d} {M}x{N}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+                  flush=True)
+            res.update(targets=targets(rows), wall_s=round(time.perf_counter() - t0, 1))
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(res, f, indent=1)
+    if res["not_measured"]:
+        print(f"not measured (--max-seconds {args.max_seconds:g}): "
+              f"{', '.join(res['not_measured'])}", file=sys.stderr)
     print(f"Conditions: {res['device']} (sm {res['capability']}), torch {res['torch']}, "
           f"CUDA {res['cuda']}; {res['method']}. Cells: % of copy bandwidth (kernel GB/s).\n")
     print(table(rows, dtypes))
     print("\ntargets (>= 80 % of copy at M·N >= 2^24):")
-    for key, v in res["targets"].items():
+    for key, v in res.get("targets", {}).items():
         print(f"  {key}: worst {100 * v['worst_frac']:.0f}% -> {'met' if v['met'] else 'NOT met'}")
     if args.json:
         with open(args.json, "w") as f:

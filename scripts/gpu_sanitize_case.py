@@ -1,7 +1,7 @@
 """Small cases that reach every path of the CUDA kernels once, for compute-sanitizer (run by
 scripts/gpu_check.sh: `--tool memcheck` on all of it, `--tool racecheck` on the combine passes).
 
-    python scripts/gpu_sanitize_case.py [--only combine]
+    python scripts/gpu_sanitize_case.py [--only combine] [--list]
 
 Paths, in every dtype: the forward tanh with 16-byte packs (and a scalar tail) and scalar
 (misaligned buffer); the backward from z and from t, with and without the bias sums, on the pack
@@ -26,6 +26,9 @@ import ckpt_ext
 
 PACK = {torch.float32: 4, torch.float64: 2, torch.bfloat16: 8, torch.float16: 8}
 DTYPES = list(PACK)
+OPS_USED = [("ckpt_ext_kernels", "tanh_"), ("ckpt_ext_kernels", "tanh_backward_"),
+            ("ckpt_ext_kernels", "bias_grad"), ("ckpt_ext", "linear_tanh"),
+            ("ckpt_ext", "linear_tanh_backward"), ("ckpt_ext", "tanh_mlp")]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
@@ -131,20 +134,34 @@ def ops(dtype):
                 raise AssertionError(f"tanh_mlp {dtype} last_tanh={last_tanh}: not finite")
 
 
+def cases(only=None):
+    """(name, function, dtype) of every case, in the order they run."""
+    groups = [combine_passes] if only == "combine" else [kernel_paths, ops, combine_passes]
+    return [(f"{fn.__name__} {dtype}", fn, dtype) for dtype in DTYPES for fn in groups]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["combine"], help="only the combine passes (racecheck)")
+    ap.add_argument("--list", action="store_true",
+                    help="print the cases and exit (no GPU needed: gpu_check.sh's dry run)")
     args = ap.parse_args(argv)
+    todo = cases(args.only)
+    if args.list:
+        print("\n".join(name for name, _, _ in todo))
+        missing = [f"{ns}.{op}" for ns, op in OPS_USED
+                   if not hasattr(getattr(torch.ops, ns), op)] if ckpt_ext.WITH_CUDA else []
+        print(f"{len(todo)} cases; ops the cases call "
+              + (f"missing from this CUDA build: {missing}" if missing else "all registered"
+                 if ckpt_ext.WITH_CUDA else "not checked (a CPU-only build)"))
+        return 1 if missing else 0
     if not (torch.cuda.is_available() and ckpt_ext.WITH_CUDA):
         print("gpu_sanitize_case: needs a GPU and a CUDA build of ckpt_ext (cuda available: "
               f"{torch.cuda.is_available()}, WITH_CUDA: {ckpt_ext.WITH_CUDA})", file=sys.stderr)
         return 2
-    for dtype in DTYPES:
-        if args.only != "combine":
-            kernel_paths(dtype)
-            ops(dtype)
-        combine_passes(dtype)
-        print(f"sanitize case: {dtype} done", flush=True)
+    for name, fn, dtype in todo:
+        fn(dtype)
+        print(f"sanitize case: {name} done", flush=True)
     torch.cuda.synchronize()
     print("sanitize case: all paths ran, results finite and near float64")
     return 0

@@ -7,12 +7,15 @@ scripts/gpu_check.sh; needs a GPU and a CUDA build):
   equivalent nn.Sequential vs the Sequential under one torch.utils.checkpoint.
 
     python scripts/gpu_timing.py [--json out.json] [--iters 20] [--dtypes float32,bfloat16]
+                                 [--dry-run]
 
 Timings: median over --iters of forward+backward between two CUDA events, after 5 warm-ups (no
-profiler or memory hooks installed while timing). "kept" is the memory allocated after the forward
-minus before it, output included: what the module holds for backward, measured in a separate,
-untimed step. Block sizes (batch, in_features, out_features): the write-up's (512, 1024, 10240)
-plus two training shapes; runs: (batch, width, depth).
+profiler or memory hooks installed while timing). "kept" is the requested bytes alive after the
+forward minus before it (the meter's unit, ckpt_ext.memory), output included: what the module
+holds for backward, measured in a separate, untimed step. Block sizes (batch, in_features,
+out_features): the write-up's (512, 1024, 10240) plus two training shapes; runs: (batch, width,
+depth). --dry-run builds every case on the CPU at 1/64 of each size and checks the fused module
+against the Sequential, without a GPU.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import ckpt_ext
+from ckpt_ext.memory import cuda_requested_bytes
 
 BLOCK_SIZES = [(512, 1024, 10240), (8192, 4096, 4096), (16384, 1024, 4096)]
 STACK_SIZES = [(8192, 2048, 4), (16384, 1024, 4)]
@@ -36,9 +40,10 @@ def _measure(fn, x, gy, iters: int):
     for _ in range(5):
         fn(x).backward(gy)
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    base = cuda_requested_bytes()[0]
     y = fn(x)
-    kept = torch.cuda.memory_allocated() - base
+    torch.cuda.synchronize()
+    kept = cuda_requested_bytes()[0] - base
     y.backward(gy)
     del y
     times = []
@@ -78,28 +83,46 @@ def _run_case(kind, dtype_name, batch, k, n, depth, seq, fused, iters):
     return rows
 
 
+def cases(dtype, device="cuda", scale=1):
+    """(kind, batch, in, out, depth, seq, fused) of every case, sizes divided by ``scale``."""
+    for batch, k, n in BLOCK_SIZES:
+        batch, k, n = batch // scale, k // scale, n // scale
+        torch.manual_seed(0)
+        seq = nn.Sequential(nn.Linear(k, n), nn.Tanh()).to(device, dtype)
+        yield "block", batch, k, n, 1, seq, ckpt_ext.FusedLinearTanh.from_linear(seq[0])
+    for batch, h, depth in STACK_SIZES:
+        batch, h = batch // scale, h // scale
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(depth):
+            layers += [nn.Linear(h, h), nn.Tanh()]
+        seq = nn.Sequential(*layers).to(device, dtype)
+        # shares the Linear modules
+        yield "stack", batch, h, h, depth, seq, ckpt_ext.FusedTanhMLP.from_modules(seq)
+
+
 def run(iters: int, dtypes) -> list[dict]:
     rows = []
     for dtype_name in dtypes:
-        dtype = DTYPES[dtype_name]
-        for batch, k, n in BLOCK_SIZES:
-            torch.manual_seed(0)
-            seq = nn.Sequential(nn.Linear(k, n), nn.Tanh()).to("cuda", dtype)
-            fused = ckpt_ext.FusedLinearTanh.from_linear(seq[0])
-            rows += _run_case("block", dtype_name, batch, k, n, 1, seq, fused, iters)
-            del seq, fused
-            torch.cuda.empty_cache()
-        for batch, h, depth in STACK_SIZES:
-            torch.manual_seed(0)
-            layers = []
-            for _ in range(depth):
-                layers += [nn.Linear(h, h), nn.Tanh()]
-            seq = nn.Sequential(*layers).to("cuda", dtype)
-            fused = ckpt_ext.FusedTanhMLP.from_modules(seq)  # shares the Linear modules
-            rows += _run_case("stack", dtype_name, batch, h, h, depth, seq, fused, iters)
+        for kind, batch, k, n, depth, seq, fused in cases(DTYPES[dtype_name]):
+            rows += _run_case(kind, dtype_name, batch, k, n, depth, seq, fused, iters)
             del seq, fused
             torch.cuda.empty_cache()
     return rows
+
+
+def dry_run(dtypes) -> int:
+    """Every case at 1/64 of its size on the CPU: the fused module against the Sequential."""
+    for dtype_name in dtypes:
+        for kind, batch, k, n, depth, seq, fused in cases(DTYPES[dtype_name], "cpu", 64):
+            x = torch.randn(batch, k, dtype=DTYPES[dtype_name])
+            with torch.no_grad():
+                diff = (fused(x).float() - seq(x).float()).abs().max().item()
+            print(f"{kind} {dtype_name} {batch} x {k} -> {n} ({depth}): max |fused - stock| "
+                  f"{diff:.1e}")
+            if not diff < 0.05:
+                return 1
+    return 0
 
 
 def table(rows) -> str:
@@ -123,11 +146,15 @@ def main(argv=None):
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="every case at 1/64 size on the CPU, fused vs stock; no GPU needed")
     args = ap.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
         if d not in DTYPES:
             ap.error(f"--dtypes: unknown dtype {d!r}; expected some of {', '.join(DTYPES)}")
+    if args.dry_run:
+        return dry_run(dtypes)
     if not (torch.cuda.is_available() and ckpt_ext.WITH_CUDA):
         print("gpu_timing: needs a GPU and a CUDA build of ckpt_ext "
               f"(cuda available: {torch.cuda.is_available()}, WITH_CUDA: {ckpt_ext.WITH_CUDA})",
