@@ -187,18 +187,21 @@ def cuda_requested_bytes(device: Union[str, torch.device, None] = None) -> tuple
 
 
 def cuda_trace_start() -> bool:
-    """Start the allocator's event history, with no stack traces, cleared of earlier entries.
-    False where this torch or allocator backend has no history (cudaMallocAsync)."""
+    """Start the allocator's event history, with no stack traces, cleared of earlier entries and
+    without the events the timeline does not read. False where this torch or allocator backend
+    has no history (cudaMallocAsync)."""
     record = torch.cuda.memory._record_memory_history  # private API, stable since torch 2.1
-    kw = dict(context=None, stacks="python", max_entries=TRACE_MAX_ENTRIES)
-    try:
+    base = dict(context=None, stacks="python", max_entries=TRACE_MAX_ENTRIES)
+    skip = ["free_requested", "segment_alloc", "segment_free", "snapshot"]
+    # torch 2.11-2.14 take every argument; an older one only the base (its enabling clears)
+    for kw in (dict(base, clear_history=True, skip_actions=skip),
+               dict(base, clear_history=True), base):
         try:
-            record("all", clear_history=True, **kw)
-        except TypeError:  # a torch without clear_history, whose enabling clears the history
             record("all", **kw)
-        return True
-    except Exception:  # noqa: BLE001 - private API; the readings stand in
-        return False
+            return True
+        except Exception:  # noqa: BLE001 - private API; the readings stand in at the end
+            continue
+    return False
 
 
 def cuda_trace_stop(device: torch.device) -> Optional[list]:

@@ -128,19 +128,23 @@ def test_timeline_times_fall_back_to_order_and_never_go_back():
 def test_history_is_recorded_without_stacks(monkeypatch):
     calls = []
 
-    def record(enabled="all", *args, **kwargs):
-        calls.append((enabled, args, kwargs))
+    def record(enabled="all", context="all", stacks="all", max_entries=0, device=None,
+               clear_history=False, skip_actions=None):
+        calls.append(dict(enabled=enabled, context=context, stacks=stacks,
+                          clear_history=clear_history, skip_actions=skip_actions))
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
     assert memory.cuda_trace_start()
-    (enabled, args, kw), = calls
-    assert enabled == "all" and not args
-    assert kw["context"] is None and kw["stacks"] == "python" and kw["clear_history"]
+    (kw,) = calls
+    assert kw["enabled"] == "all" and kw["context"] is None and kw["stacks"] == "python"
+    assert kw["clear_history"]
+    # the timeline reads alloc and free_completed only: those are never skipped
+    assert {"alloc", "free_completed"}.isdisjoint(kw["skip_actions"])
 
     def record_old(enabled="all", context="all", stacks="all", max_entries=0, device=None):
         calls.append((enabled, context, stacks))
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record_old)
     calls.clear()
-    assert memory.cuda_trace_start()  # a torch without clear_history
+    assert memory.cuda_trace_start()  # a torch without clear_history and skip_actions
     assert calls == [("all", None, "python")]
 
     def record_none(*args, **kwargs):
