@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -160,6 +161,61 @@ def test_cuda_figures_are_requested_bytes(monkeypatch):
     assert memory.cuda_requested_bytes("cuda:0") == (1000003, 2000003)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})  # allocator unused
     assert memory.cuda_requested_bytes("cuda:0") == (0, 0)
+
+
+class _FakeAllocator:
+    """torch.cuda's figures and history for MemoryMeter("cuda") without a GPU: requested bytes
+    (current, peak) and a trace of alloc/free_completed entries, stamped on the wall clock."""
+
+    def __init__(self, monkeypatch):
+        self.current, self.peak, self.trace, self.recording = 0, 0, [], False
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(cuda, "memory_stats", lambda device=None: {
+            "requested_bytes.all.current": self.current, "requested_bytes.all.peak": self.peak})
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", self._reset_peak)
+        monkeypatch.setattr(cuda.memory, "_record_memory_history", self._record)
+        monkeypatch.setattr(cuda.memory, "_snapshot",
+                            lambda device=None: {"segments": [], "device_traces": [self.trace]})
+
+    def _reset_peak(self, device=None):
+        self.peak = self.current
+
+    def _record(self, enabled="all", **kw):
+        self.recording = enabled is not None
+        self.trace = [] if kw.get("clear_history") or enabled is None else self.trace
+
+    def event(self, action, size):
+        self.current += size if action == "alloc" else -size
+        self.peak = max(self.peak, self.current)
+        if self.recording:
+            self.trace.append({"action": action, "size": size, "time_us": time.time_ns() // 1000})
+
+
+def test_cuda_meter_wiring_without_a_gpu(monkeypatch):
+    """MemoryMeter("cuda") end to end on stand-ins: readings, peak and timeline in one unit, the
+    history started and stopped, event times on the meter's clock."""
+    fake = _FakeAllocator(monkeypatch)
+    fake.event("alloc", 1000)  # held before the meter starts
+    with MemoryMeter("cuda") as m:
+        assert m.device == torch.device("cuda", 0)
+        base = m.current()
+        assert base == 1000 and m.reset_peak() == 1000
+        with m.timeline():
+            assert fake.recording
+            fake.event("alloc", 513)
+            r1 = m.read("a")
+            fake.event("alloc", 7)
+            fake.event("free_completed", 513)
+            r2 = m.read("b")
+        assert not fake.recording
+        assert (r1.bytes, r2.bytes, m.peak()) == (1513, 1007, 1520)
+        tl = m.last_timeline
+        assert tl.exact and tl.bytes == [1000, 1513, 1520, 1007]
+        assert tl.t_ns == sorted(tl.t_ns) and tl.t_ns[0] <= r1.t_ns <= tl.t_ns[2] + 10**7
+        assert tl.t_ns[-1] <= r2.t_ns + 10**7
 
 
 # ------------------------------------------------------------------------------------------------
