@@ -79,9 +79,13 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import enum
 import inspect
 import operator
+import os
+import sys
 import textwrap
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -91,11 +95,11 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from . import _C
-from .modules import FusedLinearTanh, FusedTanhMLP, _has_hooks, run_problem
+from .modules import FusedLinearTanh, FusedTanhMLP, _has_hooks
 from .ops import SUPPORTED_DTYPES, linear_tanh, tanh_mlp
 
-__all__ = ["fuse", "Fused", "FuseReport", "Decision", "FusedSequential", "FusedRunHead",
-           "RunLayer", "POLICIES"]
+__all__ = ["fuse", "Fused", "FuseReport", "Decision", "FusedSequential", "RunLinear",
+           "RunTanh", "POLICIES"]
 
 POLICIES = ("memory", "all")
 
@@ -188,51 +192,74 @@ class Fused(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------------------
-# Modules fuse puts in place
+# What fuse puts in place: runs, and where they are computed
+
+class _Region(threading.local):
+    """A run's region, per thread: [the next member, the tensor it must receive, the state of an
+    enclosing call] inside its owner's forward; None outside it."""
+
+    def __init__(self) -> None:
+        self.state: Optional[list] = None
+
 
 class _Run:
-    """One run of Linear/Tanh layers as fuse applied it: the modules holding its layers' weights,
-    what must stay as it was for the fused op to compute it, and that op.
+    """One run of Linear/Tanh layers as fuse applied it: the modules whose weights it reads, what
+    must stay as it was for the fused op to compute it, and that op.
 
-    A run may lie inside one container (the elements of one ``nn.Sequential``, or children of one
-    module) or cross several: Sequentials called one after another, nested, or a Sequential and
-    the sibling children its caller calls next. Then the container holding the run's first layer
-    computes the whole run, and those holding later layers pass the activation through (see
-    :class:`FusedSequential`, :class:`FusedRunHead`, :class:`RunLayer`). Every one of them asks
-    :meth:`problem` at each call; the answer depends only on the module structure (which elements
-    and children sit where, hooks, dtypes), which does not change within a forward, so they agree
-    on whether the run is computed fused, without any state carried from one call to the next."""
+    Where the run is computed:
+
+    * ``owner is None``: every layer lies in one ``nn.Sequential`` (directly, or in nested
+      Sequentials it covers), and that Sequential's own forward computes the run (its
+      :class:`FusedSequential` part). Called on its own, any nested Sequential computes its own
+      elements.
+    * otherwise the run's layers are reached through several calls that ``owner``'s forward makes
+      one after the other (its *members*: child Linear/Tanh modules, child Sequentials). The
+      owner's forward marks a *region* (:class:`_OwnerForward`) for the length of each call.
+      Inside it the first member computes the whole run and each later member, called in turn
+      with exactly the tensor the previous one returned, passes it on. Outside a region, or when
+      anything the run relies on changed (a member replaced or given hooks, another dtype), every
+      member computes its own output, unfused.
+
+    The region's state is per thread and lives only for one call of the owner's forward; it holds
+    the run's output between two members, a tensor the forward holds anyway."""
 
     def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
                  layers: Sequence[nn.Module], last_tanh: bool,
                  sequences: Sequence[Tuple[nn.Module, str]],
                  slots: Sequence[Tuple[nn.Module, str, nn.Module, str]],
-                 unhooked: Sequence[Tuple[nn.Module, str]],
-                 owners: Sequence[Tuple[nn.Module, str]], fallback: bool, local: bool,
-                 elements: Sequence[Tuple[nn.Module, str]],
+                 unhooked: Sequence[Tuple[nn.Module, str]], owner: Optional[nn.Module],
+                 calls: Sequence[str], elements: Sequence[Tuple[nn.Module, str]],
                  decision: Optional["Decision"] = None) -> None:
         self.labels = tuple(labels)        # the layers' paths in call order, for messages
         self.key = (tuple(members), bool(last_tanh))  # the Linear/Tanh modules fused (identity)
-        self.layers = tuple(layers)        # per Linear: the module whose weight/bias it reads
+        self.layers = tuple(layers)        # its Linear modules, in order
         self.last_tanh = bool(last_tanh)
         # Sequentials whose elements must stay exactly these (name, module) pairs
         self.sequences = tuple((seq, label, tuple(seq._modules), tuple(seq._modules.values()))
                                for seq, label in sequences)
         self.slots = tuple(slots)          # (holder, name, module, label): children in place
         self.unhooked = tuple(unhooked)    # (module, label): hooks the fused op would skip
-        # (module, label) whose forward calls the run's containers one after another; the forward
-        # each had when fuse finished is set by fuse (a rewrite may set one in the same call).
-        self.owners = tuple((m, label, vars(m).get("forward")) for m, label in owners)
-        # True when every layer is still its own module (only Sequential elements), so that a
-        # run that no longer matches can run element by element; False when fuse replaced
-        # children by pass-throughs, which only the run computes.
-        self.fallback = bool(fallback)
-        self.local = bool(local)           # all its layers are elements of one Sequential
+        self.owner = owner                 # the module whose forward marks the region, or None
+        self.calls = tuple(calls)          # the members' labels in the owner's call order
         self.elements = tuple(elements)    # (Sequential, name) of its layers that are elements
         self.decision = decision           # what the report said when fuse applied it
+        self._region = _Region()
 
-    def seal_owners(self) -> None:
-        self.owners = tuple((m, label, vars(m).get("forward")) for m, label, _ in self.owners)
+    # -- pickling and copying: the region is per process and per call, never state to keep -----
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        del state["_region"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._region = _Region()
+
+    def __deepcopy__(self, memo):
+        new = _Run.__new__(_Run)
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
 
     def problem(self) -> Optional[str]:
         """None while the run can be computed fused, else what changed since fuse."""
@@ -248,9 +275,6 @@ class _Run:
         for m, label in self.unhooked:
             if _has_hooks(m):
                 return f"{label or '<model>'} has hooks, which the fused run would not call"
-        for m, label, forward in self.owners:
-            if vars(m).get("forward") is not forward:
-                return f"{label or '<model>'}.forward was replaced"
         w0 = self.layers[0].weight
         problem = _unsupported(w0)
         if problem is not None:
@@ -260,12 +284,6 @@ class _Run:
                 return "its layers' weights no longer share one dtype and device"
         return None
 
-    def broken(self, problem: str) -> str:
-        return (f"ckpt_ext.fuse: the fused run {' -> '.join(self.labels)} cannot be computed: "
-                f"{problem}. fuse replaced some of its layers by pass-throughs (RunLayer, "
-                f"nn.Identity) that only the run computes, so it cannot fall back to running "
-                f"them one by one; undo the change, or fuse an unfused copy of the model")
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights = [layer.weight for layer in self.layers]
         biases = [layer.bias for layer in self.layers]
@@ -274,14 +292,62 @@ class _Run:
         # What FusedTanhMLP.forward runs: the stack op, keeping only x for backward.
         return tanh_mlp(x, weights, biases, self.last_tanh)
 
+    # -- the region --------------------------------------------------------------------------
+    def enter(self) -> None:
+        self._region.state = [0, None, self._region.state]
+
+    def leave(self, completed: bool) -> None:
+        state = self._region.state
+        self._region.state = state[2]
+        if completed and 0 < state[0] < len(self.calls):
+            raise RuntimeError(self._strayed(state[0], "the forward returned"))
+
+    def turn(self, index: int, x: Any) -> Optional[list]:
+        """The region's state if member ``index`` is to take its part in the run now (the first
+        member: compute it; a later one: pass ``x`` on), else None: compute its own output."""
+        state = self._region.state
+        if state is None:
+            return None
+        expected = state[0]
+        if expected == index and (index == 0 or x is state[1]):
+            if index == 0 and self.problem() is not None:
+                state[0] = -1  # computed member by member for the rest of this call
+                return None
+            return state
+        if 0 < expected < len(self.calls):
+            # The run was computed by its first member, but the forward did not go on as analysed
+            # (a path fx did not see: it branched on state outside the module). Its output
+            # already holds later layers: refuse to return it as anything else.
+            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called"))
+        return None
+
+    def _strayed(self, expected: int, event: str) -> str:
+        owner = self.calls and (self.decision.where if self.decision else "") or ""
+        return (f"ckpt_ext.fuse: the fused run {' -> '.join(self.labels)} was computed by "
+                f"{self.calls[0]}, but {event} before {self.calls[expected]} received its output: "
+                f"{owner or '<model>'}.forward took a path its analysis did not see (it depends on "
+                f"state outside the module). Fuse an unfused copy of the model with trace=False, "
+                f"or make that state an attribute of the module")
+
 
 class _RunPart:
-    """The consecutive elements of one FusedSequential that a run covers (Linear/Tanh elements,
-    and nested Sequentials the run covers whole). The head part computes the whole run; any other
-    part passes its input through, since the run was computed where it started."""
+    """The consecutive elements ``names`` of one FusedSequential that a run covers, and what the
+    Sequential does with them:
 
-    def __init__(self, run: _Run, names: Sequence[str], head: bool) -> None:
-        self.run, self.names, self.head = run, tuple(names), bool(head)
+    * ``"whole"``: the Sequential holds the whole run (maybe in nested Sequentials) and computes
+      it: the elements of nested Sequentials before the run's first layer (``before``), the run,
+      then those after its last layer (``after``);
+    * ``"first"``: member 0 of an owner's run: inside the owner's region, ``before``, then the run;
+    * ``"on"``: a later member: inside the region, passes the run's output on, then ``after``.
+
+    Outside a region (or when the run cannot be computed) the Sequential runs these elements one
+    by one, as ``nn.Sequential`` does."""
+
+    def __init__(self, run: _Run, names: Sequence[str], role: str, index: int,
+                 before: Sequence[Tuple[nn.Module, Tuple[str, ...]]],
+                 after: Sequence[Tuple[nn.Module, Tuple[str, ...]]]) -> None:
+        self.run, self.names, self.role, self.index = run, tuple(names), role, index
+        self.before, self.after = tuple(before), tuple(after)
 
     @property
     def last_tanh(self) -> bool:
@@ -289,15 +355,44 @@ class _RunPart:
 
     @property
     def key(self) -> Tuple[Any, ...]:
-        return (self.names, self.head, self.run.key)
+        return (self.names, self.role, self.index, self.run.key)
+
+    def compute(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The output of this part's elements computed as the run, or None to run them one by
+        one."""
+        run = self.run
+        if self.role == "whole":
+            if run.problem() is not None:
+                return None
+            return _elements(self.after, run(_elements(self.before, x)))
+        state = run.turn(self.index, x)
+        if state is None:
+            return None
+        if self.role == "first":
+            x = run(_elements(self.before, x))
+        state[0], state[1] = self.index + 1, x
+        return _elements(self.after, x)
 
     def describe(self) -> str:
         span = f"{self.names[0]}..{self.names[-1]}" if len(self.names) > 1 else self.names[0]
-        if not self.head:
-            return f"{span} (in the run from {self.run.labels[0]}: passes its input through)"
-        if self.run.local:
-            return span + (" (last tanh)" if self.last_tanh else "")
-        return f"{span} (computes the run {self.run.labels[0]}..{self.run.labels[-1]})"
+        run = self.run
+        if self.role == "whole":
+            if not self.before and not self.after and run.elements and \
+                    all(seq is run.elements[0][0] for seq, _ in run.elements):
+                return span + (" (last tanh)" if self.last_tanh else "")
+            return f"{span} (computes the run {run.labels[0]}..{run.labels[-1]})"
+        where = f"inside {run.decision.where or '<model>'}.forward" if run.decision else \
+            "inside its caller's forward"
+        if self.role == "first":
+            return f"{span} (computes the run {run.labels[0]}..{run.labels[-1]} {where})"
+        return f"{span} (passes the run from {run.labels[0]} on {where})"
+
+
+def _elements(steps: Sequence[Tuple[nn.Module, Tuple[str, ...]]], x: torch.Tensor):
+    for seq, names in steps:
+        for name in names:
+            x = seq._modules[name](x)
+    return x
 
 
 class FusedSequential(nn.Sequential):
@@ -310,10 +405,9 @@ class FusedSequential(nn.Sequential):
     given hooks since, or whose dtype the op does not support, runs element by element. Indexing
     returns the real elements; a slice is a new FusedSequential without a plan, so it runs unfused.
 
-    A run that continues past this Sequential (into the next Sequential its caller calls, or out
-    of a nested one) is computed whole where it starts; a Sequential it reaches later passes the
-    activation through its elements of the run. Called on its own, such a Sequential therefore
-    does not compute only its own layers: see ``fuse``'s documentation.
+    A run that crosses into other containers is computed by the Sequential holding all of it, or,
+    when the run goes from this Sequential to what its caller's forward calls next, only inside
+    that forward (see :class:`_Run`): called on its own, this Sequential computes its own elements.
     """
 
     _ckpt_ext_runs: Tuple[_RunPart, ...] = ()
@@ -328,14 +422,11 @@ class FusedSequential(nn.Sequential):
         while i < len(items):
             part = starts.get(items[i][0])
             if part is not None:
-                problem = part.run.problem()
-                if problem is None:
-                    if part.head:
-                        input = part.run(input)
+                out = part.compute(input)
+                if out is not None:
+                    input = out
                     i += len(part.names)
                     continue
-                if not part.run.fallback:
-                    raise RuntimeError(part.run.broken(problem))
             input = items[i][1](input)
             i += 1
         return input
@@ -346,74 +437,96 @@ class FusedSequential(nn.Sequential):
         return "fused runs: " + ", ".join(p.describe() for p in self._ckpt_ext_runs)
 
 
-class _LinearParams(nn.Module):
-    """A Linear's ``weight`` and ``bias`` (the same Parameter objects, under the same names, so
-    ``state_dict`` keys and an optimizer built before stay valid) and its sizes."""
+class RunLinear(nn.Linear):
+    """An ``nn.Linear`` that a module's forward calls as part of a fused run. ``fuse`` sets this
+    class on the user's own Linear (same object, parameters and keys). Inside its owner's forward,
+    in the analysed order, the first member computes the whole run and a later one passes the run's
+    output on; called any other way it is exactly ``nn.Linear``."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        if linear.bias is not None:
-            self.bias = linear.bias
-        else:
-            self.register_parameter("bias", None)
+    _ckpt_ext_run: Optional[_Run] = None
+    _ckpt_ext_index: int = 0
 
-
-class RunLayer(_LinearParams):
-    """Holds a Linear's ``weight`` and ``bias`` (same Parameter objects, same names) for the run
-    that computes its layer (started by a :class:`FusedRunHead` or a :class:`FusedSequential`);
-    its own forward passes its input through."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        run = self._ckpt_ext_run
+        state = run.turn(self._ckpt_ext_index, input) if run is not None else None
+        if state is None:
+            return super().forward(input)
+        if self._ckpt_ext_index == 0:
+            input = run(input)
+        state[0], state[1] = self._ckpt_ext_index + 1, input
+        return input
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None} (computed by its fused run)")
+        return super().extra_repr() + _member_repr(self)
 
 
-class FusedRunHead(_LinearParams):
-    """The first Linear of a run ``Linear, Tanh, Linear, ...`` of a module's children that its
-    forward calls in sequence (possibly continuing into a Sequential it calls next). It computes
-    the whole run with ``tanh_mlp`` (keeping only the run's input) and holds the first layer's
-    ``weight`` and ``bias``; the later layers' parameters stay in :class:`RunLayer` children (or
-    Sequential elements) under their own names, read at every call (so
-    ``load_state_dict(assign=True)`` and ``.to()`` are seen). If a layer of the run was replaced
-    or given hooks since, it raises rather than compute without it."""
+class RunTanh(nn.Tanh):
+    """An ``nn.Tanh`` that a module's forward calls as part of a fused run: inside its owner's
+    forward, in the analysed order, it passes the run's output on; called any other way it is
+    exactly ``nn.Tanh``."""
 
-    def __init__(self, linear: nn.Linear, run: Optional[_Run] = None) -> None:
-        super().__init__(linear)
-        self._run = run  # a plain object (not a registered child), set by fuse
+    _ckpt_ext_run: Optional[_Run] = None
+    _ckpt_ext_index: int = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        run = self._run
-        if run is None:
-            raise RuntimeError("FusedRunHead computes a run that ckpt_ext.fuse planned; this one "
-                               "was built without a run")
-        problem = run.problem()
-        if problem is not None:
-            raise RuntimeError(run.broken(problem))
-        return run(x)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        run = self._ckpt_ext_run
+        state = run.turn(self._ckpt_ext_index, input) if run is not None else None
+        if state is None:
+            return super().forward(input)
+        state[0], state[1] = self._ckpt_ext_index + 1, input
+        return input
 
     def extra_repr(self) -> str:
-        run = self._run
-        if run is None:
-            return ""
-        return f"runs {' -> '.join(run.labels)}, last_tanh={run.last_tanh}"
+        return _member_repr(self).lstrip(", ")
 
 
-class _RewrittenForward:
-    """The forward ``fuse(rewrite=True)`` sets on one module instance: the fx graph of its class's
-    forward with Linear/tanh units replaced by the fused ops, compiled from generated source. The
-    class is untouched. Pickles and deep-copies by its source, as torch.fx.GraphModule does."""
+def _member_repr(m: nn.Module) -> str:
+    run = getattr(m, "_ckpt_ext_run", None)
+    if run is None:
+        return ""
+    what = "computes" if m._ckpt_ext_index == 0 else "passes on"
+    return f", {what} the run {run.labels[0]}..{run.labels[-1]} inside its owner's forward"
 
-    def __init__(self, owner: nn.Module, source: str) -> None:
-        self.owner, self.source = owner, source
-        self._fn = _compile_forward(source)
+
+_MEMBER_CLASSES = {nn.Linear: RunLinear, nn.Tanh: RunTanh, RunLinear: RunLinear,
+                   RunTanh: RunTanh}
+
+
+class _OwnerForward:
+    """The forward ``fuse`` sets on one module instance (its class is untouched) when that module's
+    forward calls the members of a run one after the other, or its code was rewritten
+    (``rewrite=True``).
+
+    At each call it first checks that every attribute the analysed forward read still has the value
+    it had (``guards``): if one changed, the forward may take another path, so it runs the class's
+    forward as it is, unfused. Otherwise it runs the rewritten code (or the class's forward) inside
+    the region of each of its runs. It pickles and deep-copies by its source, as
+    torch.fx.GraphModule does."""
+
+    def __init__(self, owner: nn.Module, runs: Sequence[_Run] = (),
+                 guards: Sequence["_Guard"] = (), source: Optional[str] = None) -> None:
+        self.owner, self.runs, self.guards, self.source = owner, tuple(runs), tuple(guards), source
+        self._fn = _compile_forward(source) if source is not None else None
 
     def __call__(self, *args, **kwargs):
-        return self._fn(self.owner, *args, **kwargs)
+        owner = self.owner
+        for guard in self.guards:
+            if not guard.holds(owner):
+                return type(owner).forward(owner, *args, **kwargs)
+        fn = self._fn if self._fn is not None else type(owner).forward
+        runs = self.runs
+        if not runs:
+            return fn(owner, *args, **kwargs)
+        for run in runs:
+            run.enter()
+        completed = False
+        try:
+            out = fn(owner, *args, **kwargs)
+            completed = True
+        finally:
+            for run in runs:
+                run.leave(completed)
+        return out
 
     @property
     def __signature__(self) -> inspect.Signature:  # the class forward's, for libraries that look
@@ -421,17 +534,40 @@ class _RewrittenForward:
         return sig.replace(parameters=list(sig.parameters.values())[1:])
 
     def __getstate__(self):
-        return {"owner": self.owner, "source": self.source}
+        return {"owner": self.owner, "runs": self.runs, "guards": self.guards,
+                "source": self.source}
 
     def __setstate__(self, state):
-        self.owner, self.source = state["owner"], state["source"]
-        self._fn = _compile_forward(self.source)
+        self.__init__(state["owner"], state["runs"], state["guards"], state["source"])
 
     def __deepcopy__(self, memo):
-        new = _RewrittenForward.__new__(_RewrittenForward)
+        new = _OwnerForward.__new__(_OwnerForward)
         memo[id(self)] = new
-        new.__setstate__({"owner": copy.deepcopy(self.owner, memo), "source": self.source})
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
+
+
+class _Guard(NamedTuple):
+    """An attribute the analysed forward read, and the value it read: ``path`` is the module
+    holding it, relative to the owner; ``same`` compares by identity (functions, classes), else
+    by type and value."""
+    path: str
+    name: str
+    value: Any
+    same: bool
+
+    def holds(self, owner: nn.Module) -> bool:
+        obj = owner.get_submodule(self.path) if self.path else owner
+        v = getattr(obj, self.name, _MISSING)
+        if self.same:
+            return v is self.value
+        return type(v) is type(self.value) and v == self.value
+
+    def describe(self) -> str:
+        return f"{_join(self.path, self.name)} = {self.value!r}"
+
+
+_MISSING = object()
 
 
 def _compile_forward(source: str) -> Callable:
@@ -440,7 +576,7 @@ def _compile_forward(source: str) -> Callable:
     return scope["forward"]
 
 
-_OUR_MODULES = (FusedLinearTanh, FusedTanhMLP, FusedRunHead, RunLayer)
+_OUR_MODULES = (FusedLinearTanh, FusedTanhMLP, RunLinear, RunTanh)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -467,7 +603,7 @@ def _is_sequential(m: nn.Module) -> bool:
 
 
 def _linear_problem(lin: nn.Module) -> Optional[str]:
-    if type(lin) is not nn.Linear:
+    if type(lin) not in (nn.Linear, RunLinear):
         return f"{type(lin).__name__} subclasses nn.Linear; its forward may not be F.linear"
     if _has_hooks(lin):
         return "the Linear has hooks, which the fused op would not call"
@@ -475,7 +611,7 @@ def _linear_problem(lin: nn.Module) -> Optional[str]:
 
 
 def _tanh_problem(act: nn.Module) -> Optional[str]:
-    if type(act) is not nn.Tanh:
+    if type(act) not in (nn.Tanh, RunTanh):
         return f"{type(act).__name__} subclasses nn.Tanh"
     if _has_hooks(act):
         return "the Tanh has hooks, which the fused op would not call"
@@ -511,9 +647,35 @@ def _unit_name(layers: Sequence[_Layer], last_tanh: bool) -> str:
 # ------------------------------------------------------------------------------------------------
 # Analysis on a copy: one torch.fx graph per module, traced with every child kept opaque
 
+_FX_DIR = os.path.dirname(fx.__file__)
+_MODULE_FILE = inspect.getsourcefile(nn.Module)
+
+
 class _LocalTracer(fx.Tracer):
+    """Keeps every child opaque, and notes each child call that does not come straight from the
+    traced forward's own code (through ``torch.utils.checkpoint``, a helper, a lambda): such a
+    call may run again, on its own, outside that forward (checkpoint re-runs it in backward)."""
+
+    def __init__(self, forward_code: Any) -> None:
+        super().__init__()
+        self.forward_code = forward_code
+        self.indirect: Dict[str, str] = {}  # node name -> the function the call came from
+
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return True
+
+    def call_module(self, m, forward, args, kwargs):
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename.startswith(_FX_DIR)
+                                     or frame.f_code.co_filename == _MODULE_FILE):
+            frame = frame.f_back
+        out = super().call_module(m, forward, args, kwargs)
+        if frame is not None and frame.f_code is not self.forward_code and \
+                isinstance(out, fx.Proxy):
+            code = frame.f_code
+            module = frame.f_globals.get("__name__", "?")
+            self.indirect[out.node.name] = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+        return out
 
 
 @dataclass
@@ -523,6 +685,11 @@ class _Trace:
     graph: Optional[fx.Graph] = None
     already_rewritten: bool = False
     calls: Optional[Dict[str, int]] = None  # call_module counts per target, filled on first use
+    indirect: Dict[str, str] = field(default_factory=dict)  # see _LocalTracer
+    guards: Tuple["_Guard", ...] = ()
+    # Why the forward may not mark a region (its children's run), or be rewritten; None if it may.
+    region_problem: Optional[str] = None
+    rewrite_problem: Optional[str] = None
 
 
 def _analysis_copy(model: nn.Module) -> nn.Module:
@@ -541,7 +708,7 @@ def _analysis_copy(model: nn.Module) -> nn.Module:
 def _fingerprint(v: Any, depth: int = 0) -> Any:
     """A comparable summary of an attribute value: contents of containers, identity of objects."""
     if v is None or isinstance(v, (bool, int, str, bytes)):
-        return v
+        return int.__int__(v) if type(v) is _Counted else v
     if isinstance(v, float):
         return ("float", repr(v))
     if isinstance(v, fx.Proxy):
@@ -570,6 +737,147 @@ def _snapshot(m: nn.Module) -> Dict[Tuple[str, str], Any]:
     return snap
 
 
+# -- what a forward reads: attributes of the traced copy, recorded while fx runs the forward ------
+
+# nn.Module's own bookkeeping (hooks, the dicts of parameters and children, ``training``, which is
+# checked by tracing in both modes) and fuse's: not state a forward branches on.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {
+    "forward", "_ckpt_ext_runs", "_ckpt_ext_run", "_ckpt_ext_index"}
+
+
+class _Reads:
+    """The attribute reads of one trace: {(id(module), name): (value, counted)}; None outside."""
+    log: Optional[Dict[Tuple[int, str], Any]] = None
+    observed: set = set()   # (id(module), name) of counters whose value the forward looked at
+
+
+class _Counted(int):
+    """An int attribute's value as the traced forward sees it: adding or subtracting a number gives
+    another _Counted (``self.nfe += 1``); any other use — a comparison, a branch, an index, a
+    product — marks the attribute as one the forward looks at, so its value is not just a count."""
+
+    def __new__(cls, value: int, key: Tuple[int, str]):
+        obj = super().__new__(cls, value)
+        obj.key = key
+        return obj
+
+    def _count(self, other, op):
+        if _Reads.log is None or isinstance(other, bool) or not isinstance(other, int):
+            self._look()
+            return op(int.__int__(self), other)
+        return _Counted(op(int.__int__(self), int.__int__(other)), self.key)
+
+    def _look(self):
+        if _Reads.log is not None:
+            _Reads.observed.add(self.key)
+
+    def __add__(self, other):
+        return self._count(other, operator.add)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self._count(other, operator.sub)
+
+    def __rsub__(self, other):
+        return self._count(other, lambda a, b: b - a)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (int, (int.__int__(self),))
+
+
+def _looking(name: str):
+    def method(self, *args):
+        self._look()
+        return getattr(int, name)(int.__int__(self), *(int.__int__(a) if type(a) is _Counted
+                                                        else a for a in args))
+    return method
+
+
+for _name in ("__bool__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__",
+              "__index__", "__int__", "__float__", "__complex__", "__str__", "__repr__",
+              "__format__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__",
+              "__rfloordiv__", "__mod__", "__rmod__", "__divmod__", "__rdivmod__", "__pow__",
+              "__rpow__", "__neg__", "__pos__", "__abs__", "__invert__", "__and__", "__rand__",
+              "__or__", "__ror__", "__xor__", "__rxor__", "__lshift__", "__rlshift__",
+              "__rshift__", "__rrshift__", "__round__", "__trunc__", "__floor__", "__ceil__",
+              "bit_length", "bit_count", "to_bytes", "conjugate", "as_integer_ratio",
+              "is_integer"):
+    if hasattr(int, _name):
+        setattr(_Counted, _name, _looking(_name))
+
+
+_RECORDING: Dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    """A subclass of ``cls`` that logs, while a trace runs, each instance attribute the forward
+    reads (first value read), handing out int values as _Counted."""
+    sub = _RECORDING.get(cls)
+    if sub is not None:
+        return sub
+
+    def __getattribute__(self, name):
+        value = super(sub, self).__getattribute__(name)
+        log = _Reads.log
+        if log is None or name in _MODULE_INTERNALS or name.startswith("__"):
+            return value
+        if name not in object.__getattribute__(self, "__dict__"):
+            return value  # a method, a class attribute, a child, a parameter or a buffer
+        key = (id(self), name)
+        if type(value) is int:
+            value = _Counted(value, key)
+        log.setdefault(key, value)
+        return value
+
+    sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                      "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__})
+    _RECORDING[cls] = sub
+    return sub
+
+
+def _record_reads(clone: nn.Module) -> Optional[str]:
+    """Give every module of the analysis copy its recording class; why not, if it cannot."""
+    for m in clone.modules():
+        try:
+            m.__class__ = _recording_class(type(m))
+        except TypeError as e:
+            return f"fuse cannot record what its forward reads ({type(e).__name__}: {e})"
+    return None
+
+
+def _guard_value(v: Any, depth: int = 0) -> Optional[bool]:
+    """How a guard compares a value a forward read: False by value, True by identity, None when
+    fuse cannot check it cheaply and exactly (a tensor, a module, an arbitrary object)."""
+    if v is None or type(v) in (bool, int, float, complex, str, bytes, torch.dtype,
+                                torch.device, _Counted):
+        return False
+    if isinstance(v, enum.Enum):
+        return True
+    if type(v) in (tuple, list, frozenset, set) and depth < 3:
+        return False if all(_guard_value(x, depth + 1) is False for x in v) else None
+    if type(v) is dict and depth < 3:
+        return False if all(_guard_value(k, depth + 1) is False and
+                            _guard_value(x, depth + 1) is False for k, x in v.items()) else None
+    if inspect.isfunction(v) or inspect.isbuiltin(v) or isinstance(v, type):
+        return True
+    return None
+
+
+def _plain(v: Any) -> Any:
+    if type(v) is _Counted:
+        return int.__int__(v)
+    if type(v) in (tuple, list, set, frozenset):
+        return type(v)(_plain(x) for x in v)
+    if type(v) is dict:
+        return {_plain(k): _plain(x) for k, x in v.items()}
+    return v
+
+
 def _signature_problem(m: nn.Module) -> Optional[str]:
     try:
         sig = inspect.signature(type(m).forward)
@@ -587,41 +895,83 @@ def _signature_problem(m: nn.Module) -> Optional[str]:
 
 def _trace_module(clone: nn.Module, orig: nn.Module) -> _Trace:
     fwd = vars(orig).get("forward")
-    already = isinstance(fwd, _RewrittenForward)
-    # A forward rewritten by an earlier fuse came from its class's forward, which fx traces: that
-    # graph still says what the code does with each value (for the units around this module), but
-    # nothing new is fused in it.
-    if fwd is not None and not already:
+    already = isinstance(fwd, _OwnerForward) and fwd.source is not None
+    # A forward fuse set (a region, or code rewritten by an earlier fuse) came from its class's
+    # forward, which fx traces: that graph still says what the code does with each value, but
+    # nothing new is rewritten in it.
+    if fwd is not None and not isinstance(fwd, _OwnerForward):
         return _Trace(False, "its forward is set on the instance (fx would trace its class's "
                              "forward, not what runs)")
     problem = _signature_problem(orig)
     if problem:
         return _Trace(False, problem)
-    codes, graph = [], None
+    code = getattr(inspect.unwrap(type(orig).forward), "__code__", None)
+    codes, graph, indirect = [], None, {}
+    reads: Dict[Tuple[int, str], Any] = {}
+    changed: set = set()
+    _Reads.observed = set()
     for mode in (True, False):
         clone.train(mode)
         before = _snapshot(clone)
+        tracer = _LocalTracer(code)
+        _Reads.log = reads
         try:
             # Warnings raised while fx runs the forward on placeholders (torch.utils.checkpoint:
             # "None of the inputs have requires_grad=True") are about that run, not the model.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                g = _LocalTracer().trace(clone)
+                g = tracer.trace(clone)
         except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             return _Trace(False, f"torch.fx cannot trace it ({type(e).__name__}: {msg[:160]})")
+        finally:
+            _Reads.log = None
         after = _snapshot(clone)
-        changed = sorted({_join(p, k) for (p, k) in set(before) | set(after)
-                          if before.get((p, k)) != after.get((p, k))})
-        if changed:
-            return _Trace(False, f"tracing its forward changed {', '.join(changed)}: a statement "
-                                 f"that the traced graph would not replay")
+        changed |= {(p, k) for (p, k) in set(before) | set(after)
+                    if before.get((p, k)) != after.get((p, k))}
         codes.append(g.python_code(root_module="self").src)
-        graph = graph or g
+        if graph is None:
+            graph, indirect = g, tracer.indirect
     if codes[0] != codes[1]:
         return _Trace(False, "its forward runs different code in train() and eval() (it reads "
                              "self.training)")
-    return _Trace(True, "", graph, already_rewritten=already)
+    t = _Trace(True, "", graph, already_rewritten=already, indirect=indirect)
+    # What the forward read, and what tracing changed: a region and a rewrite both rely on the
+    # forward taking the path fx saw, so every attribute that could steer it is checked at call
+    # time (a guard), and one that changes at every call must be a pure count.
+    paths = {id(m): p for p, m in clone.named_modules()}
+    changed_names = {_join(p, k) for p, k in changed}
+    guards, unchecked, steering = [], [], []
+    for (mid, name), value in reads.items():
+        path = paths.get(mid)
+        if path is None:
+            continue
+        label = _join(path, name)
+        if label in changed_names:
+            if type(value) is not _Counted or (mid, name) in _Reads.observed:
+                steering.append(label)
+            continue
+        same = _guard_value(value)
+        if same is None:
+            unchecked.append(f"{label} ({type(value).__name__})")
+        else:
+            want = getattr(orig.get_submodule(path), name, _MISSING) if same else _plain(value)
+            guards.append(_Guard(path, name, want, same))
+    _Reads.observed = set()
+    t.guards = tuple(guards)
+    counted = sorted(changed_names - set(steering))
+    if steering:
+        t.region_problem = (f"tracing its forward changed {', '.join(sorted(steering))}, which it "
+                            f"also reads other than to count: fuse cannot tell that its path "
+                            f"does not depend on them")
+    elif unchecked:
+        t.region_problem = (f"its forward reads {', '.join(unchecked)}, a value fuse cannot check "
+                            f"at each call")
+    t.rewrite_problem = t.region_problem
+    if changed_names and not t.rewrite_problem:
+        t.rewrite_problem = (f"tracing its forward changed {', '.join(counted)}: a rewritten "
+                             f"forward would not replay that statement")
+    return t
 
 
 _CLASS_USES: Dict[type, Optional[Dict[str, List[str]]]] = {}
@@ -688,12 +1038,12 @@ _KEEPING_FUNCTIONS = {F.linear, torch._C._nn.linear, torch.matmul, torch.mm, tor
                       operator.matmul, torch.einsum, F.layer_norm, F.gelu, F.silu, F.mse_loss,
                       torch.pow, operator.pow, linear_tanh, tanh_mlp}
 _KEEPING_METHODS = {"matmul", "mm", "bmm", "pow"}
-_PASS_THROUGH_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, RunLayer)
+_PASS_THROUGH_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten)
 # These save their output or a mask for backward, never their input.
 _FREEING_MODULES = (nn.Dropout, nn.Tanh, nn.Sigmoid, nn.ReLU, nn.Softmax, nn.LogSoftmax)
 _KEEPING_MODULES = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.GroupNorm, nn.GELU, nn.SiLU,
                     nn.MultiheadAttention, nn.modules.conv._ConvNd,
-                    nn.modules.batchnorm._BatchNorm, FusedLinearTanh, FusedTanhMLP, FusedRunHead)
+                    nn.modules.batchnorm._BatchNorm, FusedLinearTanh, FusedTanhMLP)
 
 
 def _fn_name(target: Any) -> str:
@@ -753,10 +1103,13 @@ class _Model:
                                             f"contents were considered"))
             return
         clones = dict(clone.named_modules())
+        unrecorded = _record_reads(clone)
         for path, m in wanted:
             t = _trace_module(clones[path], m)
+            if t.ok and unrecorded:
+                t.region_problem = t.rewrite_problem = unrecorded
             self.traces[id(m)] = t
-            if not t.ok and not t.already_rewritten and _worth_reporting(m):
+            if not t.ok:
                 report.not_analysed.append((path, t.reason))
 
     def trace_of(self, m: nn.Module) -> Optional[_Trace]:
@@ -897,10 +1250,6 @@ def _wants_analysis(m: nn.Module) -> bool:
         return False
     # torch.nn's own modules (Linear, LSTM, TransformerEncoderLayer, ...): no user code to see.
     return not type(m).__module__.startswith("torch.")
-
-
-def _worth_reporting(m: nn.Module) -> bool:
-    return any(type(c) in (nn.Linear, nn.Tanh) or _is_sequential(c) for c in m.children())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1108,11 +1457,18 @@ def _call_counts(t: _Trace) -> Dict[str, int]:
 
 def _child_problem(an: "_Model", owner: nn.Module, t: _Trace, target: str, label: str,
                    sub: nn.Module) -> Optional[str]:
-    """Why fuse may not swap (or compute elsewhere) child ``target`` that ``owner``'s forward
-    calls, else None."""
+    """Why a run may not reach child ``target`` that ``owner``'s forward calls (as a member of a
+    run computed inside that forward's region), else None."""
     calls = _call_counts(t).get(target, 0)
     if calls != 1:
         return f"{label} is called {calls} times"
+    owner_label = an.path_of(owner) or "<model>"
+    if t.region_problem is not None:
+        return f"{owner_label} cannot mark the run's region: {t.region_problem}"
+    node = next(n for n in t.graph.nodes if n.op == "call_module" and n.target == target)
+    if node.name in t.indirect:
+        return (f"{label} is called through {t.indirect[node.name]}, not by {owner_label}.forward "
+                f"itself (it may run again on its own, as checkpoint does in backward)")
     if len(an.slots.get(id(sub), ())) != 1:  # held by another module too: it may be called there
         return f"{label} is also held elsewhere: {', '.join(an.paths[id(sub)][1:])}"
     other_uses = _uses_outside_forward(type(owner))
@@ -1154,17 +1510,24 @@ class _Plan:
     where: str                        # the module holding every layer of the unit ("" = model)
     sites: List[_Site]
     last_tanh: bool
-    parts: List[Tuple[nn.Module, Tuple[str, ...], bool]] = field(default_factory=list)
-    swaps: List[Tuple[nn.Module, _Site, str]] = field(default_factory=list)  # (owner, site, role)
+    # (Sequential, names, role, member index, elements before, elements after): see _RunPart
+    parts: List[Tuple[nn.Module, Tuple[str, ...], str, int, tuple, tuple]] = \
+        field(default_factory=list)
+    members: List[Tuple[_Site, int]] = field(default_factory=list)  # child Linear/Tanh, index
+    calls: List[str] = field(default_factory=list)  # the members, in the owner's call order
     sequences: List[nn.Module] = field(default_factory=list)  # must keep their elements
     slots: List[Tuple[nn.Module, str, nn.Module, str]] = field(default_factory=list)
     unhooked: List[nn.Module] = field(default_factory=list)
-    owner: Optional[nn.Module] = None  # the module whose forward calls the containers
+    owner: Optional[nn.Module] = None  # the module whose forward calls the members
     note: str = ""
 
+    @property
+    def key(self) -> Tuple[Any, ...]:
+        return (tuple(s.module for s in self.sites), self.last_tanh)
+
     def part_keys(self) -> List[Tuple[nn.Module, Tuple[Any, ...]]]:
-        key = (tuple(s.module for s in self.sites), self.last_tanh)
-        return [(seq, (names, head, key)) for seq, names, head in self.parts]
+        return [(seq, (names, role, index, self.key))
+                for seq, names, role, index, _, _ in self.parts]
 
 
 class _Discovery:
@@ -1179,7 +1542,7 @@ class _Discovery:
     a forward calls it, to be called once there and by no other method of that class: otherwise
     the run stops there and the report says why."""
 
-    def __init__(self, an: "_Model", taken_nodes: set, taken_elements: set) -> None:
+    def __init__(self, an: "_Model", taken_nodes: set) -> None:
         self.an = an
         self.sites: List[_Site] = []
         self.at: Dict[Tuple[int, Any], _Site] = {}
@@ -1187,15 +1550,19 @@ class _Discovery:
             if _is_sequential(m):
                 for i, (name, e) in enumerate(m._modules.items()):
                     kind = _module_kind(e)
-                    if kind and (id(m), name) not in taken_elements:
+                    if kind:
                         self._add((id(m), name), _Site(m, name, e, kind, _join(path, name), i))
                 continue
             t = an.trace_of(m)
-            if t is None or t.already_rewritten:  # nothing new is fused in a rewritten forward
+            if t is None:
                 continue
+            # A forward an earlier fuse rewrote calls the child modules its rewrite left alone.
+            calls = vars(m)["forward"].source if t.already_rewritten else None
             for node in t.graph.nodes:
                 if node.op != "call_module" or "." in node.target or node in taken_nodes:
                     continue  # a Linear held in a list is only fused by a rewrite
+                if calls is not None and f"self.{node.target}(" not in calls:
+                    continue
                 sub = m._modules.get(node.target)
                 kind = _module_kind(sub)
                 if kind:
@@ -1367,133 +1734,99 @@ class _Discovery:
         _, lca = self._ancestry(sites)
         return self.an.path_of(lca) if lca is not None else ""
 
+    def _below(self, upper: nn.Module, lower: nn.Module) -> str:
+        """The name under which ``upper`` reaches ``lower`` ("2", or "blocks.0" through a
+        ModuleList)."""
+        up, low = self.an.path_of(upper), self.an.path_of(lower)
+        return low[len(up) + 1:] if up else low
+
+    def _descent(self, site: _Site, chain: List[nn.Module], lca: nn.Module):
+        """[(container, name)] from the lca down to the site: each container on the way and the
+        name of what it holds next."""
+        ids = [id(c) for c in chain]
+        path = chain[:ids.index(id(lca)) + 1][::-1]  # lca, ..., site.container
+        steps = [(upper, self._below(upper, lower)) for upper, lower in zip(path, path[1:])]
+        return steps + [(site.container, site.name)]
+
     def plan(self, sites: List[_Site], last_tanh: bool) -> Optional[_Plan]:
         an = self.an
         chains, lca = self._ancestry(sites)
         if lca is None:
             return None
-        member = {(id(s.container), s.name) for s in sites if s.node is None}
-        inside: Dict[int, nn.Module] = {}  # Sequentials below the lca that hold layers of the run
+        inside: Dict[int, nn.Module] = {}  # containers below the lca that hold layers of the run
         for chain in chains:
             for c in chain:
                 if c is lca:
                     break
                 inside[id(c)] = c
-        whole_memo: Dict[int, bool] = {}
-
-        def whole(seq: nn.Module) -> bool:  # every element of it belongs to the run
-            if id(seq) not in whole_memo:
-                whole_memo[id(seq)] = bool(seq._modules) and all(
-                    (id(seq), n) in member or (id(e) in inside and whole(e))
-                    for n, e in seq._modules.items())
-            return whole_memo[id(seq)]
-
-        first, first_ids = sites[0], {id(c) for c in chains[0]}
         p = _Plan("", an.path_of(lca), sites, last_tanh)
-        cut: List[nn.Module] = []
+        first = self._descent(sites[0], chains[0], lca)
+        last = self._descent(sites[-1], chains[-1], lca)
 
-        def holds_first(seq: nn.Module, names: Sequence[str]) -> bool:
-            return any((first.node is None and first.container is seq and first.name == n)
-                       or id(seq._modules[n]) in first_ids for n in names)
+        def before(steps):  # the elements of each nested container before the run's first layer
+            out = []
+            for seq, name in steps:
+                names = list(seq._modules)
+                if names.index(name):
+                    out.append((seq, tuple(names[:names.index(name)])))
+            return tuple(out)
 
-        def place(seq: nn.Module) -> None:
-            """Parts for the run's consecutive elements of seq; recurse where it starts or ends
-            inside an element."""
-            seg: List[str] = []
-            for n, e in seq._modules.items():
-                if (id(seq), n) in member or (id(e) in inside and whole(e)):
-                    seg.append(n)
-                    continue
-                if seg:
-                    p.parts.append((seq, tuple(seg), holds_first(seq, seg)))
-                    seg = []
-                if id(e) in inside:
-                    cut.append(e)
-                    place(e)
-            if seg:
-                p.parts.append((seq, tuple(seg), holds_first(seq, seg)))
+        def after(steps):  # ... and after its last layer, innermost first
+            out = []
+            for seq, name in reversed(steps):
+                names = list(seq._modules)
+                if names.index(name) + 1 < len(names):
+                    out.append((seq, tuple(names[names.index(name) + 1:])))
+            return tuple(out)
 
-        if _is_sequential(lca):
-            place(lca)
-            p.how = "sequential" if len(p.parts) == 1 and not cut else "across"
-            p.sequences = [lca] + list(inside.values())
-        else:
-            # The calls the lca's forward makes: child Linear/Tanh sites, or a child Sequential
-            # the run goes through.
-            units: List[Any] = []
-            for s, chain in zip(sites, chains):
-                u = s if s.container is lca else chain[[id(c) for c in chain].index(id(lca)) - 1]
-                if not units or units[-1] is not u:
-                    units.append(u)
-            for u in units:
-                if isinstance(u, _Site):
-                    role = "head" if u is first else ("layer" if u.kind == "L" else "tanh")
-                    p.swaps.append((lca, u, role))
-                    continue
-                holder, hpath, hname = an.parent[an.paths[id(u)][0]]
-                p.slots.append((holder, hname, u, _join(hpath, hname)))
-                if whole(u):
-                    p.parts.append((u, tuple(u._modules), holds_first(u, tuple(u._modules))))
-                else:
-                    cut.append(u)
-                    place(u)
-            if all(isinstance(u, _Site) for u in units):
-                p.how = "children"
-                if len(sites) == 2:  # a lone pair: FusedLinearTanh + Identity
-                    p.swaps[0] = (lca, sites[0], "pair")
-            else:
-                p.how = "across"
-            p.sequences = list(inside.values())
-            p.owner = lca
+        p.sequences = list(inside.values())
         p.unhooked = list(inside.values())
-        if p.how == "across":
-            p.note = self._note(p, lca, cut, chains)
-        return p
-
-    def _note(self, p: _Plan, lca: nn.Module, cut: List[nn.Module], chains: List[list]) -> str:
-        """Which containers the run crosses, and what each does now when called on its own."""
-        ids = [{id(c) for c in chain} for chain in chains]
-
-        def order(m: nn.Module) -> int:  # the first layer of the run inside m
-            return next(i for i, x in enumerate(ids) if id(m) in x)
-
-        # (position, label, holds the run's start, passes every element through)
-        changed: List[Tuple[int, str, bool, bool]] = []
-        seen = set()
-        for seq, names, head in p.parts:
-            if seq is not lca:
-                seen.add(id(seq))
-                changed.append((order(seq), self.an.path_of(seq), head or id(seq) in ids[0],
-                                not head and len(names) == len(seq._modules)))
-        for seq in cut:
-            if id(seq) not in seen:
-                seen.add(id(seq))
-                changed.append((order(seq), self.an.path_of(seq), id(seq) in ids[0], False))
-        for _, s, role in p.swaps:
-            changed.append((p.sites.index(s), s.label, role == "head", role != "head"))
-        changed = [c[1:] for c in sorted(changed, key=lambda c: c[0])]
-        heads = [c for c in changed if c[1]]
-        others = [c for c in changed if not c[1]]
+        if _is_sequential(lca):
+            names = list(lca._modules)
+            i0, i1 = names.index(first[0][1]), names.index(last[0][1])
+            p.parts.append((lca, tuple(names[i0:i1 + 1]), "whole", 0, before(first[1:]),
+                            after(last[1:])))
+            p.how = "sequential" if len(first) == 1 and len(last) == 1 else "across"
+            p.sequences.insert(0, lca)
+            if p.how == "across":
+                crossed = ", ".join(an.path_of(c) for c in inside.values())
+                p.note = (f"it crosses {crossed} inside {p.where or '<model>'}, which computes the "
+                          f"whole run; called on its own, each of them computes its own layers")
+            return p
+        # The calls the lca's forward makes, in order: child Linear/Tanh modules, or a child
+        # Sequential the run goes through. Each becomes a member of the run.
+        units: List[Any] = []
+        for s, chain in zip(sites, chains):
+            u = s if s.container is lca else chain[[id(c) for c in chain].index(id(lca)) - 1]
+            if not units or units[-1] is not u:
+                units.append(u)
+        for k, u in enumerate(units):
+            if isinstance(u, _Site):
+                p.members.append((u, k))
+                p.slots.append((lca, u.name, u.module, u.label))
+                p.calls.append(u.label)
+                continue
+            holder, hpath, hname = an.parent[an.paths[id(u)][0]]
+            p.slots.append((holder, hname, u, _join(hpath, hname)))
+            p.calls.append(an.path_of(u))
+            names = list(u._modules)
+            if k == 0:
+                p.parts.append((u, tuple(names[names.index(first[1][1]):]), "first", 0,
+                                before(first[2:]), ()))
+            elif k == len(units) - 1:
+                p.parts.append((u, tuple(names[:names.index(last[1][1]) + 1]), "on", k, (),
+                                after(last[2:])))
+            else:
+                p.parts.append((u, tuple(names), "on", k, (), ()))
+        p.how = "children" if all(isinstance(u, _Site) for u in units) else "across"
+        p.owner = lca
         where = p.where or "<model>"
-        text = f"it crosses {', '.join(c[0] for c in changed)} in {where}: "
-        parts = []
-        if heads:
-            parts.append(f"{' and '.join(c[0] for c in heads)} "
-                         f"{'computes' if len(heads) == 1 else 'compute'} the whole run")
-        if others:
-            parts.append(f"{', '.join(c[0] for c in others)} pass"
-                         f"{'es' if len(others) == 1 else ''} the activation through")
-        text += " and ".join(parts)
-        alone = []
-        if heads:
-            alone.append(f"{' and '.join(c[0] for c in heads)} "
-                         f"return{'s' if len(heads) == 1 else ''} the run's output")
-        if others:
-            verb = ("return their input" if len(others) > 1 else "returns its input") \
-                if all(c[2] for c in others) else \
-                ("skip the run's layers" if len(others) > 1 else "skips the run's layers")
-            alone.append(f"{', '.join(c[0] for c in others)} {verb}")
-        return text + "; called on its own, " + ", and ".join(alone)
+        if p.how == "across":
+            p.note = (f"it crosses {', '.join(p.calls)} in {where}: inside {where}.forward, "
+                      f"{p.calls[0]} computes the whole run and {', '.join(p.calls[1:])} "
+                      f"pass{'es' if len(p.calls) == 2 else ''} its output on; called any other "
+                      f"way, each computes its own layers")
+        return p
 
 
 def _graph_chains(an: _Model, path: str, owner: nn.Module, t: _Trace, rewrite: bool,
@@ -1532,6 +1865,8 @@ def _graph_chains(an: _Model, path: str, owner: nn.Module, t: _Trace, rewrite: b
 
     def rewrite_problem(n: fx.Node) -> Optional[str]:
         label = _node_label(n, path)
+        if t.rewrite_problem is not None:
+            return f"{path or '<model>'}.forward cannot be rewritten: {t.rewrite_problem}"
         if n.op == "call_module":
             sub = owner.get_submodule(n.target)
             return _linear_problem(sub) if kind[n] == "L" else _tanh_problem(sub)
@@ -1588,38 +1923,26 @@ def _graph_chains(an: _Model, path: str, owner: nn.Module, t: _Trace, rewrite: b
 # ------------------------------------------------------------------------------------------------
 # Applying the units
 
-def _apply_plan(an: _Model, plan: _Plan, decision: Decision) -> Tuple[Optional[_Run], list]:
-    """Swap the plan's children and make its run; returns the run and its (Sequential, part)s."""
-    new: Dict[int, nn.Module] = {}
-    heads = []
-    for owner, site, role in plan.swaps:
-        if role == "pair":
-            m: nn.Module = FusedLinearTanh.from_linear(site.module)
-        elif role == "head":
-            m = FusedRunHead(site.module)
-            heads.append(m)
-        elif role == "layer":
-            m = RunLayer(site.module)
-        else:
-            m = nn.Identity()
-        owner._modules[site.name] = m
-        new[id(site)] = m
-    if plan.swaps and plan.swaps[0][2] == "pair":
-        return None, []  # FusedLinearTanh computes the pair on its own
+def _apply_plan(an: _Model, plan: _Plan, decision: Decision,
+                run: Optional[_Run]) -> Tuple[_Run, list]:
+    """Make the plan's run (or keep ``run``, the same run already in place), give its child
+    Linear/Tanh members their member class; returns the run and its (Sequential, part)s."""
     sites = plan.sites
-    run = _Run(
-        labels=[s.label for s in sites], members=[s.module for s in sites],
-        layers=[new.get(id(s), s.module) for s in sites[0::2]], last_tanh=plan.last_tanh,
-        sequences=[(seq, an.path_of(seq)) for seq in plan.sequences],
-        slots=list(plan.slots) + [(o, s.name, new[id(s)], s.label) for o, s, _ in plan.swaps],
-        unhooked=[(m, an.path_of(m)) for m in plan.unhooked]
-        + [(new.get(id(s), s.module), s.label) for s in sites],
-        owners=[(plan.owner, an.path_of(plan.owner))] if plan.owner is not None else [],
-        fallback=not plan.swaps, local=plan.how == "sequential",
-        elements=[(s.container, s.name) for s in sites if s.node is None], decision=decision)
-    for head in heads:
-        head._run = run
-    return run, [(seq, _RunPart(run, names, head)) for seq, names, head in plan.parts]
+    if run is None:
+        run = _Run(
+            labels=[s.label for s in sites], members=[s.module for s in sites],
+            layers=[s.module for s in sites[0::2]], last_tanh=plan.last_tanh,
+            sequences=[(seq, an.path_of(seq)) for seq in plan.sequences], slots=plan.slots,
+            unhooked=[(m, an.path_of(m)) for m in plan.unhooked] + [(s.module, s.label)
+                                                                   for s in sites],
+            owner=plan.owner, calls=plan.calls,
+            elements=[(s.container, s.name) for s in sites if s.node is None], decision=decision)
+    for site, k in plan.members:
+        m = site.module
+        m.__class__ = _MEMBER_CLASSES[type(m)]  # a subclass: same object, parameters and keys
+        m._ckpt_ext_run, m._ckpt_ext_index = run, k
+    return run, [(seq, _RunPart(run, names, role, index, before, after))
+                 for seq, names, role, index, before, after in plan.parts]
 
 
 def _existing_runs(model: nn.Module) -> List[_Run]:
@@ -1629,9 +1952,40 @@ def _existing_runs(model: nn.Module) -> List[_Run]:
         if isinstance(m, FusedSequential):
             for part in m._ckpt_ext_runs:
                 runs.setdefault(id(part.run), part.run)
-        elif isinstance(m, FusedRunHead) and m._run is not None:
-            runs.setdefault(id(m._run), m._run)
+        elif type(m) in (RunLinear, RunTanh) and m._ckpt_ext_run is not None:
+            runs.setdefault(id(m._ckpt_ext_run), m._ckpt_ext_run)
     return list(runs.values())
+
+
+def _in_place(plan: _Plan, existing: Dict[Any, _Run]) -> Optional[_Run]:
+    """The run an earlier fuse put in place for exactly this plan, if it is still whole."""
+    run = existing.get(plan.key)
+    if run is None or run.problem() is not None:
+        return None
+    for seq, key in plan.part_keys():
+        if not any(p.key == key and p.run is run for p in _parts_of(seq)):
+            return None
+    for site, k in plan.members:
+        m = site.module
+        if getattr(m, "_ckpt_ext_run", None) is not run or m._ckpt_ext_index != k:
+            return None
+    if plan.owner is not None:
+        fwd = vars(plan.owner).get("forward")
+        if not isinstance(fwd, _OwnerForward) or run not in fwd.runs:
+            return None
+    return run
+
+
+def _chain_problem(layers: Sequence[nn.Module]) -> Optional[str]:
+    """None when the Linear layers of a run chain (widths) and share one dtype and device."""
+    for i, (a, b) in enumerate(zip(layers, layers[1:]), start=1):
+        if b.in_features != a.out_features:
+            return (f"layer {i}: in_features {b.in_features} does not match the previous "
+                    f"Linear's out_features {a.out_features}")
+        if b.weight.dtype != a.weight.dtype or b.weight.device != a.weight.device:
+            return (f"layer {i}: weight is {b.weight.dtype} on {b.weight.device}, the previous "
+                    f"Linear's is {a.weight.dtype} on {a.weight.device}")
+    return None
 
 
 def _parts_of(seq: nn.Module) -> Tuple[_RunPart, ...]:
@@ -1714,21 +2068,6 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
     def add(store: Dict[str, List[Decision]], d: Decision) -> None:
         store.setdefault(d.where, []).append(d)
 
-    # Runs an earlier fuse applied by replacing children (FusedRunHead, RunLayer, Identity): their
-    # layers are no longer Linear/Tanh modules, so they are kept as they are (and reported), and
-    # their Sequential elements are not planned again.
-    kept_runs = [r for r in _existing_runs(model) if not r.fallback]
-    taken_elements = {(id(seq), name) for r in kept_runs for seq, name in r.elements}
-    for r in kept_runs:
-        if r.decision is not None:
-            problem = r.problem()
-            if problem is None:
-                add(units_at, _already(r.decision))
-            else:
-                add(misses_at, Decision(r.decision.where, r.decision.layers, "left alone", "", "",
-                                        0, 0, 0, f"fused by an earlier fuse, but it cannot run "
-                                                 f"fused any more: {problem}"))
-
     # Plan everything on the unmodified model, then apply.
     # 1. Forward code: chains that hold a function call, fused only by a rewrite.
     rewrite_units: List[Tuple[str, nn.Module, _Trace, List[_Unit]]] = []
@@ -1751,9 +2090,10 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
             rewrite_units.append((path, m, t, rw))
 
     # 2. Runs of Linear/Tanh modules, inside a container or across several.
-    disc = _Discovery(an, taken_nodes, taken_elements)
+    disc = _Discovery(an, taken_nodes)
+    existing = {r.key: r for r in _existing_runs(model)}
     paths, stops = disc.runs()
-    planned: List[Tuple[_Plan, Decision, bool]] = []  # (plan, decision, already in place)
+    planned: List[Tuple[_Plan, Decision, Optional[_Run]]] = []  # (plan, decision, in place)
     for sites in paths:
         where = disc.where(sites)
         labels = [s.label for s in sites]
@@ -1766,7 +2106,7 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
             last = sites[e - 1]
             sub = _sub_chain(full, s, e, lambda last=last: disc.fate(last))
             sub.where = disc.where(sub.items)
-            problem = run_problem([x.module for x in sub.items])
+            problem = _chain_problem([x.module for x in sub.items[0::2]])
             if problem is not None:
                 found.append(Decision(sub.where, tuple(sub.labels), "left alone", "", "", 0, 0, 0,
                                       problem))
@@ -1784,10 +2124,9 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
                     continue
                 d = dataclasses.replace(d, where=plan.where, how=plan.how,
                                         why=d.why + (f"; {plan.note}" if plan.note else ""))
-                already = not plan.swaps and all(
-                    any(p.key == key for p in _parts_of(seq)) for seq, key in plan.part_keys())
+                already = _in_place(plan, existing)
                 planned.append((plan, d, already))
-                found.append(_already(d) if already else d)
+                found.append(_already(d) if already is not None else d)
         stop = stops.get(sites[-1])
         position = {label: i for i, label in enumerate(labels)}
         found.sort(key=lambda d: position.get(d.layers[0], len(labels)))  # in call order
@@ -1800,33 +2139,13 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
                     d, why=f"{d.why}; the run stops after {sites[-1].label}: {stop}")
             add(units_at if d.action != "left alone" else misses_at, d)
 
-    if not dry_run:
-        # Each Sequential gets the parts of the runs planned now, plus those of kept runs.
-        desired: Dict[int, List[_RunPart]] = {}
-
-        def parts_for(seq: nn.Module) -> List[_RunPart]:
-            if id(seq) not in desired:
-                desired[id(seq)] = [p for p in _parts_of(seq) if not p.run.fallback]
-            return desired[id(seq)]
-
-        for plan, d, already in planned:
-            if already:  # the same run is in place: keep its very objects
-                for seq, key in plan.part_keys():
-                    parts_for(seq).append(next(p for p in _parts_of(seq) if p.key == key))
-                continue
-            _, parts = _apply_plan(an, plan, d)
-            for seq, part in parts:
-                parts_for(seq).append(part)
-        for _, m in model.named_modules():
-            if _is_sequential(m):
-                _set_parts(m, parts_for(m))
-
+    sources: Dict[int, str] = {}
     for path, m, t, units in rewrite_units:
         report.rewritten.append(path)
         if dry_run:
             continue
         try:
-            source = _rewrite_source(m, t.graph, units)
+            sources[id(m)] = _rewrite_source(m, t.graph, units)
         except Exception as e:  # refuse rather than guess: report and leave the forward alone
             report.rewritten.remove(path)
             report.not_analysed.append((path, f"forward not rewritten: {type(e).__name__}: {e}"))
@@ -1834,16 +2153,49 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
             for store in (units_at, misses_at):
                 for key, ds in store.items():
                     store[key] = [d if id(d) not in ids else _refused(d, str(e)) for d in ds]
-            continue
-        m.forward = _RewrittenForward(m, source)
     if not dry_run:
-        for run in _existing_runs(model):  # the forwards that call its containers, as now set
-            run.seal_owners()
+        _apply(an, model, planned, sources)
 
     order = [path for path, _ in model.named_modules()]
     for path in order + sorted((set(units_at) | set(misses_at)) - set(order)):
         report.decisions += units_at.get(path, []) + misses_at.get(path, [])
     return Fused(model, report)
+
+
+def _apply(an: _Model, model: nn.Module,
+           planned: List[Tuple[_Plan, Decision, Optional[_Run]]], sources: Dict[int, str]) -> None:
+    """Put the planned runs in place (keeping those already in place as they are), undo the runs
+    of an earlier fuse that are no longer planned, and set each owner's forward."""
+    parts: Dict[int, List[_RunPart]] = {}
+    owner_runs: Dict[int, List[_Run]] = {}
+    members = set()
+    for plan, d, run in planned:
+        run, plan_parts = _apply_plan(an, plan, d, run)
+        for seq, part in plan_parts:
+            parts.setdefault(id(seq), []).append(part)
+        if plan.owner is not None:
+            owner_runs.setdefault(id(plan.owner), []).append(run)
+        members.update(id(site.module) for site, _ in plan.members)
+    for m in model.modules():
+        if type(m) in (RunLinear, RunTanh) and id(m) not in members:
+            m.__class__ = nn.Linear if type(m) is RunLinear else nn.Tanh
+            for name in ("_ckpt_ext_run", "_ckpt_ext_index"):
+                vars(m).pop(name, None)
+        if _is_sequential(m):
+            _set_parts(m, parts.get(id(m), []))
+        fwd = vars(m).get("forward")
+        runs = tuple(owner_runs.get(id(m), ()))
+        source = sources.get(id(m), fwd.source if isinstance(fwd, _OwnerForward) else None)
+        if not runs and source is None:
+            if isinstance(fwd, _OwnerForward):
+                del vars(m)["forward"]
+            continue
+        t = an.trace_of(m)
+        guards = t.guards if t is not None else fwd.guards
+        if isinstance(fwd, _OwnerForward) and (fwd.runs, fwd.guards, fwd.source) == \
+                (runs, tuple(guards), source):
+            continue  # as it is: keep the very object
+        m.forward = _OwnerForward(m, runs, guards, source)
 
 
 def _already(d: Decision) -> Decision:
