@@ -76,7 +76,6 @@ Linear/Tanh modules to plan again.
 """
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
 import enum
@@ -84,7 +83,6 @@ import inspect
 import operator
 import os
 import sys
-import textwrap
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -974,46 +972,6 @@ def _trace_module(clone: nn.Module, orig: nn.Module) -> _Trace:
     return t
 
 
-_CLASS_USES: Dict[type, Optional[Dict[str, List[str]]]] = {}
-
-
-def _uses_outside_forward(cls: type) -> Optional[Dict[str, List[str]]]:
-    """{name: [methods]} for each ``self.<name>(...)`` call and each string constant in a method of
-    ``cls`` (and its own bases) other than forward and __init__; None if a source is missing."""
-    if cls in _CLASS_USES:
-        return _CLASS_USES[cls]
-    uses: Dict[str, List[str]] = {}
-    result: Optional[Dict[str, List[str]]] = uses
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object) or klass.__module__.startswith("torch."):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError, IndentationError):
-            result = None
-            break
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for fn in body:
-            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or \
-                    fn.name in ("forward", "__init__"):
-                continue
-            for node in ast.walk(fn):
-                name = None
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                    f = node.func
-                    if isinstance(f.value, ast.Name) and f.value.id == "self":
-                        name = f.attr  # self.name(...)
-                    elif isinstance(f.value, ast.Attribute) and \
-                            isinstance(f.value.value, ast.Name) and f.value.value.id == "self":
-                        name = f.value.attr  # self.name.forward(...) and the like
-                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                    name = node.value
-                if name is not None:
-                    uses.setdefault(name, []).append(fn.name)
-    _CLASS_USES[cls] = result
-    return result
-
-
 # What an op does with a tensor it is given, for the question "is this tanh output kept anyway?"
 _VIEW_FUNCTIONS = {operator.getitem, torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze,
                    torch.transpose, torch.permute, torch.narrow, torch.select, torch.chunk,
@@ -1471,13 +1429,6 @@ def _child_problem(an: "_Model", owner: nn.Module, t: _Trace, target: str, label
                 f"itself (it may run again on its own, as checkpoint does in backward)")
     if len(an.slots.get(id(sub), ())) != 1:  # held by another module too: it may be called there
         return f"{label} is also held elsewhere: {', '.join(an.paths[id(sub)][1:])}"
-    other_uses = _uses_outside_forward(type(owner))
-    if other_uses is None:
-        return f"the source of {type(owner).__name__} is not available to check its methods"
-    name = target.split(".")[0]
-    if name in other_uses:
-        return (f"{label} is also used by {type(owner).__name__}."
-                f"{'/'.join(sorted(set(other_uses[name])))}()")
     return None
 
 
