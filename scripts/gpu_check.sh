@@ -149,15 +149,17 @@ pyget() { "$PY" -c "import json,sys; print(json.load(open(sys.argv[1])).get(sys.
 CC=$(pyget capability)
 if [ "${RESULT[probe]}" != pass ]; then
   if [ "$DRY" != 1 ]; then
-    say "probe ${RESULT[probe]}: no GPU visible to torch, or torch did not import (its log" \
-        "below); this run needs the GPU machine: stop"
+    say "probe ${RESULT[probe]}: no GPU visible to torch, or torch did not import (the probe's" \
+        "log is in $LOG); this run needs the GPU machine: stop"
     "$PY" -c "import json, sys; json.dump({'ok': False, 'steps': {'probe': 'no GPU'}},
       open(sys.argv[1], 'w'))" "$DEST/gpu_check.json" 2>/dev/null
     exit 2
   fi
   say "GPU_CHECK_DRY_RUN=1: no GPU; the probe counts as rehearsed, each GPU step runs its dry form"
-  RESULT[probe]=pass
+  RESULT[probe]=pass; NOTE[probe]="dry run: no GPU, arch 9.0 assumed"
   CC=9.0
+else
+  NOTE[probe]="$(pyget device), sm $CC, $(pyget nproc) cores"
 fi
 ARCH=${TORCH_CUDA_ARCH_LIST:-$CC}
 SAN=$(pyget compute_sanitizer)
@@ -317,6 +319,10 @@ EOF
   done
 fi
 rm -f "$DEST"/bench_*/*.md  # the tables are in the log
+MAX_FILES=8  # what comes back from the GPU machine
+if [ "$(find "$DEST" -type f | wc -l)" -gt $((MAX_FILES - 1)) ]; then  # + gpu_check.json to come
+  say "more than $MAX_FILES files in $DEST: the plots go"; rm -f "$DEST"/bench_*/*.png
+fi
 
 # ---- summary ------------------------------------------------------------------------------------
 steps=""
