@@ -223,9 +223,14 @@ else
   # ---- tier 2: the CUDA tests, each result written as it ends -----------------------------------
   cat >"$TMP/gpu_check_results.py" <<'EOF'
 """pytest plugin: one JSON line per test phase into $GPU_CHECK_TESTS_JSONL, flushed at once, so a
-run killed at its cap keeps every result before it (and names the test that was running)."""
+run killed at its cap keeps every result before it (and names the test that was running); the
+files named in $GPU_CHECK_TESTS_FIRST run first (pytest orders its arguments by path)."""
 import json, os
 _f = open(os.environ["GPU_CHECK_TESTS_JSONL"], "a", buffering=1)
+def pytest_collection_modifyitems(session, config, items):
+    first = os.environ.get("GPU_CHECK_TESTS_FIRST", "").split()
+    items.sort(key=lambda item: first.index(item.nodeid.split("::")[0])
+               if item.nodeid.split("::")[0] in first else len(first))
 def _w(**kw): _f.write(json.dumps(kw) + "\n")
 def _msg(report):
     """A skip's reason, or a failure's one-line message."""
@@ -251,9 +256,10 @@ EOF
     say "tests: pytest-timeout is not installed: the step's cap is the only limit"
   fi
   # GPU_CHECK_TESTS replaces the selection, e.g. "tests/test_ops_cuda.py -k graphs"
-  read -r -a SEL <<<"${GPU_CHECK_TESTS:--m cuda tests/test_ops_cuda.py tests}"
+  read -r -a SEL <<<"${GPU_CHECK_TESTS:--m cuda tests}"
   run_step tests $(($(caps_through tests) - $(elapsed))) \
-    env GPU_CHECK_TESTS_JSONL="$TMP/tests.jsonl" CKPT_EXT_EXPECT_CUDA=1 \
+    env GPU_CHECK_TESTS_JSONL="$TMP/tests.jsonl" GPU_CHECK_TESTS_FIRST=tests/test_ops_cuda.py \
+    CKPT_EXT_EXPECT_CUDA=1 \
     "$PY" -m pytest "${TEST_ARGS[@]}" "${SEL[@]}"
   fold tests 60
 
