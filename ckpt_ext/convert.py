@@ -1,63 +1,50 @@
 """``ckpt_ext.fuse(model)``: make a model's Linear/Tanh layers recompute in backward — in place,
-without changing what the model computes, and only where that frees memory.
+without changing what any caller of any of its modules gets, and only where that frees memory.
+The contract, in full: ``docs/converter.md``.
 
-What fuse changes (in place; the returned model is always the object passed in)
----------------------------------------------------------------------------------
-* **nn.Sequential** (at any depth; exactly ``nn.Sequential``, not a user's subclass): when it holds
-  a unit worth fusing, its class becomes :class:`FusedSequential`, a subclass with the same
-  elements, the same ``state_dict`` keys and the same parameters. Its forward runs each planned run
-  ``Linear, Tanh, Linear, ...`` of consecutive elements through one fused op and every other element
-  as before. ``seq[i]`` is still the ``nn.Linear``; a slice runs unfused; a run whose elements were
-  replaced or given hooks after fusing runs element by element.
-* **direct children a module's forward calls in sequence** (``self.act(self.fc(x))``, or
-  ``fc1, act1, fc2, act2, fc3`` one after the other): swapped inside that module — a lone pair
-  becomes ``FusedLinearTanh`` + ``nn.Identity``; a run becomes a :class:`FusedRunHead` at the first
-  Linear (it runs the whole run and holds that layer's ``weight``/``bias``), ``nn.Identity`` at each
-  fused Tanh and a :class:`RunLayer` at each later Linear (a pass-through holding that layer's
-  parameters under the same names, read by the head at forward time). ``state_dict`` keys and
-  parameter objects are unchanged, so old checkpoints load and an optimizer built before keeps
-  training them. Which children qualify is found by torch.fx on a **copy** of the model (see below).
-* **runs across containers**: a run does not stop at a container's edge. It goes on from a
-  Sequential's last element to what consumes the Sequential's output (the next element of the
-  Sequential holding it, or the next child the calling forward passes it to), and into a nested or
-  next Sequential: ``linear1, block1, block2, block3`` with ``block_i = Sequential(Linear, Tanh)``
-  called in sequence is ONE run ``block1.0 .. block3.1``. A nested Sequential the run covers whole,
-  inside a Sequential holding the whole run, is left as it is (the outer Sequential runs it).
-  Otherwise the container holding the run's first layer computes the whole run, and the
-  containers holding later layers pass the activation through them (Sequentials: a
-  ``FusedSequential`` part that skips those elements; children: ``RunLayer`` / ``nn.Identity``).
-  So, **called on its own**, such a container no longer computes only its own layers: ``block1(h)``
-  returns the whole run's output and ``block2(h)`` returns ``h``. fuse makes them pass-throughs
-  rather than raise because a container can only tell "called as part of the run" from "called on
-  its own" by keeping state between calls (the head marking its output): that state would keep an
-  activation alive (the memory fusing frees), would be Python state ``torch.compile`` has to guard
-  and replay, and would have to survive ``torch.utils.checkpoint``, which re-runs one block's
-  forward alone during backward (the write-up ``Net`` in checkpoint mode does exactly that; with
-  pass-throughs it stays exact). The pass-through is also what a fused child already was
-  (``RunLayer``, ``nn.Identity``). The report names these containers and what each returns alone
-  (``dry_run=True`` shows it first); the modules inside them are untouched (``block2[0]`` is still
-  the Linear and computes its layer).
-  A run crosses into or out of a container only if that container has no hooks, is held at one
-  place, and (when a forward calls it) is called once there and by no other method of the class.
+What a caller may rely on
+-------------------------
+Every module of the model, called in any way (by the model's forward, on its own, from a method
+or outside code, with hooks registered after fusing, under torch.compile, torch.func or
+torch.utils.checkpoint), returns what the unfused model returns, with the same gradients. The model
+is the object passed in; the classes of the user's own modules, their methods, hooks, attributes
+and branches are unchanged; Linear, Tanh and Sequential objects stay the same objects (their class
+may become a subclass), with the same parameters and ``state_dict`` keys.
+
+Where a run is computed
+-----------------------
+* **nn.Sequential** (exactly that class, at any depth) holding a whole run, directly or in nested
+  Sequentials: its class becomes :class:`FusedSequential`, whose forward computes each planned run
+  with one fused op and every other element as nn.Sequential does. Nested Sequentials stay as they
+  are.
+* **a run through several calls of one forward** (child Linear/Tanh modules called one after the
+  other, ``self.act(self.fc(x))``; a Sequential then the child its caller calls next,
+  ``block1, block2, block3`` of the write-up's Net): the calls are the run's *members* — the Linear
+  becomes :class:`RunLinear`, the Tanh :class:`RunTanh`, a Sequential :class:`FusedSequential` —
+  and the calling module (the *owner*) gets a forward on its instance, :class:`_OwnerForward`, that
+  marks a region for each call and runs the class's forward unchanged. Inside the region, in the
+  analysed order, the first member computes the whole run and the later ones pass its output on;
+  anywhere else each member computes its own output (see :class:`_Run`). A member replaced or
+  given hooks after fusing makes the call compute member by member.
 * **forward code** (``F.linear``, ``torch.tanh``, ``.tanh()``, a Linear in a ModuleList loop): only
-  with ``rewrite=True``. The module keeps its class; its instance gets a ``forward`` generated from
-  the fx graph of its class's forward with the pairs replaced by the fused ops.
+  with ``rewrite=True``; the instance gets a forward generated from the fx graph of its class's
+  forward, with the units replaced by the fused ops.
 
-What fuse never changes: the classes of the user's modules, their methods, hooks, plain
-attributes, ``training``-dependent branches, and the numbers the model computes (to rounding).
-
-How the analysis avoids side effects, and what it refuses
-----------------------------------------------------------
-fx runs a forward's Python code with placeholder values. fuse traces a deep copy whose parameters
-and buffers are on the ``meta`` device (no memory), once in ``train()`` and once in ``eval()`` mode,
-and compares every attribute of the traced module and its descendants before and after. A module's
-forward is not used (neither to swap its children nor to rewrite it) when: fx cannot trace it;
-tracing changed an attribute (``self.calls += 1``, a list that now holds a Proxy: statements the
-graph would not replay); the graphs differ between train() and eval() (it branches on
-``self.training``); it takes optional or variadic arguments (fx would see one value of them); or its
-``forward`` was replaced on the instance. The report lists each with the reason. A child is swapped
-only if it appears at one place in the model, the forward calls it exactly once, it has no hooks,
-and no other method of the class refers to it.
+How the analysis avoids side effects, and what it relies on
+-----------------------------------------------------------
+fx runs a forward's Python code with placeholder values, on a deep copy whose parameters and
+buffers are on the ``meta`` device (no memory), once in ``train()`` and once in ``eval()`` mode;
+every attribute of the copy is compared before and after, and every instance attribute the forward
+reads is recorded. A region, or a rewritten forward, is used at a call only while each attribute
+read still has the value it had (:class:`_Guard`): otherwise that call runs the class's forward.
+An attribute the forward only counts with (``self.nfe += 1``) is no obstacle; a forward that changes
+other state, or reads a value fuse cannot check at each call, marks no region and is not
+rewritten (its graph still says what each output's consumer keeps); a forward that changed any
+attribute is not rewritten. A member must be called once, directly by the owner's forward (not
+through a helper or torch.utils.checkpoint, which re-runs it alone), be held at one place and have
+no hooks. A forward is not analysed at all when fx cannot trace it, its graphs differ between
+train() and eval(), it takes optional or variadic arguments (fx would see one value of them), or
+its ``forward`` was set on the instance by someone else; ``report.not_analysed`` lists each.
 
 Which units fuse (``policy="memory"``, the default)
 ---------------------------------------------------
@@ -67,12 +54,11 @@ runs** — across containers, as above — as one ``tanh_mlp`` (the op ``FusedTa
 only the run's input); a run's trailing Tanh, and a lone ``Linear -> Tanh`` pair, are included
 only where their output is not kept by its consumer anyway (a residual add, a ``.mean()`` loss,
 the model's output — not a following Linear, LayerNorm, matmul, or a consumer the analysis cannot
-see). ``policy="all"`` fuses every pair on its own, as before.
+see). ``policy="all"`` fuses every pair on its own.
 The report gives, for every decision, the activation bytes per row it frees and the FLOPs per row
 its recompute costs, and says why each near miss was left alone (a run that stops at a container
-says which, and why). Running fuse twice with the same policy changes nothing; a run that replaced
-children is kept as it is by a later fuse (with any policy), since its layers are no longer
-Linear/Tanh modules to plan again.
+says which, and why). Running fuse twice with the same arguments changes nothing; with other
+arguments it plans the model again.
 """
 from __future__ import annotations
 

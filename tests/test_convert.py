@@ -3,7 +3,7 @@ that the units it picks keep less.
 
 Every converted model is compared against itself before the swap: outputs, input grads and every
 parameter grad, in float64 (tight) and in the other supported dtypes (per-dtype bounds). The
-"hazard" tests at the top each reproduce one problem of the first converter (issue 9) and fail on
+"hazard" tests at the top each reproduce one problem of the first converter and fail on
 it.
 """
 from __future__ import annotations
@@ -1290,7 +1290,7 @@ def test_writeup_net_is_one_run_across_its_blocks():
 
 def test_residual_net_keeps_its_lone_pairs():
     """ResidualNet: each block's output goes into a residual add, not into the next block, so
-    nothing links the blocks: three lone pairs, as before."""
+    nothing links the blocks: three lone pairs."""
     from ckpt_ext.models import ResidualNet
 
     torch.manual_seed(0)
