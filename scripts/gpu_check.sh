@@ -24,7 +24,7 @@ REQUIRED=(
   "probe 25 1 GPU visible to torch; driver, nvcc, torch, compute-sanitizer, pytest-timeout"
   "build 165 1 setup.py build_ext --inplace, CKPT_EXT_CUDA=1, the visible GPU's arch, nproc jobs"
   "import 20 1 import ckpt_ext with its CUDA kernels; one fused op forward+backward on the GPU"
-  "tests 100 2 pytest -m cuda, ${TEST_TIMEOUT} s a test, results kept as they end; + tier 1's spare"
+  "tests 95 2 pytest -m cuda, ${TEST_TIMEOUT} s a test, results kept as they end; + tier 1's spare"
   "memcheck 75 3 compute-sanitizer memcheck on gpu_sanitize_case.py: every kernel path, small"
   "kernel_bench 35 4 gpu_kernel_bench.py: each kernel's GB/s vs a D2D copy, 2^20, 2^24, 2^27"
   "bench_eager 45 5 python -m ckpt_ext.bench --device cuda --networks chain, eager modes"
