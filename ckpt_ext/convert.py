@@ -76,6 +76,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 import torch.nn.functional as F
+import torch.nn.modules.module as _module_hooks  # the hooks registered for every module
 from torch import fx, nn
 
 from . import _C
@@ -259,6 +260,9 @@ class _Run:
         for m, label in self.unhooked:
             if _has_hooks(m):
                 return f"{label or '<model>'} has hooks, which the fused run would not call"
+        if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks or \
+                _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks:
+            return "hooks registered for every module, which the fused run would not call"
         w0 = self.layers[0].weight
         problem = _unsupported(w0)
         if problem is not None:
@@ -541,7 +545,11 @@ class _Guard(NamedTuple):
     same: bool
 
     def holds(self, owner: nn.Module) -> bool:
-        obj = owner.get_submodule(self.path) if self.path else owner
+        obj = owner
+        for part in self.path.split(".") if self.path else ():
+            obj = obj._modules.get(part)
+            if obj is None:
+                return False
         v = getattr(obj, self.name, _MISSING)
         if self.same:
             return v is self.value

@@ -518,3 +518,31 @@ def test_pooler_pair_members_called_on_their_own():
     same_as_unfused(ref.dense, pooler.dense, x)
     same_as_unfused(ref, pooler, x, fn=lambda m, h: m.activation(m.dense(h) + 1))
     assert torch.equal(pooler.activation(x), torch.tanh(x))
+
+
+def test_hooks_registered_for_every_module_after_fuse():
+    """A global module hook (torch.nn.modules.module.register_module_forward_hook, as activation
+    loggers and module trackers use) sees each module's own output: while one is registered the
+    run is computed member by member."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    model = _writeup_net()
+    ref = copy.deepcopy(model)
+    fuse(model)
+    outputs = {"fused": {}, "ref": {}}
+    names = {id(m): ("fused", n) for n, m in model.named_modules()}
+    names.update({id(m): ("ref", n) for n, m in ref.named_modules()})
+
+    def log(module, inputs, output):
+        key, name = names[id(module)]
+        outputs[key][name] = output.detach()
+
+    handle = register_module_forward_hook(log)
+    try:
+        same_as_unfused(ref, model, torch.randn(3, 16, dtype=F64))
+    finally:
+        handle.remove()
+    assert outputs["fused"].keys() == outputs["ref"].keys() and "block1" in outputs["ref"]
+    for name, out in outputs["ref"].items():
+        assert rel_err(outputs["fused"][name], out) <= TOL, name
+    assert saved_activation_bytes(model, torch.randn(3, 16, dtype=F64)) == 3 * (16 + 32) * 8
