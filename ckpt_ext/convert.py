@@ -336,6 +336,9 @@ class _RunPart:
                  after: Sequence[Tuple[nn.Module, Tuple[str, ...]]]) -> None:
         self.run, self.names, self.role, self.index = run, tuple(names), role, index
         self.before, self.after = tuple(before), tuple(after)
+        # "first"/"on": a run of the Sequential's own elements computed fused when this part is
+        # not computed as the owner's run (called on its own, or the run falls back)
+        self.alone: Optional["_RunPart"] = None
 
     @property
     def last_tanh(self) -> bool:
@@ -371,9 +374,11 @@ class _RunPart:
             return f"{span} (computes the run {run.labels[0]}..{run.labels[-1]})"
         where = f"inside {run.decision.where or '<model>'}.forward" if run.decision else \
             "inside its caller's forward"
+        alone = "" if self.alone is None else \
+            f"; otherwise {self.alone.names[0]}..{self.alone.names[-1]} as one run"
         if self.role == "first":
-            return f"{span} (computes the run {run.labels[0]}..{run.labels[-1]} {where})"
-        return f"{span} (passes the run from {run.labels[0]} on {where})"
+            return f"{span} (computes the run {run.labels[0]}..{run.labels[-1]} {where}{alone})"
+        return f"{span} (passes the run from {run.labels[0]} on {where}{alone})"
 
 
 def _elements(steps: Sequence[Tuple[nn.Module, Tuple[str, ...]]], x: torch.Tensor):
@@ -405,18 +410,20 @@ class FusedSequential(nn.Sequential):
         if not parts:
             return super().forward(input)
         starts = {part.names[0]: part for part in parts}
+        alone = {p.alone.names[0]: p.alone for p in parts if p.alone is not None}
         items = list(self._modules.items())
         i = 0
         while i < len(items):
-            part = starts.get(items[i][0])
-            if part is not None:
-                out = part.compute(input)
-                if out is not None:
-                    input = out
-                    i += len(part.names)
-                    continue
-            input = items[i][1](input)
-            i += 1
+            for part in (starts.get(items[i][0]), alone.get(items[i][0])):
+                if part is not None:
+                    out = part.compute(input)
+                    if out is not None:
+                        input = out
+                        i += len(part.names)
+                        break
+            else:
+                input = items[i][1](input)
+                i += 1
         return input
 
     def extra_repr(self) -> str:
@@ -1464,6 +1471,8 @@ class _Plan:
     slots: List[Tuple[nn.Module, str, nn.Module, str]] = field(default_factory=list)
     unhooked: List[nn.Module] = field(default_factory=list)
     owner: Optional[nn.Module] = None  # the module whose forward calls the members
+    # per member Sequential: the run of its own elements it computes fused when called on its own
+    alone: Dict[int, List[_Site]] = field(default_factory=dict)
     note: str = ""
 
     @property
@@ -1693,7 +1702,7 @@ class _Discovery:
         steps = [(upper, self._below(upper, lower)) for upper, lower in zip(path, path[1:])]
         return steps + [(site.container, site.name)]
 
-    def plan(self, sites: List[_Site], last_tanh: bool) -> Optional[_Plan]:
+    def plan(self, sites: List[_Site], last_tanh: bool, policy: str) -> Optional[_Plan]:
         an = self.an
         chains, lca = self._ancestry(sites)
         if lca is None:
@@ -1763,6 +1772,9 @@ class _Discovery:
                                 after(last[2:])))
             else:
                 p.parts.append((u, tuple(names), "on", k, (), ()))
+            alone = _alone(u, sites) if policy == "memory" else None
+            if alone:
+                p.alone[id(u)] = alone
         p.how = "children" if all(isinstance(u, _Site) for u in units) else "across"
         p.owner = lca
         where = p.where or "<model>"
@@ -1771,7 +1783,31 @@ class _Discovery:
                       f"{p.calls[0]} computes the whole run and {', '.join(p.calls[1:])} "
                       f"pass{'es' if len(p.calls) == 2 else ''} its output on; called any other "
                       f"way, each computes its own layers")
+            for sites_alone in p.alone.values():
+                p.note += (f" ({sites_alone[0].label}..{sites_alone[-1].label} as one run of "
+                           f"its own)")
         return p
+
+
+def _alone(seq: nn.Module, sites: Sequence[_Site]) -> Optional[List[_Site]]:
+    """The longest stretch of the run's layers that are consecutive elements of ``seq``, from a
+    Linear to a Linear with at least two of them: a run seq computes fused when called on its own
+    (its inner tanh outputs feed only its next Linear; where its output goes is not known there)."""
+    best: List[_Site] = []
+    stretch: List[_Site] = []
+    for s in list(sites) + [None]:
+        if s is not None and s.node is None and s.container is seq and \
+                (not stretch or s.index == stretch[-1].index + 1):
+            stretch.append(s)
+            continue
+        while stretch and stretch[0].kind != "L":
+            stretch.pop(0)
+        while stretch and stretch[-1].kind != "L":
+            stretch.pop()
+        if len(stretch) >= 3 and len(stretch) > len(best):
+            best = stretch
+        stretch = [s] if s is not None and s.node is None and s.container is seq else []
+    return best or None
 
 
 def _graph_chains(an: _Model, path: str, owner: nn.Module, t: _Trace, rewrite: bool,
@@ -1886,8 +1922,20 @@ def _apply_plan(an: _Model, plan: _Plan, decision: Decision,
         m = site.module
         m.__class__ = _MEMBER_CLASSES[type(m)]  # a subclass: same object, parameters and keys
         m._ckpt_ext_run, m._ckpt_ext_index = run, k
-    return run, [(seq, _RunPart(run, names, role, index, before, after))
-                 for seq, names, role, index, before, after in plan.parts]
+    parts = []
+    for seq, names, role, index, before, after in plan.parts:
+        part = _RunPart(run, names, role, index, before, after)
+        alone = plan.alone.get(id(seq))
+        if alone:
+            part.alone = _RunPart(_Run(
+                labels=[s.label for s in alone], members=[s.module for s in alone],
+                layers=[s.module for s in alone[0::2]], last_tanh=False,
+                sequences=[(seq, an.path_of(seq))], slots=(),
+                unhooked=[(s.module, s.label) for s in alone], owner=None, calls=(),
+                elements=[(seq, s.name) for s in alone]), [s.name for s in alone], "whole", 0,
+                (), ())
+        parts.append((seq, part))
+    return run, parts
 
 
 def _existing_runs(model: nn.Module) -> List[_Run]:
@@ -2060,7 +2108,7 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
             found += ms
             for u in us:
                 a, b = sub.span(u.a, u.b, u.last_tanh)
-                plan = disc.plan(sub.items[a:b], u.last_tanh)
+                plan = disc.plan(sub.items[a:b], u.last_tanh, policy)
                 d = u.decision
                 if plan is None:  # no module holds them all: nothing to swap safely
                     found.append(dataclasses.replace(
