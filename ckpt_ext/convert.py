@@ -813,8 +813,9 @@ _RECORDING: Dict[type, type] = {}
 
 
 def _recording_class(cls: type) -> type:
-    """A subclass of ``cls`` that logs, while a trace runs, each instance attribute the forward
-    reads (first value read), handing out int values as _Counted."""
+    """A subclass of ``cls`` that logs, while a trace runs, each attribute the forward reads that
+    is state — of the instance, or a plain value of the user's class — (first value read), handing
+    out int values as _Counted."""
     sub = _RECORDING.get(cls)
     if sub is not None:
         return sub
@@ -824,8 +825,9 @@ def _recording_class(cls: type) -> type:
         log = _Reads.log
         if log is None or name in _MODULE_INTERNALS or name.startswith("__"):
             return value
-        if name not in object.__getattribute__(self, "__dict__"):
-            return value  # a method, a class attribute, a child, a parameter or a buffer
+        if name not in object.__getattribute__(self, "__dict__") and \
+                not _class_value(cls, name):
+            return value  # a method, a child, a parameter or a buffer, torch's own attributes
         key = (id(self), name)
         if type(value) is int:
             value = _Counted(value, key)
@@ -837,6 +839,19 @@ def _recording_class(cls: type) -> type:
                                       "__qualname__": cls.__qualname__})
     _RECORDING[cls] = sub
     return sub
+
+
+def _class_value(cls: type, name: str) -> bool:
+    """Whether ``name`` is a plain value that a class of the user's (not torch's) defines, such as
+    a constant a forward branches on: read like an instance attribute, and set the same way."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            if klass.__module__.startswith("torch.") or klass is object:
+                return False
+            raw = vars(klass)[name]
+            return not (inspect.isroutine(raw) or isinstance(raw, (staticmethod, classmethod))
+                        or hasattr(type(raw), "__get__"))
+    return False
 
 
 def _record_reads(clone: nn.Module) -> Optional[str]:

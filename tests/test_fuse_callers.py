@@ -551,3 +551,32 @@ def test_hooks_registered_for_every_module_after_fuse():
     for name, out in outputs["ref"].items():
         assert rel_err(outputs["fused"][name], out) <= TOL, name
     assert saved_activation_bytes(model, torch.randn(3, 16, dtype=F64)) == 3 * (16 + 32) * 8
+
+
+class ClassFlag(nn.Module):
+    """A forward that branches on a class attribute, which a user may set on the instance (or the
+    class) later."""
+
+    DOUBLE = False
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x))
+        return y * 2 if self.DOUBLE else y
+
+
+def test_rewritten_forward_reads_a_class_attribute_at_call_time():
+    torch.manual_seed(0)
+    model = ClassFlag().double()
+    ref = copy.deepcopy(model)
+    _, report = fuse(model, rewrite=True)
+    assert report.rewritten == [""] and "ckpt_ext_ops_linear_tanh(" in model.forward.source
+    x = torch.randn(3, 4, dtype=F64)
+    same_as_unfused(ref, model, x)
+    for m in (model, ref):
+        m.DOUBLE = True
+    same_as_unfused(ref, model, x)
+    assert rel_err(model(x), 2 * torch.tanh(model.lin(x))) <= TOL
