@@ -580,3 +580,19 @@ def test_rewritten_forward_reads_a_class_attribute_at_call_time():
         m.DOUBLE = True
     same_as_unfused(ref, model, x)
     assert rel_err(model(x), 2 * torch.tanh(model.lin(x))) <= TOL
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_fused_model_and_members_under_torch_utils_checkpoint(reentrant):
+    """Checkpointing a fused model re-runs its forward in backward (the region is marked again);
+    checkpointing a member on its own re-runs it outside any region, where it computes its own
+    output both times."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _writeup_net()
+    ref = copy.deepcopy(model)
+    fuse(model)
+    x, h = torch.randn(4, 16, dtype=F64), torch.randn(4, 32, dtype=F64)
+    same_as_unfused(ref, model, x, fn=lambda m, v: checkpoint(m, v, use_reentrant=reentrant))
+    same_as_unfused(ref, model, h, fn=lambda m, v: checkpoint(m.block2, checkpoint(
+        m.block1, v, use_reentrant=reentrant), use_reentrant=reentrant))
