@@ -154,6 +154,22 @@ def cuda_arch_list():
     return archs
 
 
+# The torch releases CI builds and tests against (.ci/run: `make test` and `make test-oldest`);
+# csrc/autograd_node.cpp holds the code that differs between them.
+TESTED_TORCH = ((2, 11), (2, 14))
+
+
+def check_torch_range(version):
+    """Warn, not fail, outside the tested range: the build may work, but nothing here shows it."""
+    major, minor = (int(p) for p in re.match(r"(\d+)\.(\d+)", version).groups())
+    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_TORCH
+    if not (lo_major, lo_minor) <= (major, minor) <= (hi_major, hi_minor):
+        _log(f"torch {version} is outside the tested range {lo_major}.{lo_minor} to "
+             f"{hi_major}.{hi_minor}: building anyway, untested")
+        return False
+    return True
+
+
 def torch_requirement(version):
     """The run-time requirement matching the torch that builds: same major.minor (the C++ ABI of
     an extension holds within a minor release, not across)."""
@@ -167,6 +183,7 @@ def extensions():
     if os.environ.get("CKPT_EXT_CPU_SIMD"):
         _log("CKPT_EXT_CPU_SIMD is gone: every ISA level is built and one is chosen at run time "
              "(CKPT_EXT_CPU_CAPABILITY=default|avx2|avx512 caps it); ignoring it")
+    check_torch_range(torch.__version__)
     with_cuda = want_cuda(torch)
     # Imported only now: it reads CUDA_HOME at import (see above).
     from torch.utils.cpp_extension import CppExtension, CUDAExtension

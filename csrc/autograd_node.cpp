@@ -10,7 +10,7 @@
 //       and the in-place version check apply, as for any ATen node) and has one next edge per
 //       tensor, in that order. None when the node cannot be used (a tensor that is not a plain
 //       dense CPU/CUDA tensor, or a Python dispatch/function mode active): ops.py then applies its
-//       autograd.Function instead, as before.
+//       autograd.Function instead.
 //   StackBackward::apply(grad (..., N_{L-1}))
 //       ->  (grad_x (..., K_0), grad_W_i (N_i, K_i) per layer, grad_b_j (N_i) per bias), each
 //       undefined where the running backward pass does not use it (task_should_compute_output).
@@ -47,10 +47,13 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/version.h>
 
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace ckpt_ext {
@@ -334,23 +337,53 @@ void add_node_type(py::module_& m, PyTypeObject& type, const char* qualified_nam
 }
 
 // ------------------------------------------------------------------------------------------------
+// torch releases: the two internals the node uses that differ between supported releases
+
+// Ownership of autograd nodes: torch 2.13 and later derive Node from c10::intrusive_ptr_target
+// and hand nodes around as c10::intrusive_ptr; earlier releases as std::shared_ptr. Detected
+// from the type itself, so a release in between needs no table.
+constexpr bool kIntrusiveNodes = std::is_base_of_v<c10::intrusive_ptr_target, Node>;
+template <typename T>
+using NodeRef = std::conditional_t<kIntrusiveNodes, c10::intrusive_ptr<T>, std::shared_ptr<T>>;
+
+template <typename T, typename... Args>
+NodeRef<T> make_node(Args&&... args) {
+  if constexpr (kIntrusiveNodes) {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  } else {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  }
+}
+
+// torch.autograd.graph.node_creation_hook (torch 2.14 and later) sees every node once its saved
+// tensors are stored; before 2.14 there is no such hook to fire.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14)
+constexpr bool kNodeCreationHooks = true;
+void fire_creation_hooks(const NodeRef<Node>& node) {
+  torch::autograd::fire_node_creation_hooks(node);
+}
+#else
+constexpr bool kNodeCreationHooks = false;
+void fire_creation_hooks(const NodeRef<Node>&) {}
+#endif
+
+// ------------------------------------------------------------------------------------------------
 // recording the node
 
 // y's grad_fn becomes a StackBackward saving (x, weights, biases). Called after the forward ran,
 // as a Function saves after its forward (a rejected input packs nothing).
 void record_node(at::Tensor& y, bool one_layer, const at::Tensor& x, at::TensorList weights,
                  at::TensorList biases, std::vector<bool> has_bias, bool last_tanh) {
-  c10::intrusive_ptr<StackBackward> node;
+  NodeRef<StackBackward> node;
   if (one_layer) {
-    node = c10::make_intrusive<LinearTanhBackward>(has_bias[0]);
+    node = make_node<LinearTanhBackward>(has_bias[0]);
   } else {
-    node = c10::make_intrusive<TanhMlpBackward>(/*one_layer=*/false, std::move(has_bias),
-                                                last_tanh);
+    node = make_node<TanhMlpBackward>(/*one_layer=*/false, std::move(has_bias), last_tanh);
   }
   node->set_next_edges(torch::autograd::collect_next_edges(x, weights, biases));
   node->save(x, weights, biases);
   torch::autograd::set_history(y, node);
-  torch::autograd::fire_node_creation_hooks(node);
+  fire_creation_hooks(node);
 }
 
 bool node_usable(const at::Tensor& x, at::TensorList weights, at::TensorList biases) {
@@ -430,6 +463,9 @@ void bind_autograd_node(pybind11::module_& m) {
         py::call_guard<py::gil_scoped_release>(),
         "linear_tanh recorded with the C++ autograd node; None where it cannot be used.");
   m.def("_linear_tanh_node_state", &linear_tanh_node_state);
+  // Which of the release-dependent paths above this build compiled.
+  m.attr("AUTOGRAD_NODE_OWNERSHIP") = kIntrusiveNodes ? "intrusive_ptr" : "shared_ptr";
+  m.attr("AUTOGRAD_NODE_CREATION_HOOKS") = kNodeCreationHooks;
   m.def("_set_node_python_backward", &set_node_python_backward,
         "Register the node's Python path: backward(one_layer, state, grad_out, x, weights, "
         "biases, has_bias, last_tanh, need_x, need_w, need_b) -> (grad_x, grad_ws, grad_bs, "

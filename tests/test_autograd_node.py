@@ -53,6 +53,43 @@ def _run(op, x, ws, bs, last_tanh=True):
 
 
 # ------------------------------------------------------------------------------------------------
+# the release-dependent paths (csrc/autograd_node.cpp, "torch releases")
+
+def _torch_minor():
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    return major, minor
+
+
+def test_the_node_path_compiled_is_the_one_for_this_torch():
+    # Node is handed around by intrusive_ptr from torch 2.13 on, by shared_ptr up to 2.12 (read
+    # off each release's headers); node-creation hooks exist from 2.14 on.
+    version = _torch_minor()
+    assert ckpt_ext._C.AUTOGRAD_NODE_CREATION_HOOKS == (version >= (2, 14))
+    expected = {(2, 11): "shared_ptr", (2, 12): "shared_ptr", (2, 13): "intrusive_ptr",
+                (2, 14): "intrusive_ptr"}
+    if version in expected:
+        assert ckpt_ext._C.AUTOGRAD_NODE_OWNERSHIP == expected[version]
+    assert ckpt_ext._C.AUTOGRAD_NODE_OWNERSHIP in ("shared_ptr", "intrusive_ptr")
+
+
+@pytest.mark.parametrize("op", ["tanh_mlp", "linear_tanh"])
+def test_node_creation_hooks_see_the_node_with_its_saved_tensors(op):
+    if not ckpt_ext._C.AUTOGRAD_NODE_CREATION_HOOKS:
+        assert not hasattr(torch.autograd.graph, "node_creation_hook")
+        pytest.skip(f"torch {torch.__version__} has no node-creation hooks")
+    ws, bs = _params([5, 7, 3])
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    seen = []
+    with torch.autograd.graph.node_creation_hook(lambda node: seen.append(node)):
+        y = _run(op, x, ws, bs)
+    assert type(y.grad_fn).__name__ == NODE[op]
+    ours = [n for n in seen if type(n).__name__ == NODE[op]]
+    assert ours == [y.grad_fn]
+    y.sum().backward()  # the node the hook saw is the one that runs
+    assert x.grad is not None
+
+
+# ------------------------------------------------------------------------------------------------
 # where the node is recorded
 
 @pytest.mark.parametrize("op", ["tanh_mlp", "linear_tanh"])

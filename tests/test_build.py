@@ -174,10 +174,28 @@ def test_runtime_requirement_matches_the_build():
     major, minor = torch.__version__.split(".")[:2]
     assert req == f"torch=={major}.{minor}.*"
     pyproject = open(os.path.join(ROOT, "pyproject.toml")).read()
-    build_pin = re.search(r'"torch==([^"]+)"', pyproject).group(1)
-    reqs = open(os.path.join(ROOT, "requirements.txt")).read()
-    assert re.search(r"^torch==(\S+)$", reqs, re.M).group(1) == build_pin
     assert re.search(r'^dynamic = \["dependencies"\]', pyproject, re.M)
+
+
+def _minor(version):
+    return tuple(int(p) for p in version.split(".")[:2])
+
+
+def test_the_tested_torch_range_is_the_one_ci_builds():
+    # setup.py's TESTED_TORCH runs from the Makefile's oldest torch (make test-oldest) to the
+    # pinned one (make test); pyproject's build requirement admits exactly that range.
+    setup = _setup_module()
+    lo, hi = setup["TESTED_TORCH"]
+    reqs = open(os.path.join(ROOT, "requirements.txt")).read()
+    assert _minor(re.search(r"^torch==(\S+)$", reqs, re.M).group(1)) == hi
+    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    assert _minor(re.search(r"^OLDEST_TORCH := (\S+)$", makefile, re.M).group(1)) == lo
+    pyproject = open(os.path.join(ROOT, "pyproject.toml")).read()
+    assert f'"torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}"' in pyproject
+    check = setup["check_torch_range"]
+    assert check(f"{lo[0]}.{lo[1]}.0") and check(f"{hi[0]}.{hi[1]}.9+cu130")
+    assert not check(f"{lo[0]}.{lo[1] - 1}.0") and not check(f"{hi[0]}.{hi[1] + 1}.0")
+    assert lo <= _minor(torch.__version__) <= hi
 
 
 def test_installed_metadata_requires_the_build_torch():
