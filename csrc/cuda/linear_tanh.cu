@@ -35,17 +35,19 @@
 //   shared formula evaluated with every product and difference rounded on its own (Rounded<T>), so
 //   the pack and scalar paths and both Holds give the same bits wherever the compiler contracts.
 //
-// tanh: tanhf/tanh for float32, float16 and float64, computed in float (double). For bfloat16 the
-// hardware approximation tanh.approx.f32 (sm_75+; one MUFU op instead of ~20), because its error is
-// below half a unit in the last place of bfloat16: the PTX ISA gives its maximum relative error as
-// about 2^-11 (2^-10.987; quoted from memory, not checked offline), and an exhaustive measurement of
-// the MUFU.TANH instruction behind it found 1.113e-5 (about 2^-16.5; N. Juffa, "Hardware-accelerated
-// tanh() on Turing", NVIDIA developer forums, 2021), while half an ulp of bfloat16 (8 significant
-// bits) is at least 2^-9 of the value. So the rounded bfloat16 t is the correctly rounded one or its neighbour (the tests
-// check every normal bfloat16 input; subnormal inputs are not covered by the bound), and the float
-// t that the backward uses from z has a smaller error bound than the bfloat16 t that stock autograd
-// keeps. For float16 (11 bits; half an ulp can be 2^-12 of the value) the bound does not hold, so
-// float16 keeps tanhf. Forward and backward call the same function on the same z.
+// tanh, forward: tanhf/tanh for float32, float16 and float64, computed in float (double). For
+// bfloat16 the hardware approximation tanh.approx.f32 (sm_75+; one MUFU op instead of ~20),
+// because its error is below half a unit in the last place of bfloat16: the PTX ISA gives its
+// maximum relative error as about 2^-11, and an exhaustive measurement of the MUFU.TANH
+// instruction behind it found 1.113e-5 (about 2^-16.5; N. Juffa, "Hardware-accelerated tanh() on
+// Turing", NVIDIA developer forums, 2021), while half an ulp of bfloat16 (8 significant bits) is
+// at least 2^-9 of the value. So the stored bfloat16 t is the correctly rounded one or its
+// neighbour, and the recompute calls the same function on the same z, so its bits equal the
+// forward's. For float16 (11 bits) the bound does not hold: float16 keeps tanhf.
+// tanh, for a derivative (the backward pass from z): always the exact tanhf/tanh of the accumulate
+// type. The derivative 1 − t² amplifies t's relative error by 2t²/(1 − t²), about 1500x at z = 4,
+// so the approximation's 2^-16.5 would become ~94 bfloat16 ulps of g instead of the 1 the tests
+// allow; stock autograd's g comes from a correctly rounded t.
 // No --use_fast_math: it would change every other function too.
 //
 // All indices are 64-bit. Every launch goes on at::cuda::getCurrentCUDAStream() (the caller holds
@@ -114,6 +116,10 @@ struct Tanh<c10::BFloat16> {
 #endif
   }
 };
+
+// tanh where a derivative is taken from it; see the header comment.
+__device__ __forceinline__ float exact_tanh(float v) { return ::tanhf(v); }
+__device__ __forceinline__ double exact_tanh(double v) { return ::tanh(v); }
 
 // Adds that are never contracted into an FMA with the multiply that produced an operand.
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
@@ -229,7 +235,7 @@ __device__ __forceinline__ void backward_row(Pack<scalar_t, V>& held, const Pack
       sums[e] = add_rn(sums[e], grad);
     } else {
       acc_t t = static_cast<acc_t>(held.v[e]);
-      if constexpr (kPass == Pass::kFromPreActivation) t = Tanh<scalar_t>::apply(t);
+      if constexpr (kPass == Pass::kFromPreActivation) t = exact_tanh(t);
       const acc_t g = tanh_grad_from_output(Rounded<acc_t>(grad), Rounded<acc_t>(t)).v;
       held.v[e] = static_cast<scalar_t>(g);
       sums[e] = add_rn(sums[e], g);  // the unrounded g, as on the CPU (half types round on store)
