@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import sysconfig
 
 import torch
 
@@ -32,7 +33,9 @@ def _mismatch(built: str, running: str) -> str:
 
 def _version_in_file() -> str | None:
     here = os.path.dirname(os.path.abspath(__file__))
-    for path in glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd")):
+    # This interpreter's module: builds for other Pythons may sit beside it (scripts/setup.sh).
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    for path in glob.glob(os.path.join(here, "_C" + suffix)):
         try:
             with open(path, "rb") as f:
                 m = _MARKER.search(f.read())

@@ -155,6 +155,12 @@ def test_torch_build_version_recorded():
         assert f"ckpt_ext-built-with-torch={torch.__version__}".encode() in f.read()
 
 
+def test_version_read_from_the_file_is_this_interpreters_module():
+    # Builds for other Pythons (and so possibly other torches) may sit beside it in the tree:
+    # the version named when _C cannot load must be that of the module this interpreter loads.
+    assert _native._version_in_file() == torch.__version__
+
+
 def test_other_torch_minor_is_refused_naming_both():
     with pytest.raises(ImportError, match=r"built against torch 2\.14\.1\+cu130 but torch "
                                           r"2\.15\.0 is installed"):
