@@ -124,8 +124,8 @@ class FuseReport:
     policy: str
     rewrite: bool
     decisions: List[Decision] = field(default_factory=list)
-    #: (module path, why) for each module whose forward fuse did not use (not analysed, so its
-    #: children are not swapped and its code is not rewritten).
+    #: (module path, why) for every module with a forward of its own (not torch.nn's) that fuse did
+    #: not analyse: no run goes through its calls and its code is not rewritten.
     not_analysed: List[Tuple[str, str]] = field(default_factory=list)
     #: modules whose instance got a rewritten forward (rewrite=True)
     rewritten: List[str] = field(default_factory=list)
@@ -1846,7 +1846,7 @@ def _graph_chains(an: _Model, path: str, owner: nn.Module, t: _Trace, rewrite: b
     def graph_only(n: fx.Node) -> bool:
         return n.op != "call_module" or "." in n.target
 
-    def swap_problem(n: fx.Node) -> Optional[str]:
+    def member_problem(n: fx.Node) -> Optional[str]:
         label = _node_label(n, path)
         if n.op != "call_module":
             return (f"{label} is a function call: fusing it rewrites {path or '<model>'}.forward"
@@ -1907,7 +1907,7 @@ def _graph_chains(an: _Model, path: str, owner: nn.Module, t: _Trace, rewrite: b
             continue
         # Not rewritten: report the pairs that hold a function call or a Linear held in a list
         # (pairs of child modules are the discovery's, which reports their problems itself).
-        problems = [rw[k] if (rewrite and rw[k] is not None) else swap_problem(x)
+        problems = [rw[k] if (rewrite and rw[k] is not None) else member_problem(x)
                     for k, x in enumerate(items)]
         in_pair = [only[k - k % 2] or (k - k % 2 + 1 < len(items) and only[k - k % 2 + 1])
                    for k in range(len(items))]
@@ -2125,7 +2125,7 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
                 a, b = sub.span(u.a, u.b, u.last_tanh)
                 plan = disc.plan(sub.items[a:b], u.last_tanh, policy)
                 d = u.decision
-                if plan is None:  # no module holds them all: nothing to swap safely
+                if plan is None:  # no module calls them all: no region to compute it in
                     found.append(dataclasses.replace(
                         d, action="left alone", unit="", how="", bytes_per_row=0,
                         why="its layers share no container that calls them in sequence"))
