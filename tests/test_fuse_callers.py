@@ -390,6 +390,20 @@ class Dynamics(nn.Module):
         return -y + self.act(self.fc(y))
 
 
+class SequentialDynamics(nn.Module):
+    """The same with the layers in a Sequential: -y + Sequential(Linear, Tanh)(y). Whether the
+    pair's output is kept depends on the forward (a residual add: it is not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nfe = 0
+        self.net = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+
+    def forward(self, t, y):
+        self.nfe += 1
+        return -y + self.net(y)
+
+
 def rk4(func, y, steps=4):
     h = 1.0 / steps
     t = 0.0
@@ -403,15 +417,19 @@ def rk4(func, y, steps=4):
     return y
 
 
-def test_ode_function_with_a_counter_is_analysed_and_still_counts():
+@pytest.mark.parametrize("make,layers", [(Dynamics, ("fc", "act")),
+                                         (SequentialDynamics, ("net.0", "net.1"))],
+                         ids=["children", "sequential"])
+def test_ode_function_with_a_counter_is_analysed_and_still_counts(make, layers):
     torch.manual_seed(0)
-    func = Dynamics().double()
+    func = make().double()
     ref = copy.deepcopy(func)
     _, report = fuse(func)
     assert report.not_analysed == [] and func.nfe == 0  # traced on a copy
     (d,) = report.fused
-    assert d.layers == ("fc", "act") and d.how == "children" and "residual add" in d.why
-    assert type(func.fc) is RunLinear and type(func.act) is RunTanh
+    assert d.layers == layers and "residual add" in d.why
+    if make is Dynamics:  # the children became the run's members, inside the counting forward
+        assert type(func.fc) is RunLinear and type(func.act) is RunTanh and d.how == "children"
     rows = 32
     y0 = torch.randn(rows, 16, dtype=F64)
     same_as_unfused(ref, func, y0, fn=lambda m, y: rk4(m, y))
