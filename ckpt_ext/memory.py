@@ -1,41 +1,22 @@
-"""One memory meter for CPU and CUDA: current and peak tensor bytes, labelled readings, and a
-timeline of memory through a step.
+"""One memory meter for CPU and CUDA: current and peak tensor bytes, labelled readings, a timeline
+of memory through a step, and :func:`measured_step`, one training step measured in bytes.
 
-* CPU: exact. ``ckpt_ext._C`` carries a counting wrapper around c10's CPU allocator
-  (``csrc/memory.cpp``); while the meter is installed every CPU tensor storage — ATen outputs and
-  temporaries, those inside our C++ kernels, Inductor buffers — is counted to the byte (the size
-  asked for), and freeing it subtracts the same figure. Not counted: storages allocated before
-  installation, pinned host memory, scratch that MKL/oneDNN/OpenMP allocate with their own malloc,
-  tensors over foreign memory (``torch.from_numpy``). Memory the meter never handed out that
-  reaches its deleter anyway goes to the wrapped allocator's deleter and is counted in
-  ``_C.cpu_meter_stats()["foreign_frees"]``; the deleter never throws.
-* CUDA: requested bytes, the sizes tensors asked the caching allocator for
-  (``torch.cuda.memory_stats()["requested_bytes.all.current"]`` and ``.peak``), in readings and
-  timeline alike. ``memory_allocated`` would count the blocks handed out instead: rounded up to
-  512 bytes, and a cached block a little larger than the request is handed out whole, so the
-  figure for the same step depends on what earlier code left in the cache. The timeline comes
-  from the allocator's trace (its alloc and free_completed entries carry the requested size, and
-  are the moments the requested figure moves), recorded without stack traces
-  (``context=None``): gathering a C++ stack on every allocation costs seconds per step. The
-  device's own view is NVML's (:func:`nvml_usage`, :func:`show_usage`, as in the write-up).
-
-Usage::
-
-    with MemoryMeter("cpu") as m:
-        ...                       # build the model and input under the meter to count them too
-        m.reset_peak(); m.read("before forward")
-        with m.timeline():
-            loss = model(x).mean(); m.read("after loss"); loss.backward()
-        m.read("after backward"); m.peak(); m.last_timeline
+CPU: exact bytes of every tensor storage, counted by a wrapper around c10's allocator
+(``csrc/memory.cpp``). CUDA: requested bytes (``torch.cuda.memory_stats()``
+``requested_bytes.all.current``/``.peak``), the timeline from the allocator's trace. NVML's view
+(:func:`nvml_usage`) imports pynvml only when called. What is and is not counted, and why:
+docs/benchmark.md#the-memory-meter. Usage:
+``with MemoryMeter("cpu") as m: m.reset_peak(); ...; m.read("after loss"); m.peak()``
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
+from torch import nn
 
 from . import _C
 
@@ -168,6 +149,58 @@ class MemoryMeter:
                 tl = Timeline([start_ns] + [r.t_ns for r in inside],
                               [start_bytes] + [r.bytes for r in inside], exact=False)
             self.last_timeline = tl
+
+
+# ------------------------------------------------------------------------------------------------
+# One step, measured
+
+def clear_grads(net: nn.Module) -> None:
+    """Drop every parameter's gradient, so "before forward" holds weights and input only."""
+    for p in net.parameters():
+        p.grad = None
+
+
+def measured_step(net: Callable, x: torch.Tensor, meter: MemoryMeter, timeline: bool = False,
+                  loss_fn: Optional[Callable] = None) -> dict:
+    """One step (forward, ``loss_fn(out, x)``, backward; default loss ``out.mean()``) with the
+    write-up's four readings, the peak and, if asked, the timeline. Clear gradients first.
+
+    The output is dropped right after the loss, so ``kept_for_backward`` (after loss - before
+    forward - the loss) is exactly what autograd keeps; ``peak_above_before_forward`` is over the
+    whole step."""
+    meter.readings.clear()
+    r0 = meter.read("before forward")
+    meter.reset_peak()
+    t_ns = {}
+    with meter.timeline() if timeline else contextlib.nullcontext():
+        out = net(x)
+        r1 = meter.read("after forward")
+        loss = loss_fn(out, x) if loss_fn is not None else out.mean()
+        loss_bytes = loss.numel() * loss.element_size()
+        del out  # what is left is what autograd keeps for backward
+        r2 = meter.read("after loss")
+        t_ns["backward"] = meter.now_ns()
+        loss.backward()
+        r3 = meter.read("after backward")
+    peak = meter.peak()
+    res = {
+        "readings": {r.label: r.bytes for r in (r0, r1, r2, r3)},
+        "activations_after_forward": r1.bytes - r0.bytes,
+        "kept_for_backward": r2.bytes - r0.bytes - loss_bytes,
+        "peak": peak,
+        "peak_above_before_forward": peak - r0.bytes,
+        "loss": float(loss.detach().float()),
+    }
+    if timeline and meter.last_timeline is not None:
+        tl = meter.last_timeline
+        start = tl.t_ns[0]
+        res["timeline"] = {
+            "t_ms": [(t - start) / 1e6 for t in tl.t_ns],
+            "bytes_above_before_forward": [b - r0.bytes for b in tl.bytes],
+            "backward_starts_ms": (t_ns["backward"] - start) / 1e6,
+            "exact": tl.exact,
+        }
+    return res
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,8 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckpt_ext
 from ckpt_ext import FusedLinearTanh, FusedTanhMLP, linear_tanh, tanh_mlp
-from ckpt_ext.bench import clear_grads, measured_step
-from ckpt_ext.memory import MemoryMeter
+from ckpt_ext.memory import MemoryMeter, clear_grads, measured_step
 from ckpt_ext.models import Net
 
 NODE = {"tanh_mlp": "TanhMlpBackward", "linear_tanh": "LinearTanhBackward"}

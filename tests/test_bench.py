@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from ckpt_ext import _C, bench
+from ckpt_ext import _C
+from ckpt_ext.bench import cli, measure, orchestrate, presets, report
 from ckpt_ext.models import NETWORKS, recomputed_gemms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +43,7 @@ def test_cli_writes_table_json_png(tiny_run):
     table = stem.with_suffix(".md").read_text()
     main = table.split("\n\n")[1]  # the first table, after the conditions
     rows = [line for line in main.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 1 + len(NETWORKS) * len(bench.DEFAULT_MODES)
+    assert len(rows) == 1 + len(NETWORKS) * len(presets.DEFAULT_MODES)
     assert "--compile-backend aot_eager" in table  # the command is part of the conditions
     assert res["conditions"]["budget_bytes"] == 4 << 20
     png = stem.with_suffix(".png").read_bytes()
@@ -54,9 +55,9 @@ def test_cli_no_mode_fails_but_compile_of_double_backward(tiny_run):
     # is torch.compile refusing the physics-informed double backward, reported with its message.
     proc, stem, res = tiny_run
     for name, modes in res["networks"].items():
-        assert list(modes) == bench.DEFAULT_MODES, name
+        assert list(modes) == presets.DEFAULT_MODES, name
         for mode, r in modes.items():
-            if name == "pinn" and bench.MODES[mode].compiled:
+            if name == "pinn" and presets.MODES[mode].compiled:
                 assert r == {"error": f"RuntimeError: {DOUBLE_BACKWARD}"}, mode
                 assert f"pinn/{mode}: RuntimeError: {DOUBLE_BACKWARD}" in proc.stderr
             elif mode == "checkpoint-stack" and name != "chain":
@@ -71,7 +72,7 @@ def test_cli_no_mode_fails_but_compile_of_double_backward(tiny_run):
 
 def test_cli_exact_memory_figures(tiny_run):
     _, _, res = tiny_run
-    s = bench.PRESETS["tiny"]
+    s = presets.PRESETS["tiny"]
     unit = s["batch"] * s["hidden"] * 4  # one (batch, hidden) float32 activation
     D = s["depth"]
     nets = res["networks"]
@@ -103,7 +104,7 @@ def test_cli_exact_memory_figures(tiny_run):
         for mode, r in modes.items():
             if "readings" not in r:
                 continue
-            assert set(bench.READINGS) == set(r["readings"])
+            assert set(presets.READINGS) == set(r["readings"])
             assert r["kept_for_backward"] == (r["readings"]["after loss"]
                                               - r["readings"]["before forward"] - 4)
             tl = r["timeline"]
@@ -122,13 +123,13 @@ def test_cli_times_floors_and_gradients(tiny_run):
             # eager modes are timed in plain's loop, compiled ones in a loop of their own with
             # plain again; each ratio is to plain in the same loop
             plain_ms = r["plain_ms_same_loop"]
-            if not bench.MODES[mode].compiled:
+            if not presets.MODES[mode].compiled:
                 assert plain_ms == modes["plain"]["step_ms"], mode
             assert len(r["step_ms_all"]) == 2 and r["step_ms"] > 0
             assert r["time_vs_plain"] == pytest.approx(r["step_ms"] / plain_ms)
             assert r["grad_rel_err"] < 1e-5, (name, mode)
             assert r["max_batch"] is None or r["max_batch"] >= 0
-            gemms = recomputed_gemms(name, bench.model_mode(name, mode), sz["batch"],
+            gemms = recomputed_gemms(name, presets.model_mode(name, mode), sz["batch"],
                                      sz["in_features"], sz["hidden"], sz["depth"])
             if gemms:  # a recomputing mode: floor = plain + its GEMMs timed alone
                 assert r["recomputed_gemms"] == [list(g) for g in gemms]
@@ -141,7 +142,7 @@ def test_cli_times_floors_and_gradients(tiny_run):
 
 def test_timed_steps_run_on_the_stock_allocator(monkeypatch, tmp_path):
     seen = {"timed": [], "measured": []}
-    real_timed, real_measured = bench.timed_step, bench.measured_step
+    real_timed, real_measured = orchestrate.timed_step, orchestrate.measured_step
 
     def timed(*args, **kwargs):
         seen["timed"].append(_C.cpu_meter_installed())
@@ -151,13 +152,13 @@ def test_timed_steps_run_on_the_stock_allocator(monkeypatch, tmp_path):
         seen["measured"].append(_C.cpu_meter_installed())
         return real_measured(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "timed_step", timed)
-    monkeypatch.setattr(bench, "measured_step", measured)
+    monkeypatch.setattr(orchestrate, "timed_step", timed)
+    monkeypatch.setattr(orchestrate, "measured_step", measured)
     installed_before = _C.cpu_meter_installed()
-    cfg = bench.config_from_args(["--device", "cpu", "--preset", "tiny", "--networks", "chain",
+    cfg = cli.config_from_args(["--device", "cpu", "--preset", "tiny", "--networks", "chain",
                                   "--modes", "plain,fused", "--steps", "2", "--warmup", "1",
                                   "--out", str(tmp_path), "--no-progress"])
-    res = bench.run(cfg)["networks"]["chain"]
+    res = orchestrate.run(cfg)["networks"]["chain"]
     assert seen["timed"] and not any(seen["timed"])  # warm-up and timed steps: uninstalled
     assert seen["measured"] and all(seen["measured"])  # memory steps: counted
     assert _C.cpu_meter_installed() == installed_before
@@ -165,11 +166,11 @@ def test_timed_steps_run_on_the_stock_allocator(monkeypatch, tmp_path):
 
 
 def test_inductor_compiled_fused_keeps_what_eager_fused_keeps(tmp_path):
-    cfg = bench.config_from_args(["--device", "cpu", "--preset", "tiny", "--networks", "chain",
+    cfg = cli.config_from_args(["--device", "cpu", "--preset", "tiny", "--networks", "chain",
                                   "--modes", "plain,fused,compile-fused", "--steps", "1",
                                   "--warmup", "1", "--out", str(tmp_path), "--no-progress"])
     assert cfg.compile_backend == "inductor"
-    res = bench.run(cfg)["networks"]["chain"]
+    res = orchestrate.run(cfg)["networks"]["chain"]
     fused, compiled = res["fused"], res["compile-fused"]
     assert "error" not in compiled, compiled.get("error")
     assert compiled["kept_for_backward"] == fused["kept_for_backward"] == 16 * 64 * 4
@@ -183,12 +184,12 @@ def test_pareto_front():
     pts = {"plain": (1.0, 8.0), "ckpt": (1.2, 2.0), "fused": (1.1, 2.0), "slow": (2.0, 9.0),
            "tie": (1.1, 2.0), "lean": (3.0, 1.0)}
     # fused and tie are the same point: neither beats the other, both are on the front
-    assert bench.pareto_front(pts) == ["plain", "fused", "tie", "lean"]
+    assert report.pareto_front(pts) == ["plain", "fused", "tie", "lean"]
 
 
 def test_markdown_rows_for_errors_and_same_as():
-    cfg = bench.config_from_args(["--device", "cpu", "--preset", "tiny"])
-    text = bench.markdown({"conditions": bench.conditions(cfg), "networks": {"mlp": {
+    cfg = cli.config_from_args(["--device", "cpu", "--preset", "tiny"])
+    text = report.markdown({"conditions": orchestrate.conditions(cfg), "networks": {"mlp": {
         "compile": {"error": "RuntimeError: boom"},
         "checkpoint-stack": {"same_as": "checkpoint", "why": "every block is already checkpointed"},
     }}})
@@ -197,17 +198,17 @@ def test_markdown_rows_for_errors_and_same_as():
 
 
 def test_presets_and_defaults():
-    small = bench.PRESETS["small"]
+    small = presets.PRESETS["small"]
     assert (small["batch"], small["hidden"], small["depth"]) == (2048, 64, 4)
-    for name, p in bench.PRESETS.items():
+    for name, p in presets.PRESETS.items():
         assert p["steps"] >= 15 or name == "tiny", name
-    cfg = bench.config_from_args(["--device", "cpu"])
+    cfg = cli.config_from_args(["--device", "cpu"])
     assert cfg.preset == "cpu-default" and cfg.out == "bench_out"  # untracked (.gitignore)
-    assert cfg.modes == bench.DEFAULT_MODES and "checkpoint-reentrant" not in cfg.modes
+    assert cfg.modes == presets.DEFAULT_MODES and "checkpoint-reentrant" not in cfg.modes
     assert cfg.networks == ["chain", "residual", "mlp", "pinn"]
     assert (cfg.pinn.batch, cfg.pinn.in_features, cfg.pinn.hidden, cfg.pinn.depth) == \
         (4096, 2, 64, 4)
-    cfg = bench.config_from_args(["--device", "cpu", "--preset", "small", "--hidden", "32",
+    cfg = cli.config_from_args(["--device", "cpu", "--preset", "small", "--hidden", "32",
                                   "--pinn-points", "512", "--steps", "20"])
     assert (cfg.sizes.batch, cfg.sizes.hidden, cfg.pinn.batch, cfg.pinn.hidden, cfg.steps) == \
         (2048, 32, 512, 64, 20)
@@ -216,20 +217,45 @@ def test_presets_and_defaults():
 
 
 def test_parse_bytes_and_max_batch():
-    assert bench.parse_bytes("512MiB") == 512 << 20
-    assert bench.parse_bytes("1.5GB") == 1_500_000_000
-    assert bench.parse_bytes("4096") == 4096
+    assert presets.parse_bytes("512MiB") == 512 << 20
+    assert presets.parse_bytes("1.5GB") == 1_500_000_000
+    assert presets.parse_bytes("4096") == 4096
     with pytest.raises(Exception, match="budget must look like"):
-        bench.parse_bytes("lots")
+        presets.parse_bytes("lots")
     # peak = 100 + 10 * batch: at batch 16 -> 260, at 8 -> 180; budget 1000 -> 90 samples
-    assert bench.max_batch(1000, 16, 260, 180, 8) == {"per_sample_bytes": 10.0,
+    assert measure.max_batch(1000, 16, 260, 180, 8) == {"per_sample_bytes": 10.0,
                                                       "fixed_bytes": 100.0, "max_batch": 90}
 
 
 def test_cli_rejects_bad_names():
     with pytest.raises(SystemExit):
-        bench.config_from_args(["--device", "cpu", "--modes", "plain,turbo"])
+        cli.config_from_args(["--device", "cpu", "--modes", "plain,turbo"])
     with pytest.raises(SystemExit):
-        bench.config_from_args(["--device", "cpu", "--networks", "transformer"])
+        cli.config_from_args(["--device", "cpu", "--networks", "transformer"])
     with pytest.raises(SystemExit):
-        bench.config_from_args(["--device", "cpu", "--pinn-depth", "0"])
+        cli.config_from_args(["--device", "cpu", "--pinn-depth", "0"])
+
+
+_IMPORT_CHECK = r"""
+import sys
+import torch  # torch itself imports tqdm (torch.hub) and pynvml (torch.cuda) where installed
+before = set(sys.modules)
+import ckpt_ext
+new = sorted(m for m in set(sys.modules) - before
+             if m.split(".")[0] in ("matplotlib", "tqdm", "pynvml") or m.startswith("ckpt_ext.bench"))
+print("NEW", new)
+"""
+
+
+def test_import_ckpt_ext_leaves_the_benchmark_and_its_tools_out():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "NEW []" in proc.stdout, proc.stdout
+    # and without them installed at all, the library still imports
+    blocked = ("import sys\nfor m in ('matplotlib', 'tqdm', 'pynvml'): sys.modules[m] = None\n"
+               "import ckpt_ext\nassert 'ckpt_ext.bench' not in sys.modules\nprint('OK')")
+    proc = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

@@ -6,8 +6,7 @@ import torch
 
 import ckpt_ext
 from ckpt_ext import _C
-from ckpt_ext.bench import clear_grads, measured_step
-from ckpt_ext.memory import MemoryMeter, nvml_usage, show_usage
+from ckpt_ext.memory import MemoryMeter, clear_grads, measured_step, nvml_usage, show_usage
 from ckpt_ext.models import NETWORKS, PINNNet
 
 

@@ -1,0 +1,9 @@
+"""The benchmark: the write-up's experiment with the tools a user would pick instead, side by side
+(``python -m ckpt_ext.bench``). Not imported by ``import ckpt_ext``.
+
+presets (sizes, modes, config), measure (timing, floor, max batch), orchestrate (the run),
+report (markdown), plot (matplotlib), cli (flags, files). Method and results: docs/benchmark.md.
+"""
+from .presets import DEFAULT_MODES, MODES, PRESETS
+
+__all__ = ["DEFAULT_MODES", "MODES", "PRESETS"]

@@ -1,0 +1,134 @@
+"""``python -m ckpt_ext.bench``: the flags, the configuration they give, and the files a run writes
+(``<out>/<device>-<preset>.md``, ``.json`` with every raw figure, ``.png``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from ..memory import show_usage
+from ..models import NETWORKS
+from .orchestrate import run
+from .plot import plot
+from .presets import DEFAULT_MODES, DTYPES, MODES, PRESETS, Config, Sizes, parse_bytes
+from .report import markdown
+
+DESCRIPTION = ("What recomputation costs and saves: the write-up's experiment, with the tools a "
+               "user would pick side by side in one run.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ckpt_ext.bench",
+                                description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--preset", default=None, choices=list(PRESETS),
+                   help="sizes; default writeup on CUDA, cpu-default on CPU")
+    for name in ("batch", "in-features", "hidden", "depth"):
+        p.add_argument(f"--{name}", type=int, default=None,
+                       help="overrides the preset (chain, residual, mlp)")
+    for name in ("points", "hidden", "depth"):
+        p.add_argument(f"--pinn-{name}", type=int, default=None, help="overrides the preset (pinn)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per mode (preset's)")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--budget", type=parse_bytes, default=None,
+                   help="memory budget for the max-batch column, e.g. 512MiB (default: preset's)")
+    p.add_argument("--networks", default=",".join(NETWORKS),
+                   help=f"comma-separated, from {', '.join(NETWORKS)}")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compile* modes (inductor; aot_eager traces "
+                        "the same graphs without code generation)")
+    p.add_argument("--out", default="bench_out",
+                   help="output folder (default bench_out/, untracked; the README's tables come "
+                        "from --out bench/results)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for the run (default: torch's own choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def config_from_args(argv=None) -> Config:
+    p = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = p.parse_args(argv)
+    if a.device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch.cuda.is_available() is False on this machine "
+                "(no NVIDIA driver or GPU, or a CPU-only torch); use --device cpu")
+    preset = a.preset or ("writeup" if device.type == "cuda" else "cpu-default")
+    ps = PRESETS[preset]
+    sizes = Sizes(*(getattr(a, k) if getattr(a, k) is not None else ps[k]
+                    for k in ("batch", "in_features", "hidden", "depth")))
+    def pinn_size(flag: str, key: str) -> int:
+        v = getattr(a, f"pinn_{flag}")
+        return v if v is not None else ps["pinn"][key]
+
+    pinn = Sizes(pinn_size("points", "batch"), 2, pinn_size("hidden", "hidden"),
+                 pinn_size("depth", "depth"))
+    steps = a.steps if a.steps is not None else ps["steps"]
+    warmup = a.warmup if a.warmup is not None else ps["warmup"]
+    networks = [n.strip() for n in a.networks.split(",") if n.strip()]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    for n in networks:
+        if n not in NETWORKS:
+            p.error(f"--networks: unknown network {n!r}; expected some of {', '.join(NETWORKS)}")
+    for m in modes:
+        if m not in MODES:
+            p.error(f"--modes: unknown mode {m!r}; expected some of {', '.join(MODES)}")
+    if "plain" not in modes:
+        modes.insert(0, "plain")  # the reference for time ratios, floors and gradient agreement
+    for what, s in (("", sizes), ("pinn-", pinn)):
+        if s.batch < 2 or s.hidden < 1 or s.depth < 1:
+            p.error(f"--{what}{'points' if what else 'batch'} must be >= 2 and --{what}hidden, "
+                    f"--{what}depth >= 1, got {s.batch}, {s.hidden}, {s.depth}")
+    if a.threads is not None:
+        if a.threads < 1:
+            p.error(f"--threads must be >= 1, got {a.threads}")
+        torch.set_num_threads(a.threads)
+    if steps < 1 or warmup < 0:
+        p.error(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
+    return Config(device=device, dtype=DTYPES[a.dtype], preset=preset, sizes=sizes, pinn=pinn,
+                  steps=steps, warmup=warmup,
+                  budget=a.budget if a.budget is not None else parse_bytes(ps["budget"]),
+                  networks=networks, modes=modes, out=a.out, compile_backend=a.compile_backend,
+                  seed=a.seed, progress=not a.no_progress,
+                  command=" ".join(["python -m ckpt_ext.bench"] + argv))
+
+
+def main(argv=None) -> int:
+    cfg = config_from_args(argv)
+    if cfg.device.type == "cuda":
+        show_usage("GPU before the benchmark", cfg.device.index or 0)
+    t = time.perf_counter()
+    results = run(cfg)
+    results["conditions"]["wall_s"] = round(time.perf_counter() - t, 1)
+    os.makedirs(cfg.out, exist_ok=True)
+    stem = os.path.join(cfg.out, f"{cfg.device.type}-{cfg.preset}")
+    table = markdown(results)
+    with open(stem + ".md", "w") as f:
+        f.write(table)
+    with open(stem + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    written = [stem + ".md", stem + ".json"]
+    if plot(results, stem + ".png"):
+        written.append(stem + ".png")
+    print(table)
+    errors = [f"{n}/{m}: {r['error']}" for n, modes in results["networks"].items()
+              for m, r in modes.items() if "error" in r]
+    if errors:  # reported in the table as n/a; said here too, so no failure goes unseen
+        print("bench: modes that could not run:\n  " + "\n  ".join(errors), file=sys.stderr)
+    print(f"wrote {', '.join(written)} ({results['conditions']['wall_s']} s)")
+    return 0
+

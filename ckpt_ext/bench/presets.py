@@ -1,0 +1,126 @@
+"""What a benchmark run covers: the size presets, the modes compared, and the run's configuration.
+
+Sizes are (batch, in_features, hidden, depth) for chain/residual/mlp and (points, hidden, depth) for
+pinn; the method behind each preset is in docs/benchmark.md.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..models import NETWORKS
+
+#: The physics-informed network of every preset but tiny: 2 -> 64x4 -> 1 on 4096 points.
+PINN_SIZES = dict(batch=4096, hidden=64, depth=4)
+
+PRESETS = {
+    # Seconds: for tests and a first look.
+    "tiny": dict(batch=16, in_features=32, hidden=64, depth=3, steps=3, warmup=1, budget="8MiB",
+                 pinn=dict(batch=64, hidden=16, depth=3)),
+    # The small-layer regime of RL policies and physics-informed nets: per-op overheads (Python,
+    # autograd nodes, allocations) weigh as much as the GEMMs. Steps are short, so take many.
+    "small": dict(batch=2048, in_features=64, hidden=64, depth=4, steps=41, warmup=3,
+                  budget="64MiB", pinn=PINN_SIZES),
+    # A wide batch and a narrow hidden size, so that activations (batch x hidden) outweigh the
+    # weights, as they do in training at scale; with hidden >> batch the weights and their
+    # gradients fill the peak whatever the mode. GEMMs dominate the step here.
+    "cpu-default": dict(batch=1024, in_features=1024, hidden=512, depth=3, steps=15, warmup=2,
+                        budget="512MiB", pinn=PINN_SIZES),
+    # The write-up: input (512, 1024), linear1 1024 -> 10240, three 10240 x 10240 blocks.
+    "writeup": dict(batch=512, in_features=1024, hidden=10240, depth=3, steps=15, warmup=3,
+                    budget="40GiB", pinn=PINN_SIZES),
+}
+
+
+@dataclass(frozen=True)
+class Mode:
+    model_mode: str  #: the mode the model is built in (ckpt_ext.models)
+    compiled: bool = False
+    reentrant: bool = False
+    doc: str = ""
+
+
+MODES = {
+    "plain": Mode("plain", doc="stock PyTorch"),
+    "checkpoint": Mode("checkpoint", doc="torch.utils.checkpoint (non-reentrant): chain "
+                       "block1..block{depth-1} (the write-up), every block elsewhere"),
+    "checkpoint-stack": Mode("checkpoint-stack", doc="chain: block1..block{depth} as one "
+                             "checkpoint"),
+    "compile": Mode("plain", compiled=True, doc="torch.compile of plain"),
+    "compile-checkpoint": Mode("checkpoint-stack", compiled=True,
+                               doc="torch.compile of checkpoint-stack (chain) / checkpoint"),
+    "fused": Mode("fused", doc="ckpt_ext: chain one tanh_mlp over the blocks, residual "
+                  "FusedLinearTanh per block, mlp FusedTanhMLP per block, pinn one FusedTanhMLP"),
+    "compile-fused": Mode("fused", compiled=True, doc="torch.compile of fused"),
+    "checkpoint-reentrant": Mode("checkpoint", reentrant=True,
+                                 doc="torch.utils.checkpoint(use_reentrant=True), as checkpoint"),
+}
+#: Reentrant checkpoint runs only when named: PyTorch recommends the non-reentrant variant, which
+#: keeps the same bytes, peaks no higher, and alone supports torch.autograd.grad.
+DEFAULT_MODES = [m for m in MODES if m != "checkpoint-reentrant"]
+
+# Rows a network does not run because another row is the same thing.
+SAME_AS = {
+    ("residual", "checkpoint-stack"): ("checkpoint", "every block is already checkpointed"),
+    ("mlp", "checkpoint-stack"): ("checkpoint", "every block is already checkpointed"),
+    ("pinn", "checkpoint-stack"): ("checkpoint", "the whole MLP is already one checkpoint"),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+#: The write-up's four points of a step, in order.
+READINGS = ("before forward", "after forward", "after loss", "after backward")
+
+
+def model_mode(net_name: str, mode: str) -> str:
+    """The ckpt_ext.models mode that bench ``mode`` builds for network ``net_name``."""
+    m = MODES[mode].model_mode
+    if m not in NETWORKS[net_name].MODES and m == "checkpoint-stack":
+        return "checkpoint"  # compile-checkpoint where the checkpoint already covers the stack
+    return m
+
+
+def parse_bytes(s: str) -> int:
+    """'512MiB', '40GiB', '1.5GB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", s, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"budget must look like 512MiB, 40GiB or a byte count, "
+                                         f"got {s!r}")
+    value, unit, binary = m.groups()
+    power = "KMGT".find(unit.upper()) + 1 if unit else 0
+    return int(float(value) * (1024 if binary or not unit else 1000) ** power)
+
+
+@dataclass
+class Sizes:
+    batch: int
+    in_features: int
+    hidden: int
+    depth: int
+
+
+@dataclass
+class Config:
+    device: torch.device
+    dtype: torch.dtype
+    preset: str
+    sizes: Sizes  #: chain, residual, mlp
+    pinn: Sizes
+    steps: int
+    warmup: int
+    budget: int
+    networks: list[str]
+    modes: list[str]
+    out: str
+    compile_backend: str = "inductor"
+    seed: int = 0
+    progress: bool = True
+    command: str = ""
+    ratio: int = 4  #: MLP inner width / hidden
+
+    def sizes_of(self, net_name: str) -> Sizes:
+        return self.pinn if net_name == "pinn" else self.sizes

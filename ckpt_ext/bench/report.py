@@ -1,0 +1,89 @@
+"""The benchmark's markdown: the conditions line, the table of every mode per network (memory
+kept and peak, step time against plain and the floor, the front, gradient error, max batch) and the
+write-up's four readings. Input: the results dict that :func:`ckpt_ext.bench.orchestrate.run` returns.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .presets import READINGS
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "n/a"
+    if abs(n) < 2**20:
+        return f"{n / 2**10:,.1f} KiB"
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
+    """The names whose (time, memory) no other point matches or beats on both with one strictly
+    better: the modes that are cheapest for their memory."""
+    front = []
+    for name, (t, m) in points.items():
+        if not any((t2 <= t and m2 <= m) and (t2 < t or m2 < m)
+                   for other, (t2, m2) in points.items() if other != name):
+            front.append(name)
+    return sorted(front, key=lambda n: points[n])
+
+
+def conditions_line(c: dict) -> str:
+    s, p = c["sizes"], c["pinn_sizes"]
+    return (
+        f"Benchmark conditions: {c['device']}, {c['dtype']}, torch {c['torch']}; "
+        f"chain/residual/mlp: batch {s['batch']}, in_features {s['in_features']}, hidden {s['hidden']}, depth "
+        f"{s['depth']} (MLP inner {c['mlp_ratio']}×hidden); pinn: {p['in_features']} -> "
+        f"{p['hidden']}x{p['depth']} -> {p['out_features']} tanh MLP on {p['batch']} points. "
+        f"Step time = median of {c['steps']} steps after {c['warmup']} warm-up, modes interleaved, "
+        f"counting allocator uninstalled; floor = plain's step + the GEMMs the mode recomputes, "
+        f"timed alone in the same loop; memory = {c['memory_meter']}, from separate steps; "
+        f"torch.compile backend {c['compile_backend']}; budget {fmt_bytes(c['budget_bytes'])}. "
+        f"Command: `{c['command']}`.")
+
+
+def _fronts(modes: dict) -> dict[str, list[str]]:
+    ok = {m: r for m, r in modes.items() if r.get("time_vs_plain") is not None}
+    return {what: pareto_front({m: (r["time_vs_plain"], r[key]) for m, r in ok.items()})
+            for what, key in (("kept", "kept_for_backward"),
+                              ("peak", "peak_above_before_forward"))}
+
+
+def markdown(results: dict) -> str:
+    lines = [conditions_line(results["conditions"]), "",
+             "| network | mode | kept for bwd | peak (above before fwd) | step ms | × plain "
+             "| floor ms | × floor | on the front | grad rel err | max batch in budget |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for net_name, modes in results["networks"].items():
+        fronts = _fronts(modes)
+        for mode, r in modes.items():
+            if "same_as" in r:
+                lines.append(f"| {net_name} | {mode} | = {r['same_as']} ({r['why']}) |"
+                             + " |" * 8)
+                continue
+            if "error" in r:
+                lines.append(f"| {net_name} | {mode} | n/a ({r['error']}) |" + " |" * 8)
+                continue
+            ratio = f"{r['time_vs_plain']:.2f}" if r.get("time_vs_plain") else "n/a"
+            floor = f"{r['floor_ms']:.1f}" if "floor_ms" in r else "–"
+            vs_floor = f"{r['time_vs_floor']:.2f}" if "time_vs_floor" in r else "–"
+            front = ", ".join(w for w in ("kept", "peak") if mode in fronts[w])
+            mb = r.get("max_batch")
+            lines.append(
+                f"| {net_name} | {mode} | {fmt_bytes(r['kept_for_backward'])}"
+                f" | {fmt_bytes(r['peak_above_before_forward'])}"
+                f" | {r['step_ms']:.2f} | {ratio} | {floor} | {vs_floor} | {front}"
+                f" | {r['grad_rel_err']:.1e} | {mb if mb is not None else 'n/a'} |")
+    lines += ["", "The write-up's four readings (tensor bytes alive; kept for bwd = after loss − "
+              "before fwd − the loss):", "",
+              "| network | mode | before fwd | after fwd | after loss | after bwd "
+              "| activations after fwd |", "|---|---|---:|---:|---:|---:|---:|"]
+    for net_name, modes in results["networks"].items():
+        for mode, r in modes.items():
+            if "readings" not in r:
+                continue
+            rd = r["readings"]
+            lines.append(f"| {net_name} | {mode} | "
+                         + " | ".join(fmt_bytes(rd[k]) for k in READINGS)
+                         + f" | {fmt_bytes(r['activations_after_forward'])} |")
+    return "\n".join(lines) + "\n"
