@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckpt_ext import _C
-from ckpt_ext.bench import cli, measure, orchestrate, presets, report
+from ckpt_ext.bench import cli, headline, measure, orchestrate, presets, report
 from ckpt_ext.models import NETWORKS, recomputed_gemms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -259,3 +259,30 @@ def test_import_ckpt_ext_leaves_the_benchmark_and_its_tools_out():
     proc = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True,
                           timeout=120, env=env, cwd=ROOT)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_readme_figures_are_the_committed_results():
+    """The README's status block is generated from bench/results/*.json, never typed."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    assert headline.replace(text, headline.block(headline.load(ROOT))) == text, \
+        "run: python -m ckpt_ext.bench.headline --write README.md"
+    for rel in headline.RESULTS:  # the block's source files are the committed runs' own tables
+        assert os.path.exists(os.path.join(ROOT, rel.replace(".json", ".md"))), rel
+
+
+def test_headline_block_figures():
+    res = {"conditions": {"preset": "p", "device": "cpu", "dtype": "float32", "torch": "t",
+                          "command": "c"},
+           "networks": {"chain": {
+               "plain": {"kept_for_backward": 8 << 20, "peak_above_before_forward": 12 << 20,
+                         "time_vs_plain": 1.0, "max_batch": 1000},
+               "checkpoint-stack": {"time_vs_plain": 1.5},
+               "compile-checkpoint": {"time_vs_plain": 1.2},
+               "fused": {"kept_for_backward": 2 << 20, "peak_above_before_forward": 6 << 20,
+                         "time_vs_plain": 1.2, "max_batch": 2000}}}}
+    row = headline.block([res]).splitlines()[2]
+    assert row == ("| p | chain | 2.00 MiB vs 8.00 MiB (25 %) | 6.00 MiB vs 12.00 MiB (50 %) "
+                   "| 0.80× | 1.00× | 2,000 vs 1,000 |")
+    with pytest.raises(ValueError, match="headline:begin"):
+        headline.replace("no markers here", "x")

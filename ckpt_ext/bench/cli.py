@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile backend of the compile* modes (inductor; aot_eager traces "
                         "the same graphs without code generation)")
     p.add_argument("--out", default="bench_out",
-                   help="output folder (default bench_out/, untracked; the README's tables come "
-                        "from --out bench/results)")
+                   help="output folder (default bench_out/, untracked; the committed results "
+                        "come from --out bench/results)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for the run (default: torch's own choice)")
     p.add_argument("--seed", type=int, default=0)
