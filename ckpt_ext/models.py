@@ -1,32 +1,11 @@
-"""The benchmark's networks, each in the modes a user would pick between.
-
-* :class:`Net` is the write-up's network: ``linear1 = Linear(1024, 10240)`` then ``block1..block3``,
-  each ``Sequential(Linear(10240, 10240), Tanh())``, loss ``output.mean()`` on a (512, 1024) input.
-  Modes: ``checkpoint`` wraps every block but the last in ``torch.utils.checkpoint.checkpoint``
-  (block1 and block2 at the write-up's depth of 3), exactly as the write-up does;
-  ``checkpoint-stack`` checkpoints block1..blockN as one call (keeps only the stack's input);
-  ``fused`` runs block1..blockN as one :func:`ckpt_ext.tanh_mlp` (keeps only the stack's input, and
-  recomputes the stack inside the op's backward). ``linear1`` is a plain Linear in every mode.
-* :class:`ResidualNet`: ``h = h + tanh(Linear(h))`` per block. The residual stream ``h`` is what a
-  block needs anyway, so a block that keeps only ``h`` keeps half of what plain keeps; ``fused``
-  runs each block as :class:`~ckpt_ext.FusedLinearTanh` (pairs are the unit here: the add keeps
-  ``h`` whatever the block does).
-* :class:`MLPNet`: ``h = h + Linear(4H, H)(tanh(Linear(H, 4H)(h)))`` per block (a transformer MLP
-  with tanh). Plain keeps ``h`` and the (M, 4H) activation; ``fused`` runs each block as a
-  :class:`~ckpt_ext.FusedTanhMLP` ``[H, 4H, H]`` without a final tanh, which keeps only ``h``.
-* :class:`PINNNet`: a physics-informed network, ``2 -> hidden x depth -> 1`` with tanh, whose loss
-  (:meth:`PINNNet.loss`) needs ``u_t``, ``u_x`` and ``u_xx`` by ``torch.autograd.grad(...,
-  create_graph=True)`` twice before the parameter backward. ``fused`` runs the whole MLP as one
-  :class:`~ckpt_ext.FusedTanhMLP`; ``checkpoint`` checkpoints it as one call (non-reentrant only:
-  reentrant checkpoint refuses ``torch.autograd.grad``).
-
-In ``checkpoint`` mode ResidualNet and MLPNet checkpoint every block, so the stack-wide checkpoint
-of the chain would be the same thing for them; they do not take ``checkpoint-stack``.
-
-Weights are initialised by ``nn.Linear``'s own initialisation in every mode and the ``state_dict``
-keys are the same in every mode (``block1.0.weight``, ``blocks.0.fc1.weight``, ``mlp.0.weight``,
-...), so models built from the same seed, or loaded from one another's ``state_dict``, compute the
-same function. No mode registers a parameter twice.
+"""The write-up's network and three more, each in the modes a user would pick between (``plain``,
+``checkpoint``, ``checkpoint-stack``, ``fused``): :class:`Net` (the write-up's chain: ``linear1``,
+then ``block1..blockN = Sequential(Linear(H, H), Tanh())``, loss ``output.mean()``),
+:class:`ResidualNet` (``h + tanh(Linear(h))``), :class:`MLPNet` (``h + Linear(4H, H)(tanh(Linear(H,
+4H)(h)))``) and :class:`PINNNet` (``2 -> H x D -> 1``, a heat-equation loss needing ``u_xx``: a
+double backward). Every mode shares ``nn.Linear``'s initialisation and ``state_dict`` keys, so
+modes load one another's weights; :func:`recomputed_gemms` says what each mode recomputes. What
+each mode keeps and why: docs/benchmark.md#networks-and-modes.
 """
 from __future__ import annotations
 

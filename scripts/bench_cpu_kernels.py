@@ -1,19 +1,8 @@
-"""CPU kernels of ckpt_ext against stock PyTorch, side by side in one run.
-
-For each shape (M rows of x, K -> N), dtype, torch thread count and ISA level of ckpt_ext's CPU
-kernels, it times
-  forward:  torch.ops.ckpt_ext.linear_tanh(x, W, b)        vs  torch.tanh(F.linear(x, W, b))
-  backward: torch.ops.ckpt_ext.linear_tanh_backward(...)   vs  autograd backward of the stock
-            (recomputes z: one GEMM more than stock)           graph (keeps tanh's output)
-each as the median of --repeats timed calls after --warmup calls, ours and stock interleaved so
-that load on a shared machine hits both alike. The ratio ours / stock is what issue 10 bounds
-(bf16, fp16: at most 1.5). Our backward recomputes z = x·Wᵀ + b and tanh(z), which the stock
-backward does not (it kept tanh's output): the last column, ours / (stock forward + stock
-backward), is the like-for-like figure, what stock PyTorch pays when it recomputes (checkpoint).
-
-Stock and ours run at the same ISA level: ATen's own kernels follow ATEN_CPU_CAPABILITY, read
-once per process, so each level below ATen's runs in a child process started with
-ATEN_CPU_CAPABILITY and CKPT_EXT_CPU_CAPABILITY set to it.
+"""CPU kernels of ckpt_ext against stock PyTorch at the same ISA level, ours and stock interleaved:
+forward ``linear_tanh`` vs ``tanh(F.linear)``, and our recomputing backward vs stock autograd's
+backward alone and vs stock forward + backward (what stock pays when it recomputes). Per shape
+(M rows, K -> N), dtype, thread count and level; each level below ATen's runs in a child process
+with ATEN_CPU_CAPABILITY and CKPT_EXT_CPU_CAPABILITY set to it. Method: docs/benchmark.md.
 
     python scripts/bench_cpu_kernels.py                      # markdown table, then JSON
     python scripts/bench_cpu_kernels.py --json out.json --levels avx2,avx512 --threads 1

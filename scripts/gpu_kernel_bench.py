@@ -1,38 +1,11 @@
-"""Achieved memory bandwidth of each elementwise CUDA kernel of ckpt_ext, against a device-to-device
-copy of the same bytes (run by scripts/gpu_check.sh; needs a GPU and a CUDA build).
+"""Achieved memory bandwidth of each elementwise CUDA kernel of ckpt_ext (torch.ops.ckpt_ext_kernels,
+no GEMM) against a device-to-device copy of the same bytes, per dtype and size M·N = 2^20..2^27;
+the targets (>= 80 % of copy at M·N >= 2^24) marked met or not. Run by scripts/gpu_check.sh; needs
+a GPU and a CUDA build, except --dry-run. Bytes counted per kernel and timing method: docs/cuda.md.
 
     python scripts/gpu_kernel_bench.py [--json out.json] [--dtypes float32,bfloat16]
                                        [--log2-sizes 20-27] [--width 4096] [--samples 7]
                                        [--max-seconds S] [--dry-run]
-
-For each dtype and each size M·N = 2^20 .. 2^27 (N = --width columns, M = size / N rows; plus one
-narrow layer, N = 64 at 2^24, where the bias sums have many chunks per column) it times, through
-torch.ops.ckpt_ext_kernels (the primitives themselves, no GEMM around them):
-
-  tanh             forward, t = tanh(z) in place                     reads E, writes E
-  bwd z bcast +b   backward from z, grad_out of out.mean() (0, 0)    reads E, writes E     + sums
-  bwd z +b         backward from z, grad_out (M, N)                  reads 2E, writes E    + sums
-  bwd t +b         backward from t (stack layers), grad_out (M, N)   reads 2E, writes E    + sums
-  bwd z            backward from z, no bias                          reads 2E, writes E
-  bias_grad        column sums of grad_out (top layer without tanh)  reads E               + sums
-
-E = M·N·itemsize bytes. "+ sums" are the bias sums' own bytes, counted too: the chunk partials
-(num_chunks(M)·N floats, float64 for float64) written by the kernel, then read, and the group sums
-of each combine pass written and read, and grad_b written (the one broadcast grad_out value is
-counted as 0 bytes: one load per thread, from cache). GB/s = bytes / time.
-
-The copy baseline is `dst.copy_(src)` (cudaMemcpyAsync device to device) of bytes / 2 (it reads and
-writes them: the same bytes moved). Kernel and copy both run from a CUDA graph of R launches over
-R distinct buffer sets (R chosen so that the sets total >= 256 MiB, 5x the H200's 50 MB L2: no
-launch hits data a previous launch left in L2, and no Python or launch overhead between
-launches); in-place inputs are restored outside the timed region. Time = median over --samples
-replays of (CUDA-event time / R), after one warm-up replay.
-
-Prints a table of % of copy bandwidth per kernel and size, the targets (forward tanh and backward
-kernels >= 80 % of copy at M·N >= 2^24, float32 and bfloat16) as met or not, and writes every
-figure to --json, after each shape (a run stopped at its time limit keeps what it measured).
---max-seconds starts no new shape after that many seconds; --dry-run prints the shapes and the
-bytes each kernel moves, without a GPU.
 """
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
-"""Forward+backward time and kept memory of the fused ops on a GPU against stock PyTorch (run by
-scripts/gpu_check.sh; needs a GPU and a CUDA build):
-
-* one block: ckpt_ext.FusedLinearTanh vs nn.Sequential(nn.Linear, nn.Tanh) vs that Sequential
-  under torch.utils.checkpoint (use_reentrant=False);
-* a run of L blocks: ckpt_ext.FusedTanhMLP (the stack op, one recompute for the whole run) vs the
-  equivalent nn.Sequential vs the Sequential under one torch.utils.checkpoint.
+"""Forward+backward time (CUDA events, median after warm-up) and kept requested bytes of
+FusedLinearTanh and FusedTanhMLP against nn.Sequential(Linear, Tanh...) and that Sequential under
+torch.utils.checkpoint, at the write-up's block size and two training shapes. Run by
+scripts/gpu_check.sh; needs a GPU and a CUDA build, except --dry-run (CPU, 1/64 sizes). Method:
+docs/cuda.md.
 
     python scripts/gpu_timing.py [--json out.json] [--iters 20] [--dtypes float32,bfloat16]
                                  [--dry-run]
-
-Timings: median over --iters of forward+backward between two CUDA events, after 5 warm-ups (no
-profiler or memory hooks installed while timing). "kept" is the requested bytes alive after the
-forward minus before it (the meter's unit, ckpt_ext.memory), output included: what the module
-holds for backward, measured in a separate, untimed step. Block sizes (batch, in_features,
-out_features): the write-up's (512, 1024, 10240) plus two training shapes; runs: (batch, width,
-depth). --dry-run builds every case on the CPU at 1/64 of each size and checks the fused module
-against the Sequential, without a GPU.
 """
 from __future__ import annotations
 
