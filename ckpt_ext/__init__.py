@@ -1,5 +1,7 @@
-"""ckpt_ext: a fused Linear+Tanh for PyTorch that keeps only its input and recomputes the
-activation in its own backward — the memory of gradient checkpointing at less cost."""
+"""ckpt_ext: fused Linear+tanh ops for PyTorch that keep only their input and recompute the
+activations in their own backward — the memory of gradient checkpointing at less cost — with the
+modules, the converter ``fuse``, the write-up's networks (``Net``, ``ckpt_ext.models``) and the
+memory meter (``ckpt_ext.memory``). The benchmark, ``python -m ckpt_ext.bench``, is not imported."""
 import torch  # noqa: F401  (first: loads libc10/libtorch, which _C links against)
 
 from ._native import _C  # refuses a _C built for another torch, naming both versions
@@ -11,12 +13,9 @@ WITH_CUDA: bool = bool(_C.WITH_CUDA)
 
 __version__ = "0.1.0"
 
-__all__ = ["linear_tanh", "tanh_mlp", "FusedLinearTanh", "FusedTanhMLP", "WITH_CUDA"]
-
-# Ecosystem: the model converter (ckpt_ext/convert.py).
+from . import memory  # noqa: E402  (the meter: ckpt_ext.memory.MemoryMeter, measured_step)
 from .convert import FuseReport, fuse  # noqa: E402
+from .models import Net  # noqa: E402  (the write-up's network; the others in ckpt_ext.models)
 
-# The write-up's network (ckpt_ext/models.py).
-from .models import Net  # noqa: E402
-
-__all__ += ["fuse", "FuseReport", "Net"]
+__all__ = ["linear_tanh", "tanh_mlp", "FusedLinearTanh", "FusedTanhMLP", "WITH_CUDA",
+           "fuse", "FuseReport", "Net"]
