@@ -1,0 +1,97 @@
+"""Applying a plan to the user's model, in place: each run is made (or the one an earlier fuse put
+in place is kept), its child Linear/Tanh members get their member class, each Sequential exactly
+its parts, each owner an :class:`_OwnerForward` with its runs, guards and rewritten source; what
+an earlier fuse put in place and this plan no longer holds is undone."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+from .planning import PlannedRun, RunPlan
+from .report import Decision
+from .runtime import (_MEMBER_CLASSES, FusedSequential, PartRole, RunLinear, RunTanh,
+                      _is_sequential, _OwnerForward, _Run, _RunPart, parts_of)
+from .tracing import ModelAnalysis
+
+
+def _apply_run(analysis: ModelAnalysis, plan: RunPlan, decision: Decision,
+               run: Optional[_Run]) -> Tuple[_Run, list]:
+    """Make the plan's run (or keep ``run``, the same run already in place), give its child
+    Linear/Tanh members their member class; returns the run and its (Sequential, part)s."""
+    sites = plan.layer_calls
+    if run is None:
+        run = _Run(
+            labels=[s.label for s in sites], members=[s.module for s in sites],
+            layers=[s.module for s in sites[0::2]], last_tanh=plan.last_tanh,
+            sequences=[(seq, analysis.path_of(seq)) for seq in plan.sequences], slots=plan.slots,
+            unhooked=[(m, analysis.path_of(m)) for m in plan.unhooked] + [(s.module, s.label)
+                                                                   for s in sites],
+            owner=plan.owner, calls=plan.calls,
+            elements=[(s.container, s.name) for s in sites if s.node is None], decision=decision)
+    for site, k in plan.members:
+        m = site.module
+        m.__class__ = _MEMBER_CLASSES[type(m)]  # a subclass: same object, parameters and keys
+        m._ckpt_ext_run, m._ckpt_ext_index = run, k
+    parts = []
+    for seq, names, role, index, before, after in plan.parts:
+        part = _RunPart(run, names, role, index, before, after)
+        alone = plan.alone.get(id(seq))
+        if alone:
+            part.alone = _RunPart(_Run(
+                labels=[s.label for s in alone], members=[s.module for s in alone],
+                layers=[s.module for s in alone[0::2]], last_tanh=False,
+                sequences=[(seq, analysis.path_of(seq))], slots=(),
+                unhooked=[(s.module, s.label) for s in alone], owner=None, calls=(),
+                elements=[(seq, s.name) for s in alone]), [s.name for s in alone], PartRole.WHOLE,
+                0, (), ())
+        parts.append((seq, part))
+    return run, parts
+
+
+def _set_parts(seq: nn.Module, parts: List[_RunPart]) -> None:
+    """Give seq exactly these parts (in element order); leave it as it is if it has them."""
+    if [p.key for p in parts_of(seq)] == [p.key for p in parts]:
+        return
+    if not parts and type(seq) is nn.Sequential:
+        return
+    order = {name: i for i, name in enumerate(seq._modules)}
+    if type(seq) is nn.Sequential:
+        seq.__class__ = FusedSequential  # a subclass: same object, elements and keys
+    seq._ckpt_ext_runs = tuple(sorted(parts, key=lambda p: order.get(p.names[0], -1)))
+
+
+def apply_plan(analysis: ModelAnalysis, planned: Sequence[PlannedRun],
+               sources: Dict[int, str]) -> None:
+    """Put the planned runs in place (keeping those already in place as they are), undo the runs
+    of an earlier fuse that are no longer planned, and set each owner's forward."""
+    parts: Dict[int, List[_RunPart]] = {}
+    owner_runs: Dict[int, List[_Run]] = {}
+    members = set()
+    for plan, d, run in planned:
+        run, plan_parts = _apply_run(analysis, plan, d, run)
+        for seq, part in plan_parts:
+            parts.setdefault(id(seq), []).append(part)
+        if plan.owner is not None:
+            owner_runs.setdefault(id(plan.owner), []).append(run)
+        members.update(id(site.module) for site, _ in plan.members)
+    for m in analysis.model.modules():
+        if type(m) in (RunLinear, RunTanh) and id(m) not in members:
+            m.__class__ = nn.Linear if type(m) is RunLinear else nn.Tanh
+            for name in ("_ckpt_ext_run", "_ckpt_ext_index"):
+                vars(m).pop(name, None)
+        if _is_sequential(m):
+            _set_parts(m, parts.get(id(m), []))
+        fwd = vars(m).get("forward")
+        runs = tuple(owner_runs.get(id(m), ()))
+        source = sources.get(id(m), fwd.source if isinstance(fwd, _OwnerForward) else None)
+        if not runs and source is None:
+            if isinstance(fwd, _OwnerForward):
+                del vars(m)["forward"]
+            continue
+        t = analysis.trace_of(m)
+        guards = t.guards if t is not None else fwd.guards
+        if isinstance(fwd, _OwnerForward) and (fwd.runs, fwd.guards, fwd.source) == \
+                (runs, tuple(guards), source):
+            continue  # as it is: keep the very object
+        m.forward = _OwnerForward(m, runs, guards, source)

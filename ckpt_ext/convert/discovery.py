@@ -1,0 +1,421 @@
+"""Discovery: where values go from one Linear/Tanh call to the next. :class:`RunDiscovery` finds
+the runs of module calls (:class:`LayerCall`: an element of a Sequential, or a child an analysed
+forward calls), across Sequentials and through the calls of one forward, and why each run stops
+where it does; :func:`graph_chains` finds the chains in forward code (``F.linear``,
+``torch.tanh``, a Linear held in a list) that only a rewrite fuses."""
+from __future__ import annotations
+
+import enum
+import inspect
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from ..modules import _has_hooks
+from .consumers import Fate, elements_fate, node_fate, output_fate
+from .policy import Chain, LayerShape, item_misses, layer_shape
+from .report import Decision
+from .runtime import RunLinear, RunTanh, _is_sequential, _join, _unsupported
+from .tracing import ModelAnalysis, Trace
+
+
+class LayerKind(enum.Enum):
+    LINEAR = "Linear"
+    TANH = "Tanh"
+
+
+def linear_problem(lin: nn.Module) -> Optional[str]:
+    if type(lin) not in (nn.Linear, RunLinear):
+        return f"{type(lin).__name__} subclasses nn.Linear; its forward may not be F.linear"
+    if _has_hooks(lin):
+        return "the Linear has hooks, which the fused op would not call"
+    return _unsupported(lin.weight)
+
+
+def tanh_problem(act: nn.Module) -> Optional[str]:
+    if type(act) not in (nn.Tanh, RunTanh):
+        return f"{type(act).__name__} subclasses nn.Tanh"
+    if _has_hooks(act):
+        return "the Tanh has hooks, which the fused op would not call"
+    return None
+
+
+def getattr_path(root: Any, target: str) -> Any:
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+_TANH_FUNCTIONS = {torch.tanh: "torch.tanh", F.tanh: "F.tanh"}
+_LINEAR_FUNCTIONS = (F.linear, torch._C._nn.linear)
+_LINEAR_SIGNATURE = inspect.signature(lambda input, weight, bias=None: None)
+
+
+def linear_args(node: fx.Node):
+    bound = _LINEAR_SIGNATURE.bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    return bound.arguments["input"], bound.arguments["weight"], bound.arguments["bias"]
+
+
+def node_kind(node: fx.Node, owner: nn.Module) -> Optional[LayerKind]:
+    """The kind of a linear / tanh node of any spelling, else None."""
+    if node.op == "call_module":
+        sub = owner.get_submodule(node.target)
+        if isinstance(sub, nn.Linear):
+            return LayerKind.LINEAR
+        if isinstance(sub, nn.Tanh):
+            return LayerKind.TANH
+    elif node.op == "call_function":
+        if node.target in _LINEAR_FUNCTIONS:
+            try:
+                linear_args(node)
+                return LayerKind.LINEAR
+            except TypeError:
+                return None
+        if node.target in _TANH_FUNCTIONS:
+            return LayerKind.TANH
+    elif node.op == "call_method" and node.target == "tanh":
+        return LayerKind.TANH
+    return None
+
+
+def data_input(node: fx.Node) -> Any:
+    """The node's tensor input if it takes exactly one data input the usual way, else None."""
+    if node.op == "call_function" and node.target in _LINEAR_FUNCTIONS:
+        x, w, b = linear_args(node)
+        return x if all(a is not x for a in (w, b)) else None
+    if len(node.args) == 1 and not node.kwargs:
+        return node.args[0]
+    return None
+
+
+def node_label(node: fx.Node, owner_path: str) -> str:
+    if node.op == "call_module":
+        return _join(owner_path, node.target)
+    if node.op == "call_method":
+        return ".tanh()"
+    if node.target in _LINEAR_FUNCTIONS:
+        return "F.linear"
+    return _TANH_FUNCTIONS[node.target]
+
+
+def _call_counts(t: Trace) -> Dict[str, int]:
+    """How many times the traced forward calls each submodule target."""
+    if t.calls is None:
+        t.calls = {}
+        for n in t.graph.nodes:
+            if n.op == "call_module":
+                t.calls[n.target] = t.calls.get(n.target, 0) + 1
+    return t.calls
+
+
+def child_problem(analysis: ModelAnalysis, owner: nn.Module, t: Trace, target: str, label: str,
+                   sub: nn.Module) -> Optional[str]:
+    """Why a run may not reach child ``target`` that ``owner``'s forward calls (as a member of a
+    run computed inside that forward's region), else None."""
+    calls = _call_counts(t).get(target, 0)
+    if calls != 1:
+        return f"{label} is called {calls} times"
+    owner_label = analysis.path_of(owner) or "<model>"
+    if t.region_problem is not None:
+        return f"{owner_label} cannot mark the run's region: {t.region_problem}"
+    node = next(n for n in t.graph.nodes if n.op == "call_module" and n.target == target)
+    if node.name in t.indirect:
+        return (f"{label} is called through {t.indirect[node.name]}, not by {owner_label}.forward "
+                f"itself (it may run again on its own, as checkpoint does in backward)")
+    if len(analysis.slots.get(id(sub), ())) != 1:  # held elsewhere too: it may be called there
+        return f"{label} is also held elsewhere: {', '.join(analysis.paths[id(sub)][1:])}"
+    return None
+
+
+def _module_kind(m: Optional[nn.Module]) -> Optional[LayerKind]:
+    if isinstance(m, nn.Linear):
+        return LayerKind.LINEAR
+    if isinstance(m, nn.Tanh):
+        return LayerKind.TANH
+    return None
+
+
+@dataclass(eq=False)
+class LayerCall:
+    """One call of a Linear or Tanh module: an element of a Sequential, or a direct child that an
+    analysed forward calls (``node`` in its graph)."""
+    container: nn.Module
+    name: str
+    module: nn.Module
+    kind: LayerKind
+    label: str
+    index: int = -1                   # its index among the Sequential's elements
+    node: Optional[fx.Node] = None
+    trace: Optional[Trace] = None
+
+
+class RunDiscovery:
+    """Runs of Linear/Tanh module calls that follow one another, across container boundaries.
+
+    A value goes from one call to the next: between consecutive elements of a Sequential; from a
+    Sequential's last element to what consumes the Sequential's output (the next element of the
+    Sequential holding it, or the one call using it in the forward that calls it); into the first
+    element of a Sequential it is passed to; and between children an analysed forward calls one
+    after the other. A step counts only when the value has that single consumer. Crossing into or
+    out of a Sequential needs that Sequential to have no hooks, to be held at one place and, when
+    a forward calls it, to be called once there and by no other method of that class: otherwise
+    the run stops there and the report says why."""
+
+    def __init__(self, analysis: ModelAnalysis, taken_nodes: set) -> None:
+        self.analysis = analysis
+        self.sites: List[LayerCall] = []
+        self.at: Dict[Tuple[int, Any], LayerCall] = {}
+        for path, m in analysis.model.named_modules():
+            if _is_sequential(m):
+                for i, (name, e) in enumerate(m._modules.items()):
+                    kind = _module_kind(e)
+                    if kind:
+                        self._add((id(m), name), LayerCall(m, name, e, kind, _join(path, name), i))
+                continue
+            t = analysis.trace_of(m)
+            if t is None:
+                continue
+            # A forward an earlier fuse rewrote calls the child modules its rewrite left alone.
+            calls = vars(m)["forward"].source if t.already_rewritten else None
+            for node in t.graph.nodes:
+                if node.op != "call_module" or "." in node.target or node in taken_nodes:
+                    continue  # a Linear held in a list is only fused by a rewrite
+                if calls is not None and f"self.{node.target}(" not in calls:
+                    continue
+                sub = m._modules.get(node.target)
+                kind = _module_kind(sub)
+                if kind:
+                    self._add((id(m), node), LayerCall(m, node.target, sub, kind,
+                                                   _join(path, node.target), node=node, trace=t))
+
+    def _add(self, key: Tuple[int, Any], site: LayerCall) -> None:
+        self.sites.append(site)
+        self.at[key] = site
+
+    # -- one step: the call that receives a site's output, and why it may not be followed --------
+    def succ(self, s: LayerCall) -> Tuple[Optional[LayerCall], Optional[str]]:
+        if s.node is None:
+            return self._after_element(s.container, s.index, 0)
+        return self._after_node(s.container, s.trace, s.node, 0)
+
+    def _crossing_problem(self, seq: nn.Module) -> Optional[str]:
+        places = self.analysis.paths.get(id(seq), [])
+        label = places[0] if places else "<a Sequential>"
+        if _has_hooks(seq):
+            return f"{label} has hooks, which a run computed across it would not call"
+        if len(places) != 1:
+            return f"{label} is held at {len(places)} places ({', '.join(places)})"
+        return None
+
+    def _enter(self, seq: nn.Module, name: str, depth: int):
+        site = self.at.get((id(seq), name))
+        if site is not None:
+            return site, None
+        e = seq._modules[name]
+        if _is_sequential(e) and depth < 64:
+            return self._enter_seq(e, depth + 1)
+        return None, None
+
+    def _enter_seq(self, seq: nn.Module, depth: int):
+        names = list(seq._modules)
+        if not names:
+            return None, None
+        site, why = self._enter(seq, names[0], depth)
+        if site is None:
+            return None, None
+        return site, self._crossing_problem(seq) or why
+
+    def _after_element(self, seq: nn.Module, i: int, depth: int):
+        names = list(seq._modules)
+        if i + 1 < len(names):
+            return self._enter(seq, names[i + 1], depth)
+        return self._after_seq(seq, depth)
+
+    def _after_seq(self, seq: nn.Module, depth: int):
+        analysis = self.analysis
+        places = analysis.paths.get(id(seq), [])
+        if not places or places[0] not in analysis.parent or depth > 64:
+            return None, None  # the model itself
+        problem = self._crossing_problem(seq)
+        parent, ppath, name = analysis.parent[places[0]]
+        if _is_sequential(parent):
+            site, why = self._after_element(parent, list(parent._modules).index(name), depth + 1)
+            return site, problem or why
+        target = name  # a Sequential held in a ModuleList/ModuleDict: called as "blocks.0"
+        while isinstance(parent, (nn.ModuleList, nn.ModuleDict)) and ppath in analysis.parent:
+            parent, ppath, holder = analysis.parent[ppath]
+            target = f"{holder}.{target}"
+        # A forward rewritten by an earlier fuse still calls its child Sequentials as its class
+        # graph says (only function pairs became fused ops), so the run may go through it.
+        t = analysis.trace_of(parent)
+        if t is None:
+            return None, None
+        calls = [n for n in t.graph.nodes if n.op == "call_module" and n.target == target]
+        if not calls:
+            return None, None
+        site, why = self._after_node(parent, t, calls[0], depth + 1)
+        if site is None:
+            return None, None
+        return site, problem or child_problem(analysis, parent, t, target, _join(ppath, target),
+                                               seq) or why
+
+    def _after_node(self, owner: nn.Module, t: Trace, node: fx.Node, depth: int):
+        users = list(node.users)
+        if len(users) != 1:
+            return None, None
+        u = users[0]
+        if u.op != "call_module" or len(u.args) != 1 or u.args[0] is not node or u.kwargs:
+            return None, None
+        site = self.at.get((id(owner), u))
+        if site is not None:
+            return site, None
+        sub = owner.get_submodule(u.target)
+        if not _is_sequential(sub) or depth > 64:
+            return None, None
+        site, why = self._enter_seq(sub, depth + 1)
+        if site is None:
+            return None, None
+        label = _join(self.analysis.path_of(owner), u.target)
+        return site, child_problem(self.analysis, owner, t, u.target, label, sub) or why
+
+    # -- the runs ---------------------------------------------------------------------------------
+    def runs(self) -> Tuple[List[List[LayerCall]], Dict[LayerCall, str]]:
+        """Maximal alternating paths Linear, Tanh, Linear, ... (from a Linear), and for a site
+        whose next call would have continued the run, why that step was not taken."""
+        links: Dict[LayerCall, LayerCall] = {}
+        stops: Dict[LayerCall, str] = {}
+        for s in self.sites:
+            nxt, problem = self.succ(s)
+            if nxt is None or nxt.kind == s.kind:
+                continue
+            if problem:
+                stops[s] = problem
+            else:
+                links[s] = nxt
+        has_prev = set(links.values())
+        paths = []
+        for s in self.sites:
+            if s in has_prev:
+                continue
+            path, seen = [s], {s}
+            while path[-1] in links and links[path[-1]] not in seen:
+                path.append(links[path[-1]])
+                seen.add(path[-1])
+            while path and path[0].kind is not LayerKind.LINEAR:
+                path.pop(0)
+            if len(path) >= 2:
+                paths.append(path)
+        return paths, stops
+
+    def problem(self, s: LayerCall) -> Optional[str]:
+        if s.node is not None:
+            p = child_problem(self.analysis, s.container, s.trace, s.name, s.label, s.module)
+            if p is not None:
+                return p
+        return linear_problem(s.module) if s.kind is LayerKind.LINEAR else tanh_problem(s.module)
+
+    def fate(self, s: LayerCall) -> Fate:
+        """What consumes the site's output."""
+        analysis = self.analysis
+        if s.node is None:
+            seq = s.container
+            return elements_fate(analysis, seq, analysis.path_of(seq), s.index + 1,
+                                    lambda: output_fate(analysis, seq), 0)
+        return node_fate(analysis, s.container, s.trace, s.node)
+
+
+def graph_chains(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace, rewrite: bool,
+                  misses: List[Decision], taken: set) -> List[Chain]:
+    """Chains in one module's graph that hold a function call (``F.linear``, ``torch.tanh``) or a
+    Linear held in a list: fused only by rewriting the forward (``rewrite=True``). The nodes of a
+    chain to rewrite go into ``taken``. Chains of direct child modules only are the discovery's."""
+    graph = t.graph
+    kind = {n: node_kind(n, owner) for n in graph.nodes}
+
+    def nxt(n: fx.Node) -> Optional[fx.Node]:
+        users = list(n.users)
+        if len(users) != 1:
+            return None
+        u = users[0]
+        want = LayerKind.TANH if kind[n] is LayerKind.LINEAR else LayerKind.LINEAR
+        return u if kind[u] == want and data_input(u) is n else None
+
+    has_prev = {nxt(n) for n in graph.nodes if kind[n] is not None} - {None}
+
+    def graph_only(n: fx.Node) -> bool:
+        return n.op != "call_module" or "." in n.target
+
+    def member_problem(n: fx.Node) -> Optional[str]:
+        label = node_label(n, path)
+        if n.op != "call_module":
+            return (f"{label} is a function call: fusing it rewrites {path or '<model>'}.forward"
+                    + ("" if rewrite else "; pass rewrite=True to allow that"))
+        if "." in n.target:
+            return f"{label} is not a direct child of {path or '<model>'}"
+        sub = owner.get_submodule(n.target)
+        problem = child_problem(analysis, owner, t, n.target, label, sub)
+        if problem is not None:
+            return problem
+        return linear_problem(sub) if kind[n] is LayerKind.LINEAR else tanh_problem(sub)
+
+    def rewrite_problem(n: fx.Node) -> Optional[str]:
+        label = node_label(n, path)
+        if t.rewrite_problem is not None:
+            return f"{path or '<model>'}.forward cannot be rewritten: {t.rewrite_problem}"
+        if n.op == "call_module":
+            sub = owner.get_submodule(n.target)
+            return linear_problem(sub) if kind[n] is LayerKind.LINEAR else tanh_problem(sub)
+        if kind[n] is LayerKind.LINEAR:
+            _, w, _ = linear_args(n)
+            if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+                return f"{label}'s weight is not an attribute of {path or '<model>'}"
+            return _unsupported(getattr_path(owner, w.target))
+        return None
+
+    def layer_of(n: fx.Node) -> Optional[LayerShape]:
+        if n.op == "call_module":
+            return layer_shape(node_label(n, path), owner.get_submodule(n.target))
+        _, w, _ = linear_args(n)
+        if isinstance(w, fx.Node) and w.op == "get_attr":
+            wt = getattr_path(owner, w.target)
+            return LayerShape("F.linear", wt.shape[1], wt.shape[0], wt.element_size())
+        return None
+
+    chains = []
+    for n in graph.nodes:
+        if kind[n] is LayerKind.LINEAR and len(n.users) > 1 and \
+                any(kind[u] is LayerKind.TANH for u in n.users):
+            misses.append(Decision(path, (node_label(n, path),), "left alone", "", "", 0, 0, 0,
+                                   f"its output has {len(n.users)} users, so it is kept for the "
+                                   f"others anyway"))
+        if kind[n] is not LayerKind.LINEAR or n in has_prev or nxt(n) is None:
+            continue
+        items = [n]
+        while nxt(items[-1]) is not None:
+            items.append(nxt(items[-1]))
+        only = [graph_only(x) for x in items]
+        if not any(only):
+            continue
+        labels = [node_label(x, path) for x in items]
+        rw = [rewrite_problem(x) for x in items]
+        layers = [layer_of(x) for x in items[0::2]]
+        if rewrite and all(p is None for p in rw) and all(lay is not None for lay in layers):
+            last = items[-1]
+            chains.append(Chain(path, "rewrite", labels, items, layers, len(items) % 2 == 0,
+                                 lambda last=last: node_fate(analysis, owner, t, last)))
+            taken.update(x for x in items if x.op == "call_module")
+            continue
+        # Not rewritten: report the pairs that hold a function call or a Linear held in a list
+        # (pairs of child modules are the discovery's, which reports their problems itself).
+        problems = [rw[k] if (rewrite and rw[k] is not None) else member_problem(x)
+                    for k, x in enumerate(items)]
+        in_pair = [only[k - k % 2] or (k - k % 2 + 1 < len(items) and only[k - k % 2 + 1])
+                   for k in range(len(items))]
+        item_misses(path, labels, [p if in_pair[k] else None for k, p in enumerate(problems)],
+                     misses)
+    return chains

@@ -1,0 +1,392 @@
+"""Planning: where each unit of module calls is computed (:func:`plan_run`: the Sequential
+holding it, or the forward of its lowest common caller, whose calls become the run's members),
+and :func:`plan_model`, which discovers, decides and places every unit of a model before anything
+changes. The plan is also what the report says."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from torch import nn
+
+from .consumers import Fate
+from .discovery import LayerCall, LayerKind, RunDiscovery, graph_chains
+from .policy import (Chain, Unit, chain_problem, decide, item_misses, layer_shape,
+                     split_at_problems, sub_chain)
+from .report import Decision
+from .runtime import (FusedSequential, PartRole, RunLinear, RunTanh, _is_sequential, _join,
+                      _OwnerForward, _Run, parts_of)
+from .tracing import ModelAnalysis, Trace
+
+
+class PartPlan(NamedTuple):
+    """The elements of one Sequential a run covers, and its role there: see :class:`_RunPart`."""
+    seq: nn.Module
+    names: Tuple[str, ...]
+    role: PartRole
+    index: int                                 # the member it is, in the owner's call order
+    before: Tuple[Tuple[nn.Module, Tuple[str, ...]], ...]  # elements of nested Sequentials
+    after: Tuple[Tuple[nn.Module, Tuple[str, ...]], ...]   # run before / after the run
+
+
+class PlannedRun(NamedTuple):
+    plan: "RunPlan"
+    decision: Decision
+    in_place: Optional[_Run]  # the same run, put in place by an earlier fuse and kept
+
+
+class MemberPlan(NamedTuple):
+    """A child Linear/Tanh that becomes member ``index`` of a run."""
+    call: LayerCall
+    index: int
+
+
+@dataclass
+class RunPlan:
+    """How one unit of module calls is put in place (computed before anything changes, for the
+    report too)."""
+    how: str                          # "sequential", "children" or "across"
+    where: str                        # the module holding every layer of the unit ("" = model)
+    layer_calls: List[LayerCall]
+    last_tanh: bool
+    parts: List[PartPlan] = field(default_factory=list)
+    members: List[MemberPlan] = field(default_factory=list)
+    calls: List[str] = field(default_factory=list)  # the members' labels, in the owner's call order
+    sequences: List[nn.Module] = field(default_factory=list)  # must keep their elements
+    slots: List[Tuple[nn.Module, str, nn.Module, str]] = field(default_factory=list)
+    unhooked: List[nn.Module] = field(default_factory=list)
+    owner: Optional[nn.Module] = None  # the module whose forward calls the members
+    # per member Sequential: the run of its own elements it computes fused when called on its own
+    alone: Dict[int, List[LayerCall]] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def key(self) -> Tuple[Any, ...]:
+        return (tuple(c.module for c in self.layer_calls), self.last_tanh)
+
+    def part_keys(self) -> List[Tuple[nn.Module, Tuple[Any, ...]]]:
+        return [(part.seq, (part.names, part.role, part.index, self.key)) for part in self.parts]
+
+
+def _call_parent(analysis: ModelAnalysis, m: nn.Module) -> Optional[nn.Module]:
+    places = analysis.paths.get(id(m), [])
+    if len(places) != 1 or places[0] not in analysis.parent:
+        return None
+    parent, ppath, _ = analysis.parent[places[0]]
+    while isinstance(parent, (nn.ModuleList, nn.ModuleDict)) and ppath in analysis.parent:
+        parent, ppath, _ = analysis.parent[ppath]
+    return parent
+
+
+def _ancestry(analysis: ModelAnalysis, sites: Sequence[LayerCall]):
+    """Each site's containers from its own upward, and the lowest one they share."""
+    chains = []
+    for s in sites:
+        chain = [s.container]
+        while len(chain) < 256:
+            p = _call_parent(analysis, chain[-1])
+            if p is None:
+                break
+            chain.append(p)
+        chains.append(chain)
+    ids = [{id(c) for c in chain} for chain in chains]
+    lca = next((c for c in chains[0] if all(id(c) in x for x in ids)), None)
+    return chains, lca
+
+
+def where(analysis: ModelAnalysis, sites: Sequence[LayerCall]) -> str:
+    _, lca = _ancestry(analysis, sites)
+    return analysis.path_of(lca) if lca is not None else ""
+
+
+def _below(analysis: ModelAnalysis, upper: nn.Module, lower: nn.Module) -> str:
+    """The name under which ``upper`` reaches ``lower`` ("2", or "blocks.0" through a
+    ModuleList)."""
+    up, low = analysis.path_of(upper), analysis.path_of(lower)
+    return low[len(up) + 1:] if up else low
+
+
+def _descent(analysis: ModelAnalysis, site: LayerCall, chain: List[nn.Module], lca: nn.Module):
+    """[(container, name)] from the lca down to the site: each container on the way and the
+    name of what it holds next."""
+    ids = [id(c) for c in chain]
+    path = chain[:ids.index(id(lca)) + 1][::-1]  # lca, ..., site.container
+    steps = [(upper, _below(analysis, upper, lower)) for upper, lower in zip(path, path[1:])]
+    return steps + [(site.container, site.name)]
+
+
+def plan_run(analysis: ModelAnalysis, sites: List[LayerCall], last_tanh: bool,
+             policy: str) -> Optional[RunPlan]:
+    """Where the unit of these calls is computed: by the Sequential holding them all, or inside
+    the forward of their lowest common caller (the owner), whose calls become members; None when
+    no module calls them all."""
+    chains, lca = _ancestry(analysis, sites)
+    if lca is None:
+        return None
+    inside: Dict[int, nn.Module] = {}  # containers below the lca that hold layers of the run
+    for chain in chains:
+        for c in chain:
+            if c is lca:
+                break
+            inside[id(c)] = c
+    p = RunPlan("", analysis.path_of(lca), sites, last_tanh)
+    first = _descent(analysis, sites[0], chains[0], lca)
+    last = _descent(analysis, sites[-1], chains[-1], lca)
+
+    def before(steps):  # the elements of each nested container before the run's first layer
+        out = []
+        for seq, name in steps:
+            names = list(seq._modules)
+            if names.index(name):
+                out.append((seq, tuple(names[:names.index(name)])))
+        return tuple(out)
+
+    def after(steps):  # ... and after its last layer, innermost first
+        out = []
+        for seq, name in reversed(steps):
+            names = list(seq._modules)
+            if names.index(name) + 1 < len(names):
+                out.append((seq, tuple(names[names.index(name) + 1:])))
+        return tuple(out)
+
+    p.sequences = list(inside.values())
+    p.unhooked = list(inside.values())
+    if _is_sequential(lca):
+        names = list(lca._modules)
+        i0, i1 = names.index(first[0][1]), names.index(last[0][1])
+        p.parts.append(PartPlan(lca, tuple(names[i0:i1 + 1]), PartRole.WHOLE, 0,
+                                before(first[1:]), after(last[1:])))
+        p.how = "sequential" if len(first) == 1 and len(last) == 1 else "across"
+        p.sequences.insert(0, lca)
+        if p.how == "across":
+            crossed = ", ".join(analysis.path_of(c) for c in inside.values())
+            p.note = (f"it crosses {crossed} inside {p.where or '<model>'}, which computes the "
+                      f"whole run; called on its own, each of them computes its own layers")
+        return p
+    # The calls the lca's forward makes, in order: child Linear/Tanh modules, or a child
+    # Sequential the run goes through. Each becomes a member of the run.
+    units: List[Any] = []
+    for s, chain in zip(sites, chains):
+        u = s if s.container is lca else chain[[id(c) for c in chain].index(id(lca)) - 1]
+        if not units or units[-1] is not u:
+            units.append(u)
+    for k, u in enumerate(units):
+        if isinstance(u, LayerCall):
+            p.members.append(MemberPlan(u, k))
+            p.slots.append((lca, u.name, u.module, u.label))
+            p.calls.append(u.label)
+            continue
+        holder, hpath, hname = analysis.parent[analysis.paths[id(u)][0]]
+        p.slots.append((holder, hname, u, _join(hpath, hname)))
+        p.calls.append(analysis.path_of(u))
+        names = list(u._modules)
+        if k == 0:
+            p.parts.append(PartPlan(u, tuple(names[names.index(first[1][1]):]), PartRole.FIRST,
+                                    0, before(first[2:]), ()))
+        elif k == len(units) - 1:
+            p.parts.append(PartPlan(u, tuple(names[:names.index(last[1][1]) + 1]), PartRole.ON,
+                                    k, (), after(last[2:])))
+        else:
+            p.parts.append(PartPlan(u, tuple(names), PartRole.ON, k, (), ()))
+        alone = _alone(u, sites) if policy == "memory" else None
+        if alone:
+            p.alone[id(u)] = alone
+    p.how = "children" if all(isinstance(u, LayerCall) for u in units) else "across"
+    p.owner = lca
+    where = p.where or "<model>"
+    if p.how == "across":
+        p.note = (f"it crosses {', '.join(p.calls)} in {where}: inside {where}.forward, "
+                  f"{p.calls[0]} computes the whole run and {', '.join(p.calls[1:])} "
+                  f"pass{'es' if len(p.calls) == 2 else ''} its output on; called any other "
+                  f"way, each computes its own layers")
+        for sites_alone in p.alone.values():
+            p.note += (f" ({sites_alone[0].label}..{sites_alone[-1].label} as one run of "
+                       f"its own)")
+    return p
+
+
+def _alone(seq: nn.Module, sites: Sequence[LayerCall]) -> Optional[List[LayerCall]]:
+    """The longest stretch of the run's layers that are consecutive elements of ``seq``, from a
+    Linear to a Linear with at least two of them: a run seq computes fused when called on its own
+    (its inner tanh outputs feed only its next Linear; where its output goes is not known there)."""
+    best: List[LayerCall] = []
+    stretch: List[LayerCall] = []
+    for s in list(sites) + [None]:
+        if s is not None and s.node is None and s.container is seq and \
+                (not stretch or s.index == stretch[-1].index + 1):
+            stretch.append(s)
+            continue
+        while stretch and stretch[0].kind is not LayerKind.LINEAR:
+            stretch.pop(0)
+        while stretch and stretch[-1].kind is not LayerKind.LINEAR:
+            stretch.pop()
+        if len(stretch) >= 3 and len(stretch) > len(best):
+            best = stretch
+        stretch = [s] if s is not None and s.node is None and s.container is seq else []
+    return best or None
+
+
+def existing_runs(model: nn.Module) -> List[_Run]:
+    """The runs an earlier fuse put in place, each once."""
+    runs: Dict[int, _Run] = {}
+    for m in model.modules():
+        if isinstance(m, FusedSequential):
+            for part in m._ckpt_ext_runs:
+                runs.setdefault(id(part.run), part.run)
+        elif type(m) in (RunLinear, RunTanh) and m._ckpt_ext_run is not None:
+            runs.setdefault(id(m._ckpt_ext_run), m._ckpt_ext_run)
+    return list(runs.values())
+
+
+def in_place(plan: RunPlan, existing: Dict[Any, _Run]) -> Optional[_Run]:
+    """The run an earlier fuse put in place for exactly this plan, if it is still whole."""
+    run = existing.get(plan.key)
+    if run is None or run.problem() is not None:
+        return None
+    for seq, key in plan.part_keys():
+        if not any(p.key == key and p.run is run for p in parts_of(seq)):
+            return None
+    for site, k in plan.members:
+        m = site.module
+        if getattr(m, "_ckpt_ext_run", None) is not run or m._ckpt_ext_index != k:
+            return None
+    if plan.owner is not None:
+        fwd = vars(plan.owner).get("forward")
+        if not isinstance(fwd, _OwnerForward) or run not in fwd.runs:
+            return None
+    return run
+
+
+def _already(d: Decision) -> Decision:
+    return Decision(d.where, d.layers, "already fused", d.unit, d.how, d.bytes_per_row,
+                    d.flops_per_row, d.plain_flops_per_row, d.why)
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan of a whole model
+
+class PlannedRewrite(NamedTuple):
+    path: str
+    module: nn.Module
+    trace: Trace
+    units: List[Unit]
+
+
+@dataclass
+class ModelPlan:
+    """Everything fuse does to one model, made before anything changes: the runs of module calls
+    to put in place, the forwards to rewrite, and the report's decisions, by the module holding
+    their layers (fused and already fused first, then the near misses)."""
+    runs: List[PlannedRun] = field(default_factory=list)
+    rewrites: List[PlannedRewrite] = field(default_factory=list)
+    fused_at: Dict[str, List[Decision]] = field(default_factory=dict)
+    missed_at: Dict[str, List[Decision]] = field(default_factory=dict)
+
+    def add(self, d: Decision) -> None:
+        store = self.missed_at if d.action == "left alone" else self.fused_at
+        store.setdefault(d.where, []).append(d)
+
+    def refuse(self, units: Sequence[Unit], why: str) -> None:
+        """The units of a rewrite that failed: left alone, each in its place in the report."""
+        ids = {id(u.decision) for u in units}
+        for store in (self.fused_at, self.missed_at):
+            for key, ds in store.items():
+                store[key] = [d if id(d) not in ids else _refused(d, why) for d in ds]
+
+    def decisions(self, model: nn.Module) -> List[Decision]:
+        """Every decision, in the order of the modules holding their layers."""
+        order = [path for path, _ in model.named_modules()]
+        out: List[Decision] = []
+        for path in order + sorted((set(self.fused_at) | set(self.missed_at)) - set(order)):
+            out += self.fused_at.get(path, []) + self.missed_at.get(path, [])
+        return out
+
+
+def plan_model(analysis: ModelAnalysis, policy: str, rewrite: bool) -> ModelPlan:
+    """The plan for the analysed model: forward code to rewrite first (its nodes are then no
+    one else's), then the runs of Linear/Tanh module calls, inside a container or across
+    several."""
+    plan = ModelPlan()
+    taken_nodes: set = set()
+    for path, m in analysis.model.named_modules():
+        t = analysis.trace_of(m) if not _is_sequential(m) else None
+        if t is not None and not t.already_rewritten:
+            _plan_rewrite(analysis, path, m, t, policy, rewrite, taken_nodes, plan)
+    discovery = RunDiscovery(analysis, taken_nodes)
+    existing = {r.key: r for r in existing_runs(analysis.model)}
+    runs, stops = discovery.runs()
+    for layer_calls in runs:
+        _plan_calls(analysis, discovery, layer_calls, stops.get(layer_calls[-1]), policy,
+                    existing, plan)
+    return plan
+
+
+def _plan_rewrite(analysis: ModelAnalysis, path: str, m: nn.Module, t: Trace, policy: str,
+                  rewrite: bool, taken_nodes: set, plan: ModelPlan) -> None:
+    """Chains in ``m``'s forward code that hold a function call: fused only by a rewrite."""
+    misses: List[Decision] = []
+    units: List[Unit] = []
+    for chain in graph_chains(analysis, path, m, t, rewrite, misses, taken_nodes):
+        chain_units, chain_misses = decide(chain, policy)
+        misses += chain_misses
+        for u in chain_units:
+            units.append(u)
+            plan.add(u.decision)
+    for d in misses:
+        plan.add(d)
+    if units:
+        plan.rewrites.append(PlannedRewrite(path, m, t, units))
+
+
+def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, sites: List[LayerCall],
+                stop: Optional[str], policy: str, existing: Dict[Any, _Run],
+                plan: ModelPlan) -> None:
+    """The units of one discovered run of module calls, placed; ``stop``: why it ends there."""
+    at = where(analysis, sites)
+    labels = [s.label for s in sites]
+    problems = [discovery.problem(s) for s in sites]
+    found: List[Decision] = []
+    item_misses(at, labels, problems, found)
+    full = Chain(at, "", labels, sites, [layer_shape(s.label, s.module) for s in sites[0::2]],
+                 len(sites) % 2 == 0, lambda: Fate(None, ""))
+    for s, e in split_at_problems(problems, len(sites)):
+        last = sites[e - 1]
+        sub = sub_chain(full, s, e, lambda last=last: discovery.fate(last))
+        sub.where = where(analysis, sub.items)
+        problem = chain_problem([x.module for x in sub.items[0::2]])
+        if problem is not None:
+            found.append(Decision(sub.where, tuple(sub.labels), "left alone", "", "", 0, 0, 0,
+                                  problem))
+            continue
+        units, misses = decide(sub, policy)
+        found += misses
+        for u in units:
+            a, b = sub.span(u.first, u.last, u.last_tanh)
+            run_plan = plan_run(analysis, sub.items[a:b], u.last_tanh, policy)
+            d = u.decision
+            if run_plan is None:  # no module calls them all: no region to compute it in
+                found.append(dataclasses.replace(
+                    d, action="left alone", unit="", how="", bytes_per_row=0,
+                    why="its layers share no container that calls them in sequence"))
+                continue
+            d = dataclasses.replace(d, where=run_plan.where, how=run_plan.how,
+                                    why=d.why + (f"; {run_plan.note}" if run_plan.note else ""))
+            already = in_place(run_plan, existing)
+            plan.runs.append(PlannedRun(run_plan, d, already))
+            found.append(_already(d) if already is not None else d)
+    position = {label: i for i, label in enumerate(labels)}
+    found.sort(key=lambda d: position.get(d.layers[0], len(labels)))  # in call order
+    by_label = {s.label: s for s in sites}
+    for d in found:
+        if d.action == "left alone":  # placed at the module holding its own layers
+            d = dataclasses.replace(d, where=where(analysis, [by_label[x] for x in d.layers]))
+        if stop and sites[-1].label in d.layers:
+            d = dataclasses.replace(
+                d, why=f"{d.why}; the run stops after {sites[-1].label}: {stop}")
+        plan.add(d)
+
+
+def _refused(d: Decision, why: str) -> Decision:
+    return Decision(d.where, d.layers, "left alone", "", "", d.bytes_per_row, d.flops_per_row,
+                    d.plain_flops_per_row, f"the forward rewrite failed: {why}")

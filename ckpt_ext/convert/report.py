@@ -1,0 +1,93 @@
+"""What ``fuse`` says it did: one :class:`Decision` per run or pair of Linear/Tanh layers (fused,
+already fused, or left alone, with bytes freed and FLOPs added per row), gathered in a
+:class:`FuseReport`; ``fuse`` returns ``Fused(model, report)``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, NamedTuple, Tuple
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One run or pair of Linear/Tanh layers and what fuse did with it.
+
+    Byte and FLOP figures are per *row*: one row of the layers' input (one sample; for a sequence
+    input, one token — every leading dimension counts). For a near miss they say what fusing would
+    have freed and cost.
+    """
+    where: str                # module holding the layers ("" = the model itself)
+    layers: Tuple[str, ...]   # the layers in call order: paths, or "F.linear" / "torch.tanh" / ...
+    action: str               # "fused", "already fused" or "left alone"
+    unit: str                 # what runs them ("tanh_mlp, 3 layers 4->64->64->2", "linear_tanh")
+    how: str                  # "sequential", "children", "rewrite" ("" when left alone)
+    bytes_per_row: int        # activation bytes per row no longer kept for backward
+    flops_per_row: int        # extra FLOPs per row: the forward GEMMs that backward recomputes
+    plain_flops_per_row: int  # these layers' forward + backward GEMM FLOPs per row, unfused
+    why: str
+
+    @property
+    def extra_cost(self) -> float:
+        """Extra FLOPs as a fraction of these layers' unfused forward + backward."""
+        return self.flops_per_row / self.plain_flops_per_row if self.plain_flops_per_row else 0.0
+
+
+@dataclass
+class FuseReport:
+    dry_run: bool
+    policy: str
+    rewrite: bool
+    decisions: List[Decision] = field(default_factory=list)
+    #: (module path, why) for every module with a forward of its own (not torch.nn's) that fuse did
+    #: not analyse: no run goes through its calls and its code is not rewritten.
+    not_analysed: List[Tuple[str, str]] = field(default_factory=list)
+    #: modules whose instance got a rewritten forward (rewrite=True)
+    rewritten: List[str] = field(default_factory=list)
+
+    @property
+    def fused(self) -> List[Decision]:
+        return [d for d in self.decisions if d.action == "fused"]
+
+    @property
+    def near_misses(self) -> List[Decision]:
+        return [d for d in self.decisions if d.action == "left alone"]
+
+    @property
+    def bytes_per_row(self) -> int:
+        return sum(d.bytes_per_row for d in self.fused)
+
+    @property
+    def flops_per_row(self) -> int:
+        return sum(d.flops_per_row for d in self.fused)
+
+    def __len__(self) -> int:
+        return len(self.fused)
+
+    def __str__(self) -> str:
+        verb = "would fuse" if self.dry_run else "fused"
+        lines = [f"ckpt_ext.fuse(policy={self.policy!r}{', rewrite=True' if self.rewrite else ''}):"
+                 f" {verb} {len(self)} unit(s), freeing {self.bytes_per_row:,} B per row for "
+                 f"+{self.flops_per_row:,} FLOPs per row"]
+        for d in self.decisions:
+            layers = " -> ".join(d.layers)
+            if d.action == "left alone":
+                lines.append(f"  left alone  {layers}: {d.why}")
+                continue
+            tag = verb if d.action == "fused" else "already fused"
+            lines.append(f"  {tag:<11s} {layers} [{d.how}] as {d.unit}: frees "
+                         f"{d.bytes_per_row:,} B/row, +{d.flops_per_row:,} FLOPs/row "
+                         f"(+{100 * d.extra_cost:.0f}% of these layers' fwd+bwd); {d.why}")
+        if self.rewritten:
+            lines.append("  forward rewritten (rewrite=True): "
+                         + ", ".join(p or "<model>" for p in self.rewritten))
+        for path, why in self.not_analysed:
+            lines.append(f"  not analysed: {path or '<model>'}: {why}")
+        return "\n".join(lines)
+
+
+class Fused(NamedTuple):
+    model: nn.Module
+    report: FuseReport
+
+

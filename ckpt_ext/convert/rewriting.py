@@ -1,0 +1,63 @@
+"""Code generation for ``rewrite=True``: the graph of a forward with each planned unit's nodes
+replaced by one ``tanh_mlp`` / ``linear_tanh`` call, as Python source that the owner's
+:class:`_OwnerForward` compiles (and pickles by)."""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+from torch import fx, nn
+
+from ..ops import linear_tanh, tanh_mlp
+from .discovery import data_input, getattr_path, linear_args
+from .planning import ModelPlan
+from .policy import Unit
+from .report import FuseReport
+
+
+def rewrite_forwards(plan: ModelPlan, report: FuseReport) -> Dict[int, str]:
+    """The source of each planned rewrite, by id of its module. A rewrite that fails is refused
+    rather than guessed: its forward is left alone, and the report says why."""
+    sources: Dict[int, str] = {}
+    for path, m, t, units in plan.rewrites:
+        try:
+            sources[id(m)] = _rewrite_source(m, t.graph, units)
+        except Exception as e:
+            report.rewritten.remove(path)
+            report.not_analysed.append((path, f"forward not rewritten: {type(e).__name__}: {e}"))
+            plan.refuse(units, str(e))
+    return sources
+
+
+def _rewrite_source(owner: nn.Module, graph: fx.Graph, units: Sequence[Unit]) -> str:
+    """Replace each unit's nodes by one fused call; return the source of the new forward."""
+    for u in units:
+        s, e = u.chain.span(u.first, u.last, u.last_tanh)
+        nodes = u.chain.items[s:e]
+        lins = nodes[0::2]
+        x = data_input(lins[0])
+        with graph.inserting_before(nodes[-1]):  # after every weight's own get_attr
+            ws, bs = [], []
+            for n in lins:
+                if n.op == "call_module":
+                    sub = owner.get_submodule(n.target)
+                    ws.append(graph.get_attr(f"{n.target}.weight"))
+                    bs.append(graph.get_attr(f"{n.target}.bias") if sub.bias is not None else None)
+                else:
+                    _, w, b = linear_args(n)
+                    ws.append(w)
+                    bs.append(b)
+            if len(lins) == 1 and u.last_tanh:
+                new = graph.call_function(linear_tanh, (x, ws[0], bs[0]))
+            else:
+                new = graph.call_function(tanh_mlp, (x, ws, bs, u.last_tanh))
+        nodes[-1].replace_all_uses_with(new)
+        for n in reversed(nodes):
+            graph.erase_node(n)
+    graph.lint()
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            getattr_path(owner, n.target)  # AttributeError: a constant fx made on the copy
+    from torch.fx.graph_module import _format_import_block
+    from torch.package import sys_importer
+    code = graph.python_code(root_module="self")
+    return _format_import_block(code.globals, sys_importer) + "\n" + code.src

@@ -1,0 +1,450 @@
+"""The objects ``fuse`` leaves inside users' models, and so in their pickles: the member classes
+(:class:`FusedSequential`, :class:`RunLinear`, :class:`RunTanh`, subclasses set on the user's own
+objects), the :class:`_Run` they share, the :class:`_RunPart` of a Sequential and the
+:class:`_OwnerForward` (with its :class:`_Guard`\\ s) set on an owner's instance. Pickles refer to
+these by module path and name, so both stay as they are: ``ckpt_ext.convert.runtime.<name>``."""
+from __future__ import annotations
+
+import copy
+import enum
+import inspect
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.modules.module as _module_hooks  # the hooks registered for every module
+from torch import nn
+
+from .. import _C
+from ..modules import _has_hooks
+from ..ops import SUPPORTED_DTYPES, linear_tanh, tanh_mlp
+
+if TYPE_CHECKING:
+    from .report import Decision
+
+
+class _Region(threading.local):
+    """A run's region, per thread: [the next member, the tensor it must receive, the state of an
+    enclosing call] inside its owner's forward; None outside it."""
+
+    def __init__(self) -> None:
+        self.state: Optional[list] = None
+
+
+class _Run:
+    """One run of Linear/Tanh layers as fuse applied it: the modules whose weights it reads, what
+    must stay as it was for the fused op to compute it, and that op.
+
+    Where the run is computed:
+
+    * ``owner is None``: every layer lies in one ``nn.Sequential`` (directly, or in nested
+      Sequentials it covers), and that Sequential's own forward computes the run (its
+      :class:`FusedSequential` part). Called on its own, any nested Sequential computes its own
+      elements.
+    * otherwise the run's layers are reached through several calls that ``owner``'s forward makes
+      one after the other (its *members*: child Linear/Tanh modules, child Sequentials). The
+      owner's forward marks a *region* (:class:`_OwnerForward`) for the length of each call.
+      Inside it the first member computes the whole run and each later member, called in turn
+      with exactly the tensor the previous one returned, passes it on. Outside a region, or when
+      anything the run relies on changed (a member replaced or given hooks, another dtype), every
+      member computes its own output, unfused.
+
+    The region's state is per thread and lives only for one call of the owner's forward; it holds
+    the run's output between two members, a tensor the forward holds anyway."""
+
+    def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
+                 layers: Sequence[nn.Module], last_tanh: bool,
+                 sequences: Sequence[Tuple[nn.Module, str]],
+                 slots: Sequence[Tuple[nn.Module, str, nn.Module, str]],
+                 unhooked: Sequence[Tuple[nn.Module, str]], owner: Optional[nn.Module],
+                 calls: Sequence[str], elements: Sequence[Tuple[nn.Module, str]],
+                 decision: Optional[Decision] = None) -> None:
+        self.labels = tuple(labels)        # the layers' paths in call order, for messages
+        self.key = (tuple(members), bool(last_tanh))  # the Linear/Tanh modules fused (identity)
+        self.layers = tuple(layers)        # its Linear modules, in order
+        self.last_tanh = bool(last_tanh)
+        # Sequentials whose elements must stay exactly these (name, module) pairs
+        self.sequences = tuple((seq, label, tuple(seq._modules), tuple(seq._modules.values()))
+                               for seq, label in sequences)
+        self.slots = tuple(slots)          # (holder, name, module, label): children in place
+        self.unhooked = tuple(unhooked)    # (module, label): hooks the fused op would skip
+        self.owner = owner                 # the module whose forward marks the region, or None
+        self.calls = tuple(calls)          # the members' labels in the owner's call order
+        self.elements = tuple(elements)    # (Sequential, name) of its layers that are elements
+        self.decision = decision           # what the report said when fuse applied it
+        self._region = _Region()
+
+    # -- pickling and copying: the region is per process and per call, never state to keep -----
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        del state["_region"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._region = _Region()
+
+    def __deepcopy__(self, memo):
+        new = _Run.__new__(_Run)
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
+
+    def problem(self) -> Optional[str]:
+        """None while the run can be computed fused, else what changed since fuse."""
+        for seq, label, names, modules in self.sequences:
+            if len(seq._modules) != len(names):
+                return f"the elements of {label or '<model>'} changed"
+            for (name, m), want_name, want in zip(seq._modules.items(), names, modules):
+                if name != want_name or m is not want:
+                    return f"{_join(label, want_name)} was replaced"
+        for holder, name, want, label in self.slots:
+            if holder._modules.get(name) is not want:
+                return f"{label} was replaced"
+        for m, label in self.unhooked:
+            if _has_hooks(m):
+                return f"{label or '<model>'} has hooks, which the fused run would not call"
+        if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks or \
+                _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks:
+            return "hooks registered for every module, which the fused run would not call"
+        w0 = self.layers[0].weight
+        problem = _unsupported(w0)
+        if problem is not None:
+            return problem
+        for layer in self.layers[1:]:
+            if layer.weight.dtype != w0.dtype or layer.weight.device != w0.device:
+                return "its layers' weights no longer share one dtype and device"
+        return None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights = [layer.weight for layer in self.layers]
+        biases = [layer.bias for layer in self.layers]
+        if len(weights) == 1 and self.last_tanh:
+            return linear_tanh(x, weights[0], biases[0])  # a lone pair: the op a pair is
+        # What FusedTanhMLP.forward runs: the stack op, keeping only x for backward.
+        return tanh_mlp(x, weights, biases, self.last_tanh)
+
+    # -- the region --------------------------------------------------------------------------
+    def enter(self) -> None:
+        self._region.state = [0, None, self._region.state]
+
+    def leave(self, completed: bool) -> None:
+        state = self._region.state
+        self._region.state = state[2]
+        if completed and 0 < state[0] < len(self.calls):
+            raise RuntimeError(self._strayed(state[0], "the forward returned"))
+
+    def turn(self, index: int, x: Any) -> Optional[list]:
+        """The region's state if member ``index`` is to take its part in the run now (the first
+        member: compute it; a later one: pass ``x`` on), else None: compute its own output."""
+        state = self._region.state
+        if state is None:
+            return None
+        expected = state[0]
+        if expected == index and (index == 0 or x is state[1]):
+            if index == 0 and self.problem() is not None:
+                state[0] = -1  # computed member by member for the rest of this call
+                return None
+            return state
+        if 0 < expected < len(self.calls):
+            # The run was computed by its first member, but the forward did not go on as analysed
+            # (a path fx did not see: it branched on state outside the module). Its output
+            # already holds later layers: refuse to return it as anything else.
+            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called"))
+        return None
+
+    def _strayed(self, expected: int, event: str) -> str:
+        owner = self.calls and (self.decision.where if self.decision else "") or ""
+        return (f"ckpt_ext.fuse: the fused run {' -> '.join(self.labels)} was computed by "
+                f"{self.calls[0]}, but {event} before {self.calls[expected]} received its output: "
+                f"{owner or '<model>'}.forward took a path its analysis did not see (it depends on "
+                f"state outside the module). Fuse an unfused copy of the model with trace=False, "
+                f"or make that state an attribute of the module")
+
+
+class PartRole(str, enum.Enum):
+    """What a FusedSequential does with the elements of a run it covers (a ``str``: it pickles,
+    compares and hashes as its value)."""
+    #: the Sequential holds the whole run (maybe in nested Sequentials) and computes it: the
+    #: elements of nested Sequentials before the run's first layer (``before``), the run, then
+    #: those after its last layer (``after``)
+    WHOLE = "whole"
+    #: member 0 of an owner's run: inside the owner's region, ``before``, then the run
+    FIRST = "first"
+    #: a later member: inside the region, passes the run's output on, then ``after``
+    ON = "on"
+
+
+class _RunPart:
+    """The consecutive elements ``names`` of one FusedSequential that a run covers, and what the
+    Sequential does with them (``role``, a :class:`PartRole`).
+
+    Outside a region (or when the run cannot be computed) the Sequential runs these elements one
+    by one, as ``nn.Sequential`` does."""
+
+    def __init__(self, run: _Run, names: Sequence[str], role: PartRole, index: int,
+                 before: Sequence[Tuple[nn.Module, Tuple[str, ...]]],
+                 after: Sequence[Tuple[nn.Module, Tuple[str, ...]]]) -> None:
+        self.run, self.names, self.role, self.index = run, tuple(names), role, index
+        self.before, self.after = tuple(before), tuple(after)
+        # FIRST/ON: a run of the Sequential's own elements computed fused when this part is
+        # not computed as the owner's run (called on its own, or the run falls back)
+        self.alone: Optional["_RunPart"] = None
+
+    @property
+    def last_tanh(self) -> bool:
+        return self.run.last_tanh
+
+    @property
+    def key(self) -> Tuple[Any, ...]:
+        return (self.names, self.role, self.index, self.run.key)
+
+    def compute(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The output of this part's elements computed as the run, or None to run them one by
+        one."""
+        run = self.run
+        if self.role == PartRole.WHOLE:
+            if run.problem() is not None:
+                return None
+            return _elements(self.after, run(_elements(self.before, x)))
+        state = run.turn(self.index, x)
+        if state is None:
+            return None
+        if self.role == PartRole.FIRST:
+            x = run(_elements(self.before, x))
+        state[0], state[1] = self.index + 1, x
+        return _elements(self.after, x)
+
+    def describe(self) -> str:
+        span = f"{self.names[0]}..{self.names[-1]}" if len(self.names) > 1 else self.names[0]
+        run = self.run
+        if self.role == PartRole.WHOLE:
+            if not self.before and not self.after and run.elements and \
+                    all(seq is run.elements[0][0] for seq, _ in run.elements):
+                return span + (" (last tanh)" if self.last_tanh else "")
+            return f"{span} (computes the run {run.labels[0]}..{run.labels[-1]})"
+        where = f"inside {run.decision.where or '<model>'}.forward" if run.decision else \
+            "inside its caller's forward"
+        alone = "" if self.alone is None else \
+            f"; otherwise {self.alone.names[0]}..{self.alone.names[-1]} as one run"
+        if self.role == PartRole.FIRST:
+            return f"{span} (computes the run {run.labels[0]}..{run.labels[-1]} {where}{alone})"
+        return f"{span} (passes the run from {run.labels[0]} on {where}{alone})"
+
+
+def _elements(steps: Sequence[Tuple[nn.Module, Tuple[str, ...]]], x: torch.Tensor):
+    for seq, names in steps:
+        for name in names:
+            x = seq._modules[name](x)
+    return x
+
+
+class FusedSequential(nn.Sequential):
+    """An ``nn.Sequential`` whose planned runs of ``Linear, Tanh, Linear, ...`` elements each run
+    through one fused op (``tanh_mlp``, or ``linear_tanh`` for a single pair).
+
+    ``fuse`` sets this class on the user's own ``nn.Sequential`` objects: same object, same
+    elements, same ``state_dict`` keys, same parameters. Only ``forward`` differs, and only for the
+    planned runs, which it re-checks at every call: a run whose elements were replaced, reordered or
+    given hooks since, or whose dtype the op does not support, runs element by element. Indexing
+    returns the real elements; a slice is a new FusedSequential without a plan, so it runs unfused.
+
+    A run that crosses into other containers is computed by the Sequential holding all of it, or,
+    when the run goes from this Sequential to what its caller's forward calls next, only inside
+    that forward (see :class:`_Run`): called on its own, this Sequential computes its own elements.
+    """
+
+    _ckpt_ext_runs: Tuple[_RunPart, ...] = ()
+
+    def forward(self, input):
+        parts = self._ckpt_ext_runs
+        if not parts:
+            return super().forward(input)
+        starts = {part.names[0]: part for part in parts}
+        alone = {p.alone.names[0]: p.alone for p in parts if p.alone is not None}
+        items = list(self._modules.items())
+        i = 0
+        while i < len(items):
+            for part in (starts.get(items[i][0]), alone.get(items[i][0])):
+                if part is not None:
+                    out = part.compute(input)
+                    if out is not None:
+                        input = out
+                        i += len(part.names)
+                        break
+            else:
+                input = items[i][1](input)
+                i += 1
+        return input
+
+    def extra_repr(self) -> str:
+        if not self._ckpt_ext_runs:
+            return ""
+        return "fused runs: " + ", ".join(p.describe() for p in self._ckpt_ext_runs)
+
+
+class RunLinear(nn.Linear):
+    """An ``nn.Linear`` that a module's forward calls as part of a fused run. ``fuse`` sets this
+    class on the user's own Linear (same object, parameters and keys). Inside its owner's forward,
+    in the analysed order, the first member computes the whole run and a later one passes the run's
+    output on; called any other way it is exactly ``nn.Linear``."""
+
+    _ckpt_ext_run: Optional[_Run] = None
+    _ckpt_ext_index: int = 0
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        run = self._ckpt_ext_run
+        state = run.turn(self._ckpt_ext_index, input) if run is not None else None
+        if state is None:
+            return super().forward(input)
+        if self._ckpt_ext_index == 0:
+            input = run(input)
+        state[0], state[1] = self._ckpt_ext_index + 1, input
+        return input
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + _member_repr(self)
+
+
+class RunTanh(nn.Tanh):
+    """An ``nn.Tanh`` that a module's forward calls as part of a fused run: inside its owner's
+    forward, in the analysed order, it passes the run's output on; called any other way it is
+    exactly ``nn.Tanh``."""
+
+    _ckpt_ext_run: Optional[_Run] = None
+    _ckpt_ext_index: int = 0
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        run = self._ckpt_ext_run
+        state = run.turn(self._ckpt_ext_index, input) if run is not None else None
+        if state is None:
+            return super().forward(input)
+        state[0], state[1] = self._ckpt_ext_index + 1, input
+        return input
+
+    def extra_repr(self) -> str:
+        return _member_repr(self).lstrip(", ")
+
+
+def _member_repr(m: nn.Module) -> str:
+    run = getattr(m, "_ckpt_ext_run", None)
+    if run is None:
+        return ""
+    what = "computes" if m._ckpt_ext_index == 0 else "passes on"
+    return f", {what} the run {run.labels[0]}..{run.labels[-1]} inside its owner's forward"
+
+
+_MEMBER_CLASSES = {nn.Linear: RunLinear, nn.Tanh: RunTanh, RunLinear: RunLinear,
+                   RunTanh: RunTanh}
+
+
+class _OwnerForward:
+    """The forward ``fuse`` sets on one module instance (its class is untouched) when that module's
+    forward calls the members of a run one after the other, or its code was rewritten
+    (``rewrite=True``).
+
+    At each call it first checks that every attribute the analysed forward read still has the value
+    it had (``guards``): if one changed, the forward may take another path, so it runs the class's
+    forward as it is, unfused. Otherwise it runs the rewritten code (or the class's forward) inside
+    the region of each of its runs. It pickles and deep-copies by its source, as
+    torch.fx.GraphModule does."""
+
+    def __init__(self, owner: nn.Module, runs: Sequence[_Run] = (),
+                 guards: Sequence[_Guard] = (), source: Optional[str] = None) -> None:
+        self.owner, self.runs, self.guards, self.source = owner, tuple(runs), tuple(guards), source
+        self._fn = _compile_forward(source) if source is not None else None
+
+    def __call__(self, *args, **kwargs):
+        owner = self.owner
+        for guard in self.guards:
+            if not guard.holds(owner):
+                return type(owner).forward(owner, *args, **kwargs)
+        fn = self._fn if self._fn is not None else type(owner).forward
+        runs = self.runs
+        if not runs:
+            return fn(owner, *args, **kwargs)
+        for run in runs:
+            run.enter()
+        completed = False
+        try:
+            out = fn(owner, *args, **kwargs)
+            completed = True
+        finally:
+            for run in runs:
+                run.leave(completed)
+        return out
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # the class forward's, for libraries that look
+        sig = inspect.signature(type(self.owner).forward)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+    def __getstate__(self):
+        return {"owner": self.owner, "runs": self.runs, "guards": self.guards,
+                "source": self.source}
+
+    def __setstate__(self, state):
+        self.__init__(state["owner"], state["runs"], state["guards"], state["source"])
+
+    def __deepcopy__(self, memo):
+        new = _OwnerForward.__new__(_OwnerForward)
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
+
+
+class _Guard(NamedTuple):
+    """An attribute the analysed forward read, and the value it read: ``path`` is the module
+    holding it, relative to the owner; ``same`` compares by identity (functions, classes), else
+    by type and value."""
+    path: str
+    name: str
+    value: Any
+    same: bool
+
+    def holds(self, owner: nn.Module) -> bool:
+        obj = owner
+        for part in self.path.split(".") if self.path else ():
+            obj = obj._modules.get(part)
+            if obj is None:
+                return False
+        v = getattr(obj, self.name, _MISSING)
+        if self.same:
+            return v is self.value
+        return type(v) is type(self.value) and v == self.value
+
+    def describe(self) -> str:
+        return f"{_join(self.path, self.name)} = {self.value!r}"
+
+
+_MISSING = object()
+
+
+def _compile_forward(source: str) -> Callable:
+    scope: Dict[str, Any] = {}
+    exec(compile(source, "<ckpt_ext.fuse rewritten forward>", "exec", dont_inherit=True), scope)
+    return scope["forward"]
+
+
+def _unsupported(weight: Optional[torch.Tensor]) -> Optional[str]:
+    """None when the op runs on this weight's device and dtype, else why not."""
+    if weight is None:
+        return None
+    if weight.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {weight.dtype} is not supported by the fused op"
+    ok = {"cpu", "meta"} | ({"cuda"} if _C.WITH_CUDA else set())
+    if weight.device.type not in ok:
+        return f"device {weight.device} is not supported by this build of the fused op"
+    return None
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _is_sequential(m: nn.Module) -> bool:
+    return type(m) in (nn.Sequential, FusedSequential)
+
+
+def parts_of(seq: nn.Module) -> Tuple[_RunPart, ...]:
+    return seq._ckpt_ext_runs if isinstance(seq, FusedSequential) else ()

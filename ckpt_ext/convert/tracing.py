@@ -1,0 +1,430 @@
+"""Tracing each user forward with ``torch.fx``, on a deep copy of the model whose parameters and
+buffers are on the ``meta`` device (no memory), every child kept opaque: one :class:`Trace` per
+module, once in train() and once in eval() mode. While fx runs the forward, each attribute it reads
+is recorded (:func:`_recording_class`; ints are handed out as :class:`_Counted` to tell a count
+from a value the forward branches on) and becomes a :class:`_Guard` the owner's forward checks at
+each call. Attributes changed by tracing are found by comparing snapshots before and after."""
+from __future__ import annotations
+
+import copy
+import enum
+import inspect
+import operator
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import fx, nn
+
+from ..modules import FusedLinearTanh, FusedTanhMLP
+from .report import FuseReport
+from .runtime import _MISSING, RunLinear, RunTanh, _Guard, _is_sequential, _join, _OwnerForward
+
+
+_FX_DIR = os.path.dirname(fx.__file__)
+_MODULE_FILE = inspect.getsourcefile(nn.Module)
+
+
+class _LocalTracer(fx.Tracer):
+    """Keeps every child opaque, and notes each child call that does not come straight from the
+    traced forward's own code (through ``torch.utils.checkpoint``, a helper, a lambda): such a
+    call may run again, on its own, outside that forward (checkpoint re-runs it in backward)."""
+
+    def __init__(self, forward_code: Any) -> None:
+        super().__init__()
+        self.forward_code = forward_code
+        self.indirect: Dict[str, str] = {}  # node name -> the function the call came from
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return True
+
+    def call_module(self, m, forward, args, kwargs):
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename.startswith(_FX_DIR)
+                                     or frame.f_code.co_filename == _MODULE_FILE):
+            frame = frame.f_back
+        out = super().call_module(m, forward, args, kwargs)
+        if frame is not None and frame.f_code is not self.forward_code and \
+                isinstance(out, fx.Proxy):
+            code = frame.f_code
+            module = frame.f_globals.get("__name__", "?")
+            self.indirect[out.node.name] = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+        return out
+
+
+@dataclass
+class Trace:
+    ok: bool
+    reason: str = ""
+    graph: Optional[fx.Graph] = None
+    already_rewritten: bool = False
+    calls: Optional[Dict[str, int]] = None  # call_module counts per target, filled on first use
+    indirect: Dict[str, str] = field(default_factory=dict)  # see _LocalTracer
+    guards: Tuple[_Guard, ...] = ()
+    # Why the forward may not mark a region (its children's run), or be rewritten; None if it may.
+    region_problem: Optional[str] = None
+    rewrite_problem: Optional[str] = None
+
+
+def analysis_copy(model: nn.Module) -> nn.Module:
+    """A deep copy to trace, with parameters and buffers on the meta device: tracing never reads
+    their values, so the copy costs no tensor memory."""
+    memo: Dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    # No fallback to a full copy: that could double the memory of a large model.
+    return copy.deepcopy(model, memo)
+
+
+def _fingerprint(v: Any, depth: int = 0) -> Any:
+    """A comparable summary of an attribute value: contents of containers, identity of objects."""
+    if v is None or isinstance(v, (bool, int, str, bytes)):
+        return int.__int__(v) if type(v) is _Counted else v
+    if isinstance(v, float):
+        return ("float", repr(v))
+    if isinstance(v, fx.Proxy):
+        return ("proxy", id(v))
+    if isinstance(v, (torch.Tensor, nn.Module)) or depth > 4:
+        return ("obj", id(v))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_fingerprint(x, depth + 1) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((repr(k), _fingerprint(x, depth + 1)) for k, x in v.items()))
+    if isinstance(v, (set, frozenset)):
+        return ("set", tuple(sorted(repr(_fingerprint(x, depth + 1)) for x in v)))
+    state = getattr(v, "__dict__", None)
+    if isinstance(state, dict) and not inspect.isroutine(v) and not inspect.ismodule(v):
+        return ("obj", id(v), _fingerprint(dict(state), depth + 1))
+    return ("obj", id(v))
+
+
+def _snapshot(m: nn.Module) -> Dict[Tuple[str, str], Any]:
+    snap = {}
+    for path, sub in m.named_modules(remove_duplicate=False):
+        for k, v in vars(sub).items():
+            if k.startswith("_tensor_constant"):  # fx's own bookkeeping on the traced root
+                continue
+            snap[(path, k)] = _fingerprint(v)
+    return snap
+
+
+# -- what a forward reads: attributes of the traced copy, recorded while fx runs the forward ------
+
+# nn.Module's own bookkeeping (hooks, the dicts of parameters and children, ``training``, which is
+# checked by tracing in both modes) and fuse's: not state a forward branches on.
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {
+    "forward", "_ckpt_ext_runs", "_ckpt_ext_run", "_ckpt_ext_index"}
+
+
+class _Reads:
+    """The attribute reads of one trace: {(id(module), name): (value, counted)}; None outside."""
+    log: Optional[Dict[Tuple[int, str], Any]] = None
+    observed: set = set()   # (id(module), name) of counters whose value the forward looked at
+
+
+class _Counted(int):
+    """An int attribute's value as the traced forward sees it: adding or subtracting a number gives
+    another _Counted (``self.nfe += 1``); any other use — a comparison, a branch, an index, a
+    product — marks the attribute as one the forward looks at, so its value is not just a count."""
+
+    def __new__(cls, value: int, key: Tuple[int, str]):
+        obj = super().__new__(cls, value)
+        obj.key = key
+        return obj
+
+    def _count(self, other, op):
+        if _Reads.log is None or isinstance(other, bool) or not isinstance(other, int):
+            self._look()
+            return op(int.__int__(self), other)
+        return _Counted(op(int.__int__(self), int.__int__(other)), self.key)
+
+    def _look(self):
+        if _Reads.log is not None:
+            _Reads.observed.add(self.key)
+
+    def __add__(self, other):
+        return self._count(other, operator.add)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        return self._count(other, operator.sub)
+
+    def __rsub__(self, other):
+        return self._count(other, lambda a, b: b - a)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (int, (int.__int__(self),))
+
+
+def _looking(name: str):
+    def method(self, *args):
+        self._look()
+        return getattr(int, name)(int.__int__(self), *(int.__int__(a) if type(a) is _Counted
+                                                        else a for a in args))
+    return method
+
+
+for _name in ("__bool__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__",
+              "__index__", "__int__", "__float__", "__complex__", "__str__", "__repr__",
+              "__format__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__",
+              "__rfloordiv__", "__mod__", "__rmod__", "__divmod__", "__rdivmod__", "__pow__",
+              "__rpow__", "__neg__", "__pos__", "__abs__", "__invert__", "__and__", "__rand__",
+              "__or__", "__ror__", "__xor__", "__rxor__", "__lshift__", "__rlshift__",
+              "__rshift__", "__rrshift__", "__round__", "__trunc__", "__floor__", "__ceil__",
+              "bit_length", "bit_count", "to_bytes", "conjugate", "as_integer_ratio",
+              "is_integer"):
+    if hasattr(int, _name):
+        setattr(_Counted, _name, _looking(_name))
+
+
+_RECORDING: Dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+    """A subclass of ``cls`` that logs, while a trace runs, each attribute the forward reads that
+    is state — of the instance, or a plain value of the user's class — (first value read), handing
+    out int values as _Counted."""
+    sub = _RECORDING.get(cls)
+    if sub is not None:
+        return sub
+
+    def __getattribute__(self, name):
+        value = super(sub, self).__getattribute__(name)
+        log = _Reads.log
+        if log is None or name in _MODULE_INTERNALS or name.startswith("__"):
+            return value
+        if name not in object.__getattribute__(self, "__dict__") and \
+                not _class_value(cls, name):
+            return value  # a method, a child, a parameter or a buffer, torch's own attributes
+        key = (id(self), name)
+        if type(value) is int:
+            value = _Counted(value, key)
+        log.setdefault(key, value)
+        return value
+
+    sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                      "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__})
+    _RECORDING[cls] = sub
+    return sub
+
+
+def _class_value(cls: type, name: str) -> bool:
+    """Whether ``name`` is a plain value that a class of the user's (not torch's) defines, such as
+    a constant a forward branches on: read like an instance attribute, and set the same way."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            if klass.__module__.startswith("torch.") or klass is object:
+                return False
+            raw = vars(klass)[name]
+            return not (inspect.isroutine(raw) or isinstance(raw, (staticmethod, classmethod))
+                        or hasattr(type(raw), "__get__"))
+    return False
+
+
+def record_reads(clone: nn.Module) -> Optional[str]:
+    """Give every module of the analysis copy its recording class; why not, if it cannot."""
+    for m in clone.modules():
+        try:
+            m.__class__ = _recording_class(type(m))
+        except TypeError as e:
+            return f"fuse cannot record what its forward reads ({type(e).__name__}: {e})"
+    return None
+
+
+def _guard_value(v: Any, depth: int = 0) -> Optional[bool]:
+    """How a guard compares a value a forward read: False by value, True by identity, None when
+    fuse cannot check it cheaply and exactly (a tensor, a module, an arbitrary object)."""
+    if v is None or type(v) in (bool, int, float, complex, str, bytes, torch.dtype,
+                                torch.device, _Counted):
+        return False
+    if isinstance(v, enum.Enum):
+        return True
+    if type(v) in (tuple, list, frozenset, set) and depth < 3:
+        return False if all(_guard_value(x, depth + 1) is False for x in v) else None
+    if type(v) is dict and depth < 3:
+        return False if all(_guard_value(k, depth + 1) is False and
+                            _guard_value(x, depth + 1) is False for k, x in v.items()) else None
+    if inspect.isfunction(v) or inspect.isbuiltin(v) or isinstance(v, type):
+        return True
+    return None
+
+
+def _plain(v: Any) -> Any:
+    if type(v) is _Counted:
+        return int.__int__(v)
+    if type(v) in (tuple, list, set, frozenset):
+        return type(v)(_plain(x) for x in v)
+    if type(v) is dict:
+        return {_plain(k): _plain(x) for k, x in v.items()}
+    return v
+
+
+def _signature_problem(m: nn.Module) -> Optional[str]:
+    try:
+        sig = inspect.signature(type(m).forward)
+    except (TypeError, ValueError):
+        return "its forward has no inspectable signature"
+    for p in list(sig.parameters.values())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            stars = "*" if p.kind == p.VAR_POSITIONAL else "**"
+            return f"its forward takes {stars}{p.name}; fx would see only the traced arity"
+        if p.default is not p.empty:
+            return (f"its forward has an optional argument {p.name}={p.default!r}; fx would see "
+                    f"only one value of it")
+    return None
+
+
+def trace_module(clone: nn.Module, orig: nn.Module) -> Trace:
+    fwd = vars(orig).get("forward")
+    already = isinstance(fwd, _OwnerForward) and fwd.source is not None
+    # A forward fuse set (a region, or code rewritten by an earlier fuse) came from its class's
+    # forward, which fx traces: that graph still says what the code does with each value, but
+    # nothing new is rewritten in it.
+    if fwd is not None and not isinstance(fwd, _OwnerForward):
+        return Trace(False, "its forward is set on the instance (fx would trace its class's "
+                             "forward, not what runs)")
+    problem = _signature_problem(orig)
+    if problem:
+        return Trace(False, problem)
+    code = getattr(inspect.unwrap(type(orig).forward), "__code__", None)
+    codes, graph, indirect = [], None, {}
+    reads: Dict[Tuple[int, str], Any] = {}
+    changed: set = set()
+    _Reads.observed = set()
+    for mode in (True, False):
+        clone.train(mode)
+        before = _snapshot(clone)
+        tracer = _LocalTracer(code)
+        _Reads.log = reads
+        try:
+            # Warnings raised while fx runs the forward on placeholders (torch.utils.checkpoint:
+            # "None of the inputs have requires_grad=True") are about that run, not the model.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                g = tracer.trace(clone)
+        except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return Trace(False, f"torch.fx cannot trace it ({type(e).__name__}: {msg[:160]})")
+        finally:
+            _Reads.log = None
+        after = _snapshot(clone)
+        changed |= {(p, k) for (p, k) in set(before) | set(after)
+                    if before.get((p, k)) != after.get((p, k))}
+        codes.append(g.python_code(root_module="self").src)
+        if graph is None:
+            graph, indirect = g, tracer.indirect
+    if codes[0] != codes[1]:
+        return Trace(False, "its forward runs different code in train() and eval() (it reads "
+                             "self.training)")
+    t = Trace(True, "", graph, already_rewritten=already, indirect=indirect)
+    # What the forward read, and what tracing changed: a region and a rewrite both rely on the
+    # forward taking the path fx saw, so every attribute that could steer it is checked at call
+    # time (a guard), and one that changes at every call must be a pure count.
+    paths = {id(m): p for p, m in clone.named_modules()}
+    changed_names = {_join(p, k) for p, k in changed}
+    guards, unchecked, steering = [], [], []
+    for (mid, name), value in reads.items():
+        path = paths.get(mid)
+        if path is None:
+            continue
+        label = _join(path, name)
+        if label in changed_names:
+            if type(value) is not _Counted or (mid, name) in _Reads.observed:
+                steering.append(label)
+            continue
+        same = _guard_value(value)
+        if same is None:
+            unchecked.append(f"{label} ({type(value).__name__})")
+        else:
+            want = getattr(orig.get_submodule(path), name, _MISSING) if same else _plain(value)
+            guards.append(_Guard(path, name, want, same))
+    _Reads.observed = set()
+    t.guards = tuple(guards)
+    counted = sorted(changed_names - set(steering))
+    if steering:
+        t.region_problem = (f"tracing its forward changed {', '.join(sorted(steering))}, which it "
+                            f"also reads other than to count: fuse cannot tell that its path "
+                            f"does not depend on them")
+    elif unchecked:
+        t.region_problem = (f"its forward reads {', '.join(unchecked)}, a value fuse cannot check "
+                            f"at each call")
+    t.rewrite_problem = t.region_problem
+    if changed_names and not t.rewrite_problem:
+        t.rewrite_problem = (f"tracing its forward changed {', '.join(counted)}: a rewritten "
+                             f"forward would not replay that statement")
+    return t
+
+
+# ------------------------------------------------------------------------------------------------
+# The analysis of one model: its module tree and a trace per user forward
+
+_OUR_MODULES = (FusedLinearTanh, FusedTanhMLP, RunLinear, RunTanh)
+
+
+class ModelAnalysis:
+    """The model's module tree (every place each module is held) and, per module with a forward of
+    its own, its :class:`Trace`. ``consumers`` asks it what the consumers of a value do with it;
+    ``discovery`` and ``planning`` where runs go."""
+
+    def __init__(self, model: nn.Module, trace: bool, report: FuseReport) -> None:
+        self.model = model
+        self.paths: Dict[int, List[str]] = {}
+        self.parent: Dict[str, Tuple[nn.Module, str, str]] = {}  # path -> (parent, its path, name)
+        self.slots: Dict[int, set] = {}  # id(module) -> {(id(parent), name)}: where it is held
+        for path, m in model.named_modules(remove_duplicate=False):
+            self.paths.setdefault(id(m), []).append(path)
+            for name, child in m._modules.items():
+                if child is not None:
+                    self.parent[_join(path, name)] = (m, path, name)
+                    self.slots.setdefault(id(child), set()).add((id(m), name))
+        self.traces: Dict[int, Trace] = {}
+        if trace:
+            self._trace_all(report)
+
+    def path_of(self, m: nn.Module) -> str:
+        return self.paths[id(m)][0]
+
+    def _trace_all(self, report: FuseReport) -> None:
+        wanted = [(p, m) for p, m in self.model.named_modules() if _wants_analysis(m)]
+        if not wanted:
+            return
+        try:
+            clone = analysis_copy(self.model)
+        except Exception as e:
+            report.not_analysed.append(("", f"the model could not be copied for analysis "
+                                            f"({type(e).__name__}: {e}); only nn.Sequential "
+                                            f"contents were considered"))
+            return
+        clones = dict(clone.named_modules())
+        unrecorded = record_reads(clone)
+        for path, m in wanted:
+            t = trace_module(clones[path], m)
+            if t.ok and unrecorded:
+                t.region_problem = t.rewrite_problem = unrecorded
+            self.traces[id(m)] = t
+            if not t.ok:
+                report.not_analysed.append((path, t.reason))
+
+    def trace_of(self, m: nn.Module) -> Optional[Trace]:
+        t = self.traces.get(id(m))
+        return t if t is not None and t.ok else None
+
+
+def _wants_analysis(m: nn.Module) -> bool:
+    if _is_sequential(m) or isinstance(m, (nn.ModuleList, nn.ModuleDict) + _OUR_MODULES):
+        return False
+    if type(m).forward is nn.Module.forward:
+        return False
+    # torch.nn's own modules (Linear, LSTM, TransformerEncoderLayer, ...): no user code to see.
+    return not type(m).__module__.startswith("torch.")
