@@ -14,7 +14,7 @@ each test sees the same inputs on every run and machine, plus an offset from the
 variable CKPT_EXT_TEST_SEED (default 0) to draw other inputs. A failing test prints its seed and
 the command that reproduces it. `--seed-sweep=START:STOP` runs the body of every test that takes
 `seed` once per offset in range(START, STOP), in a loop inside one process (no per-run pytest
-overhead): the flakiness check (README, tests section). CKPT_EXT_MEASURE=<file> writes the largest
+overhead): the flakiness check (docs/testing.md). CKPT_EXT_MEASURE=<file> writes the largest
 error of each kind seen in the run (tests/reference.py: measured) to that file as JSON."""
 from __future__ import annotations
 

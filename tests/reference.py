@@ -14,7 +14,7 @@ the conditioning of the case); a wrong index or a dropped factor is still off by
 A relative bound ‖out − ref‖/‖ref‖ ≤ TOL cannot be held for every case: the relative error of any
 implementation grows with κ = ‖s‖/‖ref‖ (the 1×1 float32 case with a saturated tanh; a bfloat16
 weight gradient of 3 rows with κ = 27 is off by 6 % in stock nn.Linear too). It is measured (not
-asserted) where κ ≤ 10, for the README; TOL bounds the simpler fixed-shape comparisons.
+asserted) where κ ≤ 10, for docs/testing.md; TOL bounds the simpler fixed-shape comparisons.
 """
 from __future__ import annotations
 

@@ -218,7 +218,7 @@ def test_chain_fused_stack_peak_not_above_plain(meter, sizes):
 def test_chain_fused_stack_peaks_below_stock_checkpoint_of_the_stack(meter, sizes):
     # Both keep only the stack's input; stock checkpoint's backward re-runs the blocks and then
     # backpropagates through the graph of that re-run, which holds every recomputed activation,
-    # while the stack engine frees each layer's buffer as soon as it is used (README: 11.00 vs
+    # while the stack engine frees each layer's buffer as soon as it is used (bench/results/cpu-cpu-default.md: 11.00 vs
     # 12.01 MiB at cpu-default).
     fused = _peak("chain", "fused", sizes, meter)
     stack = _peak("chain", "checkpoint-stack", sizes, meter)
