@@ -10,8 +10,8 @@ from torch import nn
 
 from .planning import PlannedRun, RunPlan
 from .report import Decision
-from .runtime import (_MEMBER_CLASSES, FusedSequential, PartRole, RunLinear, RunTanh,
-                      _is_sequential, _OwnerForward, _Run, _RunPart, parts_of)
+from .runtime import (MEMBER_CLASSES, FusedSequential, PartRole, RunLinear, RunTanh,
+                      _OwnerForward, _Run, _RunPart, is_sequential, parts_of)
 from .tracing import ModelAnalysis
 
 
@@ -19,19 +19,20 @@ def _apply_run(analysis: ModelAnalysis, plan: RunPlan, decision: Decision,
                run: Optional[_Run]) -> Tuple[_Run, list]:
     """Make the plan's run (or keep ``run``, the same run already in place), give its child
     Linear/Tanh members their member class; returns the run and its (Sequential, part)s."""
-    sites = plan.layer_calls
+    layer_calls = plan.layer_calls
     if run is None:
         run = _Run(
-            labels=[s.label for s in sites], members=[s.module for s in sites],
-            layers=[s.module for s in sites[0::2]], last_tanh=plan.last_tanh,
+            labels=[s.label for s in layer_calls], members=[s.module for s in layer_calls],
+            layers=[s.module for s in layer_calls[0::2]], last_tanh=plan.last_tanh,
             sequences=[(seq, analysis.path_of(seq)) for seq in plan.sequences], slots=plan.slots,
-            unhooked=[(m, analysis.path_of(m)) for m in plan.unhooked] + [(s.module, s.label)
-                                                                   for s in sites],
+            unhooked=[(m, analysis.path_of(m)) for m in plan.unhooked]
+            + [(s.module, s.label) for s in layer_calls],
             owner=plan.owner, calls=plan.calls,
-            elements=[(s.container, s.name) for s in sites if s.node is None], decision=decision)
-    for site, k in plan.members:
-        m = site.module
-        m.__class__ = _MEMBER_CLASSES[type(m)]  # a subclass: same object, parameters and keys
+            elements=[(s.container, s.name) for s in layer_calls if s.node is None],
+            decision=decision)
+    for call, k in plan.members:
+        m = call.module
+        m.__class__ = MEMBER_CLASSES[type(m)]  # a subclass: same object, parameters and keys
         m._ckpt_ext_run, m._ckpt_ext_index = run, k
     parts = []
     for seq, names, role, index, before, after in plan.parts:
@@ -74,13 +75,13 @@ def apply_plan(analysis: ModelAnalysis, planned: Sequence[PlannedRun],
             parts.setdefault(id(seq), []).append(part)
         if plan.owner is not None:
             owner_runs.setdefault(id(plan.owner), []).append(run)
-        members.update(id(site.module) for site, _ in plan.members)
+        members.update(id(call.module) for call, _ in plan.members)
     for m in analysis.model.modules():
         if type(m) in (RunLinear, RunTanh) and id(m) not in members:
             m.__class__ = nn.Linear if type(m) is RunLinear else nn.Tanh
             for name in ("_ckpt_ext_run", "_ckpt_ext_index"):
                 vars(m).pop(name, None)
-        if _is_sequential(m):
+        if is_sequential(m):
             _set_parts(m, parts.get(id(m), []))
         fwd = vars(m).get("forward")
         runs = tuple(owner_runs.get(id(m), ()))

@@ -14,7 +14,7 @@ from torch import fx, nn
 
 from ..modules import FusedLinearTanh, FusedTanhMLP
 from ..ops import linear_tanh, tanh_mlp
-from .runtime import _is_sequential, _join
+from .runtime import is_sequential, join_path
 from .tracing import ModelAnalysis, Trace
 
 
@@ -92,7 +92,7 @@ def output_fate(analysis: ModelAnalysis, m: nn.Module, index: Optional[int] = No
     if len(paths) != 1:
         return Fate(None, f"{paths[0] if paths else 'a module'} sits at {len(paths)} places")
     parent, ppath, name = analysis.parent[paths[0]]
-    if _is_sequential(parent):
+    if is_sequential(parent):
         if index is not None:
             return Fate(None, f"{paths[0]} returns a tuple inside an nn.Sequential")
         names = list(parent._modules)
@@ -146,7 +146,7 @@ def _use_fate(analysis: ModelAnalysis, owner: nn.Module, t: Trace, node: fx.Node
                 return output_fate(analysis, owner, where[0], depth)
         return Fate(None, f"{opath or '<model>'} returns it inside a nested structure")
     if u.op == "call_module":
-        label = _join(opath, u.target)
+        label = join_path(opath, u.target)
         others = list(u.args[1:]) + list(u.kwargs.values())
         if not u.args or u.args[0] is not node or any(a is node for a in others):
             return Fate(None, f"passed to {label} other than as its only input")
@@ -182,7 +182,7 @@ def _module_input_fate(analysis: ModelAnalysis, sub: nn.Module, label: str,
                        on_output: Callable[[], Fate], depth: int) -> Fate:
     """What module ``sub`` does with its input; ``on_output`` answers for its output when it
     only passes the input through."""
-    if _is_sequential(sub):
+    if is_sequential(sub):
         return elements_fate(analysis, sub, label, 0, on_output, depth + 1)
     if isinstance(sub, _PASS_THROUGH_MODULES):
         return on_output()
@@ -208,5 +208,5 @@ def elements_fate(analysis: ModelAnalysis, seq: nn.Module, seq_path: str, start:
         if isinstance(e, _PASS_THROUGH_MODULES):
             continue
         rest = (lambda i=i: elements_fate(analysis, seq, seq_path, i + 1, on_end, depth + 1))
-        return _module_input_fate(analysis, e, _join(seq_path, names[i]), rest, depth + 1)
+        return _module_input_fate(analysis, e, join_path(seq_path, names[i]), rest, depth + 1)
     return on_end()

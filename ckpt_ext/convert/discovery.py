@@ -18,7 +18,7 @@ from ..modules import _has_hooks
 from .consumers import Fate, elements_fate, node_fate, output_fate
 from .policy import Chain, LayerShape, item_misses, layer_shape
 from .report import Decision
-from .runtime import RunLinear, RunTanh, _is_sequential, _join, _unsupported
+from .runtime import RunLinear, RunTanh, is_sequential, join_path, unsupported_reason
 from .tracing import ModelAnalysis, Trace
 
 
@@ -32,7 +32,7 @@ def linear_problem(lin: nn.Module) -> Optional[str]:
         return f"{type(lin).__name__} subclasses nn.Linear; its forward may not be F.linear"
     if _has_hooks(lin):
         return "the Linear has hooks, which the fused op would not call"
-    return _unsupported(lin.weight)
+    return unsupported_reason(lin.weight)
 
 
 def tanh_problem(act: nn.Module) -> Optional[str]:
@@ -95,7 +95,7 @@ def data_input(node: fx.Node) -> Any:
 
 def node_label(node: fx.Node, owner_path: str) -> str:
     if node.op == "call_module":
-        return _join(owner_path, node.target)
+        return join_path(owner_path, node.target)
     if node.op == "call_method":
         return ".tanh()"
     if node.target in _LINEAR_FUNCTIONS:
@@ -168,14 +168,15 @@ class RunDiscovery:
 
     def __init__(self, analysis: ModelAnalysis, taken_nodes: set) -> None:
         self.analysis = analysis
-        self.sites: List[LayerCall] = []
+        self.layer_calls: List[LayerCall] = []
         self.at: Dict[Tuple[int, Any], LayerCall] = {}
         for path, m in analysis.model.named_modules():
-            if _is_sequential(m):
+            if is_sequential(m):
                 for i, (name, e) in enumerate(m._modules.items()):
                     kind = _module_kind(e)
                     if kind:
-                        self._add((id(m), name), LayerCall(m, name, e, kind, _join(path, name), i))
+                        self._add((id(m), name),
+                                  LayerCall(m, name, e, kind, join_path(path, name), i))
                 continue
             t = analysis.trace_of(m)
             if t is None:
@@ -191,13 +192,14 @@ class RunDiscovery:
                 kind = _module_kind(sub)
                 if kind:
                     self._add((id(m), node), LayerCall(m, node.target, sub, kind,
-                                                   _join(path, node.target), node=node, trace=t))
+                                                       join_path(path, node.target), node=node,
+                                                       trace=t))
 
-    def _add(self, key: Tuple[int, Any], site: LayerCall) -> None:
-        self.sites.append(site)
-        self.at[key] = site
+    def _add(self, key: Tuple[int, Any], call: LayerCall) -> None:
+        self.layer_calls.append(call)
+        self.at[key] = call
 
-    # -- one step: the call that receives a site's output, and why it may not be followed --------
+    # -- one step: the call that receives a call's output, and why it may not be followed --------
     def succ(self, s: LayerCall) -> Tuple[Optional[LayerCall], Optional[str]]:
         if s.node is None:
             return self._after_element(s.container, s.index, 0)
@@ -213,11 +215,11 @@ class RunDiscovery:
         return None
 
     def _enter(self, seq: nn.Module, name: str, depth: int):
-        site = self.at.get((id(seq), name))
-        if site is not None:
-            return site, None
+        call = self.at.get((id(seq), name))
+        if call is not None:
+            return call, None
         e = seq._modules[name]
-        if _is_sequential(e) and depth < 64:
+        if is_sequential(e) and depth < 64:
             return self._enter_seq(e, depth + 1)
         return None, None
 
@@ -225,10 +227,10 @@ class RunDiscovery:
         names = list(seq._modules)
         if not names:
             return None, None
-        site, why = self._enter(seq, names[0], depth)
-        if site is None:
+        call, why = self._enter(seq, names[0], depth)
+        if call is None:
             return None, None
-        return site, self._crossing_problem(seq) or why
+        return call, self._crossing_problem(seq) or why
 
     def _after_element(self, seq: nn.Module, i: int, depth: int):
         names = list(seq._modules)
@@ -243,9 +245,9 @@ class RunDiscovery:
             return None, None  # the model itself
         problem = self._crossing_problem(seq)
         parent, ppath, name = analysis.parent[places[0]]
-        if _is_sequential(parent):
-            site, why = self._after_element(parent, list(parent._modules).index(name), depth + 1)
-            return site, problem or why
+        if is_sequential(parent):
+            call, why = self._after_element(parent, list(parent._modules).index(name), depth + 1)
+            return call, problem or why
         target = name  # a Sequential held in a ModuleList/ModuleDict: called as "blocks.0"
         while isinstance(parent, (nn.ModuleList, nn.ModuleDict)) and ppath in analysis.parent:
             parent, ppath, holder = analysis.parent[ppath]
@@ -258,11 +260,11 @@ class RunDiscovery:
         calls = [n for n in t.graph.nodes if n.op == "call_module" and n.target == target]
         if not calls:
             return None, None
-        site, why = self._after_node(parent, t, calls[0], depth + 1)
-        if site is None:
+        call, why = self._after_node(parent, t, calls[0], depth + 1)
+        if call is None:
             return None, None
-        return site, problem or child_problem(analysis, parent, t, target, _join(ppath, target),
-                                               seq) or why
+        return call, problem or child_problem(analysis, parent, t, target,
+                                              join_path(ppath, target), seq) or why
 
     def _after_node(self, owner: nn.Module, t: Trace, node: fx.Node, depth: int):
         users = list(node.users)
@@ -271,25 +273,25 @@ class RunDiscovery:
         u = users[0]
         if u.op != "call_module" or len(u.args) != 1 or u.args[0] is not node or u.kwargs:
             return None, None
-        site = self.at.get((id(owner), u))
-        if site is not None:
-            return site, None
+        call = self.at.get((id(owner), u))
+        if call is not None:
+            return call, None
         sub = owner.get_submodule(u.target)
-        if not _is_sequential(sub) or depth > 64:
+        if not is_sequential(sub) or depth > 64:
             return None, None
-        site, why = self._enter_seq(sub, depth + 1)
-        if site is None:
+        call, why = self._enter_seq(sub, depth + 1)
+        if call is None:
             return None, None
-        label = _join(self.analysis.path_of(owner), u.target)
-        return site, child_problem(self.analysis, owner, t, u.target, label, sub) or why
+        label = join_path(self.analysis.path_of(owner), u.target)
+        return call, child_problem(self.analysis, owner, t, u.target, label, sub) or why
 
     # -- the runs ---------------------------------------------------------------------------------
     def runs(self) -> Tuple[List[List[LayerCall]], Dict[LayerCall, str]]:
-        """Maximal alternating paths Linear, Tanh, Linear, ... (from a Linear), and for a site
+        """Maximal alternating paths Linear, Tanh, Linear, ... (from a Linear), and for a call
         whose next call would have continued the run, why that step was not taken."""
         links: Dict[LayerCall, LayerCall] = {}
         stops: Dict[LayerCall, str] = {}
-        for s in self.sites:
+        for s in self.layer_calls:
             nxt, problem = self.succ(s)
             if nxt is None or nxt.kind == s.kind:
                 continue
@@ -299,7 +301,7 @@ class RunDiscovery:
                 links[s] = nxt
         has_prev = set(links.values())
         paths = []
-        for s in self.sites:
+        for s in self.layer_calls:
             if s in has_prev:
                 continue
             path, seen = [s], {s}
@@ -320,7 +322,7 @@ class RunDiscovery:
         return linear_problem(s.module) if s.kind is LayerKind.LINEAR else tanh_problem(s.module)
 
     def fate(self, s: LayerCall) -> Fate:
-        """What consumes the site's output."""
+        """What consumes the call's output."""
         analysis = self.analysis
         if s.node is None:
             seq = s.container
@@ -374,7 +376,7 @@ def graph_chains(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace,
             _, w, _ = linear_args(n)
             if not (isinstance(w, fx.Node) and w.op == "get_attr"):
                 return f"{label}'s weight is not an attribute of {path or '<model>'}"
-            return _unsupported(getattr_path(owner, w.target))
+            return unsupported_reason(getattr_path(owner, w.target))
         return None
 
     def layer_of(n: fx.Node) -> Optional[LayerShape]:

@@ -15,8 +15,8 @@ from .discovery import LayerCall, LayerKind, RunDiscovery, graph_chains
 from .policy import (Chain, Unit, chain_problem, decide, item_misses, layer_shape,
                      split_at_problems, sub_chain)
 from .report import Decision
-from .runtime import (FusedSequential, PartRole, RunLinear, RunTanh, _is_sequential, _join,
-                      _OwnerForward, _Run, parts_of)
+from .runtime import (FusedSequential, PartRole, RunLinear, RunTanh, _OwnerForward, _Run,
+                      is_sequential, join_path, parts_of)
 from .tracing import ModelAnalysis, Trace
 
 
@@ -79,10 +79,10 @@ def _call_parent(analysis: ModelAnalysis, m: nn.Module) -> Optional[nn.Module]:
     return parent
 
 
-def _ancestry(analysis: ModelAnalysis, sites: Sequence[LayerCall]):
-    """Each site's containers from its own upward, and the lowest one they share."""
+def _ancestry(analysis: ModelAnalysis, layer_calls: Sequence[LayerCall]):
+    """Each call's containers from its own upward, and the lowest one they share."""
     chains = []
-    for s in sites:
+    for s in layer_calls:
         chain = [s.container]
         while len(chain) < 256:
             p = _call_parent(analysis, chain[-1])
@@ -95,8 +95,8 @@ def _ancestry(analysis: ModelAnalysis, sites: Sequence[LayerCall]):
     return chains, lca
 
 
-def where(analysis: ModelAnalysis, sites: Sequence[LayerCall]) -> str:
-    _, lca = _ancestry(analysis, sites)
+def where(analysis: ModelAnalysis, layer_calls: Sequence[LayerCall]) -> str:
+    _, lca = _ancestry(analysis, layer_calls)
     return analysis.path_of(lca) if lca is not None else ""
 
 
@@ -107,21 +107,21 @@ def _below(analysis: ModelAnalysis, upper: nn.Module, lower: nn.Module) -> str:
     return low[len(up) + 1:] if up else low
 
 
-def _descent(analysis: ModelAnalysis, site: LayerCall, chain: List[nn.Module], lca: nn.Module):
-    """[(container, name)] from the lca down to the site: each container on the way and the
+def _descent(analysis: ModelAnalysis, call: LayerCall, chain: List[nn.Module], lca: nn.Module):
+    """[(container, name)] from the lca down to the call: each container on the way and the
     name of what it holds next."""
     ids = [id(c) for c in chain]
-    path = chain[:ids.index(id(lca)) + 1][::-1]  # lca, ..., site.container
+    path = chain[:ids.index(id(lca)) + 1][::-1]  # lca, ..., call.container
     steps = [(upper, _below(analysis, upper, lower)) for upper, lower in zip(path, path[1:])]
-    return steps + [(site.container, site.name)]
+    return steps + [(call.container, call.name)]
 
 
-def plan_run(analysis: ModelAnalysis, sites: List[LayerCall], last_tanh: bool,
+def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall], last_tanh: bool,
              policy: str) -> Optional[RunPlan]:
     """Where the unit of these calls is computed: by the Sequential holding them all, or inside
     the forward of their lowest common caller (the owner), whose calls become members; None when
     no module calls them all."""
-    chains, lca = _ancestry(analysis, sites)
+    chains, lca = _ancestry(analysis, layer_calls)
     if lca is None:
         return None
     inside: Dict[int, nn.Module] = {}  # containers below the lca that hold layers of the run
@@ -130,9 +130,9 @@ def plan_run(analysis: ModelAnalysis, sites: List[LayerCall], last_tanh: bool,
             if c is lca:
                 break
             inside[id(c)] = c
-    p = RunPlan("", analysis.path_of(lca), sites, last_tanh)
-    first = _descent(analysis, sites[0], chains[0], lca)
-    last = _descent(analysis, sites[-1], chains[-1], lca)
+    p = RunPlan("", analysis.path_of(lca), layer_calls, last_tanh)
+    first = _descent(analysis, layer_calls[0], chains[0], lca)
+    last = _descent(analysis, layer_calls[-1], chains[-1], lca)
 
     def before(steps):  # the elements of each nested container before the run's first layer
         out = []
@@ -152,7 +152,7 @@ def plan_run(analysis: ModelAnalysis, sites: List[LayerCall], last_tanh: bool,
 
     p.sequences = list(inside.values())
     p.unhooked = list(inside.values())
-    if _is_sequential(lca):
+    if is_sequential(lca):
         names = list(lca._modules)
         i0, i1 = names.index(first[0][1]), names.index(last[0][1])
         p.parts.append(PartPlan(lca, tuple(names[i0:i1 + 1]), PartRole.WHOLE, 0,
@@ -167,7 +167,7 @@ def plan_run(analysis: ModelAnalysis, sites: List[LayerCall], last_tanh: bool,
     # The calls the lca's forward makes, in order: child Linear/Tanh modules, or a child
     # Sequential the run goes through. Each becomes a member of the run.
     units: List[Any] = []
-    for s, chain in zip(sites, chains):
+    for s, chain in zip(layer_calls, chains):
         u = s if s.container is lca else chain[[id(c) for c in chain].index(id(lca)) - 1]
         if not units or units[-1] is not u:
             units.append(u)
@@ -178,7 +178,7 @@ def plan_run(analysis: ModelAnalysis, sites: List[LayerCall], last_tanh: bool,
             p.calls.append(u.label)
             continue
         holder, hpath, hname = analysis.parent[analysis.paths[id(u)][0]]
-        p.slots.append((holder, hname, u, _join(hpath, hname)))
+        p.slots.append((holder, hname, u, join_path(hpath, hname)))
         p.calls.append(analysis.path_of(u))
         names = list(u._modules)
         if k == 0:
@@ -189,7 +189,7 @@ def plan_run(analysis: ModelAnalysis, sites: List[LayerCall], last_tanh: bool,
                                     k, (), after(last[2:])))
         else:
             p.parts.append(PartPlan(u, tuple(names), PartRole.ON, k, (), ()))
-        alone = _alone(u, sites) if policy == "memory" else None
+        alone = _alone(u, layer_calls) if policy == "memory" else None
         if alone:
             p.alone[id(u)] = alone
     p.how = "children" if all(isinstance(u, LayerCall) for u in units) else "across"
@@ -200,19 +200,19 @@ def plan_run(analysis: ModelAnalysis, sites: List[LayerCall], last_tanh: bool,
                   f"{p.calls[0]} computes the whole run and {', '.join(p.calls[1:])} "
                   f"pass{'es' if len(p.calls) == 2 else ''} its output on; called any other "
                   f"way, each computes its own layers")
-        for sites_alone in p.alone.values():
-            p.note += (f" ({sites_alone[0].label}..{sites_alone[-1].label} as one run of "
+        for alone_calls in p.alone.values():
+            p.note += (f" ({alone_calls[0].label}..{alone_calls[-1].label} as one run of "
                        f"its own)")
     return p
 
 
-def _alone(seq: nn.Module, sites: Sequence[LayerCall]) -> Optional[List[LayerCall]]:
+def _alone(seq: nn.Module, layer_calls: Sequence[LayerCall]) -> Optional[List[LayerCall]]:
     """The longest stretch of the run's layers that are consecutive elements of ``seq``, from a
     Linear to a Linear with at least two of them: a run seq computes fused when called on its own
     (its inner tanh outputs feed only its next Linear; where its output goes is not known there)."""
     best: List[LayerCall] = []
     stretch: List[LayerCall] = []
-    for s in list(sites) + [None]:
+    for s in list(layer_calls) + [None]:
         if s is not None and s.node is None and s.container is seq and \
                 (not stretch or s.index == stretch[-1].index + 1):
             stretch.append(s)
@@ -247,8 +247,8 @@ def in_place(plan: RunPlan, existing: Dict[Any, _Run]) -> Optional[_Run]:
     for seq, key in plan.part_keys():
         if not any(p.key == key and p.run is run for p in parts_of(seq)):
             return None
-    for site, k in plan.members:
-        m = site.module
+    for call, k in plan.members:
+        m = call.module
         if getattr(m, "_ckpt_ext_run", None) is not run or m._ckpt_ext_index != k:
             return None
     if plan.owner is not None:
@@ -310,7 +310,7 @@ def plan_model(analysis: ModelAnalysis, policy: str, rewrite: bool) -> ModelPlan
     plan = ModelPlan()
     taken_nodes: set = set()
     for path, m in analysis.model.named_modules():
-        t = analysis.trace_of(m) if not _is_sequential(m) else None
+        t = analysis.trace_of(m) if not is_sequential(m) else None
         if t is not None and not t.already_rewritten:
             _plan_rewrite(analysis, path, m, t, policy, rewrite, taken_nodes, plan)
     discovery = RunDiscovery(analysis, taken_nodes)
@@ -339,19 +339,20 @@ def _plan_rewrite(analysis: ModelAnalysis, path: str, m: nn.Module, t: Trace, po
         plan.rewrites.append(PlannedRewrite(path, m, t, units))
 
 
-def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, sites: List[LayerCall],
+def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: List[LayerCall],
                 stop: Optional[str], policy: str, existing: Dict[Any, _Run],
                 plan: ModelPlan) -> None:
     """The units of one discovered run of module calls, placed; ``stop``: why it ends there."""
-    at = where(analysis, sites)
-    labels = [s.label for s in sites]
-    problems = [discovery.problem(s) for s in sites]
+    at = where(analysis, layer_calls)
+    labels = [s.label for s in layer_calls]
+    problems = [discovery.problem(s) for s in layer_calls]
     found: List[Decision] = []
     item_misses(at, labels, problems, found)
-    full = Chain(at, "", labels, sites, [layer_shape(s.label, s.module) for s in sites[0::2]],
-                 len(sites) % 2 == 0, lambda: Fate(None, ""))
-    for s, e in split_at_problems(problems, len(sites)):
-        last = sites[e - 1]
+    shapes = [layer_shape(s.label, s.module) for s in layer_calls[0::2]]
+    full = Chain(at, "", labels, layer_calls, shapes, len(layer_calls) % 2 == 0,
+                 lambda: Fate(None, ""))
+    for s, e in split_at_problems(problems, len(layer_calls)):
+        last = layer_calls[e - 1]
         sub = sub_chain(full, s, e, lambda last=last: discovery.fate(last))
         sub.where = where(analysis, sub.items)
         problem = chain_problem([x.module for x in sub.items[0::2]])
@@ -377,13 +378,13 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, sites: List[La
             found.append(_already(d) if already is not None else d)
     position = {label: i for i, label in enumerate(labels)}
     found.sort(key=lambda d: position.get(d.layers[0], len(labels)))  # in call order
-    by_label = {s.label: s for s in sites}
+    by_label = {s.label: s for s in layer_calls}
     for d in found:
         if d.action == "left alone":  # placed at the module holding its own layers
             d = dataclasses.replace(d, where=where(analysis, [by_label[x] for x in d.layers]))
-        if stop and sites[-1].label in d.layers:
+        if stop and layer_calls[-1].label in d.layers:
             d = dataclasses.replace(
-                d, why=f"{d.why}; the run stops after {sites[-1].label}: {stop}")
+                d, why=f"{d.why}; the run stops after {layer_calls[-1].label}: {stop}")
         plan.add(d)
 
 

@@ -1,8 +1,8 @@
-"""The objects ``fuse`` leaves inside users' models, and so in their pickles: the member classes
-(:class:`FusedSequential`, :class:`RunLinear`, :class:`RunTanh`, subclasses set on the user's own
-objects), the :class:`_Run` they share, the :class:`_RunPart` of a Sequential and the
-:class:`_OwnerForward` (with its :class:`_Guard`\\ s) set on an owner's instance. Pickles refer to
-these by module path and name, so both stay as they are: ``ckpt_ext.convert.runtime.<name>``."""
+"""What ``fuse`` leaves inside users' models, and so in their pickles: the member classes set on
+the user's own objects (:class:`FusedSequential`, :class:`RunLinear`, :class:`RunTanh`), the
+:class:`_Run` they share, a Sequential's :class:`_RunPart`\ s, and the :class:`_OwnerForward` set
+on an owner's instance with the :class:`_Guard`\ s it checks at each call. Pickles name these
+classes by module and name, so both are part of the format: ``ckpt_ext.convert.runtime.<name>``."""
 from __future__ import annotations
 
 import copy
@@ -33,24 +33,11 @@ class _Region(threading.local):
 
 class _Run:
     """One run of Linear/Tanh layers as fuse applied it: the modules whose weights it reads, what
-    must stay as it was for the fused op to compute it, and that op.
-
-    Where the run is computed:
-
-    * ``owner is None``: every layer lies in one ``nn.Sequential`` (directly, or in nested
-      Sequentials it covers), and that Sequential's own forward computes the run (its
-      :class:`FusedSequential` part). Called on its own, any nested Sequential computes its own
-      elements.
-    * otherwise the run's layers are reached through several calls that ``owner``'s forward makes
-      one after the other (its *members*: child Linear/Tanh modules, child Sequentials). The
-      owner's forward marks a *region* (:class:`_OwnerForward`) for the length of each call.
-      Inside it the first member computes the whole run and each later member, called in turn
-      with exactly the tensor the previous one returned, passes it on. Outside a region, or when
-      anything the run relies on changed (a member replaced or given hooks, another dtype), every
-      member computes its own output, unfused.
-
-    The region's state is per thread and lives only for one call of the owner's forward; it holds
-    the run's output between two members, a tensor the forward holds anyway."""
+    must stay as it was for the fused op to compute it (:meth:`problem`), and that op (calling
+    the run). With ``owner`` None, the Sequential holding the run computes it. Otherwise the
+    owner's forward marks a region (:meth:`enter`, :meth:`leave`; per thread, for one call) in
+    which each member takes its :meth:`turn` in the analysed order: the first computes the run,
+    each later one passes its output on. Design: docs/converter.md, "Where a run is computed"."""
 
     def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
                  layers: Sequence[nn.Module], last_tanh: bool,
@@ -97,7 +84,7 @@ class _Run:
                 return f"the elements of {label or '<model>'} changed"
             for (name, m), want_name, want in zip(seq._modules.items(), names, modules):
                 if name != want_name or m is not want:
-                    return f"{_join(label, want_name)} was replaced"
+                    return f"{join_path(label, want_name)} was replaced"
         for holder, name, want, label in self.slots:
             if holder._modules.get(name) is not want:
                 return f"{label} was replaced"
@@ -108,7 +95,7 @@ class _Run:
                 _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks:
             return "hooks registered for every module, which the fused run would not call"
         w0 = self.layers[0].weight
-        problem = _unsupported(w0)
+        problem = unsupported_reason(w0)
         if problem is not None:
             return problem
         for layer in self.layers[1:]:
@@ -334,7 +321,7 @@ def _member_repr(m: nn.Module) -> str:
     return f", {what} the run {run.labels[0]}..{run.labels[-1]} inside its owner's forward"
 
 
-_MEMBER_CLASSES = {nn.Linear: RunLinear, nn.Tanh: RunTanh, RunLinear: RunLinear,
+MEMBER_CLASSES = {nn.Linear: RunLinear, nn.Tanh: RunTanh, RunLinear: RunLinear,
                    RunTanh: RunTanh}
 
 
@@ -408,16 +395,16 @@ class _Guard(NamedTuple):
             obj = obj._modules.get(part)
             if obj is None:
                 return False
-        v = getattr(obj, self.name, _MISSING)
+        v = getattr(obj, self.name, MISSING)
         if self.same:
             return v is self.value
         return type(v) is type(self.value) and v == self.value
 
     def describe(self) -> str:
-        return f"{_join(self.path, self.name)} = {self.value!r}"
+        return f"{join_path(self.path, self.name)} = {self.value!r}"
 
 
-_MISSING = object()
+MISSING = object()
 
 
 def _compile_forward(source: str) -> Callable:
@@ -426,7 +413,7 @@ def _compile_forward(source: str) -> Callable:
     return scope["forward"]
 
 
-def _unsupported(weight: Optional[torch.Tensor]) -> Optional[str]:
+def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
     """None when the op runs on this weight's device and dtype, else why not."""
     if weight is None:
         return None
@@ -438,11 +425,11 @@ def _unsupported(weight: Optional[torch.Tensor]) -> Optional[str]:
     return None
 
 
-def _join(prefix: str, name: str) -> str:
+def join_path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _is_sequential(m: nn.Module) -> bool:
+def is_sequential(m: nn.Module) -> bool:
     return type(m) in (nn.Sequential, FusedSequential)
 
 

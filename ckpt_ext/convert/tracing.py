@@ -21,7 +21,7 @@ from torch import fx, nn
 
 from ..modules import FusedLinearTanh, FusedTanhMLP
 from .report import FuseReport
-from .runtime import _MISSING, RunLinear, RunTanh, _Guard, _is_sequential, _join, _OwnerForward
+from .runtime import MISSING, RunLinear, RunTanh, _Guard, _OwnerForward, is_sequential, join_path
 
 
 _FX_DIR = os.path.dirname(fx.__file__)
@@ -332,13 +332,13 @@ def trace_module(clone: nn.Module, orig: nn.Module) -> Trace:
     # forward taking the path fx saw, so every attribute that could steer it is checked at call
     # time (a guard), and one that changes at every call must be a pure count.
     paths = {id(m): p for p, m in clone.named_modules()}
-    changed_names = {_join(p, k) for p, k in changed}
+    changed_names = {join_path(p, k) for p, k in changed}
     guards, unchecked, steering = [], [], []
     for (mid, name), value in reads.items():
         path = paths.get(mid)
         if path is None:
             continue
-        label = _join(path, name)
+        label = join_path(path, name)
         if label in changed_names:
             if type(value) is not _Counted or (mid, name) in _Reads.observed:
                 steering.append(label)
@@ -347,7 +347,7 @@ def trace_module(clone: nn.Module, orig: nn.Module) -> Trace:
         if same is None:
             unchecked.append(f"{label} ({type(value).__name__})")
         else:
-            want = getattr(orig.get_submodule(path), name, _MISSING) if same else _plain(value)
+            want = getattr(orig.get_submodule(path), name, MISSING) if same else _plain(value)
             guards.append(_Guard(path, name, want, same))
     _Reads.observed = set()
     t.guards = tuple(guards)
@@ -386,7 +386,7 @@ class ModelAnalysis:
             self.paths.setdefault(id(m), []).append(path)
             for name, child in m._modules.items():
                 if child is not None:
-                    self.parent[_join(path, name)] = (m, path, name)
+                    self.parent[join_path(path, name)] = (m, path, name)
                     self.slots.setdefault(id(child), set()).add((id(m), name))
         self.traces: Dict[int, Trace] = {}
         if trace:
@@ -422,7 +422,7 @@ class ModelAnalysis:
 
 
 def _wants_analysis(m: nn.Module) -> bool:
-    if _is_sequential(m) or isinstance(m, (nn.ModuleList, nn.ModuleDict) + _OUR_MODULES):
+    if is_sequential(m) or isinstance(m, (nn.ModuleList, nn.ModuleDict) + _OUR_MODULES):
         return False
     if type(m).forward is nn.Module.forward:
         return False
