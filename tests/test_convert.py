@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import inspect
 import io
+import pickle
+import pickletools
 
 import pytest
 import torch
@@ -1576,3 +1578,65 @@ def test_run_across_blocks_of_a_rewritten_forward_is_kept_by_a_second_fuse():
     assert model.a._ckpt_ext_runs is parts[0] and model.b._ckpt_ext_runs is parts[1]
     assert_same_computation(before, model, [torch.randn(3, 4, dtype=torch.float64)],
                             torch.float64)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pickles: what fuse leaves in a model lives at one module path
+
+# The classes of the objects fuse leaves in a model (and so in its pickles), by the module that
+# holds them; ckpt_ext.convert names each of them too.
+PICKLED = {"ckpt_ext.convert.runtime": ("FusedSequential", "RunLinear", "RunTanh", "_Run",
+                                        "_RunPart", "_OwnerForward", "_Guard"),
+           "ckpt_ext.convert.report": ("Decision",)}
+
+
+def _pickled_classes():
+    import importlib
+
+    return [getattr(importlib.import_module(module), name)
+            for module, names in PICKLED.items() for name in names]
+
+
+def test_pickled_classes_live_at_their_module_path():
+    from ckpt_ext.convert import runtime
+
+    for module, names in PICKLED.items():
+        for name in names:
+            cls = getattr(ckpt_ext.convert, name)
+            assert (cls.__module__, cls.__qualname__) == (module, name)
+    assert runtime.PartRole.__module__ == "ckpt_ext.convert.runtime"
+
+
+def _dumps_naming(obj, module):
+    """pickle.dumps(obj), the pickled classes named at ``module`` (None: where they live)."""
+    classes = _pickled_classes()
+    homes = [cls.__module__ for cls in classes]
+    try:
+        for cls in classes:
+            cls.__module__ = module or cls.__module__
+        return pickle.dumps(obj)
+    finally:
+        for cls, home in zip(classes, homes):
+            cls.__module__ = home
+
+
+@pytest.mark.parametrize("module", [None, "ckpt_ext.convert"])
+def test_pickled_fused_model_loads_and_computes_the_same(module):
+    """A fused model (a run across blocks with an owner, a FusedSequential, a rewritten forward
+    with a guard) pickles, and loads from a pickle that names its classes where they live or at
+    ckpt_ext.convert, computing what the unfused model computes."""
+    torch.manual_seed(0)
+    models = [_writeup_net(), FunctionalForms("torch.tanh").double()]
+    inputs = [torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 10, dtype=torch.float64)]
+    plain = copy.deepcopy(models)
+    fuse(models[0])
+    fuse(models[1], rewrite=True)
+    assert type(vars(models[1])["forward"]).__name__ == "_OwnerForward"
+    data = _dumps_naming(models, module)
+    names = {arg for op, arg, _ in pickletools.genops(data) if isinstance(arg, str)}
+    assert {"ckpt_ext.convert.runtime", "ckpt_ext.convert.report"} <= names if module is None \
+        else module in names
+    loaded = pickle.loads(data)
+    for before, fused, after, x in zip(plain, models, loaded, inputs):
+        assert kinds(after) == kinds(fused)
+        assert_same_computation(before, after, [x], torch.float64)
