@@ -15,7 +15,7 @@ from .discovery import LayerCall, LayerKind, RunDiscovery, graph_chains
 from .policy import (Chain, Unit, chain_problem, decide, item_misses, layer_shape,
                      split_at_problems, sub_chain)
 from .report import Decision
-from .runtime import (FusedSequential, PartRole, RunLinear, RunTanh, _OwnerForward, _Run,
+from .runtime import (FusedSequential, PartRole, RunLinear, RunTanh, Slot, _OwnerForward, _Run,
                       is_sequential, join_path, parts_of)
 from .tracing import ModelAnalysis, Trace
 
@@ -54,7 +54,7 @@ class RunPlan:
     members: List[MemberPlan] = field(default_factory=list)
     calls: List[str] = field(default_factory=list)  # the members' labels, in the owner's call order
     sequences: List[nn.Module] = field(default_factory=list)  # must keep their elements
-    slots: List[Tuple[nn.Module, str, nn.Module, str]] = field(default_factory=list)
+    slots: List[Slot] = field(default_factory=list)
     unhooked: List[nn.Module] = field(default_factory=list)
     owner: Optional[nn.Module] = None  # the module whose forward calls the members
     # per member Sequential: the run of its own elements it computes fused when called on its own
@@ -174,11 +174,11 @@ def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall], last_tanh: b
     for k, u in enumerate(units):
         if isinstance(u, LayerCall):
             p.members.append(MemberPlan(u, k))
-            p.slots.append((lca, u.name, u.module, u.label))
+            p.slots.append(Slot(lca, u.name, u.module, u.label))
             p.calls.append(u.label)
             continue
         holder, hpath, hname = analysis.parent[analysis.paths[id(u)][0]]
-        p.slots.append((holder, hname, u, join_path(hpath, hname)))
+        p.slots.append(Slot(holder, hname, u, join_path(hpath, hname)))
         p.calls.append(analysis.path_of(u))
         names = list(u._modules)
         if k == 0:

@@ -46,9 +46,9 @@ class Chain:
     ends_with_tanh: bool
     fate: Callable[[], Fate]      # what the consumer does with the chain's last output
 
-    def span(self, a: int, b: int, last_tanh: bool) -> Tuple[int, int]:
-        """Item indices [start, stop) of layers a..b, with b's Tanh if last_tanh."""
-        return 2 * a, 2 * b + (2 if last_tanh else 1)
+    def span(self, first: int, last: int, last_tanh: bool) -> Tuple[int, int]:
+        """Item indices [start, stop) of layers first..last, with last's Tanh if last_tanh."""
+        return 2 * first, 2 * last + (2 if last_tanh else 1)
 
 
 class Unit(NamedTuple):

@@ -1,8 +1,9 @@
 """What ``fuse`` leaves inside users' models, and so in their pickles: the member classes set on
 the user's own objects (:class:`FusedSequential`, :class:`RunLinear`, :class:`RunTanh`), the
-:class:`_Run` they share, a Sequential's :class:`_RunPart`\ s, and the :class:`_OwnerForward` set
-on an owner's instance with the :class:`_Guard`\ s it checks at each call. Pickles name these
-classes by module and name, so both are part of the format: ``ckpt_ext.convert.runtime.<name>``."""
+:class:`_Run` they share, the parts (:class:`_RunPart`) of a Sequential, and the
+:class:`_OwnerForward` set on an owner's instance with the guards (:class:`_Guard`) it checks at
+each call. Pickles name these classes by module and name, so both are part of the format:
+``ckpt_ext.convert.runtime.<name>``."""
 from __future__ import annotations
 
 import copy
@@ -21,6 +22,15 @@ from ..ops import SUPPORTED_DTYPES, linear_tanh, tanh_mlp
 
 if TYPE_CHECKING:
     from .report import Decision
+
+
+class Slot(NamedTuple):
+    """Where a member of a run is held: ``holder._modules[name] is module`` while the run may be
+    computed fused; ``label`` is its path, for messages."""
+    holder: nn.Module
+    name: str
+    module: nn.Module
+    label: str
 
 
 class _Region(threading.local):
@@ -42,7 +52,7 @@ class _Run:
     def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
                  layers: Sequence[nn.Module], last_tanh: bool,
                  sequences: Sequence[Tuple[nn.Module, str]],
-                 slots: Sequence[Tuple[nn.Module, str, nn.Module, str]],
+                 slots: Sequence[Slot],
                  unhooked: Sequence[Tuple[nn.Module, str]], owner: Optional[nn.Module],
                  calls: Sequence[str], elements: Sequence[Tuple[nn.Module, str]],
                  decision: Optional[Decision] = None) -> None:
@@ -53,7 +63,7 @@ class _Run:
         # Sequentials whose elements must stay exactly these (name, module) pairs
         self.sequences = tuple((seq, label, tuple(seq._modules), tuple(seq._modules.values()))
                                for seq, label in sequences)
-        self.slots = tuple(slots)          # (holder, name, module, label): children in place
+        self.slots = tuple(slots)          # members that must stay where they are held
         self.unhooked = tuple(unhooked)    # (module, label): hooks the fused op would skip
         self.owner = owner                 # the module whose forward marks the region, or None
         self.calls = tuple(calls)          # the members' labels in the owner's call order
