@@ -8,8 +8,8 @@ The bound, on the float64 norm of out − ref per result (out, grad_x, grad_weig
 the conditioned one: ‖out − ref‖ ≤ COND_TOL·‖s‖ + an underflow floor, where s =
 conditioned_scales(...) are the magnitudes the rounding acts on. A sum that cancels (few rows,
 saturated tanh, 1 − t² near 0) is only as exact as the sum of its terms' magnitudes allows, in any
-implementation, so the bound holds for every shape, scale and seed (issue 12, item 1: bounded by
-the conditioning of the case); a wrong index or a dropped factor is still off by O(1) against it.
+implementation, so the bound holds for every shape, scale and seed (bounded by the conditioning
+of the case); a wrong index or a dropped factor is still off by O(1) against it.
 
 A relative bound ‖out − ref‖/‖ref‖ ≤ TOL cannot be held for every case: the relative error of any
 implementation grows with κ = ‖s‖/‖ref‖ (the 1×1 float32 case with a saturated tanh; a bfloat16

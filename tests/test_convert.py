@@ -3,8 +3,7 @@ that the units it picks keep less.
 
 Every converted model is compared against itself before the swap: outputs, input grads and every
 parameter grad, in float64 (tight) and in the other supported dtypes (per-dtype bounds). The
-"hazard" tests at the top each reproduce one problem of the first converter and fail on
-it.
+"hazard" tests at the top each pin one way a converter can change what a model computes.
 """
 from __future__ import annotations
 
@@ -54,7 +53,7 @@ def fused_layers(report):
 
 
 # ------------------------------------------------------------------------------------------------
-# Hazards of the first converter: each of these failed on it
+# Hazards: each pins one way a converter can change what a model computes
 
 
 class Counting(nn.Module):
@@ -135,7 +134,7 @@ def test_hazard_ode_function_still_counts_its_evaluations(rewrite):
     fused, report = fuse(func, rewrite=rewrite)
     y0 = torch.randn(5, 3, dtype=torch.float64)
     assert torch.equal(rk4(fused, y0), rk4(before, y0))
-    assert fused.nfe == before.nfe == 16  # the first converter's GraphModule counted 0
+    assert fused.nfe == before.nfe == 16  # a traced GraphModule in its place would count 0
     assert fused is func and "forward" not in vars(func)  # not rewritten, even when allowed
     assert len(report) == 0 and report.not_analysed == []  # analysed: a pure count is no obstacle
     assert [d.layers for d in report.near_misses] == [("l1", "torch.tanh"), ("l2", "torch.tanh")]
@@ -1229,8 +1228,8 @@ def _writeup_net(dtype=torch.float64):
 def test_writeup_net_is_one_run_across_its_blocks():
     """The write-up's Net: linear1, then block1..block3 = Sequential(Linear, Tanh) that
     Net.forward calls in sequence. The maximal run block1.0 .. block3.1 spans three Sequentials;
-    fused as one tanh_mlp it keeps only linear1's output (the first converter fused block3 alone
-    and reported block1/block2 as near misses: this test failed on it)."""
+    fused as one tanh_mlp it keeps only linear1's output (fusing block3 alone, with block1/block2
+    as near misses, would also keep what block1 and block2 keep)."""
     model = _writeup_net()
     plain = copy.deepcopy(model)
     keys = list(model.state_dict())
