@@ -5,17 +5,9 @@
 //       x (..., K), weight (N, K), bias (N)?  are cast to D  ->  y (..., N) in D
 //   tanh_mlp(x, weights, biases, has_bias, last_tanh): x and every weight and bias cast to D
 //
-// Why C++ and not torch.library.register_autocast: the Python helper casts to ONE dtype fixed at
-// registration, whatever the autocast context says. nn.Linear (aten::linear, CastPolicy
-// lower_precision_fp) casts to the dtype of the *current* context, torch.get_autocast_dtype(device).
-// These kernels do exactly what that policy does, with the same helper (at::autocast::cached_cast):
-//   * only floating tensors on the autocast device are cast, float64 is left alone (so a float64
-//     model under autocast runs in float64, as nn.Linear does);
-//   * the cast of a leaf parameter is cached for the autocast region, as for nn.Linear;
-//   * the casts are ordinary differentiable ops recorded by autograd, so the gradients flow back
-//     through them and land in the parameters' own dtype (float32 master weights stay float32).
-// The backward ops need no autocast kernel: it only ever sees tensors that the forward already
-// cast, and the autocast keys fall through for ops without a kernel.
+// The policy of nn.Linear (lower_precision_fp, the current context's dtype, cached casts); why C++
+// and not torch.library.register_autocast: docs/design.md, "Autocast". The backward ops need no
+// autocast kernel: they only see tensors the forward already cast.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -24,7 +16,7 @@
 #include <optional>
 #include <vector>
 
-#include "linear_tanh.h"
+#include "schemas.h"
 
 namespace ckpt_ext {
 

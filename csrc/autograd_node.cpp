@@ -1,41 +1,18 @@
 // autograd_node.cpp — the autograd node that eager tanh_mlp and linear_tanh record: a C++
-// torch::autograd::Node that owns the incoming gradient.
-//
-//   _tanh_mlp_with_node(x, weights, biases, has_bias, last_tanh)   ->  y, or None
-//   _linear_tanh_with_node(x, weight, bias)                        ->  y, or None
-//       x (..., K_0); weights[i] (N_i, K_i), K_i = N_{i-1}; biases: those of the layers whose
-//       has_bias[i] is true, each (N_i); y (..., N_{L-1}). linear_tanh is the one-layer case with
-//       last_tanh. Runs the op below autograd, then records a StackBackward node as y's grad_fn:
-//       it saves x, the weights and the biases as SavedVariables (so default saved-tensor hooks
-//       and the in-place version check apply, as for any ATen node) and has one next edge per
-//       tensor, in that order. None when the node cannot be used (a tensor that is not a plain
-//       dense CPU/CUDA tensor, or a Python dispatch/function mode active): ops.py then applies its
-//       autograd.Function instead.
-//   StackBackward::apply(grad (..., N_{L-1}))
-//       ->  (grad_x (..., K_0), grad_W_i (N_i, K_i) per layer, grad_b_j (N_i) per bias), each
-//       undefined where the running backward pass does not use it (task_should_compute_output).
-//
-// Why a hand-written node: the first-order backward's peak. With the write-up's loss out.mean()
-// the stack's node is handed a real (M, N_top) gradient. A Python autograd node (PyNode) keeps it
-// alive until its backward returns (the engine's variable_list and the Python argument objects
-// both hold it), while plain autograd frees it right after the top TanhBackward: the fused stack
-// peaked one such buffer above plain. Here the engine moves its input buffer into apply(), apply()
-// moves the gradient on into stack_backward, and stack_backward drops it right after the top
-// layer's elementwise pass. (A C++ torch::autograd::Function would own it too, but it refuses
-// functorch transforms and does not track tensors inside lists. This node is recorded only where
-// no transform is active; ops.py keeps its Python Functions for everything else.)
-//
-// Two ways through apply():
-//   native — grad mode off (no create_graph), no Python dispatch or function mode active, every
-//       tensor plain: stack_backward directly, under the device guard, owning the gradient;
-//   Python — otherwise (create_graph=True, a mode that must see the backward op, a tensor
-//       subclass, or a node whose create_graph pass left recomputed outputs to reuse): the
-//       callable ops.py registered, with a per-node Python object standing in for the Function's
-//       ctx (it keeps the create_graph path's recomputed outputs across passes), so that path is
-//       exactly the Python Functions' backward.
+// torch::autograd::Node that owns the incoming gradient (why, with the figure: docs/design.md,
+// "Autograd (first order)").
+//   _tanh_mlp_with_node(x, weights, biases, has_bias, last_tanh) / _linear_tanh_with_node(x, W, b)
+//       -> y (..., N_{L-1}) with a StackBackward node as grad_fn (saves x, weights, biases as
+//       SavedVariables), or None where the node cannot be used (not plain dense tensors, a Python
+//       mode active): ckpt_ext/_autograd.py then applies its autograd.Function.
+//   StackBackward::apply(grad (..., N_{L-1})) -> (grad_x, grad_W_i per layer, grad_b_j per bias),
+//       undefined where unused. Native path (no create_graph, no mode, plain tensors): the stack
+//       engine, owning the gradient; otherwise the Python path ckpt_ext/_autograd.py registered.
 #include "autograd_node.h"
 
-#include "linear_tanh.h"
+#include "checks.h"
+#include "schemas.h"
+#include "stack.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -322,7 +299,7 @@ class TanhMlpBackward final : public StackBackward {
 };
 
 // Their Python types, as ATen's nodes have (python_functions.cpp): y.grad_fn prints as
-// <ckpt_ext._C.TanhMlpBackward object ...>, and ops.py registers them as
+// <ckpt_ext._C.TanhMlpBackward object ...>, and ckpt_ext/_autograd.py registers them as
 // torch.autograd.graph.Node (a Python Function's node is one too).
 PyTypeObject linear_tanh_backward_type;
 PyTypeObject tanh_mlp_backward_type;

@@ -1,18 +1,11 @@
-// linear_tanh_math.h — the arithmetic of the fused Linear+Tanh ops, written once.
-//
-// Compiled by g++ (cpu/*.cpp) and nvcc (cuda/linear_tanh.cu). The per-value formulas are templates
-// over the value type V, so the CPU kernels instantiate them with SIMD vectors
-// (at::vec::Vectorized<float>), the CUDA kernels with scalars held in registers; the summation
-// order of the bias gradient is defined here once and both backends follow it.
-//
+// linear_tanh_math.h — the arithmetic of the fused Linear+Tanh ops, written once, compiled by g++
+// (cpu/*.cpp) and nvcc (cuda/linear_tanh.cu): per-value formulas as templates over the value type
+// V (SIMD vectors on the CPU, registers on CUDA), and the bias gradient's summation order.
 // Shapes (M = rows of the flattened input, N = out_features):
 //   acc     : (M, N) contiguous, holds z = a·Wᵀ + b (or t = tanh(z)); overwritten in place by g
 //   grad_out: (M, N), any 2-D strides (sr, sc) — `out.mean()` gives strides (0, 0)
 //   partial : (num_chunks(M), N) per-chunk column sums of g, in the accumulate type
-//
-// Determinism: the bias gradient is summed in a fixed order that depends on neither the thread
-// count nor the device: rows in increasing order inside chunks of kRowsPerChunk rows, then the
-// chunk sums pairwise, level by level (combine_chunks_pairwise). Two runs give the same bits.
+// The order (independent of threads and device): docs/design.md, "Bias sums".
 #pragma once
 
 #include <cmath>

@@ -2,15 +2,10 @@
 //
 // CountingAllocator wraps the allocator that c10::GetCPUAllocator() returns when the meter is
 // installed and is set in its place with c10::SetCPUAllocator. Every CPU storage allocated from then
-// on (at::empty and friends, outputs and temporaries of ATen ops and of our own C++ kernels,
-// Inductor's buffers) passes through allocate(n), which counts n bytes — the size asked for, not
-// the malloc block — and hands out a DataPtr whose deleter subtracts them again. It keeps current
-// and peak bytes, and, while recording, a timeline of (time, current bytes) after each event.
-//
-// What is not counted: storages allocated before installation (they keep the old deleter and are
-// freed uncounted), memory that does not go through c10's CPU allocator (pinned host memory from
-// the CUDA host allocator, scratch that MKL / oneDNN / OpenMP allocate with their own malloc, Python
-// objects), and tensors wrapping foreign memory (torch.from_numpy, from_blob).
+// on passes through allocate(n), which counts n bytes (the size asked for, not the malloc block)
+// and hands out a DataPtr whose deleter subtracts them again. It keeps current and peak bytes,
+// and, while recording, a timeline of (time, current bytes) after each event. What is not
+// counted: docs/design.md, "The CPU memory meter".
 #include "memory.h"
 
 #include <c10/core/Allocator.h>

@@ -1,20 +1,21 @@
 // module.cpp — the Python module ckpt_ext._C. The ops themselves are registered with the
-// dispatcher (TORCH_LIBRARY in linear_tanh.cpp) and reached as torch.ops.ckpt_ext.*; this module
+// dispatcher (TORCH_LIBRARY in schemas.cpp) and reached as torch.ops.ckpt_ext.*; this module
 // only carries build facts, helpers that are not ops, and the entry points of the eager autograd
-// node that ops.py's Autograd kernels call (autograd_node.cpp).
+// node that ckpt_ext/_autograd.py's Autograd kernels call (autograd_node.cpp).
 #include <torch/extension.h>
 
 #include "autograd_node.h"
 #include "build_info.h"
-#include "linear_tanh.h"
+#include "checks.h"
 #include "linear_tanh_math.h"
 #include "memory.h"
+#include "primitives.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ckpt_ext native module: fused Linear+Tanh that recomputes in backward";
   m.attr("ROWS_PER_CHUNK") = ckpt_ext::kRowsPerChunk;
   // The dtypes the ops accept, as torch names ("float32", ...): ckpt_ext.ops reads them from
-  // here, so the list is written once (csrc/linear_tanh.cpp).
+  // here, so the list is written once (csrc/checks.cpp).
   pybind11::list dtypes;
   for (at::ScalarType t : ckpt_ext::supported_dtypes()) dtypes.append(c10::getDtypeNames(t).first);
   m.attr("SUPPORTED_DTYPES") = dtypes;

@@ -1,15 +1,9 @@
 // cpu/dispatch.cpp — which compiled copy of the CPU kernels (cpu/kernels.h) runs: the ISA level
-// chosen at run time. Built portably, like everything outside cpu/linear_tanh_kernels.cpp.
-//
-// The level is the lowest of
-//   * ATen's, at::get_cpu_capability() (ATen/Version.h): what this CPU supports, lowered by ATEN_CPU_CAPABILITY
-//     when that is set, so ckpt_ext never runs wider code than PyTorch itself has been told to;
-//   * the highest copy this module was built with (setup.py: all three on x86-64);
-//   * CKPT_EXT_CPU_CAPABILITY = default | avx2 | avx512, when set. A value that is not one of
-//     these, or is above the two limits above, is an error naming the values allowed here, raised
-//     when the module is imported (the variable is read once, then).
-// set_level() (ckpt_ext._C._set_cpu_capability) switches at run time; the tests use it to run
-// every level in one process.
+// chosen at run time, the lowest of ATen's at::get_cpu_capability(), the highest copy this module
+// was built with, and CKPT_EXT_CPU_CAPABILITY (default | avx2 | avx512) when set; a value outside
+// those is an error raised at import. set_level() (ckpt_ext._C._set_cpu_capability) switches at
+// run time; the tests use it to run every level in one process. Built portably, like everything
+// outside cpu/linear_tanh_kernels.cpp (docs/design.md, "CPU primitives").
 #include "dispatch.h"
 
 #include <ATen/Version.h>

@@ -1,28 +1,13 @@
-// cpu/kernels.h — the vectorised CPU kernels, compiled once per ISA level, and how the portable
-// code (cpu/linear_tanh.cpp, cpu/dispatch.cpp) reaches them.
-//
-// cpu/linear_tanh_kernels.cpp is compiled three times by setup.py, each time with its own flags:
-//   DEFAULT  no -m flags (baseline x86-64, or whatever the host architecture's baseline is)
-//   AVX2     -mavx2 -mfma -mf16c                         -DCPU_CAPABILITY=AVX2
-//   AVX512   -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma  -DCPU_CAPABILITY=AVX512
-// and puts its code in namespace ckpt_ext::cpu::<CPU_CAPABILITY>, as ATen does with its own
-// per-ISA kernels (ATen's Vectorized<T> picks its implementation from the same macros). Each copy
-// exports one table of plain function pointers, kernels(); cpu/dispatch.cpp picks a table at run
-// time. This header is included by both sides, so it holds only types that mean the same under
-// every set of flags: no Vectorized, no Tensor.
-//
-// Every kernel works on raw pointers over a row range; the caller (cpu/linear_tanh.cpp) allocates,
-// splits the work across threads and combines the bias partial sums. Shapes:
+// cpu/kernels.h — the vectorised CPU kernels, compiled once per ISA level (setup.py), and how the
+// portable code (cpu/linear_tanh.cpp, cpu/dispatch.cpp) reaches them: one table of function
+// pointers per copy, kernels(). Included by both sides, so only types that mean the same under
+// every set of flags: no Vectorized, no Tensor. Kernels work on raw pointers over rows r0..r1-1:
 //   tanh(p, n)                    p: n contiguous values; z -> tanh(z) in place
-//   backward_rows(acc, gy, sr, sc, r0, r1, N, pre, sums)
-//                                 acc (M, N) contiguous, rows r0..r1-1: z (pre) or t -> g in
-//                                 place; gy (M, N) with strides (sr, sc), sc == 0 = one value per
-//                                 row; sums (N, acc_t) += the rows' g, in increasing row order, or
-//                                 nullptr
-//   column_sums(gy, sr, sc, r0, r1, N, sums)
-//                                 sums (N, acc_t) += rows r0..r1-1 of gy, in increasing row order
-// acc_t is double for double and float otherwise (at::opmath_type): half types load to float
-// vectors, compute in float and round once on the store.
+//   backward_rows(acc, gy, sr, sc, r0, r1, N, pre, sums)   acc (M, N) contiguous: z (pre) or t ->
+//       g in place; gy (M, N) strides (sr, sc), sc == 0 = one value per row; sums (N) += g or null
+//   column_sums(gy, sr, sc, r0, r1, N, sums)               sums (N) += rows of gy
+// Sums in increasing row order, in acc_t (double for double, float otherwise: half types compute
+// in float and round once on the store). Details: docs/design.md, "CPU primitives".
 #pragma once
 
 #include <c10/util/BFloat16.h>

@@ -1,26 +1,20 @@
 // cpu/linear_tanh.cpp — the CPU primitives of the fused Linear+Tanh ops (declared in
-// ../linear_tanh.h; the CUDA ones are in ../cuda/linear_tanh.cu; the ops that call them, with the
-// GEMMs, in ../linear_tanh.cpp and ../tanh_mlp.cpp).
+// ../primitives.h; the CUDA ones are in ../cuda/linear_tanh.cu; the stack engine that calls them,
+// with the GEMMs, in ../stack.cpp).
 //
 //   tanh_cpu_(acc)                                 acc (M, N) contiguous: z -> tanh(z) in place
 //   tanh_backward_cpu_(acc, grad_out, holds, b)    acc (M, N): z or t -> g = grad_out·(1 − t²) in
 //                                                  place; grad_out (M, N) any strides; -> grad_b (N)?
 //   bias_grad_cpu(grad_out)                        grad_out (M, N) any strides -> column sums (N)
 //
-// This file is built portably: it allocates, splits the work across threads and combines the
-// bias partial sums; the arithmetic on the elements is in cpu/linear_tanh_kernels.cpp, compiled
-// once per ISA level, reached through cpu::kernels() (cpu/dispatch.cpp picks the level at run
-// time). The bias sums follow the documented order of ../linear_tanh_math.h: rows in increasing
-// order per 32-row chunk (one chunk per task, chunks in parallel, columns in vectors), then the
-// chunk sums pairwise per column (columns in parallel). Neither step depends on the level or the
-// thread count, so given the same g every level gives the same bits.
+// Built portably: threads and bias partial sums here, element arithmetic in cpu/linear_tanh_kernels.cpp.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 
-#include "../linear_tanh.h"
+#include "../primitives.h"
 #include "../linear_tanh_math.h"
 #include "kernels.h"
 

@@ -1,28 +1,10 @@
 // cpu/linear_tanh_kernels.cpp — the vectorised CPU kernels of the fused Linear+Tanh ops, written
 // once and compiled by setup.py once per ISA level (DEFAULT, AVX2, AVX512) with that level's
 // flags and -DCPU_CAPABILITY=<level>; see cpu/kernels.h for the kernels and their shapes, and
-// cpu/dispatch.cpp for the choice at run time.
-//
-// Everything here sits in namespace ckpt_ext::cpu::CPU_CAPABILITY, and at::vec::Vectorized<T> in
-// ATen's own at::vec::CPU_CAPABILITY, so no symbol of one copy can stand in for another's. The
-// file uses no Tensor and no heap: the fewer header functions it instantiates, the fewer chances
-// that an out-of-line copy compiled with AVX flags is the one the linker keeps for the portable
-// code (setup.py also links these objects last, so the portable copy of any shared inline
-// function comes first; tests/test_build.py checks the module's code outside these namespaces
-// for AVX instructions).
-//
-// One tanh for every element. Forward (tanh) and backward (backward_rows with pre_activation)
-// both go through Vectorized<float or double>::tanh, the last < width columns included (a
-// partial load, zero-filled, and a partial store), so the backward's recomputed t equals the
-// forward's to the bit at every level. Which tanh that is depends on the level: Sleef's
-// vectorised tanh (1.0-ulp bound) for AVX2 and AVX512, the C library's tanh/tanhf per lane for
-// DEFAULT (tests/test_cpu_dispatch.py measures how far they are apart).
-//
-// Half types (bfloat16, float16) load a Vectorized<T> (twice the float width), convert it to two
-// float vectors, compute in float and round once on the store; their bias sums are in float.
-//
-// No FMA contraction (-ffp-contract=off, setup.py): g = grad_out·(1 − t²) is then the same three
-// roundings at every level, so levels that agree on t agree on g and on the bias sums.
+// cpu/dispatch.cpp for the choice at run time. Everything sits in namespace
+// ckpt_ext::cpu::CPU_CAPABILITY and uses no Tensor and no heap, so no symbol of one copy can stand
+// in for another's. One tanh for every element (forward and recompute give the same bits); half
+// types compute in float; no FMA contraction. The reasons: docs/design.md, "CPU primitives".
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 

@@ -1,6 +1,5 @@
 // cuda/linear_tanh.cu — the CUDA primitives of the fused Linear+Tanh ops (declared in
-// ../linear_tanh.h; the CPU ones are in ../cpu/linear_tanh.cpp; the ops that call them, with the
-// cuBLAS GEMMs, in ../linear_tanh.cpp and ../tanh_mlp.cpp).
+// ../primitives.h; the CPU ones are in ../cpu/linear_tanh.cpp; the stack engine in ../stack.cpp).
 //
 //   tanh_cuda_(acc)                               acc (M, N) contiguous: z -> t = tanh(z) in place
 //   tanh_backward_cuda_(acc, grad_out, holds, b)  acc (M, N) contiguous: z or t (holds) -> g =
@@ -8,54 +7,7 @@
 //                                                 strides; -> grad_b (N) = column sums of g, if b
 //   bias_grad_cuda(grad_out)                      grad_out (M, N), any strides -> column sums (N)
 //
-// M = prod(x.shape[:-1]) rows, N = out_features. These passes move M·N elements and do a few flops
-// each, so they are bound by memory bandwidth; everything here is shaped by that:
-//
-// * 16-byte packs. A thread loads and stores 16 bytes at a time (4 floats, 2 doubles, 8 halves)
-//   when every pointer involved and every row stride allow it: the buffer, grad_out (its storage
-//   offset included) and grad_out's row stride all 16-byte aligned, N a multiple of the pack, and
-//   grad_out either contiguous along the row or broadcast (strides (0, 0), what out.mean() gives:
-//   one value, loaded once per thread). Anything else takes the scalar path, one column per thread.
-// * Loads first. The backward thread walks the 32 rows of a chunk (it must: that is the summation
-//   order); a full chunk is a loop with a compile-time trip count that issues the loads of
-//   kRowsPerBatch rows before the first store, since the compiler may not move a load of row r + 1
-//   above the store to row r of the same buffer. (All 32 rows at once would need 256 registers.)
-//   The forward thread likewise loads kTanhUnroll packs before its first store.
-// * No atomics, one summation order. The bias sums follow the documented order of
-//   ../linear_tanh_math.h bit for bit: each thread sums its columns over its chunk's rows in
-//   increasing order (the chunk partials, (C, N) in the accumulate type), then the chunk partials
-//   are combined pairwise, level by level. An aligned group of 2^k chunks is a complete subtree of
-//   that tree, so a block combines a group of kGroupChunks chunks in shared memory with the same
-//   pairing, and further passes combine the groups' sums the same way (an odd one moves up
-//   unchanged, as in combine_chunks_pairwise). Every pass is parallel over (group, column): a small
-//   N with a large M is not one thread looping over thousands of chunks.
-// * Sums use __fadd_rn/__dadd_rn, which nvcc never fuses with the multiply that made g into an
-//   FMA: the value added is the value stored, so the sum is the documented one applied to the very
-//   g the kernel wrote (the tests rebuild it from g and compare bits). g itself comes from the
-//   shared formula evaluated with every product and difference rounded on its own (Rounded<T>), so
-//   the pack and scalar paths and both Holds give the same bits wherever the compiler contracts.
-//
-// tanh, forward: tanhf/tanh for float32, float16 and float64, computed in float (double). For
-// bfloat16 the hardware approximation tanh.approx.f32 (sm_75+; one MUFU op instead of ~20),
-// because its error is below half a unit in the last place of bfloat16: the PTX ISA gives its
-// maximum relative error as about 2^-11, and an exhaustive measurement of the MUFU.TANH
-// instruction behind it found 1.113e-5 (about 2^-16.5; N. Juffa, "Hardware-accelerated tanh() on
-// Turing", NVIDIA developer forums, 2021), while half an ulp of bfloat16 (8 significant bits) is
-// at least 2^-9 of the value. So the stored bfloat16 t is the correctly rounded one or its
-// neighbour, and the recompute calls the same function on the same z, so its bits equal the
-// forward's. For float16 (11 bits) the bound does not hold: float16 keeps tanhf.
-// tanh, for a derivative (the backward pass from z): always the exact tanhf/tanh of the accumulate
-// type. The derivative 1 − t² amplifies t's relative error by 2t²/(1 − t²), about 1500x at z = 4,
-// so the approximation's 2^-16.5 would become ~94 bfloat16 ulps of g instead of the 1 the tests
-// allow; stock autograd's g comes from a correctly rounded t.
-// No --use_fast_math: it would change every other function too.
-//
-// All indices are 64-bit. Every launch goes on at::cuda::getCurrentCUDAStream() (the caller holds
-// the device guard) and is followed by a launch-error check naming the kernel.
-//
-// The primitives are also registered, CUDA only, as torch.ops.ckpt_ext_kernels.* (bottom of this
-// file): raw access for the tests (misaligned buffers, both Holds) and for the bandwidth
-// microbenchmark (scripts/gpu_kernel_bench.py). Not an API.
+// Bandwidth-bound passes: 16-byte packs, loads first, no atomics (docs/design.md, "CUDA primitives").
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -66,7 +18,7 @@
 #include <cstdint>
 #include <utility>
 
-#include "../linear_tanh.h"
+#include "../primitives.h"
 #include "../linear_tanh_math.h"
 
 namespace ckpt_ext {
@@ -510,78 +462,6 @@ at::Tensor tanh_backward_cuda_(const at::Tensor& acc, const at::Tensor& grad_out
 at::Tensor bias_grad_cuda(const at::Tensor& grad_out) {
   TORCH_INTERNAL_ASSERT(grad_out.is_cuda() && grad_out.dim() == 2);
   return backward_pass(at::Tensor(), grad_out, Pass::kSumOnly, true);
-}
-
-// ----------------------------------------------------------------------------------------------
-// torch.ops.ckpt_ext_kernels: the primitives themselves, CUDA only, for the tests and the
-// bandwidth microbenchmark. The ops of ckpt_ext (linear_tanh.cpp) always hand the primitives fresh,
-// aligned buffers; these take any acc the checks below allow, so a test can reach every path.
-
-namespace {
-
-void check_kernel_args(const char* op, const at::Tensor& acc, const at::Tensor* grad_out) {
-  TORCH_CHECK_VALUE(acc.is_cuda() && acc.dim() == 2 && acc.is_contiguous(), "ckpt_ext_kernels.",
-                    op, ": acc must be a 2-D contiguous CUDA tensor, got ", acc.dim(),
-                    "-D on ", acc.device(), (acc.is_contiguous() ? "" : ", not contiguous"));
-  TORCH_CHECK_TYPE(is_supported_dtype(acc.scalar_type()), "ckpt_ext_kernels.", op,
-                   ": acc must be float32, float64, bfloat16 or float16, got ", acc.scalar_type());
-  if (grad_out != nullptr) {
-    TORCH_CHECK_VALUE(grad_out->sizes() == acc.sizes() && grad_out->device() == acc.device(),
-                      "ckpt_ext_kernels.", op, ": grad_out must have acc's shape ", acc.sizes(),
-                      " and device ", acc.device(), ", got ", grad_out->sizes(), " on ",
-                      grad_out->device());
-    TORCH_CHECK_TYPE(grad_out->scalar_type() == acc.scalar_type(), "ckpt_ext_kernels.", op,
-                     ": grad_out must have acc's dtype ", acc.scalar_type(), ", got ",
-                     grad_out->scalar_type());
-    // The kernel reads grad_out through a __restrict__ pointer while it writes acc.
-    TORCH_CHECK_VALUE(!grad_out->is_alias_of(acc), "ckpt_ext_kernels.", op,
-                      ": grad_out must not share acc's storage");
-  }
-}
-
-void kernels_tanh_(const at::Tensor& acc) {
-  check_kernel_args("tanh_", acc, nullptr);
-  const c10::cuda::CUDAGuard guard(acc.device());
-  tanh_cuda_(acc);
-}
-
-at::Tensor kernels_tanh_backward_(const at::Tensor& acc, const at::Tensor& grad_out,
-                                  bool holds_pre_activation, bool want_bias_grad) {
-  check_kernel_args("tanh_backward_", acc, &grad_out);
-  const c10::cuda::CUDAGuard guard(acc.device());
-  return tanh_backward_cuda_(acc, grad_out,
-                             holds_pre_activation ? Holds::kPreActivation : Holds::kTanhOutput,
-                             want_bias_grad);
-}
-
-at::Tensor kernels_bias_grad(const at::Tensor& grad_out) {
-  TORCH_CHECK_VALUE(grad_out.is_cuda() && grad_out.dim() == 2, "ckpt_ext_kernels.bias_grad: "
-                    "grad_out must be a 2-D CUDA tensor, got ", grad_out.dim(), "-D on ",
-                    grad_out.device());
-  TORCH_CHECK_TYPE(is_supported_dtype(grad_out.scalar_type()), "ckpt_ext_kernels.bias_grad: "
-                   "grad_out must be float32, float64, bfloat16 or float16, got ",
-                   grad_out.scalar_type());
-  const c10::cuda::CUDAGuard guard(grad_out.device());
-  return bias_grad_cuda(grad_out);
-}
-
-}  // namespace
-
-TORCH_LIBRARY(ckpt_ext_kernels, m) {
-  // acc: (M, N) contiguous; z -> tanh(z) in place.
-  m.def("tanh_(Tensor(a!) acc) -> ()");
-  // acc holds z (holds_pre_activation) or t and becomes g = grad_out·(1 − t²); returns the column
-  // sums of g in the documented order when want_bias_grad, else None.
-  m.def("tanh_backward_(Tensor(a!) acc, Tensor grad_out, bool holds_pre_activation, "
-        "bool want_bias_grad) -> Tensor");
-  // The column sums of grad_out (M, N) in the documented order.
-  m.def("bias_grad(Tensor grad_out) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(ckpt_ext_kernels, CUDA, m) {
-  m.impl("tanh_", &kernels_tanh_);
-  m.impl("tanh_backward_", &kernels_tanh_backward_);
-  m.impl("bias_grad", &kernels_bias_grad);
 }
 
 }  // namespace ckpt_ext

@@ -1,0 +1,236 @@
+// checks.cpp — every input check of the ckpt_ext ops (declared in checks.h), called by the eager
+// kernels and the Meta kernels alike, so a traced program fails with the eager message.
+#include "checks.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace ckpt_ext {
+
+const std::vector<at::ScalarType>& supported_dtypes() {
+  static const std::vector<at::ScalarType> dtypes{at::kFloat, at::kDouble, at::kBFloat16,
+                                                  at::kHalf};
+  return dtypes;
+}
+
+bool is_supported_dtype(at::ScalarType t) {
+  const auto& d = supported_dtypes();
+  return std::find(d.begin(), d.end(), t) != d.end();
+}
+
+
+// "float32, float64, bfloat16 or float16", from supported_dtypes().
+std::string supported_dtypes_text() {
+  const auto& d = supported_dtypes();
+  std::ostringstream s;
+  for (size_t i = 0; i < d.size(); ++i) {
+    if (i > 0) s << (i + 1 == d.size() ? " or " : ", ");
+    s << c10::getDtypeNames(d[i]).first;  // "float32"-style names, as torch prints them
+  }
+  return s.str();
+}
+
+namespace {
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sym_sizes();
+  return s.str();
+}
+
+void check_dtype_and_device(const char* op, const std::string& name, const at::Tensor& t,
+                            const at::Tensor& x) {
+  TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(), "ckpt_ext.", op, ": ", name,
+                   " must have the dtype of x (", x.scalar_type(), "), got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == x.device(), "ckpt_ext.", op, ": ", name,
+                    " must be on the device of x (", x.device(), "), got ", t.device());
+}
+
+void check_x(const char* op, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "ckpt_ext.", op,
+                    ": x must have shape (..., in_features) with at least 1 dimension, got a "
+                    "0-d tensor");
+}
+
+void check_x_dtype(const char* op, const at::Tensor& x) {
+  TORCH_CHECK_TYPE(is_supported_dtype(x.scalar_type()), "ckpt_ext.", op, ": x must be ",
+                   supported_dtypes_text(), ", got ", x.scalar_type());
+}
+
+}  // namespace
+
+void check_linear_tanh_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias) {
+  check_x(op, x);
+  TORCH_CHECK_VALUE(weight.dim() == 2, "ckpt_ext.", op,
+                    ": weight must be 2-D (out_features, in_features), got shape ",
+                    shape_str(weight));
+  TORCH_CHECK_VALUE(x.sym_size(-1) == weight.sym_size(1), "ckpt_ext.", op,
+                    ": x.shape[-1] must equal weight.shape[1] (in_features) = ",
+                    weight.sym_size(1), ", got x of shape ", shape_str(x),
+                    " and weight of shape ", shape_str(weight));
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), "ckpt_ext.",
+                      op, ": bias must have shape [", weight.sym_size(0),
+                      "] (out_features), got shape ", shape_str(*bias));
+  }
+  check_x_dtype(op, x);
+  check_dtype_and_device(op, "weight", weight, x);
+  if (bias.has_value()) check_dtype_and_device(op, "bias", *bias, x);
+}
+
+void check_tanh_mlp_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+                           at::TensorList biases, const std::vector<bool>& has_bias) {
+  const int64_t L = static_cast<int64_t>(weights.size());
+  TORCH_CHECK_VALUE(L >= 1, "ckpt_ext.", op,
+                    ": weights must hold at least one layer's weight, got an empty list");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(has_bias.size()) == L, "ckpt_ext.", op,
+                    ": has_bias must have one entry per layer (", L, "), got ", has_bias.size());
+  const int64_t with_bias = std::count(has_bias.begin(), has_bias.end(), true);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(biases.size()) == with_bias, "ckpt_ext.", op,
+                    ": biases must hold one tensor per layer whose has_bias is true (", with_bias,
+                    "), got ", biases.size());
+  check_x(op, x);
+  size_t j = 0;  // index into biases
+  for (int64_t i = 0; i < L; ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK_VALUE(w.dim() == 2, "ckpt_ext.", op, ": weights[", i,
+                      "] must be 2-D (out_features, in_features), got shape ", shape_str(w));
+    if (i == 0) {
+      TORCH_CHECK_VALUE(w.sym_size(1) == x.sym_size(-1), "ckpt_ext.", op,
+                        ": weights[0].shape[1] (in_features) must equal x.shape[-1] = ",
+                        x.sym_size(-1), ", got weights[0] of shape ", shape_str(w),
+                        " and x of shape ", shape_str(x));
+    } else {
+      TORCH_CHECK_VALUE(w.sym_size(1) == weights[i - 1].sym_size(0), "ckpt_ext.", op,
+                        ": weights[", i, "].shape[1] (in_features) must equal weights[", i - 1,
+                        "].shape[0] (out_features of layer ", i - 1, ") = ",
+                        weights[i - 1].sym_size(0), ", got weights[", i, "] of shape ",
+                        shape_str(w));
+    }
+    if (has_bias[i]) {
+      const at::Tensor& b = biases[j++];
+      TORCH_CHECK_VALUE(b.dim() == 1 && b.sym_size(0) == w.sym_size(0), "ckpt_ext.", op,
+                        ": biases[", i, "] must have shape [", w.sym_size(0),
+                        "] (out_features of layer ", i, "), got shape ", shape_str(b));
+    }
+  }
+  check_x_dtype(op, x);
+  j = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    check_dtype_and_device(op, "weights[" + std::to_string(i) + "]", weights[i], x);
+    if (has_bias[i]) check_dtype_and_device(op, "biases[" + std::to_string(i) + "]", biases[j++], x);
+  }
+}
+
+void check_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
+                    c10::SymInt out_features) {
+  std::vector<c10::SymInt> expected(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
+  expected.push_back(out_features);
+  TORCH_CHECK_VALUE(grad_out.sym_sizes() == c10::SymIntArrayRef(expected), "ckpt_ext.", op,
+                    ": grad_out must have shape ", c10::SymIntArrayRef(expected), ", got ",
+                    shape_str(grad_out));
+  check_dtype_and_device(op, "grad_out", grad_out, x);
+}
+
+void check_tanh_mlp_masks(const char* op, at::TensorList weights, at::TensorList biases,
+                          const std::vector<bool>& need_weights,
+                          const std::vector<bool>& need_biases) {
+  TORCH_CHECK_VALUE(need_weights.size() == weights.size(), "ckpt_ext.", op,
+                    ": need_weights must have one entry per weight (", weights.size(), "), got ",
+                    need_weights.size());
+  TORCH_CHECK_VALUE(need_biases.size() == biases.size(), "ckpt_ext.", op,
+                    ": need_biases must have one entry per bias (", biases.size(), "), got ",
+                    need_biases.size());
+}
+
+// An argument that must match another tensor (`like`) in shape, dtype and device: a gradient
+// flowing into one of the first-order backward's outputs (like x, weight or bias), or the output
+// t (like grad_out).
+void check_like(const char* op, const char* name, const std::optional<at::Tensor>& t,
+                const at::Tensor& like, const char* like_name) {
+  if (!t.has_value()) return;
+  TORCH_CHECK_VALUE(t->sym_sizes() == like.sym_sizes(), "ckpt_ext.", op, ": ", name,
+                    " must have the shape of ", like_name, " ", shape_str(like), ", got ",
+                    shape_str(*t));
+  TORCH_CHECK_TYPE(t->scalar_type() == like.scalar_type(), "ckpt_ext.", op, ": ", name,
+                   " must have the dtype of ", like_name, " (", like.scalar_type(), "), got ",
+                   t->scalar_type());
+  TORCH_CHECK_VALUE(t->device() == like.device(), "ckpt_ext.", op, ": ", name,
+                    " must be on the device of ", like_name, " (", like.device(), "), got ",
+                    t->device());
+}
+
+namespace {
+
+// grad_grad_bias (N): given only where the layer has a bias (`has_bias`).
+void check_ggb(const char* op, const std::optional<at::Tensor>& ggb, bool has_bias,
+               const at::Tensor& x, const at::Tensor& weight) {
+  if (!ggb.has_value()) return;
+  TORCH_CHECK_VALUE(has_bias, "ckpt_ext.", op,
+                    ": grad_grad_bias was given but bias is None (a layer without bias has no "
+                    "grad_bias output to receive a gradient)");
+  TORCH_CHECK_VALUE(ggb->dim() == 1 && ggb->sym_size(0) == weight.sym_size(0), "ckpt_ext.", op,
+                    ": grad_grad_bias must have shape [", weight.sym_size(0),
+                    "] (out_features), got shape ", shape_str(*ggb));
+  TORCH_CHECK_TYPE(ggb->scalar_type() == x.scalar_type(), "ckpt_ext.", op,
+                   ": grad_grad_bias must have the dtype of x (", x.scalar_type(), "), got ",
+                   ggb->scalar_type());
+  TORCH_CHECK_VALUE(ggb->device() == x.device(), "ckpt_ext.", op,
+                    ": grad_grad_bias must be on the device of x (", x.device(), "), got ",
+                    ggb->device());
+}
+
+}  // namespace
+
+void check_second_order_inputs(const char* op, const std::optional<at::Tensor>& ggx,
+                               const std::optional<at::Tensor>& ggw,
+                               const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out,
+                               const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, bool has_bias) {
+  check_linear_tanh_inputs(op, x, weight, bias);
+  check_grad_out(op, grad_out, x, weight.sym_size(0));
+  check_like(op, "grad_grad_x", ggx, x, "x");
+  check_like(op, "grad_grad_weight", ggw, weight, "weight");
+  check_ggb(op, ggb, has_bias, x, weight);
+}
+
+void check_from_output_inputs(const at::Tensor& grad_out, const at::Tensor& x,
+                              const at::Tensor& output, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "linear_tanh_backward_from_output";
+  check_linear_tanh_inputs(op, x, weight, bias);
+  check_grad_out(op, grad_out, x, weight.sym_size(0));
+  check_like(op, "output", output, grad_out, "grad_out");
+}
+
+void check_from_output_backward_inputs(const std::optional<at::Tensor>& ggx,
+                                       const std::optional<at::Tensor>& ggw,
+                                       const std::optional<at::Tensor>& ggb,
+                                       const at::Tensor& grad_out, const at::Tensor& x,
+                                       const at::Tensor& output, const at::Tensor& weight) {
+  constexpr const char* op = "linear_tanh_backward_from_output_backward";
+  check_second_order_inputs(op, ggx, ggw, ggb, grad_out, x, weight, std::nullopt,
+                            /*has_bias=*/true);
+  check_like(op, "output", output, grad_out, "grad_out");
+}
+
+void check_third_order_inputs(const std::optional<at::Tensor>& ggx,
+                              const std::optional<at::Tensor>& ggw,
+                              const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out,
+                              const at::Tensor& x, const at::Tensor& output,
+                              const at::Tensor& weight, const std::optional<at::Tensor>& u_gy,
+                              const std::optional<at::Tensor>& u_x,
+                              const std::optional<at::Tensor>& u_t,
+                              const std::optional<at::Tensor>& u_w) {
+  constexpr const char* op = "linear_tanh_backward_from_output_double_backward";
+  check_second_order_inputs(op, ggx, ggw, ggb, grad_out, x, weight, std::nullopt,
+                            /*has_bias=*/true);
+  check_like(op, "output", output, grad_out, "grad_out");
+  check_like(op, "u_grad_grad_out", u_gy, grad_out, "grad_out");
+  check_like(op, "u_grad_x", u_x, x, "x");
+  check_like(op, "u_grad_output", u_t, grad_out, "grad_out");
+  check_like(op, "u_grad_weight", u_w, weight, "weight");
+}
+
+}  // namespace ckpt_ext

@@ -1,0 +1,74 @@
+// checks.h — the supported dtypes and every input check of the ckpt_ext ops, written once: the
+// eager kernels, the Meta kernels (FakeTensor, torch.compile) and ckpt_ext._C.SUPPORTED_DTYPES
+// all use these. Sizes are read as SymInts so the Meta kernels trace dynamic shapes.
+// Shapes: x (..., K), weight (N, K), bias (N), grad_out and output (..., N); a stack's weights[i]
+// (N_i, K_i) with K_0 = x.shape[-1], K_i = N_{i-1}. A failed check throws ValueError (shapes,
+// ranks, devices) or TypeError (dtypes) naming expected and given values, "ckpt_ext.<op>: ...".
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ckpt_ext {
+
+// The dtypes the ops accept, in the order the messages list them.
+const std::vector<at::ScalarType>& supported_dtypes();
+bool is_supported_dtype(at::ScalarType t);
+// "float32, float64, bfloat16 or float16", from supported_dtypes().
+std::string supported_dtypes_text();
+
+// One layer: x at least 1-D, weight 2-D with weight.shape[1] == x.shape[-1], bias (N) or None;
+// x of a supported dtype, the others of x's dtype and on x's device.
+void check_linear_tanh_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias);
+// grad_out must have shape x.shape[:-1] + (out_features,), x's dtype and device.
+void check_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
+                    c10::SymInt out_features);
+// A stack: at least one weight; weights[i] 2-D with in_features = the previous layer's
+// out_features; biases[j] belongs to the j-th layer whose has_bias is true and has length N_i;
+// one dtype and one device. Messages name the layer index.
+void check_tanh_mlp_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+                           at::TensorList biases, const std::vector<bool>& has_bias);
+// need_weights: one entry per weight; need_biases: one per entry of biases.
+void check_tanh_mlp_masks(const char* op, at::TensorList weights, at::TensorList biases,
+                          const std::vector<bool>& need_weights,
+                          const std::vector<bool>& need_biases);
+
+// An optional argument that must match `like` in shape, dtype and device (a gradient flowing
+// into a first-order result, or the output t, like grad_out).
+void check_like(const char* op, const char* name, const std::optional<at::Tensor>& t,
+                const at::Tensor& like, const char* like_name);
+// The inputs of a second-order op: the layer's, grad_out, and grad_grad_x (like x),
+// grad_grad_weight (like weight), grad_grad_bias ((N), given only when has_bias).
+void check_second_order_inputs(const char* op, const std::optional<at::Tensor>& ggx,
+                               const std::optional<at::Tensor>& ggw,
+                               const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out,
+                               const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, bool has_bias);
+
+// linear_tanh_backward_from_output: the layer's inputs, grad_out, and output like grad_out.
+void check_from_output_inputs(const at::Tensor& grad_out, const at::Tensor& x,
+                              const at::Tensor& output, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias);
+// linear_tanh_backward_from_output_backward: a second-order op's inputs (no bias), and output.
+void check_from_output_backward_inputs(const std::optional<at::Tensor>& ggx,
+                                       const std::optional<at::Tensor>& ggw,
+                                       const std::optional<at::Tensor>& ggb,
+                                       const at::Tensor& grad_out, const at::Tensor& x,
+                                       const at::Tensor& output, const at::Tensor& weight);
+// linear_tanh_backward_from_output_double_backward: those, and u_* like the results they are
+// the gradients of (u_grad_grad_out and u_grad_output like grad_out, u_grad_x like x, u_grad_weight
+// like weight).
+void check_third_order_inputs(const std::optional<at::Tensor>& ggx,
+                              const std::optional<at::Tensor>& ggw,
+                              const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out,
+                              const at::Tensor& x, const at::Tensor& output,
+                              const at::Tensor& weight, const std::optional<at::Tensor>& u_gy,
+                              const std::optional<at::Tensor>& u_x,
+                              const std::optional<at::Tensor>& u_t,
+                              const std::optional<at::Tensor>& u_w);
+
+}  // namespace ckpt_ext

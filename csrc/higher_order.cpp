@@ -1,0 +1,293 @@
+// higher_order.cpp — the kernels of the orders above the first of linear_tanh (schemas in
+// schemas.cpp; the math in docs/design.md, "Higher orders"), one function each for CPU and CUDA:
+//   linear_tanh_double_backward                 the backward of linear_tanh_backward (recomputes t)
+//   linear_tanh_backward_from_output            linear_tanh_backward from t, an input
+//   linear_tanh_backward_from_output_backward   its backward (nothing to recompute)
+// Shapes: x (..., K), weight (N, K), grad_out and output (..., N), rows flattened to (M, ·).
+// GEMMs and elementwise steps are ATen ops, tanh and the bias sums the primitives (primitives.h);
+// float16/bfloat16 compute in float32 and round each result once (from_output: in the storage
+// type, as linear_tanh_backward). The Meta kernels run the same checks (checks.cpp).
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+#include "checks.h"
+#include "higher_order.h"
+#include "primitives.h"
+#include "stack.h"
+
+namespace ckpt_ext {
+
+std::optional<at::Tensor> rows_of(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return std::nullopt;
+  return flatten_rows(*t);
+}
+
+std::optional<at::Tensor> to_float(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return std::nullopt;
+  return t->to(at::kFloat);
+}
+
+bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+at::Tensor grad_of_g(const std::optional<at::Tensor>& ggx, const std::optional<at::Tensor>& ggw,
+                     const std::optional<at::Tensor>& ggb, const at::Tensor& x,
+                     const at::Tensor& weight) {
+  at::Tensor dg;
+  if (ggx.has_value()) {
+    dg = ggb.has_value() ? at::addmm(*ggb, *ggx, weight.t()) : at::mm(*ggx, weight.t());
+    if (ggw.has_value()) dg.addmm_(x, ggw->t());
+  } else if (ggw.has_value()) {
+    dg = ggb.has_value() ? at::addmm(*ggb, x, ggw->t()) : at::mm(x, ggw->t());
+  } else {
+    dg = ggb->expand({x.size(0), weight.size(0)}).contiguous();
+  }
+  return dg;
+}
+
+namespace {
+
+constexpr const char* kDouble = "linear_tanh_double_backward";
+
+// ----------------------------------------------------------------------------------------------
+// linear_tanh_double_backward: the backward of linear_tanh_backward (recomputing)
+
+// On (M, K) / (M, N) matrices of one dtype (float or double; the op upcasts half types first).
+// Returns (dgy (M, N), dx (M, K), dW (N, K), db (N)), undefined where not asked.
+std::array<at::Tensor, 4> double_backward_2d(const std::optional<at::Tensor>& ggx,
+                                             const std::optional<at::Tensor>& ggw,
+                                             const std::optional<at::Tensor>& ggb,
+                                             const at::Tensor& gy, const at::Tensor& x,
+                                             const at::Tensor& weight,
+                                             const std::optional<at::Tensor>& bias,
+                                             std::array<bool, 4> mask) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const bool want_dgy = mask[0], want_dx = mask[1], want_dw = mask[2];
+  const bool want_db = mask[3] && bias.has_value();
+  std::array<at::Tensor, 4> out;
+  const bool any_input = ggx.has_value() || ggw.has_value() || ggb.has_value();
+  if (!any_input || !(want_dgy || want_dx || want_dw || want_db)) {
+    // No gradient reached linear_tanh_backward's outputs: every result is zero.
+    if (want_dgy) out[0] = at::zeros({M, N}, x.options());
+    if (want_dx) out[1] = at::zeros({M, K}, x.options());
+    if (want_dw) out[2] = at::zeros({N, K}, x.options());
+    if (want_db) out[3] = at::zeros({N}, x.options());
+    return out;
+  }
+
+  // t = tanh(x·Wᵀ + b), recomputed the way the forward computes it (one GEMM, bias in it).
+  at::Tensor t = pre_activation(x, weight, bias);  // (M, N): z, then t in place
+  tanh_in_place(t);
+
+  // g = grad_out·s, needed only for the explicit terms g·ggW (grad_x) and gᵀ·ggx (grad_W).
+  at::Tensor g;
+  if ((want_dx && ggw.has_value()) || (want_dw && ggx.has_value())) g = at::tanh_backward(gy, t);
+
+  // dg·s, in place in dg's buffer: the grad_grad_out result, and a factor of dz.
+  at::Tensor dg_s = grad_of_g(ggx, ggw, ggb, x, weight);
+  at::tanh_backward_out(dg_s, dg_s, t);
+  if (want_dgy) out[0] = dg_s;
+
+  if (want_dx || want_dw || want_db) {
+    // dz = −2·dg·grad_out·t·s = −2·(dg·s)·grad_out·t, in place in t's buffer.
+    at::Tensor dz = t.mul_(gy).mul_(dg_s).mul_(-2);
+    t = at::Tensor();
+    dg_s = at::Tensor();
+    if (want_db) out[3] = bias_grad(dz);
+    if (want_dx) {
+      out[1] = at::mm(dz, weight);
+      if (ggw.has_value()) out[1].addmm_(g, *ggw);
+    }
+    if (want_dw) {
+      out[2] = at::mm(dz.t(), x);
+      if (ggx.has_value()) out[2].addmm_(g.t(), *ggx);
+    }
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_tanh_double_backward(
+    const std::optional<at::Tensor>& grad_grad_x, const std::optional<at::Tensor>& grad_grad_weight,
+    const std::optional<at::Tensor>& grad_grad_bias, const at::Tensor& grad_out,
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    std::array<bool, 4> output_mask) {
+  check_second_order_inputs(kDouble, grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x,
+                            weight, bias, bias.has_value());
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  at::Tensor x2 = flatten_rows(x);
+  at::Tensor gy2 = grad_out.reshape({x2.size(0), weight.size(0)});
+  std::optional<at::Tensor> ggx2 = rows_of(grad_grad_x);
+  std::array<at::Tensor, 4> r;
+  const at::ScalarType dtype = x.scalar_type();
+  if (is_half(dtype)) {
+    // Half types: compute in float32 and round each result once, as the other ops do.
+    r = double_backward_2d(to_float(ggx2), to_float(grad_grad_weight), to_float(grad_grad_bias),
+                           gy2.to(at::kFloat), x2.to(at::kFloat), weight.to(at::kFloat),
+                           to_float(bias), output_mask);
+    for (auto& t : r) {
+      if (t.defined()) t = t.to(dtype);
+    }
+  } else {
+    r = double_backward_2d(ggx2, grad_grad_weight, grad_grad_bias, gy2, x2, weight, bias,
+                           output_mask);
+  }
+  if (r[0].defined()) r[0] = r[0].view(grad_out.sizes());
+  if (r[1].defined()) r[1] = r[1].view(x.sizes());
+  return {r[0], r[1], r[2], r[3]};
+}
+
+// Meta kernel (FakeTensor, torch.compile): the same checks, then the result metadata.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_tanh_double_backward_meta(
+    const std::optional<at::Tensor>& grad_grad_x, const std::optional<at::Tensor>& grad_grad_weight,
+    const std::optional<at::Tensor>& grad_grad_bias, const at::Tensor& grad_out,
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    std::array<bool, 4> output_mask) {
+  check_second_order_inputs(kDouble, grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x,
+                            weight, bias, bias.has_value());
+  return {output_mask[0] ? at::empty_symint(grad_out.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[1] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[2] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[3] && bias.has_value()
+              ? at::empty_symint({weight.sym_size(0)}, x.options())
+              : at::Tensor()};
+}
+
+// ----------------------------------------------------------------------------------------------
+// linear_tanh_backward_from_output: linear_tanh_backward after its recompute, from t.
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& output,
+    const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    std::array<bool, 3> output_mask) {
+  check_from_output_inputs(grad_out, x, output, weight, bias);
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  at::Tensor x2 = flatten_rows(x);
+  const int64_t M = x2.size(0), N = weight.size(0);
+  // g = grad_out·(1 − t²), t left as it is; the bias gradient as the column sums of g in the
+  // documented order (linear_tanh_math.h), as linear_tanh_backward sums it.
+  at::Tensor g = at::tanh_backward(grad_out.reshape({M, N}), output.reshape({M, N}));
+  at::Tensor grad_b = output_mask[2] && bias.has_value() ? bias_grad(g) : at::Tensor();
+  at::Tensor grad_x = output_mask[0] ? at::mm(g, weight).view(x.sizes()) : at::Tensor();
+  at::Tensor grad_w = output_mask[1] ? at::mm(g.t(), x2) : at::Tensor();
+  return {grad_x, grad_w, grad_b};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output_meta(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& output,
+    const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    std::array<bool, 3> output_mask) {
+  check_from_output_inputs(grad_out, x, output, weight, bias);
+  return {output_mask[0] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[1] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[2] && bias.has_value()
+              ? at::empty_symint({weight.sym_size(0)}, x.options())
+              : at::Tensor()};
+}
+
+// ----------------------------------------------------------------------------------------------
+// linear_tanh_backward_from_output_backward: its backward (nothing to recompute)
+
+// Returns (dgy (M, N), dx (M, K), dt (M, N), dW (N, K)), undefined where not asked.
+std::array<at::Tensor, 4> from_output_backward_2d(const std::optional<at::Tensor>& ggx,
+                                                  const std::optional<at::Tensor>& ggw,
+                                                  const std::optional<at::Tensor>& ggb,
+                                                  const at::Tensor& gy, const at::Tensor& x,
+                                                  const at::Tensor& t, const at::Tensor& weight,
+                                                  std::array<bool, 4> mask) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const bool want_dgy = mask[0], want_dx = mask[1], want_dt = mask[2], want_dw = mask[3];
+  std::array<at::Tensor, 4> out;
+  // The explicit terms g·ggW and gᵀ·ggx, with g = grad_out·(1 − t²).
+  at::Tensor g;
+  if ((want_dx && ggw.has_value()) || (want_dw && ggx.has_value())) g = at::tanh_backward(gy, t);
+  if (want_dx) out[1] = ggw.has_value() ? at::mm(g, *ggw) : at::zeros({M, K}, x.options());
+  if (want_dw) out[3] = ggx.has_value() ? at::mm(g.t(), *ggx) : at::zeros({N, K}, x.options());
+  g = at::Tensor();
+  if (!want_dgy && !want_dt) return out;
+  if (!ggx.has_value() && !ggw.has_value() && !ggb.has_value()) {
+    if (want_dgy) out[0] = at::zeros({M, N}, x.options());
+    if (want_dt) out[2] = at::zeros({M, N}, x.options());
+    return out;
+  }
+  at::Tensor dg = grad_of_g(ggx, ggw, ggb, x, weight);
+  if (want_dt) out[2] = at::mul(dg, gy).mul_(t).mul_(-2);  // −2·dg·grad_out·t
+  if (want_dgy) {
+    at::tanh_backward_out(dg, dg, t);  // dg·(1 − t²), in place
+    out[0] = dg;
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+linear_tanh_backward_from_output_backward(
+    const std::optional<at::Tensor>& grad_grad_x, const std::optional<at::Tensor>& grad_grad_weight,
+    const std::optional<at::Tensor>& grad_grad_bias, const at::Tensor& grad_out,
+    const at::Tensor& x, const at::Tensor& output, const at::Tensor& weight,
+    std::array<bool, 4> output_mask) {
+  check_from_output_backward_inputs(grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x,
+                                    output, weight);
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  at::Tensor x2 = flatten_rows(x);
+  const int64_t M = x2.size(0), N = weight.size(0);
+  at::Tensor gy2 = grad_out.reshape({M, N}), t2 = output.reshape({M, N});
+  std::optional<at::Tensor> ggx2 = rows_of(grad_grad_x);
+  std::array<at::Tensor, 4> r;
+  const at::ScalarType dtype = x.scalar_type();
+  if (is_half(dtype)) {
+    r = from_output_backward_2d(to_float(ggx2), to_float(grad_grad_weight),
+                                to_float(grad_grad_bias), gy2.to(at::kFloat), x2.to(at::kFloat),
+                                t2.to(at::kFloat), weight.to(at::kFloat), output_mask);
+    for (auto& t : r) {
+      if (t.defined()) t = t.to(dtype);
+    }
+  } else {
+    r = from_output_backward_2d(ggx2, grad_grad_weight, grad_grad_bias, gy2, x2, t2, weight,
+                                output_mask);
+  }
+  if (r[0].defined()) r[0] = r[0].view(grad_out.sizes());
+  if (r[1].defined()) r[1] = r[1].view(x.sizes());
+  if (r[2].defined()) r[2] = r[2].view(output.sizes());
+  return {r[0], r[1], r[2], r[3]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+linear_tanh_backward_from_output_backward_meta(
+    const std::optional<at::Tensor>& grad_grad_x, const std::optional<at::Tensor>& grad_grad_weight,
+    const std::optional<at::Tensor>& grad_grad_bias, const at::Tensor& grad_out,
+    const at::Tensor& x, const at::Tensor& output, const at::Tensor& weight,
+    std::array<bool, 4> output_mask) {
+  check_from_output_backward_inputs(grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x,
+                                    output, weight);
+  return {output_mask[0] ? at::empty_symint(grad_out.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[1] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[2] ? at::empty_symint(output.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[3] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor()};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
+  m.impl("linear_tanh_double_backward", &linear_tanh_double_backward);
+  m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output);
+  m.impl("linear_tanh_backward_from_output_backward", &linear_tanh_backward_from_output_backward);
+}
+
+#ifdef CKPT_EXT_WITH_CUDA
+TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
+  m.impl("linear_tanh_double_backward", &linear_tanh_double_backward);
+  m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output);
+  m.impl("linear_tanh_backward_from_output_backward", &linear_tanh_backward_from_output_backward);
+}
+#endif
+
+TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
+  m.impl("linear_tanh_double_backward", &linear_tanh_double_backward_meta);
+  m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output_meta);
+  m.impl("linear_tanh_backward_from_output_backward",
+         &linear_tanh_backward_from_output_backward_meta);
+}
+
+}  // namespace ckpt_ext

@@ -1,0 +1,163 @@
+// ops.cpp — the kernels of linear_tanh, linear_tanh_backward, tanh_mlp and tanh_mlp_backward
+// (schemas in schemas.cpp): checks (checks.cpp), device guard, then the stack engine (stack.cpp),
+// one function for CPU and CUDA; and their Meta kernels, the same checks then fresh outputs.
+//   linear_tanh(x (..., K), weight (N, K), bias (N)?) -> y (..., N) = tanh(x·Wᵀ + b)
+//   tanh_mlp(x (..., K_0), weights[i] (N_i, K_i), biases, has_bias, last_tanh) -> y (..., N_{L-1})
+// Each backward recomputes the activations and returns only the gradients asked for.
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <array>
+#include <tuple>
+#include <vector>
+
+#include "checks.h"
+#include "stack.h"
+
+namespace ckpt_ext {
+
+namespace {
+
+at::Tensor linear_tanh(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  check_linear_tanh_inputs("linear_tanh", x, weight, bias);
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  const bool has_bias = bias.has_value();
+  return stack_forward(x, {weight}, has_bias ? at::TensorList(*bias) : at::TensorList(),
+                       std::vector<bool>{has_bias}, /*last_tanh=*/true);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
+  constexpr const char* op = "linear_tanh_backward";
+  check_linear_tanh_inputs(op, x, weight, bias);
+  check_grad_out(op, grad_out, x, weight.sym_size(0));
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  const bool has_bias = bias.has_value();
+  StackGrads g = stack_backward(grad_out, x, {weight},
+                                has_bias ? at::TensorList(*bias) : at::TensorList(),
+                                std::vector<bool>{has_bias}, /*last_tanh=*/true, output_mask[0],
+                                std::vector<bool>{output_mask[1]},
+                                has_bias ? std::vector<bool>{output_mask[2]} : std::vector<bool>{});
+  return {g.grad_x, g.grad_weights[0], has_bias ? g.grad_biases[0] : at::Tensor()};
+}
+
+// Meta kernels: what FakeTensor and torch.compile run. The same checks as the eager ops, then the
+// output metadata (fresh contiguous tensors), read as SymInts so dynamic shapes trace.
+std::vector<c10::SymInt> out_shape(const at::Tensor& x, c10::SymInt out_features) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
+  shape.push_back(std::move(out_features));
+  return shape;
+}
+
+at::Tensor linear_tanh_meta(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias) {
+  check_linear_tanh_inputs("linear_tanh", x, weight, bias);
+  return at::empty_symint(out_shape(x, weight.sym_size(0)), x.options());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
+  constexpr const char* op = "linear_tanh_backward";
+  check_linear_tanh_inputs(op, x, weight, bias);
+  check_grad_out(op, grad_out, x, weight.sym_size(0));
+  return {output_mask[0] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[1] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[2] && bias.has_value()
+              ? at::empty_symint({weight.sym_size(0)}, x.options())
+              : at::Tensor()};
+}
+
+
+// The registered kernels take bool[] as c10::List<bool> (what the dispatcher passes); the engine
+// and the checks read std::vector<bool>.
+at::Tensor tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                    const c10::List<bool>& has_bias_list, bool last_tanh) {
+  const std::vector<bool> has_bias = has_bias_list.vec();
+  check_tanh_mlp_inputs("tanh_mlp", x, weights, biases, has_bias);
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  return stack_forward(x, weights, biases, has_bias, last_tanh);
+}
+
+// Only the gradients asked for, in order (the schema's compact lists).
+std::vector<at::Tensor> asked(std::vector<at::Tensor>&& grads, const std::vector<bool>& need) {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (need[i]) out.push_back(std::move(grads[i]));
+  }
+  return out;
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> tanh_mlp_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
+    at::TensorList biases, const c10::List<bool>& has_bias_list, bool last_tanh, bool need_x,
+    const c10::List<bool>& need_weights_list, const c10::List<bool>& need_biases_list) {
+  constexpr const char* op = "tanh_mlp_backward";
+  const std::vector<bool> has_bias = has_bias_list.vec(), need_weights = need_weights_list.vec(),
+                          need_biases = need_biases_list.vec();
+  check_tanh_mlp_inputs(op, x, weights, biases, has_bias);
+  check_tanh_mlp_masks(op, weights, biases, need_weights, need_biases);
+  check_grad_out(op, grad_out, x, weights.back().sym_size(0));
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  StackGrads g = stack_backward(grad_out, x, weights, biases, has_bias, last_tanh, need_x,
+                                need_weights, need_biases);
+  return {g.grad_x, asked(std::move(g.grad_weights), need_weights),
+          asked(std::move(g.grad_biases), need_biases)};
+}
+
+at::Tensor tanh_mlp_meta(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                         const c10::List<bool>& has_bias, bool last_tanh) {
+  check_tanh_mlp_inputs("tanh_mlp", x, weights, biases, has_bias.vec());
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
+  shape.push_back(weights.back().sym_size(0));
+  return at::empty_symint(shape, x.options());
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> tanh_mlp_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
+    at::TensorList biases, const c10::List<bool>& has_bias, bool last_tanh, bool need_x,
+    const c10::List<bool>& need_weights_list, const c10::List<bool>& need_biases_list) {
+  constexpr const char* op = "tanh_mlp_backward";
+  const std::vector<bool> need_weights = need_weights_list.vec(),
+                          need_biases = need_biases_list.vec();
+  check_tanh_mlp_inputs(op, x, weights, biases, has_bias.vec());
+  check_tanh_mlp_masks(op, weights, biases, need_weights, need_biases);
+  check_grad_out(op, grad_out, x, weights.back().sym_size(0));
+  std::vector<at::Tensor> gw, gb;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (need_weights[i]) gw.push_back(at::empty_symint(weights[i].sym_sizes(), x.options()));
+  }
+  for (size_t j = 0; j < biases.size(); ++j) {
+    if (need_biases[j]) gb.push_back(at::empty_symint(biases[j].sym_sizes(), x.options()));
+  }
+  return {need_x ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(), gw, gb};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
+  m.impl("linear_tanh", &linear_tanh);
+  m.impl("linear_tanh_backward", &linear_tanh_backward);
+  m.impl("tanh_mlp", &tanh_mlp);
+  m.impl("tanh_mlp_backward", &tanh_mlp_backward);
+}
+
+#ifdef CKPT_EXT_WITH_CUDA
+TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
+  m.impl("linear_tanh", &linear_tanh);
+  m.impl("linear_tanh_backward", &linear_tanh_backward);
+  m.impl("tanh_mlp", &tanh_mlp);
+  m.impl("tanh_mlp_backward", &tanh_mlp_backward);
+}
+#endif
+
+TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
+  m.impl("linear_tanh", &linear_tanh_meta);
+  m.impl("linear_tanh_backward", &linear_tanh_backward_meta);
+  m.impl("tanh_mlp", &tanh_mlp_meta);
+  m.impl("tanh_mlp_backward", &tanh_mlp_backward_meta);
+}
+
+}  // namespace ckpt_ext

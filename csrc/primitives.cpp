@@ -1,0 +1,45 @@
+// primitives.cpp — the buffers (with the NaN-poisoning test hook) and the device-generic
+// primitives of primitives.h, each routed to its CPU or CUDA version by the buffer's device.
+#include "primitives.h"
+
+#include <atomic>
+#include <limits>
+
+namespace ckpt_ext {
+
+namespace {
+std::atomic<bool> g_poison_buffers{false};
+}  // namespace
+
+void set_poison_buffers(bool on) { g_poison_buffers.store(on); }
+bool poison_buffers() { return g_poison_buffers.load(); }
+
+at::Tensor new_buffer(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(sizes, options);
+  if (poison_buffers()) t.fill_(std::numeric_limits<double>::quiet_NaN());
+  return t;
+}
+
+#ifdef CKPT_EXT_WITH_CUDA
+#define CKPT_EXT_ON_DEVICE(t, cpu_call, cuda_call) ((t).is_cuda() ? (cuda_call) : (cpu_call))
+#else
+#define CKPT_EXT_ON_DEVICE(t, cpu_call, cuda_call) (cpu_call)
+#endif
+
+void tanh_in_place(const at::Tensor& acc) {
+  CKPT_EXT_ON_DEVICE(acc, tanh_cpu_(acc), tanh_cuda_(acc));
+}
+
+at::Tensor tanh_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Holds holds,
+                          bool want_bias_grad) {
+  return CKPT_EXT_ON_DEVICE(acc, tanh_backward_cpu_(acc, grad_out, holds, want_bias_grad),
+                            tanh_backward_cuda_(acc, grad_out, holds, want_bias_grad));
+}
+
+at::Tensor bias_grad(const at::Tensor& grad_out) {
+  return CKPT_EXT_ON_DEVICE(grad_out, bias_grad_cpu(grad_out), bias_grad_cuda(grad_out));
+}
+
+#undef CKPT_EXT_ON_DEVICE
+
+}  // namespace ckpt_ext

@@ -1,0 +1,97 @@
+// schemas.cpp — every schema of the ckpt_ext op library, once; the CUDA kernel of a CPU-only
+// build (an error that names the problem); and typed handles to call the ops from C++.
+// The kernels: ops.cpp (linear_tanh, tanh_mlp and their backward), higher_order.cpp (the orders
+// above the first), cpu/third_order.cpp, autocast.cpp; autograd from Python (ckpt_ext/_autograd.py).
+#include "schemas.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+namespace ckpt_ext {
+
+TORCH_LIBRARY(ckpt_ext, m) {
+  m.def("linear_tanh(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def(
+      "linear_tanh_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor? bias, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // A stack of Linear layers with tanh after each (after the last only when last_tanh).
+  // `biases` holds the biases of the layers whose has_bias is true, in layer order (a list of
+  // Tensor, not Tensor?, so that autograd sees every bias).
+  m.def("tanh_mlp(Tensor x, Tensor[] weights, Tensor[] biases, bool[] has_bias, bool last_tanh)"
+        " -> Tensor");
+  // grad_weights / grad_biases hold only the gradients asked for (need_weights[i] true,
+  // need_biases[j] true), in order; grad_x is undefined unless need_x.
+  m.def(
+      "tanh_mlp_backward(Tensor grad_out, Tensor x, Tensor[] weights, Tensor[] biases, "
+      "bool[] has_bias, bool last_tanh, bool need_x, bool[] need_weights, bool[] need_biases) "
+      "-> (Tensor grad_x, Tensor[] grad_weights, Tensor[] grad_biases)");
+  // The orders above the first (higher_order.cpp; the math in docs/design.md). A grad_grad_*
+  // input is None where no gradient reached that output; only the results asked for in
+  // output_mask are computed, the others come back undefined.
+  m.def(
+      "linear_tanh_double_backward(Tensor? grad_grad_x, Tensor? grad_grad_weight, "
+      "Tensor? grad_grad_bias, Tensor grad_out, Tensor x, Tensor weight, Tensor? bias, "
+      "bool[4] output_mask) -> (Tensor grad_grad_out, Tensor grad_x, Tensor grad_weight, "
+      "Tensor grad_bias)");
+  m.def(
+      "linear_tanh_backward_from_output(Tensor grad_out, Tensor x, Tensor output, Tensor weight, "
+      "Tensor? bias, bool[3] output_mask) -> (Tensor grad_x, Tensor grad_weight, "
+      "Tensor grad_bias)");
+  m.def(
+      "linear_tanh_backward_from_output_backward(Tensor? grad_grad_x, Tensor? grad_grad_weight, "
+      "Tensor? grad_grad_bias, Tensor grad_out, Tensor x, Tensor output, Tensor weight, "
+      "bool[4] output_mask) -> (Tensor grad_grad_out, Tensor grad_x, Tensor grad_output, "
+      "Tensor grad_weight)");
+  // CPU only (cpu/third_order.cpp).
+  m.def(
+      "linear_tanh_backward_from_output_double_backward(Tensor? grad_grad_x, "
+      "Tensor? grad_grad_weight, Tensor? grad_grad_bias, Tensor grad_out, Tensor x, "
+      "Tensor output, Tensor weight, Tensor? u_grad_grad_out, Tensor? u_grad_x, "
+      "Tensor? u_grad_output, Tensor? u_grad_weight, bool[7] output_mask) -> "
+      "(Tensor d_grad_grad_x, Tensor d_grad_grad_weight, Tensor d_grad_grad_bias, "
+      "Tensor d_grad_out, Tensor d_x, Tensor d_output, Tensor d_weight)");
+}
+
+#ifndef CKPT_EXT_WITH_CUDA
+namespace {
+
+// The CUDA kernel of every device-generic op in a CPU-only build: an error that names the
+// problem, instead of the dispatcher's generic "could not run with arguments from the 'CUDA'
+// backend".
+void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
+  TORCH_CHECK(false, op.schema().name(), ": got CUDA tensors, but this build of ckpt_ext has no "
+              "CUDA kernels (ckpt_ext.WITH_CUDA is False); rebuild it where nvcc and a CUDA build "
+              "of torch are present (CKPT_EXT_CUDA=1 makes a missing toolkit an error)");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
+  for (const char* name :
+       {"linear_tanh", "linear_tanh_backward", "tanh_mlp", "tanh_mlp_backward",
+        "linear_tanh_double_backward", "linear_tanh_backward_from_output",
+        "linear_tanh_backward_from_output_backward"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
+  }
+}
+#endif
+
+at::Tensor call_linear_tanh(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ckpt_ext::linear_tanh", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&)>();
+  return op.call(x, weight, bias);
+}
+
+at::Tensor call_tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                         const c10::List<bool>& has_bias, bool last_tanh) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ckpt_ext::tanh_mlp", "")
+                       .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
+                                         const c10::List<bool>&, bool)>();
+  return op.call(x, weights, biases, has_bias, last_tanh);
+}
+
+}  // namespace ckpt_ext

@@ -1,0 +1,18 @@
+// schemas.h — calling the ckpt_ext ops through the dispatcher from C++ (schemas.cpp): the autocast
+// kernels and the autograd node re-enter the library this way, so every key below theirs runs.
+// Shapes: x (..., K_0); weights[i] (N_i, K_i); biases those of the layers whose has_bias is true.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/List.h>
+
+#include <optional>
+
+namespace ckpt_ext {
+
+at::Tensor call_linear_tanh(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias);
+at::Tensor call_tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                         const c10::List<bool>& has_bias, bool last_tanh);
+
+}  // namespace ckpt_ext

@@ -1,0 +1,130 @@
+// stack.cpp — the stack engine of stack.h: forward, and backward that recomputes the stack once
+// and walks it back freeing each buffer as soon as it is used (docs/design.md, "The stack engine").
+#include "stack.h"
+
+#include "primitives.h"
+
+namespace ckpt_ext {
+
+at::Tensor flatten_rows(const at::Tensor& x) {
+  int64_t m = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) m *= x.size(d);
+  return x.reshape({m, x.size(-1)});
+}
+
+at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
+  at::Tensor out = new_buffer({a.size(0), weight.size(0)}, a.options());
+  if (bias.has_value()) {
+    at::addmm_out(out, *bias, a, weight.t());
+  } else {
+    at::mm_out(out, a, weight.t());
+  }
+  return out;
+}
+
+namespace {
+
+// The bias of each layer (nullopt where has_bias is false), from the compact `biases` list.
+std::vector<std::optional<at::Tensor>> layer_biases(at::TensorList biases,
+                                                    const std::vector<bool>& has_bias) {
+  std::vector<std::optional<at::Tensor>> out(has_bias.size());
+  size_t j = 0;
+  for (size_t i = 0; i < has_bias.size(); ++i) {
+    if (has_bias[i]) out[i] = biases[j++];
+  }
+  return out;
+}
+
+std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(out_features);
+  return shape;
+}
+
+}  // namespace
+
+at::Tensor stack_forward(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                         const std::vector<bool>& has_bias, bool last_tanh) {
+  const auto b = layer_biases(biases, has_bias);
+  const int64_t L = static_cast<int64_t>(weights.size());
+  at::Tensor a = flatten_rows(x);
+  for (int64_t i = 0; i < L; ++i) {
+    at::Tensor z = pre_activation(a, weights[i], b[i]);  // (M, N_i), the only new buffer
+    if (i + 1 < L || last_tanh) tanh_in_place(z);
+    a = std::move(z);  // the previous layer's output is freed here
+  }
+  // _unsafe_view: the result must not be an autograd view of an internal buffer, or in-place ops
+  // on the output (`y += residual`, Dropout(inplace=True)) are refused by autograd.
+  return at::_unsafe_view(a, out_sizes(x, weights[L - 1].size(0)));
+}
+
+StackGrads stack_backward(at::Tensor grad_out, const at::Tensor& x, at::TensorList weights,
+                          at::TensorList biases, const std::vector<bool>& has_bias, bool last_tanh,
+                          bool need_x, const std::vector<bool>& need_weights,
+                          const std::vector<bool>& need_biases) {
+  const auto b = layer_biases(biases, has_bias);
+  const int64_t L = static_cast<int64_t>(weights.size());
+  StackGrads out;
+  out.grad_weights.resize(L);
+  out.grad_biases.resize(biases.size());
+
+  // need_bias[i]: layer i has a bias and its gradient is asked for; bias_slot[i]: its index in
+  // `biases`.
+  std::vector<bool> need_bias(L, false);
+  std::vector<int64_t> bias_slot(L, -1);
+  for (int64_t i = 0, j = 0; i < L; ++i) {
+    if (has_bias[i]) {
+      bias_slot[i] = j;
+      need_bias[i] = need_biases[j++];
+    }
+  }
+  // The lowest layer whose backward has to run; layers below it only feed the recompute.
+  int64_t lo = need_x ? 0 : L;
+  for (int64_t i = 0; i < L && lo == L; ++i) {
+    if (need_weights[i] || need_bias[i]) lo = i;
+  }
+  if (lo == L) return out;  // nothing asked for
+
+  // Recompute. acts[i] = a_i, the input of layer i, (M, K_i); kept for i >= lo only.
+  std::vector<at::Tensor> acts(L);
+  acts[0] = flatten_rows(x);
+  const int64_t M = acts[0].size(0);
+  for (int64_t i = 0; i + 1 < L; ++i) {
+    at::Tensor z = pre_activation(acts[i], weights[i], b[i]);
+    tanh_in_place(z);
+    acts[i + 1] = std::move(z);
+    if (i < lo) acts[i] = at::Tensor();
+  }
+  at::Tensor top_z;  // the top layer's pre-activation, with last_tanh
+  if (last_tanh) top_z = pre_activation(acts[L - 1], weights[L - 1], b[L - 1]);
+
+  // grad: the gradient w.r.t. the current layer's output, (M, N_i); starts as grad_out (a view
+  // where possible: out.mean() gives strides (0, 0), which the primitives read as they are).
+  // From here `grad` is this function's only reference to the incoming gradient, so dropping it
+  // below frees it when the caller handed over its own (see stack_backward in stack.h).
+  at::Tensor grad = grad_out.reshape({M, weights[L - 1].size(0)});
+  grad_out = at::Tensor();
+  for (int64_t i = L - 1; i >= lo; --i) {
+    at::Tensor g;  // the gradient w.r.t. z_i
+    at::Tensor grad_b;
+    if (i == L - 1 && !last_tanh) {
+      g = std::move(grad);
+      if (need_bias[i]) grad_b = bias_grad(g);
+    } else {
+      // z (top, last_tanh) or t = a_{i+1} becomes g in place.
+      const bool top = i == L - 1;
+      g = top ? std::move(top_z) : std::move(acts[i + 1]);
+      grad_b = tanh_backward_(g, grad, top ? Holds::kPreActivation : Holds::kTanhOutput,
+                              need_bias[i]);
+      grad = at::Tensor();  // freed before the GEMMs allocate (if nobody else holds it)
+    }
+    if (need_bias[i]) out.grad_biases[bias_slot[i]] = std::move(grad_b);
+    if (need_weights[i]) out.grad_weights[i] = at::mm(g.t(), acts[i]);
+    if (i > lo || need_x) grad = at::mm(g, weights[i]);  // (M, K_i)
+  }
+  if (need_x) out.grad_x = grad.view(x.sizes());
+  return out;
+}
+
+}  // namespace ckpt_ext

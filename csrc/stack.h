@@ -1,0 +1,44 @@
+// stack.h — the stack engine: one implementation of a stack of Linear layers with tanh, forward
+// and recomputing backward, on every device; linear_tanh is its one-layer case (ops.cpp).
+// Shapes: x (..., K_0); weights[i] (N_i, K_i), K_i = N_{i-1}; `biases` holds only the layers'
+// biases that exist (has_bias[i]), each (N_i); inside, x is flattened to (M, K_0) and every
+// activation buffer is (M, N_i) contiguous. GEMMs through ATen, elementwise passes the
+// primitives of primitives.h. The memory schedule is in docs/design.md, "The stack engine".
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace ckpt_ext {
+
+// x (..., K) as (M, K), M = prod(x.shape[:-1]): a view where possible. Spelled out rather than
+// reshape({-1, K}), which cannot infer M when K == 0 (nn.Linear allows in_features = 0).
+at::Tensor flatten_rows(const at::Tensor& x);
+
+// z = a (M, K) · weightᵀ + bias into a new (M, N) contiguous buffer, by one GEMM (addmm with the
+// bias, so z is rounded to the storage type once, as in F.linear). The forward and the recompute
+// in backward both use it, so the recomputed z equals the forward's to the bit.
+at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias);
+
+// Returns the output, (..., N_{L-1}), a fresh tensor (not a view of an internal buffer).
+at::Tensor stack_forward(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                         const std::vector<bool>& has_bias, bool last_tanh);
+
+struct StackGrads {
+  at::Tensor grad_x;                     // undefined when not asked for
+  std::vector<at::Tensor> grad_weights;  // one per weight; undefined where not asked for
+  std::vector<at::Tensor> grad_biases;   // one per entry of `biases`; undefined where not asked
+};
+// grad_out is taken by value, and this function drops its reference right after the top layer's
+// elementwise pass (before any GEMM allocates): a caller that moves its only reference in (the
+// autograd node, autograd_node.cpp) lets the incoming gradient be freed there, as plain autograd
+// frees it after the top TanhBackward. The ops pass a copy: their caller's tensor lives on.
+StackGrads stack_backward(at::Tensor grad_out, const at::Tensor& x, at::TensorList weights,
+                          at::TensorList biases, const std::vector<bool>& has_bias, bool last_tanh,
+                          bool need_x, const std::vector<bool>& need_weights,
+                          const std::vector<bool>& need_biases);
+
+}  // namespace ckpt_ext
