@@ -314,13 +314,13 @@ def _triple_inputs(combo, dtype=DT, seed=0):
 def test_third_order_cpu_kernel_matches_its_aten_composition():
     # The fused CPU kernel against _from_output_backward_vjp (whose derivatives gradgradcheck
     # checks above), every combination of given inputs, float64 and float32.
-    from ckpt_ext import ops
+    from ckpt_ext import _derivatives
     worst = {DT: 0.0, torch.float32: 0.0}
     for dtype in worst:
         for combo in itertools.product([False, True], repeat=7):
             args = _triple_inputs(combo, dtype)
             got = OPS.linear_tanh_backward_from_output_double_backward(*args, [True] * 7)
-            want = ops._from_output_backward_vjp(*args, [True] * 7)
+            want = _derivatives._from_output_backward_vjp(*args, [True] * 7)
             for g_, w_ in zip(got, want):
                 if w_ is None:
                     assert torch.count_nonzero(g_) == 0
@@ -570,7 +570,7 @@ def test_chain_of_pairs_recomputes_each_layer_once_for_all_orders():
     assert "ckpt_ext.linear_tanh_backward" not in calls
     assert "ckpt_ext.linear_tanh_double_backward" not in calls
     # The graph of u_x reaches the recompute nodes only, never the forward nodes: walk it.
-    from ckpt_ext import ops
+    from ckpt_ext import _autograd
     u = layers(tx)
     assert u.grad_fn.name() == "LinearTanhBackward"  # eager: the C++ forward nodes
     (du,) = torch.autograd.grad(u.sum(), tx, create_graph=True)
@@ -581,9 +581,9 @@ def test_chain_of_pairs_recomputes_each_layer_once_for_all_orders():
             continue
         seen.add(node)
         # a forward node: the C++ node eager autograd records, or a _LinearTanh Function's
-        kinds["forward"] += (isinstance(node, ops._LinearTanh._backward_cls)
+        kinds["forward"] += (isinstance(node, _autograd._LinearTanh._backward_cls)
                              or node.name() == "LinearTanhBackward")
-        kinds["recompute"] += isinstance(node, ops._LinearTanhKeep._backward_cls)
+        kinds["recompute"] += isinstance(node, _autograd._LinearTanhKeep._backward_cls)
         stack.extend(n for n, _ in node.next_functions)
     assert kinds == {"forward": 0, "recompute": 3}
 

@@ -1,0 +1,350 @@
+"""First-order autograd of linear_tanh and tanh_mlp: they keep only x (and references to the
+parameters); backward recomputes the activations.
+
+Two recorders, one per situation (docs/design.md, "Autograd"): in plain eager autograd the forward
+ops record the C++ node of csrc/autograd_node.cpp, whose native path frees the incoming gradient
+as early as plain autograd does; everywhere else (torch.func, modes, subclasses, compile) the
+single-level Functions below, applied by the op's Autograd kernel. Both run the same backward
+(_first_order_from, _tanh_mlp_first_order). The higher-order ops are in ``_higher_order``.
+"""
+from __future__ import annotations
+
+import types
+from typing import List, Optional
+
+import torch
+import torch.autograd.forward_ad as _fwAD
+from torch._functorch.utils import enable_single_level_autograd_function
+from torch.autograd.forward_ad import _set_fwd_grad_enabled
+from torch import Tensor
+from torch.autograd.function import _SingleLevelFunction
+
+from . import _C
+from ._derivatives import (_OPS, _add, _layer_biases, _linear_tanh_jvp,
+                           _stack_backward_composite)
+
+def _below_autograd(op, *args):
+    # Inside a Function's forward: run the kernel itself, not our Autograd kernel again — as ATen's
+    # own Autograd kernels redispatch: grad mode stays on (a Function's forward runs with it off),
+    # so that an enclosing torch.func transform one level down still records the call.
+    with torch.enable_grad(), _set_fwd_grad_enabled(True), torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def _needed(ctx, n: int) -> List[bool]:
+    """Which of the first n inputs' gradients the running backward pass will use.
+
+    ctx.needs_input_grad says which inputs require grad; the engine knows more: in
+    ``torch.autograd.grad(u.sum(), points, create_graph=True)`` the weights require grad but their
+    gradients are not wanted, and computing them anyway costs a GEMM each (and, with create_graph,
+    graph nodes). Asking the engine is what ATen's own backward formulas do
+    (task_should_compute_output). Where it cannot answer (no engine running, a leaf that
+    autograd.grad captures, functorch's vmapped ctx), assume needed."""
+    need = [bool(v) for v in ctx.needs_input_grad[:n]]
+    try:
+        edges = ctx.next_functions
+    except (AttributeError, RuntimeError):
+        return need
+    for i in range(min(n, len(edges))):
+        node = edges[i][0]
+        if need[i] and node is not None:
+            try:
+                need[i] = bool(torch._C._will_engine_execute_node(node))
+            except RuntimeError:  # a leaf captured by autograd.grad: its gradient is the result
+                pass
+    return need
+
+
+def _plain_autograd() -> bool:
+    """No torch.func transform and no forward-mode AD around: where the output-based path of the
+    higher orders is used (see _LinearTanh.backward); the transforms use the recomputing ops."""
+    return not torch._C._are_functorch_transforms_active() and _fwAD._current_level < 0
+
+
+def _recompute_chain(ctx, x, weight, bias):
+    """(input, t) for the linear_tanh node ctx in a create_graph pass: t = tanh(x·Wᵀ + b)
+    recomputed once by a node that keeps it (_LinearTanhKeep), and remembered by ctx. When x is the
+    unmodified output of another linear_tanh node (a chain of FusedLinearTanh), the input is that
+    node's own recomputed t instead (recursively): the recompute nodes then form one chain fed by
+    the chain's first input, so the gradients of every later order meet at them and never reach
+    the forward nodes, as in the stack op."""
+    t = getattr(ctx, "recomputed_output", None)
+    if t is not None:
+        return ctx.recomputed_input, t
+    x_in = x
+    below = _linear_tanh_below(x)
+    if below is not None:
+        below_ctx, (bx, bw, bb) = below
+        x_in = _recompute_chain(below_ctx, bx, bw, bb)[1]
+    t = _LinearTanhKeep.apply(x_in, weight, bias)
+    ctx.recomputed_input, ctx.recomputed_output = x_in, t
+    return x_in, t
+
+
+def _linear_tanh_below(x):
+    """(ctx, (x, W, b)) of the linear_tanh node whose output x is (unmodified), with its saved
+    tensors still there; else None. The node is the C++ one eager autograd records (its ctx is the
+    per-node state object, _C._linear_tanh_node_state) or a _LinearTanh Function's (the node is
+    its own ctx)."""
+    below = x.grad_fn
+    if below is None:
+        return None
+    if isinstance(below, _LinearTanh._backward_cls):
+        try:
+            return below, below.saved_tensors
+        except RuntimeError:  # that node's saved tensors are already freed: no chain
+            return None
+    return _C._linear_tanh_node_state(x)
+
+
+def _first_order_from(ctx, grad_out, x, weight, bias, mask):
+    """The first-order backward of a linear_tanh node (ctx), outside torch.func.
+
+    With create_graph=True (grad mode on) it is recorded, from the output: t = tanh(x·Wᵀ + b) is
+    recomputed once by a node that keeps it (_recompute_chain) and handed as an input to
+    linear_tanh_backward_from_output, whose node keeps (grad_out, x, t) and rebuilds g from them.
+    All later orders then reuse this t (no GEMM, no tanh pass again), and every gradient w.r.t. t
+    from every order meets at the one _LinearTanhKeep node, which turns it into x and W
+    gradients once per pass — as plain autograd does at its tanh node. Without create_graph: from
+    that t when a create_graph pass made one (then released), else the recomputing kernel."""
+    if torch.is_grad_enabled():
+        x_in, t = _recompute_chain(ctx, x, weight, bias)
+        return _OPS.linear_tanh_backward_from_output.default(grad_out, x_in, t, weight, bias,
+                                                             mask)
+    t = getattr(ctx, "recomputed_output", None)
+    if t is not None:
+        del ctx.recomputed_output, ctx.recomputed_input  # the last pass: let them go
+        return _OPS.linear_tanh_backward_from_output.default(grad_out, x, t.detach(), weight, bias,
+                                                             mask)
+    return _OPS.linear_tanh_backward.default(grad_out, x, weight, bias, mask)
+
+
+class _LinearTanh(_SingleLevelFunction):
+    """y = tanh(x·Wᵀ + b); keeps (x, W, b); backward = the recomputing linear_tanh_backward op
+    (or the output-based path with create_graph=True, _first_order_from)."""
+
+    @staticmethod
+    def forward(x, weight, bias):
+        return _below_autograd(_OPS.linear_tanh.default, x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)  # for jvp; released right after the forward when unused
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias = ctx.saved_tensors
+        need_x, need_w, need_b = _needed(ctx, 3)
+        mask = [need_x, need_w, need_b and bias is not None]
+        if _plain_autograd():
+            return _first_order_from(ctx, grad_out, x, weight, bias, mask)
+        # Under torch.func: the recomputing op, recorded (_LinearTanhBackward) where the transform
+        # builds a graph: its node keeps (grad_out, x).
+        return _OPS.linear_tanh_backward.default(grad_out, x, weight, bias, mask)
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, bias_t):
+        return _linear_tanh_jvp(*ctx.saved_tensors, x_t, weight_t, bias_t)
+
+
+class _LinearTanhKeep(_SingleLevelFunction):
+    """linear_tanh keeping its output too: the recompute node of the create_graph path, whose
+    output (t) the first-order node keeps anyway. Backward from that t, recorded or not."""
+
+    @staticmethod
+    def forward(x, weight, bias):
+        return _below_autograd(_OPS.linear_tanh.default, x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, output)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, t = ctx.saved_tensors  # t: our own output, differentiable
+        need_x, need_w, need_b = _needed(ctx, 3)
+        if not torch.is_grad_enabled():
+            t = t.detach()
+        return _OPS.linear_tanh_backward_from_output.default(
+            grad_out, x, t, weight, bias, [need_x, need_w, need_b and bias is not None])
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, bias_t):
+        return _linear_tanh_jvp(*ctx.saved_tensors, x_t, weight_t, bias_t)
+
+
+# ---- a stack of layers -------------------------------------------------------------------------
+
+def _stack_outputs_kept(x, weights, layer_b, last_tanh) -> List[Optional[Tensor]]:
+    """The layers' outputs t_0 .. t_{L−1}, recomputed by nodes that keep them (_LinearTanhKeep);
+    None for a top layer without tanh. The create_graph path of the stack (_TanhMlp.backward)."""
+    outs: List[Optional[Tensor]] = []
+    h = x
+    for i, (w, b) in enumerate(zip(weights, layer_b)):
+        if i + 1 == len(weights) and not last_tanh:
+            outs.append(None)
+        else:
+            h = _LinearTanhKeep.apply(h, w, b)
+            outs.append(h)
+    return outs
+
+
+def _tanh_mlp_first_order(ctx, grad_out, x, weights, biases, has_bias, last_tanh, need_x, need_w,
+                          need_b):
+    """The first-order backward of a tanh_mlp node (ctx: the Function's ctx, or the C++ node's
+    state object): (grad_x?, [grad_W_i?] per layer, [grad_b_j?] per bias), None where not asked."""
+    if _plain_autograd():
+        # As for one layer (_first_order_from): with create_graph=True, the layers' outputs are
+        # recomputed once by nodes that keep them and the first-order backward is built from
+        # the output-based one-layer ops on them; ctx keeps the outputs for later passes.
+        outs = getattr(ctx, "recomputed_outputs", None)
+        layer_b = _layer_biases(biases, has_bias)
+        if torch.is_grad_enabled() and outs is None:
+            outs = ctx.recomputed_outputs = _stack_outputs_kept(x, weights, layer_b, last_tanh)
+        elif outs is not None and not torch.is_grad_enabled():
+            del ctx.recomputed_outputs  # the last pass (no graph is built)
+            outs = [None if o is None else o.detach() for o in outs]
+        if outs is not None:
+            gx, gw, gb = _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh,
+                                                   need_x, need_w,
+                                                   _layer_biases(need_b, has_bias), outs)
+            return gx, gw, [g for g, hb in zip(gb, has_bias) if hb]
+    # With create_graph=True this call is recorded (_TanhMlpBackward): its node keeps only
+    # (grad_out, x) for the whole stack.
+    gx, gw_asked, gb_asked = _OPS.tanh_mlp_backward.default(
+        grad_out, x, weights, biases, has_bias, last_tanh, need_x, need_w, need_b)
+    it_w, it_b = iter(gw_asked), iter(gb_asked)
+    gw = [next(it_w) if n else None for n in need_w]
+    gb = [next(it_b) if n else None for n in need_b]
+    return (gx if need_x else None), gw, gb
+
+
+class _TanhMlp(_SingleLevelFunction):
+    """tanh_mlp; keeps (x, weights, biases); backward = the recomputing tanh_mlp_backward op.
+    Called as apply(x, has_bias, last_tanh, *weights, *biases): autograd.Function tracks only
+    tensors passed directly."""
+
+    @staticmethod
+    def forward(x, has_bias, last_tanh, *params):
+        weights, biases = params[:len(has_bias)], params[len(has_bias):]
+        return _below_autograd(_OPS.tanh_mlp.default, x, weights, biases, list(has_bias),
+                               last_tanh)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, has_bias, last_tanh, *params = inputs
+        ctx.save_for_backward(x, *params)
+        ctx.save_for_forward(x, *params)
+        ctx.has_bias, ctx.last_tanh = tuple(has_bias), bool(last_tanh)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        L = len(ctx.has_bias)
+        x, *params = ctx.saved_tensors
+        need = _needed(ctx, 3 + len(params))
+        gx, gw, gb = _tanh_mlp_first_order(ctx, grad_out, x, params[:L], params[L:],
+                                           list(ctx.has_bias), ctx.last_tanh, need[0],
+                                           need[3:3 + L], need[3 + L:])
+        return gx, None, None, *gw, *gb
+
+    @staticmethod
+    def jvp(ctx, x_t, _hb_t, _lt_t, *param_t):
+        # Tangents layer by layer: ȧ_{i+1} = (1 − a_{i+1}²)·(ȧ_i·W_iᵀ + a_i·Ẇ_iᵀ + ḃ_i), by the
+        # one-layer rule, with the activations recomputed.
+        L, has_bias = len(ctx.has_bias), ctx.has_bias
+        x, *params = ctx.saved_tensors
+        weights, layer_b = params[:L], _layer_biases(params[L:], has_bias)
+        w_t, b_t = param_t[:L], _layer_biases(param_t[L:], has_bias)
+        a, a_t = x, x_t
+        for i in range(L):
+            w, b = weights[i], layer_b[i]
+            if i == L - 1 and not ctx.last_tanh:
+                terms = [a_t @ w.t() if a_t is not None else None,
+                         a @ w_t[i].t() if w_t[i] is not None else None,
+                         b_t[i] if b_t[i] is not None else None]
+                a_t = None
+                for term in terms:
+                    a_t = _add(a_t, term)
+                if a_t is None:
+                    a_t = a.new_zeros(*a.shape[:-1], w.shape[0])
+                a_t = a_t.expand(*a.shape[:-1], w.shape[0])
+            else:
+                a_t = _linear_tanh_jvp(a, w, b, a_t, w_t[i], b_t[i])
+                if i + 1 < L:
+                    a = _OPS.linear_tanh.default(a, w, b)
+        return a_t
+
+
+# ---- the Autograd kernels ----------------------------------------------------------------------
+
+_AUTOGRAD_LIB = torch.library.Library("ckpt_ext", "IMPL")  # kept alive: it owns the kernels
+
+
+def _register_autograd_kernel(name: str, apply, record_node=None) -> None:
+    """Install ``apply`` as the op's Autograd kernel: used when grad mode is on and an input
+    requires grad; otherwise the call goes straight to the device kernel. ``record_node`` (the
+    forward ops): tried first in plain eager autograd, see _node_backward; it returns None where
+    the C++ node cannot be used (Python modes, tensor subclasses, FakeTensor), and ``apply``
+    runs."""
+    op = getattr(_OPS, name).default
+
+    def kernel(keyset, *args):
+        if torch._C._are_functorch_transforms_active():
+            # Inside a torch.func transform, at one of its levels: record a node at this level
+            # only, as ATen's Autograd kernels do (the transforms below see the op again).
+            with enable_single_level_autograd_function():
+                return apply(*args)
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            if (record_node is not None and _fwAD._current_level < 0
+                    and not torch.compiler.is_compiling()):
+                out = record_node(*args)
+                if out is not None:
+                    return out
+            return apply(*args)
+        if _fwAD._current_level >= 0:  # forward-mode AD: the Function's jvp
+            return apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+    _AUTOGRAD_LIB.impl(name, kernel, "Autograd", with_keyset=True)
+
+
+# The C++ node (csrc/autograd_node.cpp) records linear_tanh and tanh_mlp in plain eager autograd,
+# where it frees the incoming gradient as early as plain autograd does (docs/design.md, "Autograd
+# (first order)", with the figure). Where its native path does not apply (create_graph=True, a
+# mode active during backward, tensor subclasses) it calls _node_backward: the Functions' backward
+# above, with a per-node state object as ctx (it keeps the create_graph path's recomputed outputs
+# across passes).
+
+def _node_backward(one_layer, state, grad_out, x, weights, biases, has_bias, last_tanh, need_x,
+                   need_w, need_b):
+    """The C++ node's Python path: (grad_x?, [grad_W_i?], [grad_b_j?], keep_state)."""
+    if one_layer:
+        bias = biases[0] if biases else None
+        mask = [need_x, need_w[0], bool(need_b) and need_b[0]]
+        if _plain_autograd():
+            gx, gw, gb = _first_order_from(state, grad_out, x, weights[0], bias, mask)
+        else:
+            gx, gw, gb = _OPS.linear_tanh_backward.default(grad_out, x, weights[0], bias, mask)
+        grads = (gx, [gw], [gb] if bias is not None else [])
+    else:
+        grads = _tanh_mlp_first_order(state, grad_out, x, weights, biases, has_bias, last_tanh,
+                                      need_x, need_w, need_b)
+    # The node keeps its state only while it holds recomputed outputs for a later pass.
+    return (*grads, bool(vars(state)))
+
+
+_C._set_node_python_backward(_node_backward, types.SimpleNamespace)
+# isinstance(y.grad_fn, torch.autograd.graph.Node) holds, as it did for the Functions' nodes.
+torch.autograd.graph.Node.register(_C.LinearTanhBackward)
+torch.autograd.graph.Node.register(_C.TanhMlpBackward)
+
+
+def _apply_tanh_mlp(x, weights, biases, has_bias, last_tanh):
+    return _TanhMlp.apply(x, tuple(has_bias), bool(last_tanh), *weights, *biases)
+
+
+_register_autograd_kernel("linear_tanh", _LinearTanh.apply, _C._linear_tanh_with_node)
+_register_autograd_kernel("tanh_mlp", _apply_tanh_mlp, _C._tanh_mlp_with_node)

@@ -1,0 +1,472 @@
+"""The derivative formulas of linear_tanh and tanh_mlp, each written once, from ATen ops and the
+ckpt_ext ops so autograd can differentiate them again (the notation of docs/design.md).
+
+Rows are flattened to (M, ·); the batched formulas (``_batched_*``) take (B, M, ·) rows and (B, ·)
+parameters, for the vmap rules. ``_autograd`` and ``_higher_order`` record the ops whose backward
+or jvp these are; ``_vmap`` computes batched ops from them.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import _C  # noqa: F401  (loading the library registers torch.ops.ckpt_ext.*)
+
+_OPS = torch.ops.ckpt_ext
+
+
+def _rows(x: Tensor) -> int:
+    return math.prod(x.shape[:-1])  # not reshape(-1, ...): -1 is ambiguous for 0 features
+
+
+def _flat(t: Tensor) -> Tensor:
+    """t (..., C) as (rows, C)."""
+    return t.reshape(_rows(t), t.shape[-1])
+
+
+def _add(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+def _grad_of_g(ggx2: Optional[Tensor], ggw: Optional[Tensor], ggb: Optional[Tensor], x2: Tensor,
+               weight: Tensor) -> Optional[Tensor]:
+    """dg, the gradient reaching g = grad_out·(1 − t²) from the first-order results' gradients
+    (ggx, ggW, ggb): ggx·Wᵀ (through grad_x = g·W), x·ggWᵀ (through grad_W = gᵀ·x), ggb on every
+    row (through grad_b = Σ g). None when none of them is given. Rows (M, ·) and parameters, or
+    batched: (B, M, ·) rows and (B, ·) parameters."""
+    dg = None
+    if ggx2 is not None:
+        dg = ggx2 @ weight.transpose(-1, -2)
+    if ggw is not None:
+        dg = _add(dg, x2 @ ggw.transpose(-1, -2))
+    if ggb is not None:
+        dg = _add(dg, ggb.unsqueeze(-2).expand(*x2.shape[:-1], weight.shape[-2]))
+    return dg
+
+
+def _zeros_out(x: Tensor, n: int) -> Tensor:
+    """A zero tensor of shape x.shape[:-1] + (n,) that owns no memory (an expanded scalar): the
+    grad_out placeholder of a double-backward call whose result does not read it."""
+    return x.new_zeros(()).expand(*x.shape[:-1], n)
+
+
+def _result_like(values, mask, likes):
+    """One result per output of a Function: None where the output is not produced (mask False or
+    no tensor to be like), else the value or zeros."""
+    return tuple(None if not m or like is None else (v if v is not None else torch.zeros_like(like))
+                 for v, m, like in zip(values, mask, likes))
+
+
+def _linear_tanh_jvp(x, weight, bias, x_t, weight_t, bias_t):
+    # ẏ = (1 − t²)·(ẋ·Wᵀ + x·Ẇᵀ + ḃ): the grad_grad_out result of the double backward, which
+    # does not read grad_out (so a zero placeholder is passed).
+    return _OPS.linear_tanh_double_backward.default(
+        x_t, weight_t, bias_t if bias is not None else None, _zeros_out(x, weight.shape[0]), x,
+        weight, bias, [True, False, False, False])[0]
+
+
+def _first_order_jvp(grad_out, x, weight, bias, mask, grad_out_t, x_t, weight_t, bias_t):
+    """Tangent of linear_tanh_backward's outputs. It is linear in grad_out, and its derivative in
+    (x, W, b) applied to (ẋ, Ẇ, ḃ) is the Hessian-vector product that linear_tanh_double_backward
+    computes (the Hessian of <grad_out, y> is symmetric):
+        d(grad_x, grad_W, grad_b) = backward(ġrad_out) + double_backward(ẋ, Ẇ, ḃ)[x, W, b]."""
+    if bias is None:
+        bias_t = None
+    out: List[Optional[Tensor]] = [None, None, None]
+    if grad_out_t is not None:
+        out = list(_OPS.linear_tanh_backward.default(grad_out_t, x, weight, bias, mask))
+    if x_t is not None or weight_t is not None or bias_t is not None:
+        d = _OPS.linear_tanh_double_backward.default(x_t, weight_t, bias_t, grad_out, x, weight,
+                                                     bias, [False, *mask])
+        out = [_add(o, e) for o, e in zip(out, d[1:])]
+    return _result_like(out, mask, (x, weight, bias))
+
+
+def _from_output_backward_vjp(ggx, ggw, ggb, gy, x, t, weight, u_gy, u_x, u_t, u_w,
+                              need: Sequence[bool]) -> List[Optional[Tensor]]:
+    """The vjp of linear_tanh_backward_from_output_backward, from ATen ops.
+
+    Its forward, on (M, ·) rows: s = 1 − t², g = gy·s, dg = ggx·Wᵀ + x·ggWᵀ + ggb,
+        out_gy = dg·s,  out_x = g·ggW,  out_t = −2·dg·gy·t,  out_W = gᵀ·ggx.
+    With u_* the cotangents of the outputs:
+        d̄g = u_gy·s − 2·u_t·gy·t          ḡ = u_x·ggWᵀ + ggx·u_Wᵀ          s̄ = u_gy·dg + ḡ·gy
+    and the results
+        ggx: d̄g·W + g·u_W     ggW: d̄gᵀ·x + gᵀ·u_x     ggb: Σ d̄g
+        gy:  ḡ·s − 2·u_t·dg·t        t: −2·t·s̄ − 2·u_t·dg·gy
+        x:   d̄g·ggW                  W: d̄gᵀ·ggx
+    ``need`` says which of (ggx, ggW, ggb, gy, x, t, W) to return; the others are None."""
+    res: List[Optional[Tensor]] = [None] * 7
+    if not any(need) or all(u is None for u in (u_gy, u_x, u_t, u_w)):
+        return res
+    n, k = weight.shape
+    m = _rows(x)
+    x2, gy2, t2 = x.reshape(m, k), gy.reshape(m, n), t.reshape(m, n)
+    ggx2 = None if ggx is None else ggx.reshape(m, k)
+    ugy2 = None if u_gy is None else u_gy.reshape(m, n)
+    ux2 = None if u_x is None else u_x.reshape(m, k)
+    ut2 = None if u_t is None else u_t.reshape(m, n)
+    s = 1 - t2 * t2
+    dg = _grad_of_g(ggx2, ggw, ggb, x2, weight)
+    dgbar = None if ugy2 is None else ugy2 * s
+    m2ut = None if ut2 is None else -2 * ut2  # −2·u_t
+    if m2ut is not None:
+        dgbar = _add(dgbar, m2ut * gy2 * t2)
+    gbar = None
+    if ux2 is not None and ggw is not None:
+        gbar = ux2 @ ggw.t()
+    if u_w is not None and ggx2 is not None:
+        gbar = _add(gbar, ggx2 @ u_w.t())
+    g = gy2 * s if (u_w is not None and need[0]) or (ux2 is not None and need[1]) else None
+
+    if need[0] and dgbar is not None:
+        res[0] = dgbar @ weight
+    if need[0] and g is not None and u_w is not None:
+        res[0] = _add(res[0], g @ u_w)
+    if need[1] and dgbar is not None:
+        res[1] = dgbar.t() @ x2
+    if need[1] and g is not None and ux2 is not None:
+        res[1] = _add(res[1], g.t() @ ux2)
+    if need[2] and dgbar is not None:
+        res[2] = dgbar.sum(0)
+    if need[3]:
+        r = None if gbar is None else gbar * s
+        if m2ut is not None and dg is not None:
+            r = _add(r, m2ut * dg * t2)
+        res[3] = r
+    if need[4] and dgbar is not None and ggw is not None:
+        res[4] = dgbar @ ggw
+    if need[5]:
+        sbar = None
+        if ugy2 is not None and dg is not None:
+            sbar = ugy2 * dg
+        if gbar is not None:
+            sbar = _add(sbar, gbar * gy2)
+        r = None if sbar is None else -2 * t2 * sbar
+        if m2ut is not None and dg is not None:
+            r = _add(r, m2ut * dg * gy2)
+        res[5] = r
+    if need[6] and dgbar is not None and ggx2 is not None:
+        res[6] = dgbar.t() @ ggx2
+    shapes = (x.shape, weight.shape, None, gy.shape, x.shape, t.shape, weight.shape)
+    for i, shape in enumerate(shapes):
+        if res[i] is not None and shape is not None:
+            res[i] = res[i].reshape(shape)
+    return res
+
+
+def _double_backward_vjp(ggx, ggw, ggb, gy, x, weight, bias, u_gy, u_x, u_w, u_b,
+                         need: Sequence[bool]) -> List[Optional[Tensor]]:
+    """The vjp of linear_tanh_double_backward (the third order), from ATen ops and linear_tanh, so
+    autograd can differentiate it again.
+
+    The forward it differentiates (csrc/higher_order.cpp), on (M, ·) rows:
+        z = x·Wᵀ + b, t = tanh z, s = 1 − t², g = gy·s, dg = ggx·Wᵀ + x·ggWᵀ + ggb,
+        out_gy = dg·s, dz = −2·dg·gy·t·s, out_x = dz·W + g·ggW, out_W = dzᵀ·x + gᵀ·ggx,
+        out_b = Σ dz.
+    With u_* the cotangents of the outputs, walking it back:
+        c   = ∂/∂dz   = u_b + x·u_Wᵀ + u_x·Wᵀ
+        ḡ   = ∂/∂g    = ggx·u_Wᵀ + u_x·ggWᵀ
+        d̄g  = ∂/∂dg   = u_gy·s − 2·c·gy·t·s
+        s̄   = ∂/∂s    = u_gy·dg − 2·c·dg·gy·t + ḡ·gy
+        z̄   = ∂/∂z    = (−2·t·s̄ − 2·c·dg·gy·s)·s
+    and the results
+        ggx: d̄g·W + g·u_W        ggW: d̄gᵀ·x + gᵀ·u_x      ggb: Σ d̄g
+        gy:  ḡ·s − 2·c·dg·t·s
+        x:   z̄·W + d̄g·ggW + dz·u_W
+        W:   z̄ᵀ·x + d̄gᵀ·ggx + dzᵀ·u_x
+        b:   Σ z̄
+    ``need`` says which of (ggx, ggW, ggb, gy, x, W, b) to return; the others are None."""
+    need = list(need)
+    if bias is None:
+        need[2] = need[6] = False
+        u_b = ggb = None
+    res: List[Optional[Tensor]] = [None] * 7
+    if not any(need) or all(u is None for u in (u_gy, u_x, u_w, u_b)):
+        return res
+    n, k = weight.shape
+    m = _rows(x)
+    x2, gy2 = x.reshape(m, k), gy.reshape(m, n)
+    ggx2 = None if ggx is None else ggx.reshape(m, k)
+    ugy2 = None if u_gy is None else u_gy.reshape(m, n)
+    ux2 = None if u_x is None else u_x.reshape(m, k)
+
+    t = _OPS.linear_tanh.default(x2, weight, bias)  # recomputed, as the forward computes it
+    s = 1 - t * t
+    dg = _grad_of_g(ggx2, ggw, ggb, x2, weight)
+
+    c = None if u_b is None else u_b.expand(m, n)
+    if u_w is not None:
+        c = _add(c, x2 @ u_w.t())
+    if ux2 is not None:
+        c = _add(c, ux2 @ weight.t())
+    gbar = None
+    if u_w is not None and ggx2 is not None:
+        gbar = ggx2 @ u_w.t()
+    if ux2 is not None and ggw is not None:
+        gbar = _add(gbar, ux2 @ ggw.t())
+
+    m2cs = None if c is None else -2 * c * s  # −2·c·s, a factor of several terms
+    dgbar = None if ugy2 is None else ugy2 * s
+    if m2cs is not None:
+        dgbar = _add(dgbar, m2cs * gy2 * t)
+    sbar = None
+    if ugy2 is not None and dg is not None:
+        sbar = ugy2 * dg
+    if c is not None and dg is not None:
+        sbar = _add(sbar, -2 * c * dg * gy2 * t)
+    if gbar is not None:
+        sbar = _add(sbar, gbar * gy2)
+    tbar = None if sbar is None else -2 * t * sbar
+    if m2cs is not None and dg is not None:
+        tbar = _add(tbar, m2cs * dg * gy2)
+    zbar = None if tbar is None else tbar * s
+    g = gy2 * s if (u_w is not None and need[0]) or (ux2 is not None and need[1]) else None
+    dz = None
+    if dg is not None and ((u_w is not None and need[4]) or (ux2 is not None and need[5])):
+        dz = -2 * dg * gy2 * t * s
+
+    def mm_sum(*pairs):
+        out = None
+        for a, b in pairs:
+            if a is not None and b is not None:
+                out = _add(out, a @ b)
+        return out
+
+    if need[0]:
+        res[0] = mm_sum((dgbar, weight), (g, u_w))
+    if need[1]:
+        res[1] = mm_sum((None if dgbar is None else dgbar.t(), x2),
+                        (None if g is None else g.t(), ux2))
+    if need[2]:
+        res[2] = None if dgbar is None else dgbar.sum(0)
+    if need[3]:
+        r = None if gbar is None else gbar * s
+        if m2cs is not None and dg is not None:
+            r = _add(r, m2cs * dg * t)
+        res[3] = r
+    if need[4]:
+        res[4] = mm_sum((zbar, weight), (dgbar, ggw), (dz, u_w))
+    if need[5]:
+        res[5] = mm_sum((None if zbar is None else zbar.t(), x2),
+                        (None if dgbar is None else dgbar.t(), ggx2),
+                        (None if dz is None else dz.t(), ux2))
+    if need[6]:
+        res[6] = None if zbar is None else zbar.sum(0)
+    shapes = (x.shape, weight.shape, None, gy.shape, x.shape, weight.shape, None)
+    for i, shape in enumerate(shapes):
+        if res[i] is not None and shape is not None:
+            res[i] = res[i].reshape(shape)
+    return res
+
+
+# ---- a stack of layers -------------------------------------------------------------------------
+
+def _layer_biases(biases: Sequence[Tensor], has_bias: Sequence[bool]) -> List[Optional[Tensor]]:
+    it = iter(biases)
+    return [next(it) if hb else None for hb in has_bias]
+
+
+def _stack_activations(x, weights, layer_b, upto: int) -> List[Tensor]:
+    """[a_0 = x, a_1, ..., a_upto]: the inputs of layers 0..upto, recomputed with linear_tanh."""
+    acts = [x]
+    for i in range(upto):
+        acts.append(_OPS.linear_tanh.default(acts[i], weights[i], layer_b[i]))
+    return acts
+
+
+def _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh, need_x, need_w, need_b,
+                              outputs: Optional[Sequence[Optional[Tensor]]] = None):
+    """tanh_mlp_backward from the one-layer ops: (grad_x?, [grad_W_i?], [grad_b_i?] per layer).
+    With ``outputs`` (the layers' outputs, _stack_outputs_kept) each layer runs the output-based
+    op on them; without, the activations are recomputed with linear_tanh and each layer runs the
+    recomputing linear_tanh_backward."""
+    L = len(weights)
+    need_b = [nb and b is not None for nb, b in zip(need_b, layer_b)]
+    lowest = 0 if need_x else min([i for i in range(L) if need_w[i] or need_b[i]], default=L)
+    gws: List[Optional[Tensor]] = [None] * L
+    gbs: List[Optional[Tensor]] = [None] * L
+    if lowest == L:
+        return None, gws, gbs
+    if outputs is None:
+        acts = _stack_activations(x, weights, layer_b, L - 1)
+    else:
+        acts = [x, *outputs[:L - 1]]
+    grad = grad_out
+    for i in reversed(range(lowest, L)):
+        want_x = i > lowest or need_x
+        w, a = weights[i], acts[i]
+        mask = (want_x, need_w[i], need_b[i])
+        if i == L - 1 and not last_tanh:  # a plain Linear on top
+            g2, a2 = _flat(grad), _flat(a)
+            gws[i] = g2.t() @ a2 if need_w[i] else None
+            gbs[i] = g2.sum(0) if need_b[i] else None
+            gx = grad @ w if want_x else None
+        elif outputs is None:
+            gx, gws[i], gbs[i] = linear_tanh_backward(grad, a, w, layer_b[i], mask)
+        else:
+            gx, gws[i], gbs[i] = _OPS.linear_tanh_backward_from_output.default(
+                grad, a, outputs[i], w, layer_b[i], list(mask))
+        grad = gx
+    return (grad if need_x else None), gws, gbs
+
+
+def _stack_double_backward(q_x, q_w, q_b, grad_out, x, weights, layer_b, last_tanh,
+                           need_gy, need_x, need_w, need_b):
+    """The vjp of tanh_mlp_backward, from the one-layer ops (so it is differentiable again).
+
+    tanh_mlp_backward is the chain  a_{i+1} = linear_tanh(a_i) (i < L−1), then from the top
+    gy_{L−1} = grad_out, (gy_{i−1}, grad_W_i, grad_b_i) = linear_tanh_backward(gy_i, a_i).
+    q_x, q_w[i], q_b[i] are the cotangents of grad_x, grad_W_i, grad_b_i (None where none).
+    Walking the chain back: first up the backward chain — layer i's double backward takes the
+    cotangent of its grad_x (q_x at the bottom, the grad_grad_out result of the layer below
+    above it) and gives the cotangents of gy_i, a_i, W_i, b_i — then down the forward chain,
+    where each layer's linear_tanh_backward carries the cotangent of a_{i+1} to a_i, W_i, b_i.
+    Returns (grad_grad_out?, grad_x?, [grad_W_i?], [grad_b_i?])."""
+    L = len(weights)
+    need_b = [nb and b is not None for nb, b in zip(need_b, layer_b)]
+    q_b = [q if b is not None else None for q, b in zip(q_b, layer_b)]
+    gws: List[Optional[Tensor]] = [None] * L
+    gbs: List[Optional[Tensor]] = [None] * L
+    has_q = [q_w[i] is not None or q_b[i] is not None or (i == 0 and q_x is not None)
+             for i in range(L)]
+    lowest = min([i for i in range(L) if has_q[i]], default=L)
+    if lowest == L:
+        return None, None, gws, gbs
+    # need_a[i]: the cotangent of a_i is needed (for x, or for a parameter below layer i)
+    need_a = [need_x or any(need_w[j] or need_b[j] for j in range(i)) for i in range(L)]
+    acts = _stack_activations(x, weights, layer_b, L - 1)
+    # gys[i]: the gradient w.r.t. layer i's output, recomputed from the top down to `lowest`
+    gys: List[Optional[Tensor]] = [None] * L
+    gys[L - 1] = grad_out
+    for i in reversed(range(lowest + 1, L)):
+        if i == L - 1 and not last_tanh:
+            gys[i - 1] = gys[i] @ weights[i]
+        else:
+            gys[i - 1] = linear_tanh_backward(gys[i], acts[i], weights[i], layer_b[i],
+                                              (True, False, False))[0]
+    # up the backward chain
+    da: List[Optional[Tensor]] = [None] * L  # cotangent of a_i from the backward chain
+    carry = q_x if lowest == 0 else None  # cotangent of layer i's grad_x output
+    for i in range(lowest, L):
+        want_gy = i + 1 < L or need_gy
+        w, a, gy = weights[i], acts[i], gys[i]
+        if i == L - 1 and not last_tanh:
+            # plain Linear: grad_x = gy·W, grad_W = gyᵀ·a, grad_b = Σ gy
+            gy2, a2 = _flat(gy), _flat(a)
+            dgy = None
+            if want_gy:
+                if carry is not None:
+                    dgy = carry @ w.t()
+                if q_w[i] is not None:
+                    dgy = _add(dgy, a @ q_w[i].t())
+                if q_b[i] is not None:
+                    dgy = _add(dgy, q_b[i].expand(gy.shape))
+            if need_a[i] and q_w[i] is not None:
+                da[i] = gy @ q_w[i]
+            if need_w[i] and carry is not None:
+                gws[i] = gy2.t() @ _flat(carry)
+        else:
+            dgy, da[i], gws[i], gbs[i] = linear_tanh_double_backward(
+                carry, q_w[i], q_b[i], gy, a, w, layer_b[i],
+                (want_gy, need_a[i], need_w[i], need_b[i]))
+        carry = dgy
+    grad_gy = carry if need_gy else None
+    # down the forward chain
+    abar = da[L - 1]
+    for i in reversed(range(L - 1)):
+        if abar is not None and (need_a[i] or need_w[i] or need_b[i]):
+            gx, gw, gb = linear_tanh_backward(abar, acts[i], weights[i], layer_b[i],
+                                              (need_a[i], need_w[i], need_b[i]))
+            gws[i], gbs[i] = _add(gws[i], gw), _add(gbs[i], gb)
+            abar = _add(da[i], gx)
+        else:
+            abar = da[i]
+    grad_x = abar if need_x else None
+    if need_gy and grad_gy is None:
+        grad_gy = torch.zeros_like(grad_out)
+    if need_x and grad_x is None:
+        grad_x = torch.zeros_like(x)
+    return grad_gy, grad_x, gws, gbs
+
+
+def linear_tanh_backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                         output_mask: Sequence[bool] = (True, True, True)):
+    """``(grad_x, grad_W, grad_b)`` of :func:`linear_tanh` for ``grad_out``, recomputing the
+    activation; each is None where ``output_mask`` is False (grad_b also when bias is None).
+    Differentiable: with inputs that require grad, in grad mode, autograd records it (its node
+    keeps grad_out and x) with :func:`linear_tanh_double_backward` as its backward."""
+    return _OPS.linear_tanh_backward.default(grad_out, x, weight, bias, list(output_mask))
+
+
+def linear_tanh_double_backward(grad_grad_x: Optional[Tensor], grad_grad_weight: Optional[Tensor],
+                                grad_grad_bias: Optional[Tensor], grad_out: Tensor, x: Tensor,
+                                weight: Tensor, bias: Optional[Tensor],
+                                output_mask: Sequence[bool] = (True, True, True, True)):
+    """The backward of :func:`linear_tanh_backward`: given the gradients w.r.t. its outputs
+    (grad_x, grad_W, grad_b; None where none), the gradients w.r.t. its inputs ``(grad_out, x,
+    weight, bias)``, recomputing what it needs; each None where ``output_mask`` is False.
+    Differentiable to any order."""
+    return _OPS.linear_tanh_double_backward.default(grad_grad_x, grad_grad_weight, grad_grad_bias,
+                                                    grad_out, x, weight, bias, list(output_mask))
+
+
+# ---- batched, for the vmap rules -----------------------------------------------------------------
+
+def _batched_tanh(x3: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    z = x3 @ w.transpose(-1, -2)
+    return torch.tanh(z if b is None else z + b.unsqueeze(1))
+
+
+def _batched_backward_from_output(gy3, x3, t3, w, has_bias: bool, mask):
+    """linear_tanh_backward_from_output on (B, R, ·) rows and (B, ·) parameters: g = gy·(1 − t²),
+    (g·W, gᵀ·x, Σ g), each where ``mask`` asks (Σ g only with a bias)."""
+    g = gy3 * (1 - t3 * t3)
+    return (g @ w if mask[0] else None,
+            g.transpose(-1, -2) @ x3 if mask[1] else None,
+            g.sum(1) if mask[2] and has_bias else None)
+
+
+def _batched_backward(gy3, x3, w, b, mask):
+    """linear_tanh_backward on (B, R, ·) rows and (B, ·) parameters: the output-based formula
+    with t recomputed."""
+    return _batched_backward_from_output(gy3, x3, _batched_tanh(x3, w, b), w, b is not None, mask)
+
+
+def _batched_from_output_backward(ggx3, ggw, ggb, gy3, x3, t3, w, mask):
+    """linear_tanh_backward_from_output_backward on (B, R, ·) rows and (B, ·) parameters:
+    s = 1 − t², g = gy·s, dg = ggx·Wᵀ + x·ggWᵀ + ggb, and the results
+    (dg·s, g·ggW, −2·dg·gy·t, gᵀ·ggx) where ``mask`` asks (zeros where a term's input is absent)."""
+    s = 1 - t3 * t3
+    g = gy3 * s
+    dg = _grad_of_g(ggx3, ggw, ggb, x3, w)
+    if dg is None:
+        dg = torch.zeros_like(t3)
+    return (dg * s if mask[0] else None,
+            (g @ ggw if ggw is not None else torch.zeros_like(x3)) if mask[1] else None,
+            -2 * dg * gy3 * t3 if mask[2] else None,
+            (g.transpose(-1, -2) @ ggx3 if ggx3 is not None else torch.zeros_like(w))
+            if mask[3] else None)
+
+
+def _batched_double_backward(ggx3, ggw, ggb, gy3, x3, w, b, mask):
+    """linear_tanh_double_backward on (B, R, ·) rows and (B, ·) parameters: the output-based
+    formula with t = tanh(x·Wᵀ + b) recomputed, and its gradient w.r.t. t carried on through
+    dt/dz = s: dz = grad_t·s, grad_x = dz·W + g·ggW, grad_W = dzᵀ·x + gᵀ·ggx, grad_b = Σ dz."""
+    t = _batched_tanh(x3, w, b)
+    want_db = mask[3] and b is not None
+    want_dz = mask[1] or mask[2] or want_db
+    out_gy, gx_explicit, grad_t, gw_explicit = _batched_from_output_backward(
+        ggx3, ggw, ggb if b is not None else None, gy3, x3, t, w,
+        (mask[0], mask[1], want_dz, mask[2]))
+    if not want_dz:
+        return out_gy, None, None, None
+    dz = grad_t * (1 - t * t)
+    return (out_gy,
+            dz @ w + gx_explicit if mask[1] else None,
+            dz.transpose(-1, -2) @ x3 + gw_explicit if mask[2] else None,
+            dz.sum(1) if want_db else None)

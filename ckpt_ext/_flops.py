@@ -1,0 +1,115 @@
+"""FLOP formulas of the ckpt_ext ops for torch.utils.flop_counter.FlopCounterMode (the counter
+torch.compile's tooling and MFU estimates use); without them the custom ops count as 0 FLOPs.
+
+Like aten::addmm, only the GEMMs count (2·M·K·N each); tanh and the bias are not counted. A backward
+counts what it runs: the recompute (every layer's forward GEMM but the top one's when last_tanh is
+False), then per layer from the top down to the lowest one with a gradient asked for, grad_W where
+asked and the gradient for the layer below (or grad_x where asked).
+"""
+import math
+
+import torch
+import torch.utils.flop_counter  # not imported by `import torch`
+
+from . import _C  # noqa: F401  (loading the library registers torch.ops.ckpt_ext.*)
+
+def _gemm_flops(x_shape, w_shape) -> int:
+    n, k = w_shape
+    return 2 * math.prod(x_shape[:-1]) * k * n
+
+
+def _stack_backward_flops(x_shape, w_shapes, has_bias, last_tanh, need_x, need_w, need_b) -> int:
+    L = len(w_shapes)
+    it = iter(need_b)
+    need_b_layer = [next(it) if hb else False for hb in has_bias]
+    lowest = 0 if need_x else min([i for i in range(L) if need_w[i] or need_b_layer[i]], default=L)
+    if lowest == L:
+        return 0
+    per_layer = [_gemm_flops(x_shape, w) for w in w_shapes]  # same M for every layer
+    recompute = sum(per_layer[:L - 1]) + (per_layer[L - 1] if last_tanh else 0)
+    walk = sum(per_layer[i] * (int(need_w[i]) + int(i > lowest or need_x))
+               for i in range(lowest, L))
+    return recompute + walk
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.linear_tanh)
+def _linear_tanh_flop(x_shape, w_shape, *args, **kwargs) -> int:
+    return _gemm_flops(x_shape, w_shape)
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.linear_tanh_backward)
+def _linear_tanh_backward_flop(grad_out_shape, x_shape, w_shape, bias_shape, output_mask,
+                               *args, **kwargs) -> int:
+    has_bias = [bias_shape is not None]
+    return _stack_backward_flops(x_shape, [w_shape], has_bias, True, output_mask[0],
+                                 [output_mask[1]], [output_mask[2]] if has_bias[0] else [])
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.linear_tanh_double_backward)
+def _linear_tanh_double_backward_flop(ggx_shape, ggw_shape, ggb_shape, grad_out_shape, x_shape,
+                                      w_shape, bias_shape, output_mask, *args, **kwargs) -> int:
+    # As the kernel runs them: nothing when no gradient came in or none is asked for; else the
+    # recompute of z, one GEMM per defined input of dg = ggx·Wᵀ + x·ggWᵀ, then grad_x = dz·W
+    # (+ g·ggW) and grad_W = dzᵀ·x (+ gᵀ·ggx) where asked.
+    has_ggx, has_ggw = ggx_shape is not None, ggw_shape is not None
+    want_db = output_mask[3] and bias_shape is not None
+    if not (has_ggx or has_ggw or ggb_shape is not None) or not (
+            output_mask[0] or output_mask[1] or output_mask[2] or want_db):
+        return 0
+    gemm = _gemm_flops(x_shape, w_shape)
+    n = 1 + int(has_ggx) + int(has_ggw)
+    n += int(output_mask[1]) * (1 + int(has_ggw)) + int(output_mask[2]) * (1 + int(has_ggx))
+    return n * gemm
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.linear_tanh_backward_from_output)
+def _linear_tanh_backward_from_output_flop(grad_out_shape, x_shape, output_shape, w_shape,
+                                           bias_shape, output_mask, *args, **kwargs) -> int:
+    # linear_tanh_backward without its recompute: grad_x and grad_W, each where asked.
+    return _gemm_flops(x_shape, w_shape) * (int(output_mask[0]) + int(output_mask[1]))
+
+
+@torch.utils.flop_counter.register_flop_formula(
+    torch.ops.ckpt_ext.linear_tanh_backward_from_output_backward)
+def _linear_tanh_backward_from_output_backward_flop(ggx_shape, ggw_shape, ggb_shape,
+                                                    grad_out_shape, x_shape, output_shape,
+                                                    w_shape, output_mask, *args, **kwargs) -> int:
+    # dg = ggx·Wᵀ + x·ggWᵀ (one GEMM per defined input) when grad_grad_out or grad_output is
+    # asked; grad_x = g·ggW and grad_W = gᵀ·ggx where asked and their input is given.
+    has_ggx, has_ggw = ggx_shape is not None, ggw_shape is not None
+    n = (int(has_ggx) + int(has_ggw)) * int(output_mask[0] or output_mask[2])
+    n += int(output_mask[1] and has_ggw) + int(output_mask[3] and has_ggx)
+    return n * _gemm_flops(x_shape, w_shape)
+
+
+@torch.utils.flop_counter.register_flop_formula(
+    torch.ops.ckpt_ext.linear_tanh_backward_from_output_double_backward)
+def _linear_tanh_backward_from_output_double_backward_flop(
+        ggx_shape, ggw_shape, ggb_shape, grad_out_shape, x_shape, output_shape, w_shape,
+        u_gy_shape, u_x_shape, u_t_shape, u_w_shape, output_mask, *args, **kwargs) -> int:
+    # As the kernel runs them: dg (one GEMM per defined ggx, ggW) and ḡ (u_x·ggWᵀ, ggx·u_Wᵀ) when
+    # d_grad_out or d_output is asked; then per result the GEMMs of its terms whose inputs exist.
+    has = {k: v is not None for k, v in dict(ggx=ggx_shape, ggw=ggw_shape, ux=u_x_shape,
+                                             uw=u_w_shape).items()}
+    any_u_dg = u_gy_shape is not None or u_t_shape is not None
+    n = 0
+    if output_mask[3] or output_mask[5]:
+        n += (int(has["ggx"]) + int(has["ggw"])) * int(any_u_dg)
+        n += int(has["ux"] and has["ggw"]) + int(has["uw"] and has["ggx"])
+    n += int(output_mask[0]) * (int(any_u_dg) + int(has["uw"]))
+    n += int(output_mask[1]) * (int(any_u_dg) + int(has["ux"]))
+    n += int(output_mask[4] and any_u_dg and has["ggw"]) + int(output_mask[6] and any_u_dg and
+                                                               has["ggx"])
+    return n * _gemm_flops(x_shape, w_shape)
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.tanh_mlp)
+def _tanh_mlp_flop(x_shape, w_shapes, *args, **kwargs) -> int:
+    return sum(_gemm_flops(x_shape, w) for w in w_shapes)
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.tanh_mlp_backward)
+def _tanh_mlp_backward_flop(grad_out_shape, x_shape, w_shapes, b_shapes, has_bias, last_tanh,
+                            need_x, need_weights, need_biases, *args, **kwargs) -> int:
+    return _stack_backward_flops(x_shape, w_shapes, has_bias, last_tanh, need_x, need_weights,
+                                 need_biases)

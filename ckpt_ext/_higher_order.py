@@ -1,0 +1,309 @@
+"""The backward ops of linear_tanh and tanh_mlp as differentiable ops: every order above the first
+is an op with its own backward, so a graph built with create_graph=True keeps op inputs, never
+intermediates (docs/design.md, "Higher orders"). Each op gets a single-level Function (forward,
+setup_context, backward, jvp) applied by its Autograd kernel; the formulas are in ``_derivatives``.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.function import _SingleLevelFunction
+
+from ._autograd import _below_autograd, _needed, _register_autograd_kernel
+from ._derivatives import (_OPS, _add, _double_backward_vjp, _first_order_jvp, _flat,
+                           _from_output_backward_vjp, _layer_biases, _result_like,
+                           _stack_backward_composite, _stack_double_backward)
+
+class _LinearTanhBackward(_SingleLevelFunction):
+    """(grad_x, grad_W, grad_b) = linear_tanh_backward(grad_out, x, W, b, mask); keeps
+    (grad_out, x, W, b); backward = the recomputing linear_tanh_double_backward op."""
+
+    @staticmethod
+    def forward(grad_out, x, weight, bias, output_mask):
+        return _below_autograd(_OPS.linear_tanh_backward.default, grad_out, x, weight, bias,
+                               output_mask)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        grad_out, x, weight, bias, output_mask = inputs
+        ctx.save_for_backward(grad_out, x, weight, bias)
+        ctx.save_for_forward(grad_out, x, weight, bias)
+        ctx.output_mask = [bool(m) for m in output_mask]
+        ctx.set_materialize_grads(False)  # an output nobody used gets None, not a zero tensor
+
+    @staticmethod
+    def backward(ctx, ggx, ggw, ggb):
+        grad_out, x, weight, bias = ctx.saved_tensors
+        need = _needed(ctx, 4)
+        if bias is None:
+            ggb, need[3] = None, False
+        return (*_OPS.linear_tanh_double_backward.default(ggx, ggw, ggb, grad_out, x, weight, bias,
+                                                           need), None)
+
+    @staticmethod
+    def jvp(ctx, grad_out_t, x_t, weight_t, bias_t, _mask_t):
+        grad_out, x, weight, bias = ctx.saved_tensors
+        return _first_order_jvp(grad_out, x, weight, bias, ctx.output_mask, grad_out_t, x_t,
+                                weight_t, bias_t)
+
+
+class _LinearTanhBackwardFromOutput(_SingleLevelFunction):
+    """linear_tanh_backward_from_output(grad_out, x, t, W, b, mask) -> (grad_x, grad_W, grad_b):
+    g = grad_out·(1 − t²), grad_x = g·W, grad_W = gᵀ·x, grad_b = Σ g, with t an input. Keeps
+    (grad_out, x, t, W); backward = linear_tanh_backward_from_output_backward (nothing
+    recomputed). b only says whether grad_b is made: no gradient flows into it here (it reaches b
+    through t's node)."""
+
+    @staticmethod
+    def forward(grad_out, x, output, weight, bias, output_mask):
+        return _below_autograd(_OPS.linear_tanh_backward_from_output.default, grad_out, x, output,
+                               weight, bias, output_mask)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        grad_out, x, t, weight, bias, output_mask = inputs
+        ctx.save_for_backward(grad_out, x, t, weight)
+        ctx.save_for_forward(grad_out, x, t, weight)
+        ctx.output_mask = [bool(m) for m in output_mask]
+        ctx.has_bias = bias is not None
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, ggx, ggw, ggb):
+        grad_out, x, t, weight = ctx.saved_tensors
+        need = _needed(ctx, 4)  # grad_out, x, t, weight
+        # x appears only in grad_W = gᵀ·x, W only in grad_x = g·W (their share through t goes to
+        # t's node): without ggW (ggx) their gradient here is zero, so it is not made at all.
+        need[1] = need[1] and ggw is not None
+        need[3] = need[3] and ggx is not None
+        r = _OPS.linear_tanh_backward_from_output_backward.default(
+            ggx, ggw, ggb if ctx.has_bias else None, grad_out, x, t, weight, need)
+        return r[0], r[1], r[2], r[3], None, None
+
+    @staticmethod
+    def jvp(ctx, grad_out_t, x_t, t_t, weight_t, _bias_t, _mask_t):
+        # g = gy·s with s = 1 − t²:  ġ = ġy·s − 2·gy·t·ṫ;  then ġx = ġ·W + g·Ẇ,
+        # ġW = ġᵀ·x + gᵀ·ẋ, ġb = Σ ġ.
+        grad_out, x, t, weight = ctx.saved_tensors
+        s = 1 - t * t
+        g = grad_out * s
+        gdot = None if grad_out_t is None else grad_out_t * s
+        if t_t is not None:
+            gdot = _add(gdot, -2 * grad_out * t * t_t)
+        n, k = weight.shape
+        gx = None if gdot is None else gdot @ weight
+        if weight_t is not None:
+            gx = _add(gx, g @ weight_t)
+        gw = None if gdot is None else _flat(gdot).t() @ x.reshape(-1, k)
+        if x_t is not None:
+            gw = _add(gw, _flat(g).t() @ x_t.reshape(-1, k))
+        gb = None if gdot is None else _flat(gdot).sum(0)
+        return _result_like((gx, gw, gb), ctx.output_mask,
+                            (x, weight, weight[:, 0] if ctx.has_bias else None))
+
+
+class _LinearTanhBackwardFromOutputBackward(_SingleLevelFunction):
+    """The backward of linear_tanh_backward_from_output; keeps its inputs; backward = the CPU
+    kernel linear_tanh_backward_from_output_double_backward where no graph is built, else
+    _from_output_backward_vjp (ATen ops: differentiable again)."""
+
+    @staticmethod
+    def forward(ggx, ggw, ggb, grad_out, x, output, weight, output_mask):
+        return _below_autograd(_OPS.linear_tanh_backward_from_output_backward.default, ggx, ggw,
+                               ggb, grad_out, x, output, weight, output_mask)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        *tensors, output_mask = inputs
+        ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, u_gy, u_x, u_t, u_w):
+        tensors = ctx.saved_tensors
+        need = _needed(ctx, 7)
+        if all(u is None for u in (u_gy, u_x, u_t, u_w)):
+            return (None,) * 8
+        # x and W enter only through dg = ggx·Wᵀ + x·ggWᵀ: without ggW (ggx) their gradient is
+        # zero; not made at all.
+        need[4] = need[4] and tensors[1] is not None
+        need[6] = need[6] and tensors[0] is not None
+        if not torch.is_grad_enabled() and tensors[4].device.type == "cpu":
+            # The last pass (no graph to build): the fused CPU kernel, one elementwise pass
+            # instead of a dozen.
+            r = _OPS.linear_tanh_backward_from_output_double_backward.default(
+                *tensors, u_gy, u_x, u_t, u_w, need)
+            return (*r, None)
+        return (*_from_output_backward_vjp(*tensors, u_gy, u_x, u_t, u_w, need), None)
+
+
+class _LinearTanhDoubleBackward(_SingleLevelFunction):
+    """The backward of linear_tanh_backward; keeps its inputs; backward = _double_backward_vjp."""
+
+    @staticmethod
+    def forward(ggx, ggw, ggb, grad_out, x, weight, bias, output_mask):
+        return _below_autograd(_OPS.linear_tanh_double_backward.default, ggx, ggw, ggb, grad_out,
+                               x, weight, bias, output_mask)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        *tensors, output_mask = inputs
+        ctx.save_for_backward(*tensors)
+        ctx.save_for_forward(*tensors)
+        ctx.output_mask = [bool(m) for m in output_mask]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, u_gy, u_x, u_w, u_b):
+        return (*_double_backward_vjp(*ctx.saved_tensors, u_gy, u_x, u_w, u_b, _needed(ctx, 7)),
+                None)
+
+    @staticmethod
+    def jvp(ctx, ggx_t, ggw_t, ggb_t, grad_out_t, x_t, weight_t, bias_t, _mask_t):
+        # The op is linear in (ggx, ggW, ggb) and is the gradient of <linear_tanh_backward(...),
+        # (ggx, ggW, ggb)> w.r.t. (grad_out, x, W, b); its derivative along (ġrad_out, ẋ, Ẇ, ḃ) is
+        # that function's (symmetric) Hessian applied to them, i.e. the vjp of this op with
+        # cotangents (ġrad_out, ẋ, Ẇ, ḃ), restricted to the (grad_out, x, W, b) parts.
+        ggx, ggw, ggb, grad_out, x, weight, bias = ctx.saved_tensors
+        mask = ctx.output_mask
+        if bias is None:
+            ggb_t = bias_t = None
+        out: List[Optional[Tensor]] = [None] * 4
+        if ggx_t is not None or ggw_t is not None or ggb_t is not None:
+            out = list(_OPS.linear_tanh_double_backward.default(ggx_t, ggw_t, ggb_t, grad_out, x,
+                                                                weight, bias, mask))
+        if any(v is not None for v in (grad_out_t, x_t, weight_t, bias_t)):
+            h = _double_backward_vjp(ggx, ggw, ggb, grad_out, x, weight, bias, grad_out_t, x_t,
+                                     weight_t, bias_t, [False, False, False, *mask])
+            out = [_add(o, e) for o, e in zip(out, h[3:])]
+        return _result_like(out, mask, (grad_out, x, weight, bias))
+
+
+class _TanhMlpBackward(_SingleLevelFunction):
+    """tanh_mlp_backward; keeps (grad_out, x, weights, biases); backward =
+    _stack_double_backward. apply(grad_out, x, has_bias, last_tanh, need_x, need_w, need_b,
+    *weights, *biases) -> (grad_x, *grad_W asked for, *grad_b asked for)."""
+
+    @staticmethod
+    def forward(grad_out, x, has_bias, last_tanh, need_x, need_w, need_b, *params):
+        L = len(has_bias)
+        gx, gw, gb = _below_autograd(_OPS.tanh_mlp_backward.default, grad_out, x, params[:L],
+                                     params[L:], list(has_bias), last_tanh, need_x, list(need_w),
+                                     list(need_b))
+        return (gx, *gw, *gb)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        grad_out, x, has_bias, last_tanh, need_x, need_w, need_b, *params = inputs
+        ctx.save_for_backward(grad_out, x, *params)
+        ctx.save_for_forward(grad_out, x, *params)
+        ctx.has_bias, ctx.last_tanh = tuple(has_bias), bool(last_tanh)
+        ctx.need_x, ctx.need_w, ctx.need_b = bool(need_x), tuple(need_w), tuple(need_b)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def _unpack(ctx):
+        L, has_bias = len(ctx.has_bias), ctx.has_bias
+        grad_out, x, *params = ctx.saved_tensors
+        return grad_out, x, list(params[:L]), _layer_biases(params[L:], has_bias)
+
+    @staticmethod
+    def _per_layer(ctx, asked: Sequence[Optional[Tensor]]):
+        """(q_x, q_w per layer, q_b per layer) from the outputs' layout (grad_x, the asked W
+        gradients, the asked b gradients)."""
+        L, has_bias = len(ctx.has_bias), ctx.has_bias
+        rest = list(asked[1:])
+        n_w = sum(ctx.need_w)
+        it_w, it_b = iter(rest[:n_w]), iter(rest[n_w:])
+        q_w = [next(it_w) if n else None for n in ctx.need_w]
+        q_b_compact = [next(it_b) if n else None for n in ctx.need_b]
+        return asked[0], q_w, _layer_biases(q_b_compact, has_bias)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad_out, x, weights, layer_b = _TanhMlpBackward._unpack(ctx)
+        L, has_bias = len(weights), ctx.has_bias
+        n_params = L + sum(has_bias)
+        need = _needed(ctx, 7 + n_params)
+        q_x, q_w, q_b = _TanhMlpBackward._per_layer(ctx, grads)
+        ggy, gx, gw, gb = _stack_double_backward(
+            q_x, q_w, q_b, grad_out, x, weights, layer_b, ctx.last_tanh, need[0], need[1],
+            need[7:7 + L], _layer_biases(need[7 + L:], has_bias))
+        return (ggy, gx, None, None, None, None, None, *gw,
+                *[g for g, hb in zip(gb, has_bias) if hb])
+
+    @staticmethod
+    def jvp(ctx, grad_out_t, x_t, _hb, _lt, _nx, _nw, _nb, *param_t):
+        # As for one layer: linear in grad_out, plus the stack's Hessian-vector product.
+        grad_out, x, weights, layer_b = _TanhMlpBackward._unpack(ctx)
+        L, has_bias = len(weights), ctx.has_bias
+        w_t, b_t = list(param_t[:L]), _layer_biases(param_t[L:], has_bias)
+        need_b_layer = _layer_biases(list(ctx.need_b), has_bias)
+        need_b_layer = [bool(n) for n in need_b_layer]
+        gx = None
+        gw: List[Optional[Tensor]] = [None] * L
+        gb: List[Optional[Tensor]] = [None] * L
+        if grad_out_t is not None:
+            gx, gw, gb = _stack_backward_composite(grad_out_t, x, weights, layer_b, ctx.last_tanh,
+                                                   ctx.need_x, list(ctx.need_w), need_b_layer)
+        if x_t is not None or any(t is not None for t in w_t) or any(t is not None for t in b_t):
+            _, hx, hw, hb = _stack_double_backward(
+                x_t, w_t, b_t, grad_out, x, weights, layer_b, ctx.last_tanh, False, ctx.need_x,
+                list(ctx.need_w), need_b_layer)
+            gx = _add(gx, hx)
+            gw = [_add(a, b) for a, b in zip(gw, hw)]
+            gb = [_add(a, b) for a, b in zip(gb, hb)]
+        out = [None if not ctx.need_x else (gx if gx is not None else torch.zeros_like(x))]
+        out += [g if g is not None else torch.zeros_like(w)
+                for g, w, n in zip(gw, weights, ctx.need_w) if n]
+        out += [g if g is not None else torch.zeros_like(b)
+                for g, b, n in zip(gb, layer_b, need_b_layer) if b is not None and n]
+        return tuple(out)
+
+
+def _apply_linear_tanh_backward(grad_out, x, weight, bias, output_mask):
+    return _LinearTanhBackward.apply(grad_out, x, weight, bias, tuple(output_mask))
+
+
+def _apply_backward_from_output(grad_out, x, output, weight, bias, output_mask):
+    return _LinearTanhBackwardFromOutput.apply(grad_out, x, output, weight, bias,
+                                               tuple(output_mask))
+
+
+def _apply_from_output_backward(ggx, ggw, ggb, grad_out, x, output, weight, output_mask):
+    return _LinearTanhBackwardFromOutputBackward.apply(ggx, ggw, ggb, grad_out, x, output, weight,
+                                                       tuple(output_mask))
+
+
+def _apply_double_backward(ggx, ggw, ggb, grad_out, x, weight, bias, output_mask):
+    return _LinearTanhDoubleBackward.apply(ggx, ggw, ggb, grad_out, x, weight, bias,
+                                           tuple(output_mask))
+
+
+def _apply_tanh_mlp_backward(grad_out, x, weights, biases, has_bias, last_tanh, need_x,
+                             need_weights, need_biases):
+    out = _TanhMlpBackward.apply(grad_out, x, tuple(has_bias), bool(last_tanh), bool(need_x),
+                                 tuple(need_weights), tuple(need_biases), *weights, *biases)
+    n_w = sum(bool(n) for n in need_weights)
+    return out[0], list(out[1:1 + n_w]), list(out[1 + n_w:])
+
+
+def _apply_from_output_triple(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, u_x, u_t, u_w,
+                              output_mask):
+    # The third-order CPU kernel, differentiated: by its ATen composition, which autograd (and
+    # torch.func) differentiate to any order.
+    mask = [bool(m) for m in output_mask]
+    r = _from_output_backward_vjp(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, u_x, u_t, u_w,
+                                  mask)
+    return _result_like(r, mask, (x, weight, weight[:, 0], grad_out, x, output, weight))
+
+
+_register_autograd_kernel("linear_tanh_backward", _apply_linear_tanh_backward)
+_register_autograd_kernel("linear_tanh_backward_from_output", _apply_backward_from_output)
+_register_autograd_kernel("linear_tanh_backward_from_output_backward", _apply_from_output_backward)
+_register_autograd_kernel("linear_tanh_double_backward", _apply_double_backward)
+_register_autograd_kernel("linear_tanh_backward_from_output_double_backward",
+                          _apply_from_output_triple)
+_register_autograd_kernel("tanh_mlp_backward", _apply_tanh_mlp_backward)
