@@ -88,7 +88,8 @@ def _first_order_jvp(grad_out, x, weight, bias, mask, grad_out_t, x_t, weight_t,
 
 
 def _from_output_backward_vjp(ggx, ggw, ggb, gy, x, t, weight, u_gy, u_x, u_t, u_w,
-                              need: Sequence[bool]) -> List[Optional[Tensor]]:
+                              need: Sequence[bool], dg: Optional[Tensor] = None
+                              ) -> List[Optional[Tensor]]:
     """The vjp of linear_tanh_backward_from_output_backward, from ATen ops.
 
     Its forward, on (M, ·) rows: s = 1 − t², g = gy·s, dg = ggx·Wᵀ + x·ggWᵀ + ggb,
@@ -99,7 +100,8 @@ def _from_output_backward_vjp(ggx, ggw, ggb, gy, x, t, weight, u_gy, u_x, u_t, u
         ggx: d̄g·W + g·u_W     ggW: d̄gᵀ·x + gᵀ·u_x     ggb: Σ d̄g
         gy:  ḡ·s − 2·u_t·dg·t        t: −2·t·s̄ − 2·u_t·dg·gy
         x:   d̄g·ggW                  W: d̄gᵀ·ggx
-    ``need`` says which of (ggx, ggW, ggb, gy, x, t, W) to return; the others are None."""
+    ``need`` says which of (ggx, ggW, ggb, gy, x, t, W) to return; the others are None. ``dg``
+    (M, N): given where the caller has computed it already."""
     res: List[Optional[Tensor]] = [None] * 7
     if not any(need) or all(u is None for u in (u_gy, u_x, u_t, u_w)):
         return res
@@ -111,7 +113,8 @@ def _from_output_backward_vjp(ggx, ggw, ggb, gy, x, t, weight, u_gy, u_x, u_t, u
     ux2 = None if u_x is None else u_x.reshape(m, k)
     ut2 = None if u_t is None else u_t.reshape(m, n)
     s = 1 - t2 * t2
-    dg = _grad_of_g(ggx2, ggw, ggb, x2, weight)
+    if dg is None:
+        dg = _grad_of_g(ggx2, ggw, ggb, x2, weight)
     dgbar = None if ugy2 is None else ugy2 * s
     m2ut = None if ut2 is None else -2 * ut2  # −2·u_t
     if m2ut is not None:
@@ -164,22 +167,14 @@ def _double_backward_vjp(ggx, ggw, ggb, gy, x, weight, bias, u_gy, u_x, u_w, u_b
     """The vjp of linear_tanh_double_backward (the third order), from ATen ops and linear_tanh, so
     autograd can differentiate it again.
 
-    The forward it differentiates (csrc/higher_order.cpp), on (M, ·) rows:
-        z = x·Wᵀ + b, t = tanh z, s = 1 − t², g = gy·s, dg = ggx·Wᵀ + x·ggWᵀ + ggb,
-        out_gy = dg·s, dz = −2·dg·gy·t·s, out_x = dz·W + g·ggW, out_W = dzᵀ·x + gᵀ·ggx,
-        out_b = Σ dz.
-    With u_* the cotangents of the outputs, walking it back:
-        c   = ∂/∂dz   = u_b + x·u_Wᵀ + u_x·Wᵀ
-        ḡ   = ∂/∂g    = ggx·u_Wᵀ + u_x·ggWᵀ
-        d̄g  = ∂/∂dg   = u_gy·s − 2·c·gy·t·s
-        s̄   = ∂/∂s    = u_gy·dg − 2·c·dg·gy·t + ḡ·gy
-        z̄   = ∂/∂z    = (−2·t·s̄ − 2·c·dg·gy·s)·s
-    and the results
-        ggx: d̄g·W + g·u_W        ggW: d̄gᵀ·x + gᵀ·u_x      ggb: Σ d̄g
-        gy:  ḡ·s − 2·c·dg·t·s
-        x:   z̄·W + d̄g·ggW + dz·u_W
-        W:   z̄ᵀ·x + d̄gᵀ·ggx + dzᵀ·u_x
-        b:   Σ z̄
+    linear_tanh_double_backward is linear_tanh_backward_from_output_backward (F below) with
+    t = tanh(z), z = x·Wᵀ + b, recomputed inside and F's t-result carried on through dt/dz = s:
+        dz = F_t·s,  out_gy = F_gy,  out_x = F_x + dz·W,  out_W = F_W + dzᵀ·x,  out_b = Σ dz.
+    Walking that back, with u_* the cotangents of the outputs:
+        c  = ∂/∂dz = u_b + x·u_Wᵀ + u_x·Wᵀ,  so F gets the cotangents (u_gy, u_x, c·s, u_W)
+        t̄  = F's t-result + c·F_t·(−2·t)   (through s in dz),   z̄ = t̄·s
+    and the results are F's vjp (_from_output_backward_vjp) plus
+        x: + z̄·W + dz·u_W        W: + z̄ᵀ·x + dzᵀ·u_x        b: Σ z̄
     ``need`` says which of (ggx, ggW, ggb, gy, x, W, b) to return; the others are None."""
     need = list(need)
     if bias is None:
@@ -191,44 +186,31 @@ def _double_backward_vjp(ggx, ggw, ggb, gy, x, weight, bias, u_gy, u_x, u_w, u_b
     n, k = weight.shape
     m = _rows(x)
     x2, gy2 = x.reshape(m, k), gy.reshape(m, n)
-    ggx2 = None if ggx is None else ggx.reshape(m, k)
-    ugy2 = None if u_gy is None else u_gy.reshape(m, n)
     ux2 = None if u_x is None else u_x.reshape(m, k)
 
     t = _OPS.linear_tanh.default(x2, weight, bias)  # recomputed, as the forward computes it
     s = 1 - t * t
-    dg = _grad_of_g(ggx2, ggw, ggb, x2, weight)
-
+    dg = _grad_of_g(None if ggx is None else ggx.reshape(m, k), ggw, ggb, x2, weight)
     c = None if u_b is None else u_b.expand(m, n)
     if u_w is not None:
         c = _add(c, x2 @ u_w.t())
     if ux2 is not None:
         c = _add(c, ux2 @ weight.t())
-    gbar = None
-    if u_w is not None and ggx2 is not None:
-        gbar = ggx2 @ u_w.t()
-    if ux2 is not None and ggw is not None:
-        gbar = _add(gbar, ux2 @ ggw.t())
-
-    m2cs = None if c is None else -2 * c * s  # −2·c·s, a factor of several terms
-    dgbar = None if ugy2 is None else ugy2 * s
-    if m2cs is not None:
-        dgbar = _add(dgbar, m2cs * gy2 * t)
-    sbar = None
-    if ugy2 is not None and dg is not None:
-        sbar = ugy2 * dg
-    if c is not None and dg is not None:
-        sbar = _add(sbar, -2 * c * dg * gy2 * t)
-    if gbar is not None:
-        sbar = _add(sbar, gbar * gy2)
-    tbar = None if sbar is None else -2 * t * sbar
-    if m2cs is not None and dg is not None:
-        tbar = _add(tbar, m2cs * dg * gy2)
+    want_z = need[4] or need[5] or need[6]
+    f = _from_output_backward_vjp(ggx, ggw, ggb, gy, x, t, weight, u_gy, u_x,
+                                  None if c is None else c * s, u_w,
+                                  [*need[:5], want_z, need[5]], dg=dg)
+    res[:4] = f[:4]
+    if not want_z:
+        return res
+    f_t = None if dg is None else -2 * dg * gy2 * t  # F's t-result: −2·dg·gy·t
+    tbar = f[5]
+    if c is not None and f_t is not None:
+        tbar = _add(tbar, c * f_t * (-2 * t))
     zbar = None if tbar is None else tbar * s
-    g = gy2 * s if (u_w is not None and need[0]) or (ux2 is not None and need[1]) else None
     dz = None
-    if dg is not None and ((u_w is not None and need[4]) or (ux2 is not None and need[5])):
-        dz = -2 * dg * gy2 * t * s
+    if f_t is not None and ((u_w is not None and need[4]) or (ux2 is not None and need[5])):
+        dz = f_t * s
 
     def mm_sum(*pairs):
         out = None
@@ -237,30 +219,16 @@ def _double_backward_vjp(ggx, ggw, ggb, gy, x, weight, bias, u_gy, u_x, u_w, u_b
                 out = _add(out, a @ b)
         return out
 
-    if need[0]:
-        res[0] = mm_sum((dgbar, weight), (g, u_w))
-    if need[1]:
-        res[1] = mm_sum((None if dgbar is None else dgbar.t(), x2),
-                        (None if g is None else g.t(), ux2))
-    if need[2]:
-        res[2] = None if dgbar is None else dgbar.sum(0)
-    if need[3]:
-        r = None if gbar is None else gbar * s
-        if m2cs is not None and dg is not None:
-            r = _add(r, m2cs * dg * t)
-        res[3] = r
     if need[4]:
-        res[4] = mm_sum((zbar, weight), (dgbar, ggw), (dz, u_w))
+        res[4] = _add(None if f[4] is None else f[4].reshape(m, k),
+                      mm_sum((zbar, weight), (dz, u_w)))
     if need[5]:
-        res[5] = mm_sum((None if zbar is None else zbar.t(), x2),
-                        (None if dgbar is None else dgbar.t(), ggx2),
-                        (None if dz is None else dz.t(), ux2))
+        res[5] = _add(f[6], mm_sum((None if zbar is None else zbar.t(), x2),
+                                   (None if dz is None else dz.t(), ux2)))
     if need[6]:
         res[6] = None if zbar is None else zbar.sum(0)
-    shapes = (x.shape, weight.shape, None, gy.shape, x.shape, weight.shape, None)
-    for i, shape in enumerate(shapes):
-        if res[i] is not None and shape is not None:
-            res[i] = res[i].reshape(shape)
+    if res[4] is not None:
+        res[4] = res[4].reshape(x.shape)
     return res
 
 

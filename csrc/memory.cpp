@@ -34,7 +34,7 @@ int64_t now_ns() {
 // priority in place, and then leaves p in place. Installing at the maximum priority would make
 // that sticky: after uninstalling, nobody could replace c10's allocator below it again. So the
 // meter installs at the lowest priority that takes (the one in place, 0 unless someone raised it)
-// and restores the old allocator at that same priority: c10's priority is what it was before.
+// and restores the old allocator at that same priority, leaving c10's priority unchanged.
 constexpr int kMaxPriority = std::numeric_limits<uint8_t>::max();
 
 // Passes everything through to the allocator in place; only used to ask c10 whether a new
