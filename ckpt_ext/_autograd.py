@@ -1,15 +1,15 @@
 """First-order autograd of linear_tanh and tanh_mlp: they keep only x (and references to the
 parameters); backward recomputes the activations.
 
-Two recorders, one per situation (docs/design.md, "Autograd"): in plain eager autograd the forward
-ops record the C++ node of csrc/autograd_node.cpp, whose native path frees the incoming gradient
-as early as plain autograd does; everywhere else (torch.func, modes, subclasses, compile) the
-single-level Functions below, applied by the op's Autograd kernel. Both run the same backward
-(_first_order_from, _tanh_mlp_first_order). The higher-order ops are in ``_higher_order``.
+Two recorders, one per situation (docs/design.md, "Autograd (first order)"): the single-level
+Functions below, the public-API path (torch.func, modes, subclasses, compile), applied by the
+op's Autograd kernel; and in plain eager autograd the C++ node of csrc/autograd_node.cpp, whose
+native path frees the incoming gradient as early as plain autograd does (its Python side:
+``_autograd_node``). Both run the same backward (_first_order_from, _tanh_mlp_first_order). The
+higher-order ops are in ``_higher_order``.
 """
 from __future__ import annotations
 
-import types
 from typing import List, Optional
 
 import torch
@@ -311,40 +311,10 @@ def _register_autograd_kernel(name: str, apply, record_node=None) -> None:
     _AUTOGRAD_LIB.impl(name, kernel, "Autograd", with_keyset=True)
 
 
-# The C++ node (csrc/autograd_node.cpp) records linear_tanh and tanh_mlp in plain eager autograd,
-# where it frees the incoming gradient as early as plain autograd does (docs/design.md, "Autograd
-# (first order)", with the figure). Where its native path does not apply (create_graph=True, a
-# mode active during backward, tensor subclasses) it calls _node_backward: the Functions' backward
-# above, with a per-node state object as ctx (it keeps the create_graph path's recomputed outputs
-# across passes).
-
-def _node_backward(one_layer, state, grad_out, x, weights, biases, has_bias, last_tanh, need_x,
-                   need_w, need_b):
-    """The C++ node's Python path: (grad_x?, [grad_W_i?], [grad_b_j?], keep_state)."""
-    if one_layer:
-        bias = biases[0] if biases else None
-        mask = [need_x, need_w[0], bool(need_b) and need_b[0]]
-        if _plain_autograd():
-            gx, gw, gb = _first_order_from(state, grad_out, x, weights[0], bias, mask)
-        else:
-            gx, gw, gb = _OPS.linear_tanh_backward.default(grad_out, x, weights[0], bias, mask)
-        grads = (gx, [gw], [gb] if bias is not None else [])
-    else:
-        grads = _tanh_mlp_first_order(state, grad_out, x, weights, biases, has_bias, last_tanh,
-                                      need_x, need_w, need_b)
-    # The node keeps its state only while it holds recomputed outputs for a later pass.
-    return (*grads, bool(vars(state)))
-
-
-_C._set_node_python_backward(_node_backward, types.SimpleNamespace)
-# isinstance(y.grad_fn, torch.autograd.graph.Node) holds, as it did for the Functions' nodes.
-torch.autograd.graph.Node.register(_C.LinearTanhBackward)
-torch.autograd.graph.Node.register(_C.TanhMlpBackward)
-
-
 def _apply_tanh_mlp(x, weights, biases, has_bias, last_tanh):
     return _TanhMlp.apply(x, tuple(has_bias), bool(last_tanh), *weights, *biases)
 
 
+# record_node: the C++ node (csrc/autograd_node.cpp; its Python side in _autograd_node.py).
 _register_autograd_kernel("linear_tanh", _LinearTanh.apply, _C._linear_tanh_with_node)
 _register_autograd_kernel("tanh_mlp", _apply_tanh_mlp, _C._tanh_mlp_with_node)

@@ -2,7 +2,7 @@
 
 The kernels are C++/CUDA ops under ``torch.ops.ckpt_ext`` (schemas in csrc/schemas.cpp, each with a
 Meta kernel that runs the eager checks). Importing this module registers their autograd
-(``_autograd``, ``_higher_order``), vmap rules (``_vmap``) and FLOP formulas (``_flops``). The
+(``_autograd``, ``_autograd_node``, ``_higher_order``), vmap rules (``_vmap``) and FLOP formulas (``_flops``). The
 design and the math: docs/design.md.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _C  # loading the library registers torch.ops.ckpt_ext.*
-from . import _autograd, _flops, _higher_order, _vmap  # noqa: F401  (they register on import)
+from . import _autograd, _autograd_node, _flops, _higher_order, _vmap  # noqa: F401  (register)
 
 #: The dtypes the ops accept, read from the C++ library (one list, csrc/checks.cpp).
 SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in _C.SUPPORTED_DTYPES)

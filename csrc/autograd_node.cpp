@@ -7,7 +7,7 @@
 //       mode active): ckpt_ext/_autograd.py then applies its autograd.Function.
 //   StackBackward::apply(grad (..., N_{L-1})) -> (grad_x, grad_W_i per layer, grad_b_j per bias),
 //       undefined where unused. Native path (no create_graph, no mode, plain tensors): the stack
-//       engine, owning the gradient; otherwise the Python path ckpt_ext/_autograd.py registered.
+//       engine, owning the gradient; otherwise the Python path of ckpt_ext/_autograd_node.py.
 #include "autograd_node.h"
 
 #include "checks.h"
@@ -42,8 +42,8 @@ using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
-// Set by ckpt_ext.ops at import (_set_node_python_backward) and held for the process's life: the
-// node's Python path, and the type of the per-node state object (types.SimpleNamespace).
+// Set by ckpt_ext._autograd_node at import (_set_node_python_backward) and held for the process's
+// life: the node's Python path, and the type of the per-node state object (types.SimpleNamespace).
 PyObject* g_python_backward = nullptr;
 PyObject* g_state_type = nullptr;
 
@@ -299,7 +299,7 @@ class TanhMlpBackward final : public StackBackward {
 };
 
 // Their Python types, as ATen's nodes have (python_functions.cpp): y.grad_fn prints as
-// <ckpt_ext._C.TanhMlpBackward object ...>, and ckpt_ext/_autograd.py registers them as
+// <ckpt_ext._C.TanhMlpBackward object ...>, and ckpt_ext/_autograd_node.py registers them as
 // torch.autograd.graph.Node (a Python Function's node is one too).
 PyTypeObject linear_tanh_backward_type;
 PyTypeObject tanh_mlp_backward_type;

@@ -356,8 +356,9 @@ def test_only_the_gradients_the_pass_uses_are_computed():
 
 
 def test_an_error_in_the_python_path_reaches_the_caller(monkeypatch):
-    # create_graph=True goes through Python (_autograd._node_backward): an exception raised there
-    # comes out of autograd.grad as itself, as from a Function's backward.
+    # create_graph=True goes through Python (_autograd_node._node_backward, which calls _autograd's
+    # backward): an exception raised there comes out of autograd.grad as itself, as from a
+    # Function's backward.
     from ckpt_ext import _autograd
 
     def boom(*args, **kwargs):
