@@ -16,7 +16,7 @@ setup:
 	bash scripts/setup.sh
 
 # Where nvcc is on PATH the build must have the CUDA kernels; CKPT_EXT_EXPECT_CUDA makes a test
-# fail on a silent CPU-only build (tests/test_ops_cuda.py).
+# fail on a silent CPU-only build (tests/ops/test_ops_cuda.py).
 EXPECT_CUDA = CKPT_EXT_EXPECT_CUDA=$$(command -v nvcc >/dev/null && [ "$${CKPT_EXT_CUDA:-auto}" != 0 ] && echo 1)
 
 test: setup

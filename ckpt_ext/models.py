@@ -253,7 +253,7 @@ def recomputed_gemms(name: str, mode: str, batch: int, in_features: int, hidden:
     """The forward GEMMs, as (M, K, N) for ``x (M, K) @ W.T (K, N)``, that ``mode`` of network
     ``name`` runs again in backward (None where that is not a fixed list: the physics-informed
     network, whose double backward recomputes through autograd). The benchmark times them alone
-    for its "floor" column; tests/test_models.py checks them against FLOP counts."""
+    for its "floor" column; tests/bench/test_models.py checks them against FLOP counts."""
     if name == "pinn":
         return None
     if mode not in NETWORKS[name].MODES:

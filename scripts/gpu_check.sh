@@ -256,10 +256,10 @@ EOF
   else
     say "tests: pytest-timeout is not installed: the step's cap is the only limit"
   fi
-  # GPU_CHECK_TESTS replaces the selection, e.g. "tests/test_ops_cuda.py -k graphs"
+  # GPU_CHECK_TESTS replaces the selection, e.g. "tests/ops/test_ops_cuda.py -k graphs"
   read -r -a SEL <<<"${GPU_CHECK_TESTS:--m cuda tests}"
   run_step tests $(($(caps_through tests) - $(elapsed))) \
-    env GPU_CHECK_TESTS_JSONL="$TMP/tests.jsonl" GPU_CHECK_TESTS_FIRST=tests/test_ops_cuda.py \
+    env GPU_CHECK_TESTS_JSONL="$TMP/tests.jsonl" GPU_CHECK_TESTS_FIRST=tests/ops/test_ops_cuda.py \
     CKPT_EXT_EXPECT_CUDA=1 \
     "$PY" -m pytest "${TEST_ARGS[@]}" "${SEL[@]}"
   fold tests 60

@@ -8,7 +8,7 @@ control build runs the same tests first and must pass, or the figures mean nothi
 
     python scripts/mutate.py                      # every mutant; test_ops.py, test_property.py
     python scripts/mutate.py --list               # the table of mutants
-    python scripts/mutate.py --only stale_recompute --tests tests/test_ops.py
+    python scripts/mutate.py --only stale_recompute --tests tests/ops/test_ops.py
     nice python scripts/mutate.py --keep /tmp/mut # keep the tree (its build/ makes a rerun fast)
 
 How. The tree is copied once (the files git tracks, plus untracked ones it does not ignore) into a
@@ -216,7 +216,8 @@ def _by_name(rows: list) -> "OrderedDict[str, list]":
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tests", nargs="+", default=["tests/test_ops.py", "tests/test_property.py"],
+    ap.add_argument("--tests", nargs="+",
+                    default=["tests/ops/test_ops.py", "tests/ops/test_property.py"],
                     help="test files or ids to run against each mutant")
     ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
     ap.add_argument("--keep", metavar="DIR", help="build in DIR and keep it (reused if present)")

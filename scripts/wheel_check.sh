@@ -45,6 +45,6 @@ assert where.startswith(site + os.sep), f"imported ckpt_ext from {where}, not th
 print(f"wheel-check: ckpt_ext from {where}; torch {torch.__version__}; "
       f"CPU kernels {ckpt_ext._C._cpu_capability()}; CUDA kernels {ckpt_ext.WITH_CUDA}")
 PY
-"$WORK/venv/bin/python" -m pytest -q -rs -p no:cacheprovider tests/test_build.py \
-  tests/test_cpu_dispatch.py tests/test_meter.py tests/test_ops.py
+"$WORK/venv/bin/python" -m pytest -q -rs -p no:cacheprovider tests/package/test_build.py \
+  tests/ops/test_cpu_dispatch.py tests/memory/test_meter.py tests/ops/test_ops.py
 cd "$REPO"

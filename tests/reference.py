@@ -216,7 +216,7 @@ def assert_matches_reference(x, w, b, gy, got=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# the documented bias-gradient summation order (csrc/linear_tanh.h), rebuilt in Python
+# the documented bias-gradient summation order (docs/design.md, "Bias sums"), rebuilt in Python
 
 ROWS_PER_CHUNK = 32  # kRowsPerChunk in csrc/linear_tanh_math.h (tests check it against _C)
 
@@ -237,8 +237,8 @@ def _chunk_sums(g: Tensor, acc_dtype) -> list:
 
 
 def bias_grad_documented_order(g: Tensor, acc_dtype, out_dtype=None) -> Tensor:
-    """Column sums of g (M, N) in the order csrc/linear_tanh.h documents: rows in increasing order
-    within 32-row chunks, then the chunk sums combined pairwise level by level (at each level w =
+    """Column sums of g (M, N) in the order docs/design.md ("Bias sums") documents: rows in
+    increasing order within 32-row chunks, then the chunk sums combined pairwise level by level (at each level w =
     1, 2, 4, ... the chunk at i, a multiple of 2w, adds the one at i + w if any), in acc_dtype,
     rounded to out_dtype once at the end."""
     sums = _chunk_sums(g, acc_dtype)

@@ -22,7 +22,7 @@ import torch
 import ckpt_ext
 from ckpt_ext import _C, _native
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SO = _C.__file__
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 

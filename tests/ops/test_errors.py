@@ -97,7 +97,7 @@ def test_checks_run_before_any_kernel():
 
 # ------------------------------------------------------------------------------------------------
 # The stack op's own list checks, reachable only through torch.ops (ckpt_ext.tanh_mlp builds
-# has_bias and the masks itself); tests/test_tanh_mlp.py covers the per-layer shape/dtype/device
+# has_bias and the masks itself); tests/ops/test_tanh_mlp.py covers the per-layer shape/dtype/device
 # messages.
 
 def _stack():

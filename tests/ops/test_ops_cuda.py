@@ -9,8 +9,8 @@ What is covered:
 * the kernels' paths: the 16-byte-pack path and the scalar path (misaligned storage offsets of acc
   and of grad_out, strided, column-major and broadcast grad_out, widths that are not a multiple of
   the pack) must give the same bits, and the profiler must see the path the rules pick;
-* the bias gradient bitwise equal to the documented summation order (csrc/linear_tanh.h) rebuilt
-  in plain torch from the kernel's own g. Through the public ops g is read exactly with x = the
+* the bias gradient bitwise equal to the documented summation order (docs/design.md, "Bias
+  sums") rebuilt in plain torch from the kernel's own g. Through the public ops g is read exactly with x = the
   identity (M = K rows): grad_W = gᵀ·I = gᵀ, a GEMM with one nonzero per dot product, so exact;
   row counts span many 32-row chunks plus a partial one, and enough chunks for the pairwise
   combination to take two and three passes; widths span several packs plus a tail;
@@ -104,8 +104,8 @@ def stack_ref(x, weights, biases, last_tanh, grad_out):
 
 
 def documented_column_sums(g, dtype):
-    """The column sums of g (M, N) in the documented order of csrc/linear_tanh.h, rebuilt in plain
-    torch on the CPU: in the accumulate type (float64 for float64, else float32), rows in
+    """The column sums of g (M, N) in the order docs/design.md ("Bias sums") documents, rebuilt
+    in plain torch on the CPU: in the accumulate type (float64 for float64, else float32), rows in
     increasing order within chunks of 32 rows starting from zero, then the chunk sums combined
     pairwise level by level (at level w = 1, 2, 4, ..., chunk i, a multiple of 2w, adds chunk
     i + w if it exists); rounded to dtype once. CPU float adds are IEEE round-to-nearest, as the

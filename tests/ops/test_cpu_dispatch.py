@@ -20,7 +20,7 @@ import ckpt_ext
 from ckpt_ext import _C
 from reference import TOL, linear_tanh_ref_grads, rel_err
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LEVELS = list(_C._cpu_capabilities())
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -119,7 +119,7 @@ def test_forward_backward_vs_reference(level, dtype, M, K, N, poison):
     y = torch.ops.ckpt_ext.linear_tanh(x, w, b)
     gx, gw, gb = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [True, True, True])
     ry, rgx, rgw, rgb = linear_tanh_ref_grads(x, w, b, gy)
-    # Half types: the tolerance of tests/test_ops.py; cases with 1-9 outputs are held to it too
+    # Half types: the tolerance of tests/ops/test_ops.py; cases with 1-9 outputs are held to it too
     # here because these inputs are well conditioned (no cancellation in z).
     tol = TOL[dtype]
     for name, out, ref in [("y", y, ry), ("grad_x", gx, rgx), ("grad_W", gw, rgw),

@@ -24,11 +24,6 @@ from reference import (RESULTS, ROWS_PER_CHUNK, assert_matches_reference,
                        conditioned_scales, linear_tanh_ref, linear_tanh_ref_grads, make_inputs,
                        measured, rel_err, requires_gpu, run_fused)
 
-# Old names, still imported by tests/test_ops_cuda.py.
-_run_fused = run_fused
-_make = make_inputs
-_conditioned_scales = conditioned_scales
-
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 HALF = [torch.bfloat16, torch.float16]
 MASKS = [list(m) for m in itertools.product([True, False], repeat=3)]
@@ -200,7 +195,7 @@ def test_forward_output_shape_and_dtype_follow_input(device, seed):
 
 
 # ------------------------------------------------------------------------------------------------
-# the bias-gradient summation order (documented in csrc/linear_tanh.h), bitwise
+# the bias-gradient summation order (documented in docs/design.md, "Bias sums"), bitwise
 
 # N = 53 columns: several vectors of every CPU width (4/8 lanes of float64, 8/16 of float32) plus
 # a tail; M = 173 rows: 5 full 32-row chunks and a partial one (6 chunks, so pairwise and

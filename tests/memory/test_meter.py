@@ -23,7 +23,7 @@ import torch
 from ckpt_ext import memory
 from ckpt_ext.memory import MemoryMeter, timeline_from_trace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(code: str):

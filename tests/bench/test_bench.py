@@ -17,7 +17,7 @@ from ckpt_ext import _C
 from ckpt_ext.bench import cli, headline, measure, orchestrate, presets, report
 from ckpt_ext.models import NETWORKS, recomputed_gemms
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RNG = torch.get_rng_state().nbytes  # what a checkpoint call keeps besides its input
 DOUBLE_BACKWARD = "torch.compile with aot_autograd does not currently support double backward"
 

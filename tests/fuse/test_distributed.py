@@ -24,7 +24,7 @@ from torch import nn
 from reference import measured
 
 WORLD = 2
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where _ecosys.py is
 
 
 def _make_model():
