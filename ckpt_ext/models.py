@@ -1,26 +1,43 @@
-"""The write-up's network and three more, each in the modes a user would pick between (``plain``,
+"""The write-up's network and more, each in the modes a user would pick between (``plain``,
 ``checkpoint``, ``checkpoint-stack``, ``fused``): :class:`Net` (the write-up's chain: ``linear1``,
 then ``block1..blockN = Sequential(Linear(H, H), Tanh())``, loss ``output.mean()``),
 :class:`ResidualNet` (``h + tanh(Linear(h))``), :class:`MLPNet` (``h + Linear(4H, H)(tanh(Linear(H,
-4H)(h)))``) and :class:`PINNNet` (``2 -> H x D -> 1``, a heat-equation loss needing ``u_xx``: a
-double backward). Every mode shares ``nn.Linear``'s initialisation and ``state_dict`` keys, so
-modes load one another's weights; :func:`recomputed_gemms` says what each mode recomputes. What
-each mode keeps and why: docs/benchmark.md#networks-and-modes.
+4H)(h)))``), :class:`BertMLPNet` (BERT's ``LayerNorm(h + Linear(H, W)(gelu(Linear(W, H)(h))))``)
+and :class:`PINNNet` (``2 -> H x D -> 1`` with tanh, sin or silu, a heat-equation loss needing
+``u_xx``: a double backward). Every mode shares ``nn.Linear``'s initialisation and ``state_dict``
+keys, so modes load one another's weights; :func:`recomputed_gemms` says what each mode recomputes.
+What each mode keeps and why: docs/benchmark.md#networks-and-modes.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from . import modules
 from .modules import FusedLinearTanh, FusedTanhMLP
 from .ops import tanh_mlp
 
 #: Every mode some network has; each class lists its own in ``MODES``.
 ALL_MODES = ("plain", "checkpoint", "checkpoint-stack", "fused")
+
+
+class Sin(nn.Module):
+    """``torch.sin`` as a module (PyTorch has none), the activation of SIREN-style networks."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sin(x)
+
+
+#: The stock module of each activation name of ``ckpt_ext.mlp``: what the plain and checkpoint
+#: modes run where ``fused`` passes the name.
+ACTIVATION_MODULES: dict[str, Callable[[], nn.Module]] = {
+    "tanh": nn.Tanh, "gelu": nn.GELU, "gelu_tanh": functools.partial(nn.GELU, approximate="tanh"),
+    "silu": nn.SiLU, "sigmoid": nn.Sigmoid, "softplus": nn.Softplus, "sin": Sin, "relu": nn.ReLU}
 
 
 def _check_args(cls, mode: str, use_reentrant: bool) -> None:
@@ -178,21 +195,90 @@ class MLPNet(_ResidualStack):
         super().__init__(in_features, hidden, depth, mode, use_reentrant, block, device, dtype)
 
 
+class BertMLPBlock(nn.Module):
+    """BERT's feed-forward sublayer (``BertIntermediate`` + ``BertOutput``, without dropout):
+    ``norm(h + mlp(h))`` with ``mlp = Linear(W, H), GELU(), Linear(H, W)`` (exact GELU) or, when
+    ``fused``, :class:`~ckpt_ext.FusedMLP` ``[W, H, W]`` with ``activation="gelu"`` and no final
+    activation (the same keys ``mlp.0``/``mlp.2``, the same values from the same seed), and
+    ``norm = LayerNorm(W, eps=1e-12)``. ``forward(h, recompute)`` runs ``mlp`` through
+    ``recompute(mlp, h)`` where given (a checkpoint call)."""
+
+    def __init__(self, width: int, hidden: int, fused: bool, device=None, dtype=None) -> None:
+        super().__init__()
+        if fused:
+            self.mlp = modules.FusedMLP([width, hidden, width], activation="gelu",
+                                        last_activation=False, device=device, dtype=dtype)
+        else:
+            self.mlp = nn.Sequential(nn.Linear(width, hidden, device=device, dtype=dtype),
+                                     nn.GELU(),
+                                     nn.Linear(hidden, width, device=device, dtype=dtype))
+        self.norm = nn.LayerNorm(width, eps=1e-12, device=device, dtype=dtype)
+
+    def forward(self, h: Tensor, recompute: Optional[Callable] = None) -> Tensor:
+        return self.norm(h + (recompute(self.mlp, h) if recompute else self.mlp(h)))
+
+
+class BertMLPNet(_Recompute, nn.Module):
+    """``depth`` :class:`BertMLPBlock` in a row, width ``in_features`` (W, 768 in BERT-base) and
+    MLP width ``hidden`` (H, 3072), on rows of tokens ``(..., W)``. ``checkpoint`` checkpoints
+    each block's MLP (the residual add and the LayerNorm stay outside, where a transformer has
+    them); ``fused`` makes each MLP one FusedMLP, which keeps only the block's input. Not
+    reentrant checkpoint: it would leave the first block without gradients.
+
+    The loss is ``(out * x).mean()``, the input serving as a fixed readout direction:
+    ``out.mean()`` would be constant, a LayerNorm's output having mean ``mean(bias)`` for every
+    input while its weight is all ones."""
+
+    MODES = ("plain", "checkpoint", "fused")
+
+    def __init__(self, in_features: int = 768, hidden: int = 3072, depth: int = 3,
+                 mode: str = "plain", use_reentrant: bool = False, device=None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        _check_args(type(self), mode, use_reentrant)
+        if use_reentrant:
+            raise ValueError("BertMLPNet: use_reentrant=True would give the first block no "
+                             "gradients (reentrant checkpoint differentiates only through inputs "
+                             "that require grad, and the token rows do not)")
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.mode, self.use_reentrant = mode, use_reentrant
+        self.blocks = nn.ModuleList(BertMLPBlock(in_features, hidden, mode == "fused", device,
+                                                 dtype) for _ in range(depth))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x
+        for block in self.blocks:
+            h = block(h, self._checkpoint if self.mode == "checkpoint" else None)
+        return h
+
+    @staticmethod
+    def loss(out: Tensor, x: Tensor) -> Tensor:
+        """``(out * x).mean()``: its backward saves ``x`` (alive anyway), not ``out``."""
+        return (out * x).mean()
+
+
 class PINNNet(_Recompute, nn.Module):
-    """A physics-informed network ``u(t, x)``: ``Linear(2, hidden), Tanh`` then ``depth - 1`` times
-    ``Linear(hidden, hidden), Tanh``, then ``Linear(hidden, 1)``, held as ``self.mlp`` (keys
-    ``mlp.0.weight`` ... in every mode). ``fused`` makes it one :class:`~ckpt_ext.FusedTanhMLP`
-    (``from_modules`` of the Sequential: the same Linear modules); ``checkpoint`` checkpoints the
-    Sequential as one call. The training step is :meth:`loss` of the output and the points."""
+    """A physics-informed network ``u(t, x)``: ``Linear(2, hidden), Act`` then ``depth - 1`` times
+    ``Linear(hidden, hidden), Act``, then ``Linear(hidden, 1)``, held as ``self.mlp`` (keys
+    ``mlp.0.weight`` ... in every mode), ``Act`` being ``activation``'s module in
+    :data:`ACTIVATION_MODULES` (default :attr:`ACTIVATION`, tanh). ``fused`` makes it one
+    :class:`~ckpt_ext.FusedTanhMLP` for tanh (``from_modules`` of the Sequential: the same Linear
+    modules), else one :class:`~ckpt_ext.FusedMLP` with ``activation`` (the same keys and seeded
+    values); ``checkpoint`` checkpoints the MLP as one call. The training step is :meth:`loss` of
+    the output and the points."""
 
     MODES = ("plain", "checkpoint", "fused")
 
     #: heat equation u_t = KAPPA * u_xx
     KAPPA = 0.1
+    #: the activation when none is given
+    ACTIVATION = "tanh"
 
     def __init__(self, in_features: int = 2, hidden: int = 64, depth: int = 4,
                  mode: str = "plain", use_reentrant: bool = False, out_features: int = 1,
-                 device=None, dtype: Optional[torch.dtype] = None) -> None:
+                 device=None, dtype: Optional[torch.dtype] = None,
+                 activation: Optional[str] = None) -> None:
         super().__init__()
         _check_args(type(self), mode, use_reentrant)
         if depth < 1:
@@ -200,12 +286,21 @@ class PINNNet(_Recompute, nn.Module):
         if in_features != 2:
             raise ValueError(f"PINNNet: in_features must be 2 (the points are (t, x)), "
                              f"got {in_features}")
-        self.mode, self.use_reentrant = mode, use_reentrant
+        activation = self.ACTIVATION if activation is None else activation
+        if activation not in ACTIVATION_MODULES:
+            raise ValueError(f"PINNNet: activation must be one of "
+                             f"{', '.join(ACTIVATION_MODULES)}, got {activation!r}")
+        self.mode, self.use_reentrant, self.activation = mode, use_reentrant, activation
         sizes = [in_features] + [hidden] * depth + [out_features]
+        if mode == "fused" and activation != "tanh":
+            self.mlp = modules.FusedMLP(sizes, activation=activation, last_activation=False,
+                                        device=device, dtype=dtype)
+            return
         layers: list[nn.Module] = []
         for k, n in zip(sizes[:-1], sizes[1:]):
-            layers += [nn.Linear(k, n, device=device, dtype=dtype), nn.Tanh()]
-        seq = nn.Sequential(*layers[:-1])  # no tanh after the output layer
+            layers += [nn.Linear(k, n, device=device, dtype=dtype),
+                       ACTIVATION_MODULES[activation]()]
+        seq = nn.Sequential(*layers[:-1])  # no activation after the output layer
         self.mlp = FusedTanhMLP.from_modules(seq) if mode == "fused" else seq
 
     def forward(self, points: Tensor) -> Tensor:
@@ -244,7 +339,26 @@ class PINNNet(_Recompute, nn.Module):
         return residual + boundary + initial
 
 
-NETWORKS = {"chain": Net, "residual": ResidualNet, "mlp": MLPNet, "pinn": PINNNet}
+class SinPINNNet(PINNNet):
+    """:class:`PINNNet` with sin activations when none is given (network ``pinn-sin``)."""
+    ACTIVATION = "sin"
+
+
+class SiLUPINNNet(PINNNet):
+    """:class:`PINNNet` with SiLU activations when none is given (network ``pinn-silu``)."""
+    ACTIVATION = "silu"
+
+
+#: The benchmark's networks by name; each takes ``(in_features, hidden, depth, mode,
+#: use_reentrant, device, dtype)`` and has ``MODES`` and ``loss(out, x)``.
+NETWORKS = {"chain": Net, "residual": ResidualNet, "mlp": MLPNet, "bert-mlp": BertMLPNet,
+            "pinn": PINNNet, "pinn-sin": SinPINNNet, "pinn-silu": SiLUPINNNet}
+
+
+def is_pinn(name: str) -> bool:
+    """Whether network ``name`` is physics-informed: it takes (t, x) points, and its loss needs a
+    double backward."""
+    return issubclass(NETWORKS[name], PINNNet)
 
 
 def recomputed_gemms(name: str, mode: str, batch: int, in_features: int, hidden: int, depth: int,
@@ -252,19 +366,21 @@ def recomputed_gemms(name: str, mode: str, batch: int, in_features: int, hidden:
                      ) -> Optional[Sequence[tuple[int, int, int]]]:
     """The forward GEMMs, as (M, K, N) for ``x (M, K) @ W.T (K, N)``, that ``mode`` of network
     ``name`` runs again in backward (None where that is not a fixed list: the physics-informed
-    network, whose double backward recomputes through autograd). The benchmark times them alone
+    networks, whose double backward recomputes through autograd). The benchmark times them alone
     for its "floor" column; tests/bench/test_models.py checks them against FLOP counts."""
-    if name == "pinn":
+    if is_pinn(name):
         return None
     if mode not in NETWORKS[name].MODES:
         raise ValueError(f"{NETWORKS[name].__name__} has no mode {mode!r}")
-    fc1 = (batch, hidden, ratio * hidden)
-    # Per block: what the block's backward needs recomputed. The MLP block needs tanh(fc1(h)) only:
+    # An MLP block's two Linears (bert-mlp: in_features -> hidden -> in_features)
+    width, inner = (in_features, hidden) if name == "bert-mlp" else (hidden, ratio * hidden)
+    fc1, fc2 = (batch, width, inner), (batch, inner, width)
+    # Per block: what the block's backward needs recomputed. An MLP block needs act(fc1(h)) only:
     # fc2's output feeds no gradient, so neither the stack op nor non-reentrant checkpoint (which
     # stops its re-run once it has every tensor backward asked for) runs fc2 again; reentrant
-    # checkpoint re-runs the whole block.
+    # checkpoint re-runs the whole MLP.
     per_block = {"chain": [(batch, hidden, hidden)], "residual": [(batch, hidden, hidden)],
-                 "mlp": [fc1] + ([(batch, ratio * hidden, hidden)] if use_reentrant else [])}[name]
+                 "mlp": [fc1] + ([fc2] if use_reentrant else []), "bert-mlp": [fc1]}[name]
     if mode == "plain":
         return []
     if mode == "checkpoint" and name == "chain":
