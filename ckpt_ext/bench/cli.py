@@ -15,7 +15,8 @@ from ..memory import show_usage
 from ..models import NETWORKS
 from .orchestrate import run
 from .plot import plot
-from .presets import DEFAULT_MODES, DTYPES, MODES, PRESETS, Config, Sizes, parse_bytes
+from .presets import (BERT_WIDTHS, DEFAULT_MODES, DTYPES, MODES, PRESETS, Config, Sizes,
+                      parse_bytes)
 from .report import markdown
 
 DESCRIPTION = ("What recomputation costs and saves: the write-up's experiment, with the tools a "
@@ -34,11 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name}", type=int, default=None,
                        help="overrides the preset (chain, residual, mlp)")
     for name in ("points", "hidden", "depth"):
-        p.add_argument(f"--pinn-{name}", type=int, default=None, help="overrides the preset (pinn)")
+        p.add_argument(f"--pinn-{name}", type=int, default=None,
+                       help="overrides the preset (pinn, pinn-sin, pinn-silu)")
+    for name in ("tokens", "depth"):
+        p.add_argument(f"--bert-{name}", type=int, default=None,
+                       help="overrides the preset (bert-mlp; widths 768 -> 3072 -> 768)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per mode (preset's)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--budget", type=parse_bytes, default=None,
-                   help="memory budget for the max-batch column, e.g. 512MiB (default: preset's)")
+                   help="memory budget for the max-batch column of every network, e.g. 512MiB "
+                        "(default: the preset's, bert-mlp's its own)")
     p.add_argument("--networks", default=",".join(NETWORKS),
                    help=f"comma-separated, from {', '.join(NETWORKS)}")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
@@ -77,6 +83,9 @@ def config_from_args(argv=None) -> Config:
 
     pinn = Sizes(pinn_size("points", "batch"), 2, pinn_size("hidden", "hidden"),
                  pinn_size("depth", "depth"))
+    bert = Sizes(a.bert_tokens if a.bert_tokens is not None else ps["bert"]["batch"],
+                 BERT_WIDTHS["in_features"], BERT_WIDTHS["hidden"],
+                 a.bert_depth if a.bert_depth is not None else ps["bert"]["depth"])
     steps = a.steps if a.steps is not None else ps["steps"]
     warmup = a.warmup if a.warmup is not None else ps["warmup"]
     networks = [n.strip() for n in a.networks.split(",") if n.strip()]
@@ -93,6 +102,9 @@ def config_from_args(argv=None) -> Config:
         if s.batch < 2 or s.hidden < 1 or s.depth < 1:
             p.error(f"--{what}{'points' if what else 'batch'} must be >= 2 and --{what}hidden, "
                     f"--{what}depth >= 1, got {s.batch}, {s.hidden}, {s.depth}")
+    if bert.batch < 2 or bert.depth < 1:
+        p.error(f"--bert-tokens must be >= 2 and --bert-depth >= 1, got {bert.batch}, "
+                f"{bert.depth}")
     if a.threads is not None:
         if a.threads < 1:
             p.error(f"--threads must be >= 1, got {a.threads}")
@@ -100,8 +112,10 @@ def config_from_args(argv=None) -> Config:
     if steps < 1 or warmup < 0:
         p.error(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
     return Config(device=device, dtype=DTYPES[a.dtype], preset=preset, sizes=sizes, pinn=pinn,
-                  steps=steps, warmup=warmup,
+                  bert=bert, steps=steps, warmup=warmup,
                   budget=a.budget if a.budget is not None else parse_bytes(ps["budget"]),
+                  bert_budget=(a.budget if a.budget is not None
+                               else parse_bytes(ps["bert"]["budget"])),
                   networks=networks, modes=modes, out=a.out, compile_backend=a.compile_backend,
                   seed=a.seed, progress=not a.no_progress,
                   command=" ".join(["python -m ckpt_ext.bench"] + argv))

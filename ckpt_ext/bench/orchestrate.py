@@ -17,7 +17,7 @@ import torch._dynamo
 from torch import nn
 
 from ..memory import MemoryMeter, clear_grads, measured_step
-from ..models import NETWORKS, PINNNet, recomputed_gemms
+from ..models import NETWORKS, PINNNet, is_pinn, recomputed_gemms
 from .measure import (grad_errors, max_batch, share_parameters, timed_gemms, timed_step,
                       uninstrumented)
 from .presets import MODES, SAME_AS, Config, model_mode
@@ -113,7 +113,7 @@ class NetworkRun:
 
     def _input(self, batch: int, gen: torch.Generator) -> torch.Tensor:
         cfg = self.cfg
-        if self.net_name == "pinn":
+        if is_pinn(self.net_name):
             return PINNNet.points(batch, gen, cfg.device, cfg.dtype)
         return torch.randn(batch, self.sizes.in_features, generator=gen).to(cfg.device, cfg.dtype)
 
@@ -260,8 +260,8 @@ class NetworkRun:
                 if plain_ms:
                     res["floor_ms"] = plain_ms + res["recompute_ms"]
                     res["time_vs_floor"] = res["step_ms"] / res["floor_ms"]
-            res.update(max_batch(self.cfg.budget, self.sizes.batch, res["peak"],
-                                 res["peak_half_batch"], self.x_half.shape[0]))
+            res.update(max_batch(self.cfg.budget_of(self.net_name), self.sizes.batch,
+                                 res["peak"], res["peak_half_batch"], self.x_half.shape[0]))
         return self.res
 
 
@@ -296,8 +296,9 @@ def conditions(cfg: Config) -> dict:
     return {
         "device": dev, "dtype": str(cfg.dtype).replace("torch.", ""), "preset": cfg.preset,
         "sizes": vars(cfg.sizes), "pinn_sizes": {**vars(cfg.pinn), "out_features": 1},
-        "mlp_ratio": cfg.ratio, "steps": cfg.steps, "warmup": cfg.warmup,
-        "budget_bytes": cfg.budget, "compile_backend": cfg.compile_backend,
+        "bert_sizes": vars(cfg.bert), "mlp_ratio": cfg.ratio, "steps": cfg.steps,
+        "warmup": cfg.warmup, "budget_bytes": cfg.budget, "bert_budget_bytes": cfg.bert_budget,
+        "compile_backend": cfg.compile_backend,
         "torch": torch.__version__, "python": platform.python_version(),
         "memory_meter": ("exact bytes of every CPU tensor allocation (ckpt_ext counting allocator)"
                          if cfg.device.type == "cpu" else "requested bytes of the CUDA caching "

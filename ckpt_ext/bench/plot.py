@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import sys
 
-from .presets import MODES
+from .presets import MODES, sizes_in
 from .report import fmt_bytes, pareto_front
 
 # One colour per mode, the same in every panel; compiled modes share their eager mode's hue.
@@ -112,7 +112,7 @@ def plot(results: dict, path: str) -> bool:
                           left=0.055, right=0.985)
     for col, (net_name, modes) in enumerate(nets.items()):
         ok = {m: r for m, r in modes.items() if r.get("time_vs_plain") is not None}
-        sz = c["pinn_sizes"] if net_name == "pinn" else c["sizes"]
+        sz = sizes_in(c, net_name)
         top = None
         for row, (key, what) in ((0, ("kept_for_backward", "kept for backward")),
                                  (2, ("peak_above_before_forward", "peak"))):

@@ -1,7 +1,8 @@
 """What a benchmark run covers: the size presets, the modes compared, and the run's configuration.
 
-Sizes are (batch, in_features, hidden, depth) for chain/residual/mlp and (points, hidden, depth) for
-pinn; the method behind each preset is in docs/benchmark.md.
+Sizes are (batch, in_features, hidden, depth) for chain/residual/mlp, (points, hidden, depth) for the
+physics-informed networks and (tokens, depth) for bert-mlp; the method behind each preset is in
+docs/benchmark.md.
 """
 from __future__ import annotations
 
@@ -11,27 +12,35 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import NETWORKS
+from ..models import NETWORKS, BertMLPNet, is_pinn
 
-#: The physics-informed network of every preset but tiny: 2 -> 64x4 -> 1 on 4096 points.
+#: The physics-informed networks of every preset but tiny: 2 -> 64x4 -> 1 on 4096 points.
 PINN_SIZES = dict(batch=4096, hidden=64, depth=4)
+#: bert-mlp's widths in every preset, BERT-base's: 768 -> 3072 -> 768.
+BERT_WIDTHS = dict(in_features=768, hidden=3072)
 
 PRESETS = {
     # Seconds: for tests and a first look.
     "tiny": dict(batch=16, in_features=32, hidden=64, depth=3, steps=3, warmup=1, budget="8MiB",
-                 pinn=dict(batch=64, hidden=16, depth=3)),
+                 pinn=dict(batch=64, hidden=16, depth=3),
+                 bert=dict(batch=16, depth=2, budget="128MiB")),
     # The small-layer regime of RL policies and physics-informed nets: per-op overheads (Python,
     # autograd nodes, allocations) weigh as much as the GEMMs. Steps are short, so take many.
+    # bert-mlp: 4 sequences of 128 tokens.
     "small": dict(batch=2048, in_features=64, hidden=64, depth=4, steps=41, warmup=3,
-                  budget="64MiB", pinn=PINN_SIZES),
+                  budget="64MiB", pinn=PINN_SIZES, bert=dict(batch=512, depth=2, budget="256MiB")),
     # A wide batch and a narrow hidden size, so that activations (batch x hidden) outweigh the
     # weights, as they do in training at scale; with hidden >> batch the weights and their
     # gradients fill the peak whatever the mode. GEMMs dominate the step here.
+    # bert-mlp: 16 sequences of 128 tokens.
     "cpu-default": dict(batch=1024, in_features=1024, hidden=512, depth=3, steps=15, warmup=2,
-                        budget="512MiB", pinn=PINN_SIZES),
+                        budget="512MiB", pinn=PINN_SIZES,
+                        bert=dict(batch=2048, depth=3, budget="1GiB")),
     # The write-up: input (512, 1024), linear1 1024 -> 10240, three 10240 x 10240 blocks.
+    # bert-mlp: 64 sequences of 128 tokens.
     "writeup": dict(batch=512, in_features=1024, hidden=10240, depth=3, steps=15, warmup=3,
-                    budget="40GiB", pinn=PINN_SIZES),
+                    budget="40GiB", pinn=PINN_SIZES,
+                    bert=dict(batch=8192, depth=4, budget="40GiB")),
 }
 
 
@@ -53,7 +62,8 @@ MODES = {
     "compile-checkpoint": Mode("checkpoint-stack", compiled=True,
                                doc="torch.compile of checkpoint-stack (chain) / checkpoint"),
     "fused": Mode("fused", doc="ckpt_ext: chain one tanh_mlp over the blocks, residual "
-                  "FusedLinearTanh per block, mlp FusedTanhMLP per block, pinn one FusedTanhMLP"),
+                  "FusedLinearTanh per block, mlp FusedTanhMLP per block, bert-mlp FusedMLP (gelu) "
+                  "per block, pinn one FusedTanhMLP, pinn-sin/pinn-silu one FusedMLP"),
     "compile-fused": Mode("fused", compiled=True, doc="torch.compile of fused"),
     "checkpoint-reentrant": Mode("checkpoint", reentrant=True,
                                  doc="torch.utils.checkpoint(use_reentrant=True), as checkpoint"),
@@ -62,12 +72,12 @@ MODES = {
 #: keeps the same bytes, peaks no higher, and alone supports torch.autograd.grad.
 DEFAULT_MODES = [m for m in MODES if m != "checkpoint-reentrant"]
 
-# Rows a network does not run because another row is the same thing.
+# Rows a network does not run because another row is the same thing: checkpoint-stack where the
+# network's checkpoint mode already covers the stack.
 SAME_AS = {
-    ("residual", "checkpoint-stack"): ("checkpoint", "every block is already checkpointed"),
-    ("mlp", "checkpoint-stack"): ("checkpoint", "every block is already checkpointed"),
-    ("pinn", "checkpoint-stack"): ("checkpoint", "the whole MLP is already one checkpoint"),
-}
+    (name, "checkpoint-stack"): ("checkpoint", "the whole MLP is already one checkpoint"
+                                 if is_pinn(name) else "every block is already checkpointed")
+    for name, cls in NETWORKS.items() if "checkpoint-stack" not in cls.MODES}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -103,6 +113,20 @@ class Sizes:
     depth: int
 
 
+def size_group(net_name: str) -> str:
+    """Which of a preset's sizes network ``net_name`` takes: "pinn" (the physics-informed
+    networks), "bert" (bert-mlp) or "sizes" (chain, residual, mlp)."""
+    if is_pinn(net_name):
+        return "pinn"
+    return "bert" if issubclass(NETWORKS[net_name], BertMLPNet) else "sizes"
+
+
+def sizes_in(conditions: dict, net_name: str) -> dict:
+    """Network ``net_name``'s sizes in a results dict's ``conditions``."""
+    return conditions[{"sizes": "sizes", "pinn": "pinn_sizes",
+                       "bert": "bert_sizes"}[size_group(net_name)]]
+
+
 @dataclass
 class Config:
     device: torch.device
@@ -110,9 +134,11 @@ class Config:
     preset: str
     sizes: Sizes  #: chain, residual, mlp
     pinn: Sizes
+    bert: Sizes
     steps: int
     warmup: int
-    budget: int
+    budget: int  #: bytes, every network but bert-mlp
+    bert_budget: int
     networks: list[str]
     modes: list[str]
     out: str
@@ -123,4 +149,7 @@ class Config:
     ratio: int = 4  #: MLP inner width / hidden
 
     def sizes_of(self, net_name: str) -> Sizes:
-        return self.pinn if net_name == "pinn" else self.sizes
+        return getattr(self, size_group(net_name))
+
+    def budget_of(self, net_name: str) -> int:
+        return self.bert_budget if size_group(net_name) == "bert" else self.budget

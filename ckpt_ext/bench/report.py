@@ -29,17 +29,20 @@ def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
 
 
 def conditions_line(c: dict) -> str:
-    s, p = c["sizes"], c["pinn_sizes"]
+    s, p, b = c["sizes"], c["pinn_sizes"], c["bert_sizes"]
     return (
         f"Benchmark conditions: {c['device']}, {c['dtype']}, torch {c['torch']}; "
-        f"chain/residual/mlp: batch {s['batch']}, in_features {s['in_features']}, hidden {s['hidden']}, depth "
-        f"{s['depth']} (MLP inner {c['mlp_ratio']}×hidden); pinn: {p['in_features']} -> "
-        f"{p['hidden']}x{p['depth']} -> {p['out_features']} tanh MLP on {p['batch']} points. "
+        f"chain/residual/mlp: batch {s['batch']}, in_features {s['in_features']}, hidden "
+        f"{s['hidden']}, depth {s['depth']} (MLP inner {c['mlp_ratio']}×hidden); bert-mlp: "
+        f"{b['batch']} tokens, {b['depth']} blocks of {b['in_features']} -> {b['hidden']} -> "
+        f"{b['in_features']} (GELU), residual and LayerNorm; pinn, pinn-sin, pinn-silu: "
+        f"{p['in_features']} -> {p['hidden']}x{p['depth']} -> {p['out_features']} MLP (tanh, sin, "
+        f"SiLU) on {p['batch']} points. "
         f"Step time = median of {c['steps']} steps after {c['warmup']} warm-up, modes interleaved, "
         f"counting allocator uninstalled; floor = plain's step + the GEMMs the mode recomputes, "
         f"timed alone in the same loop; memory = {c['memory_meter']}, from separate steps; "
-        f"torch.compile backend {c['compile_backend']}; budget {fmt_bytes(c['budget_bytes'])}. "
-        f"Command: `{c['command']}`.")
+        f"torch.compile backend {c['compile_backend']}; budget {fmt_bytes(c['budget_bytes'])} "
+        f"(bert-mlp: {fmt_bytes(c['bert_budget_bytes'])}). Command: `{c['command']}`.")
 
 
 def _fronts(modes: dict) -> dict[str, list[str]]:
