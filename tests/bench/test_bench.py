@@ -15,7 +15,7 @@ import torch
 
 from ckpt_ext import _C
 from ckpt_ext.bench import cli, headline, measure, orchestrate, presets, report
-from ckpt_ext.models import NETWORKS, recomputed_gemms
+from ckpt_ext.models import NETWORKS, is_pinn, recomputed_gemms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RNG = torch.get_rng_state().nbytes  # what a checkpoint call keeps besides its input
@@ -54,12 +54,13 @@ def test_cli_no_mode_fails_but_compile_of_double_backward(tiny_run):
     # A compile mode that errors is a failure here, not an n/a to shrug at; the one expected error
     # is torch.compile refusing the physics-informed double backward, reported with its message.
     proc, stem, res = tiny_run
+    assert list(res["networks"]) == list(NETWORKS)
     for name, modes in res["networks"].items():
         assert list(modes) == presets.DEFAULT_MODES, name
         for mode, r in modes.items():
-            if name == "pinn" and presets.MODES[mode].compiled:
+            if is_pinn(name) and presets.MODES[mode].compiled:
                 assert r == {"error": f"RuntimeError: {DOUBLE_BACKWARD}"}, mode
-                assert f"pinn/{mode}: RuntimeError: {DOUBLE_BACKWARD}" in proc.stderr
+                assert f"{name}/{mode}: RuntimeError: {DOUBLE_BACKWARD}" in proc.stderr
             elif mode == "checkpoint-stack" and name != "chain":
                 assert r["same_as"] == "checkpoint", name
             else:
@@ -90,7 +91,20 @@ def test_cli_exact_memory_figures(tiny_run):
         assert nets[name]["checkpoint"]["kept_for_backward"] == D * (unit + RNG), name
         assert nets[name]["plain"]["kept_for_backward"] == \
             D * {"residual": 2, "mlp": 5}[name] * unit, name
-    for name in ("chain", "residual", "mlp"):
+    # bert-mlp: every mode keeps LayerNorm's input and statistics per block and each block's input
+    # (the first block's is x, not counted); plain also the (tokens, 3072) GELU input and output
+    b = presets.PRESETS["tiny"]["bert"]
+    bert, bert_unit = nets["bert-mlp"], b["batch"] * 768 * 4
+    common = b["depth"] * (bert_unit + 2 * b["batch"] * 4) + (b["depth"] - 1) * bert_unit
+    assert bert["fused"]["kept_for_backward"] == common
+    assert bert["checkpoint"]["kept_for_backward"] == common + b["depth"] * RNG
+    assert bert["plain"]["kept_for_backward"] == common + b["depth"] * 2 * 4 * bert_unit
+    assert bert["fused"]["peak_above_before_forward"] <= \
+        bert["checkpoint"]["peak_above_before_forward"]
+    for name in ("pinn-sin", "pinn-silu"):
+        for what in ("kept_for_backward", "peak_above_before_forward"):
+            assert nets[name]["fused"][what] <= nets[name]["plain"][what], (name, what)
+    for name in ("chain", "residual", "mlp", "bert-mlp"):
         fused, compiled = nets[name]["fused"], nets[name]["compile-fused"]
         # compiling the fused model must not make it keep more (a partitioner re-deciding what
         # to save) nor peak higher, but for one thing: the compiled region's backward node is
@@ -99,7 +113,7 @@ def test_cli_exact_memory_figures(tiny_run):
         # top layer's elementwise pass
         assert compiled["kept_for_backward"] == fused["kept_for_backward"], name
         assert compiled["peak_above_before_forward"] <= \
-            fused["peak_above_before_forward"] + unit, name
+            fused["peak_above_before_forward"] + (bert_unit if name == "bert-mlp" else unit), name
     for name, modes in nets.items():
         for mode, r in modes.items():
             if "readings" not in r:
@@ -116,7 +130,7 @@ def test_cli_times_floors_and_gradients(tiny_run):
     _, _, res = tiny_run
     c = res["conditions"]
     for name, modes in res["networks"].items():
-        sz = c["pinn_sizes"] if name == "pinn" else c["sizes"]
+        sz = presets.sizes_in(c, name)
         for mode, r in modes.items():
             if "step_ms" not in r:
                 continue
@@ -205,9 +219,20 @@ def test_presets_and_defaults():
     cfg = cli.config_from_args(["--device", "cpu"])
     assert cfg.preset == "cpu-default" and cfg.out == "bench_out"  # untracked (.gitignore)
     assert cfg.modes == presets.DEFAULT_MODES and "checkpoint-reentrant" not in cfg.modes
-    assert cfg.networks == ["chain", "residual", "mlp", "pinn"]
+    assert cfg.networks == ["chain", "residual", "mlp", "bert-mlp", "pinn", "pinn-sin", "pinn-silu"]
     assert (cfg.pinn.batch, cfg.pinn.in_features, cfg.pinn.hidden, cfg.pinn.depth) == \
         (4096, 2, 64, 4)
+    assert (cfg.bert.batch, cfg.bert.in_features, cfg.bert.hidden, cfg.bert.depth) == \
+        (2048, 768, 3072, 3)
+    assert cfg.budget_of("pinn-sin") == cfg.budget == 512 << 20
+    assert cfg.budget_of("bert-mlp") == cfg.bert_budget == 1 << 30
+    for name in NETWORKS:  # a network without checkpoint-stack shows it as checkpoint's row
+        assert (("checkpoint-stack" in NETWORKS[name].MODES)
+                != ((name, "checkpoint-stack") in presets.SAME_AS)), name
+    cfg = cli.config_from_args(["--device", "cpu", "--bert-tokens", "64", "--bert-depth", "1",
+                                "--budget", "1MiB"])
+    assert (cfg.bert.batch, cfg.bert.depth, cfg.bert_budget, cfg.budget) == \
+        (64, 1, 1 << 20, 1 << 20)
     cfg = cli.config_from_args(["--device", "cpu", "--preset", "small", "--hidden", "32",
                                   "--pinn-points", "512", "--steps", "20"])
     assert (cfg.sizes.batch, cfg.sizes.hidden, cfg.pinn.batch, cfg.pinn.hidden, cfg.steps) == \
@@ -234,6 +259,8 @@ def test_cli_rejects_bad_names():
         cli.config_from_args(["--device", "cpu", "--networks", "transformer"])
     with pytest.raises(SystemExit):
         cli.config_from_args(["--device", "cpu", "--pinn-depth", "0"])
+    with pytest.raises(SystemExit):
+        cli.config_from_args(["--device", "cpu", "--bert-tokens", "1"])
 
 
 _IMPORT_CHECK = r"""

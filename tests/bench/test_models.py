@@ -1,29 +1,32 @@
 """The benchmark's networks: structure, keys, cross-loading, every mode computing plain's loss and
-gradients, and the GEMMs each mode recomputes (the benchmark's floor) against FLOP counts."""
+gradients, what each mode keeps (exact bytes), and the GEMMs each mode recomputes (the benchmark's
+floor) against FLOP counts."""
 import pytest
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import ckpt_ext
-from ckpt_ext.models import MLPNet, NETWORKS, Net, PINNNet, ResidualNet, recomputed_gemms
+from ckpt_ext.models import (ACTIVATION_MODULES, BertMLPNet, MLPNet, NETWORKS, Net, PINNNet,
+                             ResidualNet, is_pinn, recomputed_gemms)
 
-IN = {"chain": 7, "residual": 7, "mlp": 7, "pinn": 2}  # PINNNet takes (t, x) points
+IN = {name: 2 if is_pinn(name) else 7 for name in NETWORKS}  # PINNNet takes (t, x) points
 
 
 def _variants(name):
     """(mode, use_reentrant) for every way network ``name`` runs; reentrant checkpoint refuses
-    torch.autograd.grad, which the physics-informed loss needs."""
+    torch.autograd.grad, which the physics-informed loss needs, and would leave bert-mlp's first
+    block (whose input does not require grad) without gradients."""
     cls = NETWORKS[name]
     out = [(m, False) for m in cls.MODES if m != "plain"]
-    if name != "pinn":
+    if not is_pinn(name) and name != "bert-mlp":
         out.append(("checkpoint", True))
     return out
 
 
 def _input(name, n, dtype, seed=0, shape=None):
     gen = torch.Generator().manual_seed(seed)
-    if name == "pinn":
+    if is_pinn(name):
         return PINNNet.points(n, gen, dtype=dtype)
     return torch.randn(*(shape or (n, IN[name])), generator=gen, dtype=dtype)
 
@@ -51,7 +54,7 @@ def test_modes_match_plain_float64(name, mode, reentrant):
     plain = NETWORKS[name](mode="plain", **kw)
     other = NETWORKS[name](mode=mode, use_reentrant=reentrant, **kw)
     other.load_state_dict(plain.state_dict())
-    x = _input(name, 40 if name == "pinn" else 5, torch.float64)
+    x = _input(name, 40 if is_pinn(name) else 5, torch.float64)
     loss_p, grads_p = _step(plain, x)
     loss_o, grads_o = _step(other, x)
     assert torch.isfinite(loss_o)
@@ -62,7 +65,7 @@ def test_modes_match_plain_float64(name, mode, reentrant):
         assert _rel(grads_o[n], grads_p[n]) < 1e-12, n
 
 
-@pytest.mark.parametrize("name", ["chain", "residual", "mlp"])
+@pytest.mark.parametrize("name", ["chain", "residual", "mlp", "bert-mlp"])
 def test_modes_match_plain_float32_3d_input(name):
     # (batch, seq, features) input, float32 against a float64 plain reference.
     torch.manual_seed(1)
@@ -117,7 +120,7 @@ def test_no_parameter_registered_twice(name):
         every = list(net.named_parameters(remove_duplicate=False))
         assert len({id(p) for _, p in every}) == len(every), mode
         linears = sum(1 for m in net.modules()
-                      if isinstance(m, (nn.Linear, ckpt_ext.FusedLinearTanh)))
+                      if isinstance(m, (nn.Linear, nn.LayerNorm, ckpt_ext.FusedLinearTanh)))
         assert len(every) == 2 * linears, mode
         assert [n for n, _ in every] == list(net.state_dict()), mode
 
@@ -223,6 +226,11 @@ def test_bad_arguments():
         MLPNet(4, 8, depth=0)
     with pytest.raises(ValueError, match="in_features must be 2 .* got 3"):
         PINNNet(3)
+    with pytest.raises(ValueError, match="PINNNet: activation must be one of tanh, .* got 'cos'"):
+        PINNNet(activation="cos")
+    with pytest.raises(ValueError, match="BertMLPNet: use_reentrant=True would give the first "
+                                         "block no gradients"):
+        BertMLPNet(8, 16, mode="checkpoint", use_reentrant=True)
 
 
 def test_fused_mlp_grad_only_for_input():
@@ -243,11 +251,11 @@ def test_fused_mlp_grad_only_for_input():
 
 def _step_flops(net, x):
     with FlopCounterMode(display=False) as counter:
-        net(x).mean().backward()
+        type(net).loss(net(x), x).backward()
     return counter.get_total_flops()
 
 
-@pytest.mark.parametrize("name", ["chain", "residual", "mlp"])
+@pytest.mark.parametrize("name", ["chain", "residual", "mlp", "bert-mlp"])
 def test_recomputed_gemms_are_the_extra_flops(name):
     # The benchmark's floor adds these GEMMs to plain's step: they must be exactly what each mode
     # computes beyond plain (FlopCounterMode counts the recompute inside checkpoint and, through
@@ -260,9 +268,101 @@ def test_recomputed_gemms_are_the_extra_flops(name):
         net = NETWORKS[name](in_features=K, hidden=H, depth=D, mode=mode)
         gemms = recomputed_gemms(name, mode, B, K, H, D)
         assert _step_flops(net, x) - base == sum(2 * m * k * n for m, k, n in gemms), mode
-    if "checkpoint" in NETWORKS[name].MODES:
+    if ("checkpoint", True) in _variants(name):
         net = NETWORKS[name](in_features=K, hidden=H, depth=D, mode="checkpoint",
                              use_reentrant=True)
         gemms = recomputed_gemms(name, "checkpoint", B, K, H, D, use_reentrant=True)
         assert _step_flops(net, x) - base == sum(2 * m * k * n for m, k, n in gemms)
-    assert recomputed_gemms("pinn", "fused", B, 2, H, D) is None
+    for pinn in ("pinn", "pinn-sin", "pinn-silu"):
+        assert recomputed_gemms(pinn, "fused", B, 2, H, D) is None
+
+
+def test_bert_mlp_structure_and_formula():
+    # BertIntermediate + BertOutput: h = LayerNorm(h + W2 gelu(W1 h + b1) + b2), eps 1e-12
+    for mode in BertMLPNet.MODES:
+        net = BertMLPNet(in_features=12, hidden=20, depth=2, mode=mode, dtype=torch.float64)
+        assert list(net.state_dict()) == [f"blocks.{i}.{k}" for i in range(2) for k in (
+            "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias", "norm.weight",
+            "norm.bias")]
+        for block in net.blocks:
+            assert type(block.norm) is nn.LayerNorm and block.norm.eps == 1e-12
+            if mode == "fused":
+                assert isinstance(block.mlp, ckpt_ext.FusedMLP)
+                assert block.mlp.activation == "gelu" and block.mlp.sizes == [12, 20, 12]
+            else:
+                assert [type(m) for m in block.mlp] == [nn.Linear, nn.GELU, nn.Linear]
+                assert block.mlp[1].approximate == "none"
+        for blk in net.blocks:  # LayerNorm's own initial values would hide a wrong formula
+            nn.init.normal_(blk.norm.weight)
+            nn.init.normal_(blk.norm.bias)
+        x = torch.randn(3, 5, 12, dtype=torch.float64)
+        h = x
+        for blk in net.blocks:
+            w1, b1, w2, b2 = blk.mlp.state_dict().values()
+            z = h @ w1.T + b1
+            s = h + 0.5 * z * (1 + torch.erf(z / 2 ** 0.5)) @ w2.T + b2
+            h = (s - s.mean(-1, keepdim=True)) / (s.var(-1, unbiased=False, keepdim=True)
+                                                  + 1e-12).sqrt()
+            h = h * blk.norm.weight.detach() + blk.norm.bias.detach()
+        assert _rel(net(x).detach(), h) < 1e-13, mode
+
+
+def test_pinn_activations():
+    assert set(ACTIVATION_MODULES) == set(ckpt_ext.ACTIVATIONS)
+    for name, act in (("pinn", "tanh"), ("pinn-sin", "sin"), ("pinn-silu", "silu")):
+        cls = NETWORKS[name]
+        for mode in cls.MODES:
+            net = cls(hidden=8, depth=3, mode=mode)
+            assert net.activation == act
+            if mode == "fused" and act != "tanh":
+                assert isinstance(net.mlp, ckpt_ext.FusedMLP)
+                assert net.mlp.activation == act and net.mlp.sizes == [2, 8, 8, 8, 1]
+            elif mode != "fused":
+                acts = [type(m) for m in net.mlp if type(m) is not nn.Linear]
+                assert acts == [type(ACTIVATION_MODULES[act]())] * 3, (name, mode)
+    # the argument picks the activation of any of them; the default keeps tanh's FusedTanhMLP
+    assert PINNNet(hidden=8, activation="sin").activation == "sin"
+    assert isinstance(PINNNet(hidden=8, mode="fused").mlp, ckpt_ext.FusedTanhMLP)
+
+
+# What each mode of the new networks keeps, in exact bytes (the CPU meter counts every storage).
+RNG = torch.get_rng_state().nbytes  # checkpoint keeps the CPU RNG state per call
+
+
+@pytest.fixture
+def meter():
+    with ckpt_ext.memory.MemoryMeter("cpu") as m:
+        yield m
+
+
+def _measured(name, mode, meter, batch, **kw):
+    torch.manual_seed(0)
+    net = NETWORKS[name](mode=mode, **kw)
+    x = _input(name, batch, torch.float32,
+               shape=None if is_pinn(name) else (batch, kw["in_features"]))
+    ckpt_ext.memory.clear_grads(net)
+    return ckpt_ext.memory.measured_step(net, x, meter, loss_fn=type(net).loss)
+
+
+def test_bert_mlp_kept_bytes(meter):
+    B, W, H, D = 24, 16, 64, 3
+    unit, stats = B * W * 4, 2 * B * 4  # a (tokens, W) activation; LayerNorm's mean and rstd
+    got = {m: _measured("bert-mlp", m, meter, B, in_features=W, hidden=H, depth=D)
+           for m in BertMLPNet.MODES}
+    # every mode: LayerNorm keeps its input h + mlp(h) and its statistics per block, and each
+    # block's input is the block below's output (the first block's, the input x, is not counted)
+    common = D * (unit + stats) + (D - 1) * unit
+    # plain also keeps the (tokens, H) GELU input and output
+    assert got["plain"]["kept_for_backward"] == common + D * 2 * (H // W) * unit
+    assert got["checkpoint"]["kept_for_backward"] == common + D * RNG
+    assert got["fused"]["kept_for_backward"] == common  # the MLP keeps only its input
+    assert got["fused"]["peak_above_before_forward"] <= got["plain"]["peak_above_before_forward"]
+    assert got["fused"]["peak_above_before_forward"] <= \
+        got["checkpoint"]["peak_above_before_forward"]
+
+
+@pytest.mark.parametrize("name", ["pinn-sin", "pinn-silu"])
+def test_pinn_fused_keeps_and_peaks_below_plain(meter, name):
+    got = {m: _measured(name, m, meter, 512, hidden=32, depth=4) for m in ("plain", "fused")}
+    for what in ("kept_for_backward", "peak_above_before_forward"):
+        assert 0 < got["fused"][what] <= got["plain"][what], what
