@@ -1,13 +1,14 @@
-"""``ckpt_ext.fuse(model)``: in place, make a model's runs of Linear/Tanh layers compute through
-the fused ops, which keep only their input and recompute activations in backward, without
-changing what any caller of any of its modules gets. Contract and design: docs/converter.md.
+"""``ckpt_ext.fuse(model)``: in place, make a model's runs of Linear/activation layers (one
+activation per run: tanh, GELU, SiLU, ...; see ``activations``) compute through the fused ops,
+which keep only their input and recompute activations in backward, without changing what any
+caller of any of its modules gets. Contract and design: docs/converter.md.
 
 Stages, one module each: tracing → consumers → discovery → policy → planning → rewriting →
 applying; ``api.fuse`` runs them, ``report`` says what was done, ``runtime`` holds what stays in
 the user's model (and its pickles).
 
-Glossary: a *layer call* (``LayerCall``) is one call of a Linear or Tanh module, of a
-``LayerKind``; a *chain* (``Chain``) is calls ``Linear, Tanh, Linear, ...`` where each value goes
+Glossary: a *layer call* (``LayerCall``) is one call of a Linear or activation module, of a
+``LayerKind``; a *chain* (``Chain``) is calls ``Linear, Act, Linear, ...`` where each value goes
 only to the next, a *run* a maximal one; a *unit* (``Unit``) is the stretch of a chain fused as
 one op, with its ``Decision``; a value's *fate* (``Fate``) says whether its consumers keep it for
 backward. The *owner* is the module whose forward calls a run's *members* in turn, inside the
@@ -17,9 +18,9 @@ call.
 """
 from .api import POLICIES, fuse
 from .report import Decision, FuseReport, Fused
-from .runtime import FusedSequential, RunLinear, RunTanh
+from .runtime import FusedSequential, RunActivation, RunLinear, RunTanh, member_class
 # Pickles name the runtime classes at ``ckpt_ext.convert`` too; these keep such pickles loading.
 from .runtime import _Guard, _OwnerForward, _Run, _RunPart  # noqa: F401
 
 __all__ = ["fuse", "Fused", "FuseReport", "Decision", "FusedSequential", "RunLinear",
-           "RunTanh", "POLICIES"]
+           "RunTanh", "RunActivation", "member_class", "POLICIES"]

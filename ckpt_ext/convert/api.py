@@ -15,15 +15,16 @@ POLICIES = ("memory", "all")
 
 def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
          dry_run: bool = False, trace: bool = True) -> Fused:
-    """Fuse ``model``'s Linear/Tanh layers where that frees memory, in place; returns
+    """Fuse ``model``'s runs of Linear/activation layers where that frees memory, in place; returns
     ``(model, report)`` with ``model`` the very object passed in.
 
-    ``policy="memory"`` (default) fuses maximal runs, and lone pairs only where their output is not
-    kept anyway; ``policy="all"`` fuses every pair on its own. ``rewrite=True`` also rewrites
-    forward code (``F.linear``, ``torch.tanh``) of modules whose forward is safe to rewrite.
-    ``dry_run=True`` changes nothing and reports what would be done. ``trace=False`` skips the fx
-    analysis: only the insides of ``nn.Sequential`` are considered. ``print(report)`` shows every
-    decision with the bytes it frees and the FLOPs it costs per row, every near miss and why, and
+    ``policy="memory"`` (default) fuses maximal runs, and lone pairs only where that frees memory
+    (a tanh, sigmoid or ReLU output kept anyway does not); ``policy="all"`` fuses every pair on
+    its own. ``rewrite=True`` also rewrites forward code (``F.linear``, ``torch.tanh``,
+    ``F.gelu``, ...) of modules whose forward is safe to rewrite. ``dry_run=True`` changes
+    nothing and reports what would be done. ``trace=False`` skips the fx analysis: only the
+    insides of ``nn.Sequential`` are considered. ``print(report)`` shows every decision with its
+    activation, the bytes it frees and the FLOPs it costs per row, every near miss and why, and
     every module whose forward was not used. The full contract: ``docs/converter.md``.
     """
     if not isinstance(model, nn.Module):

@@ -1,5 +1,5 @@
 """Applying a plan to the user's model, in place: each run is made (or the one an earlier fuse put
-in place is kept), its child Linear/Tanh members get their member class, each Sequential exactly
+in place is kept), its child Linear/activation members get their member class, each Sequential exactly
 its parts, each owner an :class:`_OwnerForward` with its runs, guards and rewritten source; what
 an earlier fuse put in place and this plan no longer holds is undone."""
 from __future__ import annotations
@@ -10,20 +10,21 @@ from torch import nn
 
 from .planning import PlannedRun, RunPlan
 from .report import Decision
-from .runtime import (MEMBER_CLASSES, FusedSequential, PartRole, RunLinear, RunTanh,
-                      _OwnerForward, _Run, _RunPart, is_sequential, parts_of)
+from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, _OwnerForward, _Run,
+                      _RunPart, is_sequential, member_class, parts_of)
 from .tracing import ModelAnalysis
 
 
 def _apply_run(analysis: ModelAnalysis, plan: RunPlan, decision: Decision,
                run: Optional[_Run]) -> Tuple[_Run, list]:
     """Make the plan's run (or keep ``run``, the same run already in place), give its child
-    Linear/Tanh members their member class; returns the run and its (Sequential, part)s."""
+    Linear/activation members their member class; returns the run and its (Sequential, part)s."""
     layer_calls = plan.layer_calls
     if run is None:
         run = _Run(
             labels=[s.label for s in layer_calls], members=[s.module for s in layer_calls],
-            layers=[s.module for s in layer_calls[0::2]], last_tanh=plan.last_tanh,
+            layers=[s.module for s in layer_calls[0::2]], last_activation=plan.last_act,
+            activation=plan.activation,
             sequences=[(seq, analysis.path_of(seq)) for seq in plan.sequences], slots=plan.slots,
             unhooked=[(m, analysis.path_of(m)) for m in plan.unhooked]
             + [(s.module, s.label) for s in layer_calls],
@@ -32,7 +33,7 @@ def _apply_run(analysis: ModelAnalysis, plan: RunPlan, decision: Decision,
             decision=decision)
     for call, k in plan.members:
         m = call.module
-        m.__class__ = MEMBER_CLASSES[type(m)]  # a subclass: same object, parameters and keys
+        m.__class__ = member_class(type(m))  # a subclass: same object, parameters and keys
         m._ckpt_ext_run, m._ckpt_ext_index = run, k
     parts = []
     for seq, names, role, index, before, after in plan.parts:
@@ -41,7 +42,8 @@ def _apply_run(analysis: ModelAnalysis, plan: RunPlan, decision: Decision,
         if alone:
             part.alone = _RunPart(_Run(
                 labels=[s.label for s in alone], members=[s.module for s in alone],
-                layers=[s.module for s in alone[0::2]], last_tanh=False,
+                layers=[s.module for s in alone[0::2]], last_activation=False,
+                activation=plan.activation,
                 sequences=[(seq, analysis.path_of(seq))], slots=(),
                 unhooked=[(s.module, s.label) for s in alone], owner=None, calls=(),
                 elements=[(seq, s.name) for s in alone]), [s.name for s in alone], PartRole.WHOLE,
@@ -77,8 +79,8 @@ def apply_plan(analysis: ModelAnalysis, planned: Sequence[PlannedRun],
             owner_runs.setdefault(id(plan.owner), []).append(run)
         members.update(id(call.module) for call, _ in plan.members)
     for m in analysis.model.modules():
-        if type(m) in (RunLinear, RunTanh) and id(m) not in members:
-            m.__class__ = nn.Linear if type(m) is RunLinear else nn.Tanh
+        if isinstance(m, (RunLinear, RunActivation)) and id(m) not in members:
+            m.__class__ = type(m)._ckpt_ext_base
             for name in ("_ckpt_ext_run", "_ckpt_ext_index"):
                 vars(m).pop(name, None)
         if is_sequential(m):

@@ -2,7 +2,8 @@
 keep it (an add, a Tanh, a ``.mean()``), or unknown. The tables name what ops do with their input;
 the functions follow a value through an analysed forward's graph, into and out of Sequentials
 and modules, up to the model's output. fuse asks this of the last output of a run or a pair: a
-trailing Tanh is fused only where its output is not kept anyway."""
+trailing activation that keeps its output (tanh, sigmoid) is fused only where that output is not
+kept anyway."""
 from __future__ import annotations
 
 import operator
@@ -12,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .. import ops
 from ..modules import FusedLinearTanh, FusedTanhMLP
 from ..ops import linear_tanh, tanh_mlp
+from .activations import SAVES_INPUT, module_activation
 from .runtime import is_sequential, join_path
 from .tracing import ModelAnalysis, Trace
 
@@ -45,14 +48,15 @@ _SCALING_FUNCTIONS = {operator.mul, operator.truediv, operator.imul, operator.it
                       torch.mul, torch.div}
 _SCALING_METHODS = {"mul", "div", "mul_", "div_"}
 _KEEPING_FUNCTIONS = {F.linear, torch._C._nn.linear, torch.matmul, torch.mm, torch.bmm,
-                      operator.matmul, torch.einsum, F.layer_norm, F.gelu, F.silu, F.mse_loss,
-                      torch.pow, operator.pow, linear_tanh, tanh_mlp}
-_KEEPING_METHODS = {"matmul", "mm", "bmm", "pow"}
+                      operator.matmul, torch.einsum, F.layer_norm, F.gelu, F.silu, F.softplus,
+                      torch.sin, F.mse_loss, torch.pow, operator.pow, linear_tanh, tanh_mlp,
+                      ops.mlp}
+_KEEPING_METHODS = {"matmul", "mm", "bmm", "pow", "sin"}
 _PASS_THROUGH_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten)
 # These save their output or a mask for backward, never their input.
 _FREEING_MODULES = (nn.Dropout, nn.Tanh, nn.Sigmoid, nn.ReLU, nn.Softmax, nn.LogSoftmax)
 _KEEPING_MODULES = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.GroupNorm, nn.GELU, nn.SiLU,
-                    nn.MultiheadAttention, nn.modules.conv._ConvNd,
+                    nn.Softplus, nn.MultiheadAttention, nn.modules.conv._ConvNd,
                     nn.modules.batchnorm._BatchNorm, FusedLinearTanh, FusedTanhMLP)
 
 
@@ -190,6 +194,11 @@ def _module_input_fate(analysis: ModelAnalysis, sub: nn.Module, label: str,
         return Fate(False, f"its user {label} ({type(sub).__name__}) does not keep it")
     if isinstance(sub, _KEEPING_MODULES):
         return Fate(True, f"kept by {label} ({type(sub).__name__} keeps its input)")
+    found = module_activation(sub)
+    if found is not None and found.name is not None:  # transformers' activation modules
+        if SAVES_INPUT[found.name]:
+            return Fate(True, f"kept by {label} ({type(sub).__name__} keeps its input)")
+        return Fate(False, f"its user {label} ({type(sub).__name__}) does not keep it")
     ts = analysis.trace_of(sub)
     if ts is not None:
         ph = [n for n in ts.graph.nodes if n.op == "placeholder"]

@@ -1,30 +1,32 @@
-"""Discovery: where values go from one Linear/Tanh call to the next. :class:`RunDiscovery` finds
-the runs of module calls (:class:`LayerCall`: an element of a Sequential, or a child an analysed
-forward calls), across Sequentials and through the calls of one forward, and why each run stops
-where it does; :func:`graph_chains` finds the chains in forward code (``F.linear``,
-``torch.tanh``, a Linear held in a list) that only a rewrite fuses."""
+"""Discovery: where values go from one Linear/activation call to the next. :class:`RunDiscovery`
+finds the runs of module calls (:class:`LayerCall`: an element of a Sequential, or a child an
+analysed forward calls), across Sequentials and through the calls of one forward, and why each run
+stops where it does (a run has one activation: :func:`split_by_activation`); :func:`graph_chains`
+finds the chains in forward code (``F.linear``, ``torch.tanh``, ``F.gelu``, a Linear held in a
+list) that only a rewrite fuses."""
 from __future__ import annotations
 
 import enum
 import inspect
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
 from ..modules import _has_hooks
+from .activations import Recognised, module_activation, node_activation
 from .consumers import Fate, elements_fate, node_fate, output_fate
 from .policy import Chain, LayerShape, item_misses, layer_shape
 from .report import Decision
-from .runtime import RunLinear, RunTanh, is_sequential, join_path, unsupported_reason
+from .runtime import RunLinear, is_sequential, join_path, unsupported_reason
 from .tracing import ModelAnalysis, Trace
 
 
 class LayerKind(enum.Enum):
     LINEAR = "Linear"
-    TANH = "Tanh"
+    ACTIVATION = "activation"
 
 
 def linear_problem(lin: nn.Module) -> Optional[str]:
@@ -35,12 +37,36 @@ def linear_problem(lin: nn.Module) -> Optional[str]:
     return unsupported_reason(lin.weight)
 
 
-def tanh_problem(act: nn.Module) -> Optional[str]:
-    if type(act) not in (nn.Tanh, RunTanh):
-        return f"{type(act).__name__} subclasses nn.Tanh"
+def activation_problem(act: nn.Module) -> Optional[str]:
+    found = module_activation(act)
+    if found is None or found.problem is not None:
+        return found.problem if found is not None else f"{type(act).__name__} is no activation"
     if _has_hooks(act):
-        return "the Tanh has hooks, which the fused op would not call"
+        name = getattr(type(act), "_ckpt_ext_base", type(act)).__name__
+        return f"the {name} has hooks, which the fused op would not call"
     return None
+
+
+def split_by_activation(items: Sequence[Any], name_of: Callable[[Any], Optional[str]],
+                        label_of: Callable[[Any], str]) -> List[Tuple[int, int, Optional[str]]]:
+    """The stretches [s, e) of a chain ``Linear, Act, Linear, ...`` with one activation each
+    (activations fuse cannot name, which have a problem, do not split it), each with why it stops
+    there when another activation follows. That activation belongs to neither stretch: the first
+    ends at the Linear before it, the next starts at the Linear after it."""
+    bounds: List[Tuple[int, int, Optional[str]]] = []
+    s, current = 0, None
+    for k in range(1, len(items), 2):
+        name = name_of(items[k])
+        if name is None or name == current:
+            continue
+        if current is None:
+            current = name
+            continue
+        bounds.append((s, k, f"{label_of(items[k])} computes {name}, not {current} (a run has "
+                             f"one activation)"))
+        s, current = k + 1, None
+    bounds.append((s, len(items), None))
+    return [(s, e, why) for s, e, why in bounds if e - s >= 2]
 
 
 def getattr_path(root: Any, target: str) -> Any:
@@ -50,7 +76,6 @@ def getattr_path(root: Any, target: str) -> Any:
     return obj
 
 
-_TANH_FUNCTIONS = {torch.tanh: "torch.tanh", F.tanh: "F.tanh"}
 _LINEAR_FUNCTIONS = (F.linear, torch._C._nn.linear)
 _LINEAR_SIGNATURE = inspect.signature(lambda input, weight, bias=None: None)
 
@@ -61,26 +86,19 @@ def linear_args(node: fx.Node):
     return bound.arguments["input"], bound.arguments["weight"], bound.arguments["bias"]
 
 
-def node_kind(node: fx.Node, owner: nn.Module) -> Optional[LayerKind]:
-    """The kind of a linear / tanh node of any spelling, else None."""
+def node_kind(node: fx.Node, owner: nn.Module) -> Optional[Tuple[LayerKind, Optional[Recognised]]]:
+    """The kind of a linear / activation node of any spelling (and for an activation, what it
+    computes), else None."""
     if node.op == "call_module":
-        sub = owner.get_submodule(node.target)
-        if isinstance(sub, nn.Linear):
-            return LayerKind.LINEAR
-        if isinstance(sub, nn.Tanh):
-            return LayerKind.TANH
-    elif node.op == "call_function":
-        if node.target in _LINEAR_FUNCTIONS:
-            try:
-                linear_args(node)
-                return LayerKind.LINEAR
-            except TypeError:
-                return None
-        if node.target in _TANH_FUNCTIONS:
-            return LayerKind.TANH
-    elif node.op == "call_method" and node.target == "tanh":
-        return LayerKind.TANH
-    return None
+        return _module_kind(owner.get_submodule(node.target))
+    if node.op == "call_function" and node.target in _LINEAR_FUNCTIONS:
+        try:
+            linear_args(node)
+            return LayerKind.LINEAR, None
+        except TypeError:
+            return None
+    found = node_activation(node)
+    return (LayerKind.ACTIVATION, found[0]) if found is not None else None
 
 
 def data_input(node: fx.Node) -> Any:
@@ -88,6 +106,10 @@ def data_input(node: fx.Node) -> Any:
     if node.op == "call_function" and node.target in _LINEAR_FUNCTIONS:
         x, w, b = linear_args(node)
         return x if all(a is not x for a in (w, b)) else None
+    if node.op != "call_module":
+        found = node_activation(node)
+        if found is not None:
+            return found[1]
     if len(node.args) == 1 and not node.kwargs:
         return node.args[0]
     return None
@@ -96,11 +118,9 @@ def data_input(node: fx.Node) -> Any:
 def node_label(node: fx.Node, owner_path: str) -> str:
     if node.op == "call_module":
         return join_path(owner_path, node.target)
-    if node.op == "call_method":
-        return ".tanh()"
-    if node.target in _LINEAR_FUNCTIONS:
+    if node.op == "call_function" and node.target in _LINEAR_FUNCTIONS:
         return "F.linear"
-    return _TANH_FUNCTIONS[node.target]
+    return node_activation(node)[2]
 
 
 def _call_counts(t: Trace) -> Dict[str, int]:
@@ -132,18 +152,17 @@ def child_problem(analysis: ModelAnalysis, owner: nn.Module, t: Trace, target: s
     return None
 
 
-def _module_kind(m: Optional[nn.Module]) -> Optional[LayerKind]:
+def _module_kind(m: Optional[nn.Module]) -> Optional[Tuple[LayerKind, Optional[Recognised]]]:
     if isinstance(m, nn.Linear):
-        return LayerKind.LINEAR
-    if isinstance(m, nn.Tanh):
-        return LayerKind.TANH
-    return None
+        return LayerKind.LINEAR, None
+    found = module_activation(m)
+    return (LayerKind.ACTIVATION, found) if found is not None else None
 
 
 @dataclass(eq=False)
 class LayerCall:
-    """One call of a Linear or Tanh module: an element of a Sequential, or a direct child that an
-    analysed forward calls (``node`` in its graph)."""
+    """One call of a Linear or activation module: an element of a Sequential, or a direct child
+    that an analysed forward calls (``node`` in its graph)."""
     container: nn.Module
     name: str
     module: nn.Module
@@ -152,10 +171,16 @@ class LayerCall:
     index: int = -1                   # its index among the Sequential's elements
     node: Optional[fx.Node] = None
     trace: Optional[Trace] = None
+    found: Optional[Recognised] = None  # what an activation computes
+
+    @property
+    def activation(self) -> Optional[str]:
+        return self.found.name if self.found is not None else None
 
 
 class RunDiscovery:
-    """Runs of Linear/Tanh module calls that follow one another, across container boundaries.
+    """Runs of Linear/activation module calls that follow one another, across container
+    boundaries.
 
     A value goes from one call to the next: between consecutive elements of a Sequential; from a
     Sequential's last element to what consumes the Sequential's output (the next element of the
@@ -175,8 +200,9 @@ class RunDiscovery:
                 for i, (name, e) in enumerate(m._modules.items()):
                     kind = _module_kind(e)
                     if kind:
-                        self._add((id(m), name),
-                                  LayerCall(m, name, e, kind, join_path(path, name), i))
+                        self._add((id(m), name), LayerCall(m, name, e, kind[0],
+                                                           join_path(path, name), i,
+                                                           found=kind[1]))
                 continue
             t = analysis.trace_of(m)
             if t is None:
@@ -191,9 +217,9 @@ class RunDiscovery:
                 sub = m._modules.get(node.target)
                 kind = _module_kind(sub)
                 if kind:
-                    self._add((id(m), node), LayerCall(m, node.target, sub, kind,
+                    self._add((id(m), node), LayerCall(m, node.target, sub, kind[0],
                                                        join_path(path, node.target), node=node,
-                                                       trace=t))
+                                                       trace=t, found=kind[1]))
 
     def _add(self, key: Tuple[int, Any], call: LayerCall) -> None:
         self.layer_calls.append(call)
@@ -287,8 +313,9 @@ class RunDiscovery:
 
     # -- the runs ---------------------------------------------------------------------------------
     def runs(self) -> Tuple[List[List[LayerCall]], Dict[LayerCall, str]]:
-        """Maximal alternating paths Linear, Tanh, Linear, ... (from a Linear), and for a call
-        whose next call would have continued the run, why that step was not taken."""
+        """Maximal alternating paths Linear, Act, Linear, ... (from a Linear) with one activation,
+        and for a call whose next call would have continued the run, why that step was not
+        taken."""
         links: Dict[LayerCall, LayerCall] = {}
         stops: Dict[LayerCall, str] = {}
         for s in self.layer_calls:
@@ -310,8 +337,11 @@ class RunDiscovery:
                 seen.add(path[-1])
             while path and path[0].kind is not LayerKind.LINEAR:
                 path.pop(0)
-            if len(path) >= 2:
-                paths.append(path)
+            for s, e, why in split_by_activation(path, lambda c: c.activation,
+                                                 lambda c: c.label):
+                paths.append(path[s:e])
+                if why is not None:
+                    stops[path[e - 1]] = why
         return paths, stops
 
     def problem(self, s: LayerCall) -> Optional[str]:
@@ -319,7 +349,8 @@ class RunDiscovery:
             p = child_problem(self.analysis, s.container, s.trace, s.name, s.label, s.module)
             if p is not None:
                 return p
-        return linear_problem(s.module) if s.kind is LayerKind.LINEAR else tanh_problem(s.module)
+        return linear_problem(s.module) if s.kind is LayerKind.LINEAR else \
+            activation_problem(s.module)
 
     def fate(self, s: LayerCall) -> Fate:
         """What consumes the call's output."""
@@ -332,25 +363,44 @@ class RunDiscovery:
 
 
 def graph_chains(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace, rewrite: bool,
-                  misses: List[Decision], taken: set) -> List[Chain]:
-    """Chains in one module's graph that hold a function call (``F.linear``, ``torch.tanh``) or a
-    Linear held in a list: fused only by rewriting the forward (``rewrite=True``). The nodes of a
-    chain to rewrite go into ``taken``. Chains of direct child modules only are the discovery's."""
+                 misses: List[Decision], taken: set) -> List[Chain]:
+    """Chains in one module's graph that hold a function call (``F.linear``, ``torch.tanh``,
+    ``F.gelu``, ...) or a Linear held in a list: fused only by rewriting the forward
+    (``rewrite=True``). The nodes of a chain to rewrite go into ``taken``. Chains of direct child
+    modules only are the discovery's."""
     graph = t.graph
-    kind = {n: node_kind(n, owner) for n in graph.nodes}
+    kinds = {n: node_kind(n, owner) for n in graph.nodes}
+    kind = {n: k[0] if k else None for n, k in kinds.items()}
+
+    def name_of(n: fx.Node) -> Optional[str]:
+        found = kinds[n][1] if kinds[n] else None
+        return found.name if found is not None else None
 
     def nxt(n: fx.Node) -> Optional[fx.Node]:
         users = list(n.users)
         if len(users) != 1:
             return None
         u = users[0]
-        want = LayerKind.TANH if kind[n] is LayerKind.LINEAR else LayerKind.LINEAR
+        want = LayerKind.ACTIVATION if kind[n] is LayerKind.LINEAR else LayerKind.LINEAR
         return u if kind[u] == want and data_input(u) is n else None
 
     has_prev = {nxt(n) for n in graph.nodes if kind[n] is not None} - {None}
 
     def graph_only(n: fx.Node) -> bool:
         return n.op != "call_module" or "." in n.target
+
+    def own_problem(n: fx.Node) -> Optional[str]:
+        """What the layer itself keeps from being fused, wherever it is called."""
+        if n.op == "call_module":
+            sub = owner.get_submodule(n.target)
+            return linear_problem(sub) if kind[n] is LayerKind.LINEAR else \
+                activation_problem(sub)
+        if kind[n] is LayerKind.ACTIVATION:
+            return kinds[n][1].problem
+        _, w, _ = linear_args(n)
+        if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+            return f"{node_label(n, path)}'s weight is not an attribute of {path or '<model>'}"
+        return unsupported_reason(getattr_path(owner, w.target))
 
     def member_problem(n: fx.Node) -> Optional[str]:
         label = node_label(n, path)
@@ -360,24 +410,12 @@ def graph_chains(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace,
         if "." in n.target:
             return f"{label} is not a direct child of {path or '<model>'}"
         sub = owner.get_submodule(n.target)
-        problem = child_problem(analysis, owner, t, n.target, label, sub)
-        if problem is not None:
-            return problem
-        return linear_problem(sub) if kind[n] is LayerKind.LINEAR else tanh_problem(sub)
+        return child_problem(analysis, owner, t, n.target, label, sub) or own_problem(n)
 
     def rewrite_problem(n: fx.Node) -> Optional[str]:
-        label = node_label(n, path)
         if t.rewrite_problem is not None:
             return f"{path or '<model>'}.forward cannot be rewritten: {t.rewrite_problem}"
-        if n.op == "call_module":
-            sub = owner.get_submodule(n.target)
-            return linear_problem(sub) if kind[n] is LayerKind.LINEAR else tanh_problem(sub)
-        if kind[n] is LayerKind.LINEAR:
-            _, w, _ = linear_args(n)
-            if not (isinstance(w, fx.Node) and w.op == "get_attr"):
-                return f"{label}'s weight is not an attribute of {path or '<model>'}"
-            return unsupported_reason(getattr_path(owner, w.target))
-        return None
+        return own_problem(n)
 
     def layer_of(n: fx.Node) -> Optional[LayerShape]:
         if n.op == "call_module":
@@ -391,33 +429,43 @@ def graph_chains(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace,
     chains = []
     for n in graph.nodes:
         if kind[n] is LayerKind.LINEAR and len(n.users) > 1 and \
-                any(kind[u] is LayerKind.TANH for u in n.users):
+                any(kind[u] is LayerKind.ACTIVATION for u in n.users):
             misses.append(Decision(path, (node_label(n, path),), "left alone", "", "", 0, 0, 0,
                                    f"its output has {len(n.users)} users, so it is kept for the "
                                    f"others anyway"))
         if kind[n] is not LayerKind.LINEAR or n in has_prev or nxt(n) is None:
             continue
-        items = [n]
-        while nxt(items[-1]) is not None:
-            items.append(nxt(items[-1]))
-        only = [graph_only(x) for x in items]
-        if not any(only):
-            continue
-        labels = [node_label(x, path) for x in items]
-        rw = [rewrite_problem(x) for x in items]
-        layers = [layer_of(x) for x in items[0::2]]
-        if rewrite and all(p is None for p in rw) and all(lay is not None for lay in layers):
-            last = items[-1]
-            chains.append(Chain(path, "rewrite", labels, items, layers, len(items) % 2 == 0,
-                                 lambda last=last: node_fate(analysis, owner, t, last)))
-            taken.update(x for x in items if x.op == "call_module")
-            continue
-        # Not rewritten: report the pairs that hold a function call or a Linear held in a list
-        # (pairs of child modules are the discovery's, which reports their problems itself).
-        problems = [rw[k] if (rewrite and rw[k] is not None) else member_problem(x)
-                    for k, x in enumerate(items)]
-        in_pair = [only[k - k % 2] or (k - k % 2 + 1 < len(items) and only[k - k % 2 + 1])
-                   for k in range(len(items))]
-        item_misses(path, labels, [p if in_pair[k] else None for k, p in enumerate(problems)],
-                     misses)
+        whole = [n]
+        while nxt(whole[-1]) is not None:
+            whole.append(nxt(whole[-1]))
+        for s, e, _ in split_by_activation(whole, name_of, lambda x: node_label(x, path)):
+            _graph_chain(whole[s:e], path, rewrite, graph_only, rewrite_problem, member_problem,
+                         layer_of, name_of, lambda last: node_fate(analysis, owner, t, last),
+                         misses, taken, chains)
     return chains
+
+
+def _graph_chain(items: List[fx.Node], path: str, rewrite: bool, graph_only, rewrite_problem,
+                 member_problem, layer_of, name_of, fate_of, misses: List[Decision],
+                 taken: set, chains: List[Chain]) -> None:
+    """One stretch of a graph's chain with one activation: a chain to rewrite, or its misses."""
+    only = [graph_only(x) for x in items]
+    if not any(only):
+        return
+    labels = [node_label(x, path) for x in items]
+    rw = [rewrite_problem(x) for x in items]
+    layers = [layer_of(x) for x in items[0::2]]
+    if rewrite and all(p is None for p in rw) and all(lay is not None for lay in layers):
+        last = items[-1]
+        chains.append(Chain(path, "rewrite", labels, items, layers, name_of(items[1]),
+                            len(items) % 2 == 0, lambda last=last: fate_of(last)))
+        taken.update(x for x in items if x.op == "call_module")
+        return
+    # Not rewritten: report the pairs that hold a function call or a Linear held in a list
+    # (pairs of child modules are the discovery's, which reports their problems itself).
+    problems = [rw[k] if (rewrite and rw[k] is not None) else member_problem(x)
+                for k, x in enumerate(items)]
+    in_pair = [only[k - k % 2] or (k - k % 2 + 1 < len(items) and only[k - k % 2 + 1])
+               for k in range(len(items))]
+    item_misses(path, labels, [p if in_pair[k] else None for k, p in enumerate(problems)],
+                misses)

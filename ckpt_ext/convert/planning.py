@@ -15,7 +15,7 @@ from .discovery import LayerCall, LayerKind, RunDiscovery, graph_chains
 from .policy import (Chain, Unit, chain_problem, decide, item_misses, layer_shape,
                      split_at_problems, sub_chain)
 from .report import Decision
-from .runtime import (FusedSequential, PartRole, RunLinear, RunTanh, Slot, _OwnerForward, _Run,
+from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, Slot, _OwnerForward, _Run,
                       is_sequential, join_path, parts_of)
 from .tracing import ModelAnalysis, Trace
 
@@ -37,7 +37,7 @@ class PlannedRun(NamedTuple):
 
 
 class MemberPlan(NamedTuple):
-    """A child Linear/Tanh that becomes member ``index`` of a run."""
+    """A child Linear/activation that becomes member ``index`` of a run."""
     call: LayerCall
     index: int
 
@@ -49,7 +49,8 @@ class RunPlan:
     how: str                          # "sequential", "children" or "across"
     where: str                        # the module holding every layer of the unit ("" = model)
     layer_calls: List[LayerCall]
-    last_tanh: bool
+    activation: str
+    last_act: bool
     parts: List[PartPlan] = field(default_factory=list)
     members: List[MemberPlan] = field(default_factory=list)
     calls: List[str] = field(default_factory=list)  # the members' labels, in the owner's call order
@@ -63,7 +64,7 @@ class RunPlan:
 
     @property
     def key(self) -> Tuple[Any, ...]:
-        return (tuple(c.module for c in self.layer_calls), self.last_tanh)
+        return (tuple(c.module for c in self.layer_calls), self.last_act)
 
     def part_keys(self) -> List[Tuple[nn.Module, Tuple[Any, ...]]]:
         return [(part.seq, (part.names, part.role, part.index, self.key)) for part in self.parts]
@@ -116,8 +117,8 @@ def _descent(analysis: ModelAnalysis, call: LayerCall, chain: List[nn.Module], l
     return steps + [(call.container, call.name)]
 
 
-def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall], last_tanh: bool,
-             policy: str) -> Optional[RunPlan]:
+def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall], activation: str,
+             last_act: bool, policy: str) -> Optional[RunPlan]:
     """Where the unit of these calls is computed: by the Sequential holding them all, or inside
     the forward of their lowest common caller (the owner), whose calls become members; None when
     no module calls them all."""
@@ -130,7 +131,7 @@ def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall], last_tanh: b
             if c is lca:
                 break
             inside[id(c)] = c
-    p = RunPlan("", analysis.path_of(lca), layer_calls, last_tanh)
+    p = RunPlan("", analysis.path_of(lca), layer_calls, activation, last_act)
     first = _descent(analysis, layer_calls[0], chains[0], lca)
     last = _descent(analysis, layer_calls[-1], chains[-1], lca)
 
@@ -164,7 +165,7 @@ def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall], last_tanh: b
             p.note = (f"it crosses {crossed} inside {p.where or '<model>'}, which computes the "
                       f"whole run; called on its own, each of them computes its own layers")
         return p
-    # The calls the lca's forward makes, in order: child Linear/Tanh modules, or a child
+    # The calls the lca's forward makes, in order: child Linear/activation modules, or a child
     # Sequential the run goes through. Each becomes a member of the run.
     units: List[Any] = []
     for s, chain in zip(layer_calls, chains):
@@ -209,7 +210,8 @@ def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall], last_tanh: b
 def _alone(seq: nn.Module, layer_calls: Sequence[LayerCall]) -> Optional[List[LayerCall]]:
     """The longest stretch of the run's layers that are consecutive elements of ``seq``, from a
     Linear to a Linear with at least two of them: a run seq computes fused when called on its own
-    (its inner tanh outputs feed only its next Linear; where its output goes is not known there)."""
+    (its inner activations feed only its next Linear; where its output goes is not known
+    there)."""
     best: List[LayerCall] = []
     stretch: List[LayerCall] = []
     for s in list(layer_calls) + [None]:
@@ -234,7 +236,7 @@ def existing_runs(model: nn.Module) -> List[_Run]:
         if isinstance(m, FusedSequential):
             for part in m._ckpt_ext_runs:
                 runs.setdefault(id(part.run), part.run)
-        elif type(m) in (RunLinear, RunTanh) and m._ckpt_ext_run is not None:
+        elif isinstance(m, (RunLinear, RunActivation)) and m._ckpt_ext_run is not None:
             runs.setdefault(id(m._ckpt_ext_run), m._ckpt_ext_run)
     return list(runs.values())
 
@@ -259,8 +261,7 @@ def in_place(plan: RunPlan, existing: Dict[Any, _Run]) -> Optional[_Run]:
 
 
 def _already(d: Decision) -> Decision:
-    return Decision(d.where, d.layers, "already fused", d.unit, d.how, d.bytes_per_row,
-                    d.flops_per_row, d.plain_flops_per_row, d.why)
+    return dataclasses.replace(d, action="already fused")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -305,7 +306,7 @@ class ModelPlan:
 
 def plan_model(analysis: ModelAnalysis, policy: str, rewrite: bool) -> ModelPlan:
     """The plan for the analysed model: forward code to rewrite first (its nodes are then no
-    one else's), then the runs of Linear/Tanh module calls, inside a container or across
+    one else's), then the runs of Linear/activation module calls, inside a container or across
     several."""
     plan = ModelPlan()
     taken_nodes: set = set()
@@ -349,7 +350,8 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
     found: List[Decision] = []
     item_misses(at, labels, problems, found)
     shapes = [layer_shape(s.label, s.module) for s in layer_calls[0::2]]
-    full = Chain(at, "", labels, layer_calls, shapes, len(layer_calls) % 2 == 0,
+    activation = next((s.activation for s in layer_calls if s.activation), "")
+    full = Chain(at, "", labels, layer_calls, shapes, activation, len(layer_calls) % 2 == 0,
                  lambda: Fate(None, ""))
     for s, e in split_at_problems(problems, len(layer_calls)):
         last = layer_calls[e - 1]
@@ -363,8 +365,8 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
         units, misses = decide(sub, policy)
         found += misses
         for u in units:
-            a, b = sub.span(u.first, u.last, u.last_tanh)
-            run_plan = plan_run(analysis, sub.items[a:b], u.last_tanh, policy)
+            a, b = sub.span(u.first, u.last, u.last_act)
+            run_plan = plan_run(analysis, sub.items[a:b], sub.activation, u.last_act, policy)
             d = u.decision
             if run_plan is None:  # no module calls them all: no region to compute it in
                 found.append(dataclasses.replace(
@@ -389,5 +391,5 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
 
 
 def _refused(d: Decision, why: str) -> Decision:
-    return Decision(d.where, d.layers, "left alone", "", "", d.bytes_per_row, d.flops_per_row,
-                    d.plain_flops_per_row, f"the forward rewrite failed: {why}")
+    return dataclasses.replace(d, action="left alone", unit="", how="",
+                               why=f"the forward rewrite failed: {why}")

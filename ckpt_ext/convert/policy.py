@@ -1,7 +1,8 @@
 """The policy: which stretches of a chain fuse as one unit (``policy="memory"``: a maximal run,
-its trailing Tanh and a lone pair only where the consumer does not keep their output anyway;
-``policy="all"``: every pair), the near misses, and the report's figures for each (activation
-bytes freed and FLOPs added per row)."""
+with its trailing activation and as a lone pair where that frees memory — always for an activation
+whose backward keeps its input, only where the consumer does not keep the output for one that keeps
+its output; ``policy="all"``: every pair), the near misses, and the report's figures for each
+(activation bytes freed and FLOPs added per row)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from torch import nn
 
+from .activations import DISPLAY, SAVES_INPUT, tensors_per_layer
 from .consumers import Fate
 from .report import Decision
 
@@ -26,38 +28,44 @@ def _gemm(layer: LayerShape) -> int:
     return 2 * layer.in_features * layer.out_features
 
 
-def _unit_name(layers: Sequence[LayerShape], last_tanh: bool) -> str:
+def _unit_name(layers: Sequence[LayerShape], activation: str, last_act: bool) -> str:
     sizes = "->".join(str(s) for s in [layers[0].in_features] + [lay.out_features
                                                                   for lay in layers])
-    if len(layers) == 1 and last_tanh:
+    if activation != "tanh":
+        return f"mlp {activation}, {len(layers)} layer{'s' if len(layers) > 1 else ''} " \
+               f"{sizes}" + (f", last {activation}" if last_act else "")
+    if len(layers) == 1 and last_act:
         return f"linear_tanh {sizes}"
-    return f"tanh_mlp, {len(layers)} layers {sizes}" + (", last tanh" if last_tanh else "")
+    return f"tanh_mlp, {len(layers)} layers {sizes}" + (", last tanh" if last_act else "")
 
 
 @dataclass
 class Chain:
-    """Calls ``Linear, Tanh, Linear, ...`` in which each value goes only to the next call: the
-    candidates the policy makes units of. Item ``2j`` is Linear ``j``, item ``2j + 1`` its Tanh."""
+    """Calls ``Linear, Act, Linear, ...`` (one activation throughout) in which each value goes only
+    to the next call: the candidates the policy makes units of. Item ``2j`` is Linear ``j``, item
+    ``2j + 1`` its activation."""
     where: str                    # the module holding its items
     how: str                      # "rewrite", or "" for module calls (the plan says how)
     labels: List[str]             # one per item, in call order
     items: List[Any]              # LayerCall (module calls) or fx nodes (rewrite)
-    layers: List[LayerShape]          # one per Linear item
-    ends_with_tanh: bool
+    layers: List[LayerShape]      # one per Linear item
+    activation: str               # one of ckpt_ext.ACTIVATIONS
+    ends_with_act: bool
     fate: Callable[[], Fate]      # what the consumer does with the chain's last output
 
-    def span(self, first: int, last: int, last_tanh: bool) -> Tuple[int, int]:
-        """Item indices [start, stop) of layers first..last, with last's Tanh if last_tanh."""
-        return 2 * first, 2 * last + (2 if last_tanh else 1)
+    def span(self, first: int, last: int, last_act: bool) -> Tuple[int, int]:
+        """Item indices [start, stop) of layers first..last, with last's activation if
+        last_act."""
+        return 2 * first, 2 * last + (2 if last_act else 1)
 
 
 class Unit(NamedTuple):
-    """Layers ``first..last`` of a chain (and the last one's Tanh if ``last_tanh``), fused as one
-    op, and the report's decision for them."""
+    """Layers ``first..last`` of a chain (and the last one's activation if ``last_act``), fused
+    as one op, and the report's decision for them."""
     chain: Chain
     first: int
     last: int
-    last_tanh: bool
+    last_act: bool
     decision: Decision
 
 
@@ -65,26 +73,33 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
     """The units to fuse in a chain and the near misses, with their figures."""
     L = chain.layers
     m = len(L)
+    act = chain.activation
+    shown = DISPLAY[act]
+    # Whether the activation's own backward keeps its input z (GELU, SiLU, ...): then fusing it
+    # frees z whatever the consumer does with its output.
+    keeps_z = SAVES_INPUT[act]
+    per_layer = tensors_per_layer(act)
     units: List[Unit] = []
     misses: List[Decision] = []
 
-    def figures(a: int, b: int, last_tanh: bool, last_freed: bool) -> Tuple[int, int, int]:
-        freed = sum(L[j].out_features * L[j].itemsize for j in range(a, b))
-        if last_tanh and last_freed:
+    def figures(a: int, b: int, last_act: bool, last_freed: bool) -> Tuple[int, int, int]:
+        freed = sum(per_layer * L[j].out_features * L[j].itemsize for j in range(a, b))
+        if last_act and last_freed:
             freed += L[b].out_features * L[b].itemsize
-        extra = sum(_gemm(L[j]) for j in range(a, b)) + (_gemm(L[b]) if last_tanh else 0)
+        extra = sum(_gemm(L[j]) for j in range(a, b)) + (_gemm(L[b]) if last_act else 0)
         plain = sum(3 * _gemm(L[j]) for j in range(a, b + 1))
         return freed, extra, plain
 
-    def labels(a: int, b: int, last_tanh: bool) -> Tuple[str, ...]:
-        s, e = chain.span(a, b, last_tanh)
+    def labels(a: int, b: int, last_act: bool) -> Tuple[str, ...]:
+        s, e = chain.span(a, b, last_act)
         return tuple(chain.labels[s:e])
 
-    def unit(a: int, b: int, last_tanh: bool, last_freed: bool, why: str) -> None:
-        freed, extra, plain = figures(a, b, last_tanh, last_freed)
-        d = Decision(chain.where, labels(a, b, last_tanh), "fused",
-                     _unit_name(L[a:b + 1], last_tanh), chain.how, freed, extra, plain, why)
-        units.append(Unit(chain, a, b, last_tanh, d))
+    def unit(a: int, b: int, last_act: bool, last_freed: bool, why: str) -> None:
+        freed, extra, plain = figures(a, b, last_act, last_freed)
+        d = Decision(chain.where, labels(a, b, last_act), "fused",
+                     _unit_name(L[a:b + 1], act, last_act), chain.how, freed, extra, plain, why,
+                     activation=act)
+        units.append(Unit(chain, a, b, last_act, d))
 
     def miss(a: int, b: int, kept: Optional[bool], why: str, what: str,
              layers: Optional[Tuple[str, ...]] = None) -> None:
@@ -94,12 +109,16 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
         misses.append(Decision(chain.where, layers or labels(a, b, True), "left alone", "", "",
                                freed if kept is None else 0, extra, plain,
                                f"{what}: {why}; fusing it would {pot} and cost "
-                               f"+{extra:,} FLOPs/row"))
+                               f"+{extra:,} FLOPs/row", activation=act))
 
+    own_input = f"{shown}'s backward keeps its input, the fused op does not"
     if policy == "all":
         for j in range(m):
             if 2 * j + 1 >= len(chain.items):
-                break  # the last Linear, without a Tanh
+                break  # the last Linear, without an activation
+            if keeps_z:
+                unit(j, j, True, True, f"policy='all' fuses every pair; {own_input}")
+                continue
             if j < m - 1:
                 fate = Fate(True, f"kept by {chain.labels[2 * j + 2]} (nn.Linear keeps its "
                                   f"input)")
@@ -111,20 +130,25 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
         return units, misses
 
     if m >= 2:
-        last_tanh = False
-        if chain.ends_with_tanh:
+        last_act = False
+        last_why = ""
+        if chain.ends_with_act and keeps_z:
+            last_act, last_why = True, f"; its last {act} too ({own_input})"
+        elif chain.ends_with_act:
             kept, why = chain.fate()
             if kept is False:
-                last_tanh = True
+                last_act, last_why = True, f"; its last output too ({why})"
             else:
-                miss(m - 1, m - 1, kept, why, "the trailing Tanh is left out of the run "
+                miss(m - 1, m - 1, kept, why, f"the trailing {shown} is left out of the run "
                      + ("(its output is kept anyway)" if kept else "(its output may be kept)"),
                      (chain.labels[2 * m - 1],))
         inner = m - 1
-        why = (f"a run: {inner} inner tanh output(s) are no longer kept, only the run's input"
-               + (f"; its last output too ({chain.fate().why})" if last_tanh else ""))
-        unit(0, m - 1, last_tanh, True, why)
-    elif chain.ends_with_tanh:
+        what = f"{act} input(s) and output(s)" if keeps_z else f"{act} output(s)"
+        unit(0, m - 1, last_act, True,
+             f"a run: {inner} inner {what} are no longer kept, only the run's input" + last_why)
+    elif chain.ends_with_act and keeps_z:
+        unit(0, 0, True, True, f"a lone pair: {own_input}")
+    elif chain.ends_with_act:
         kept, why = chain.fate()
         if kept is False:
             unit(0, 0, True, True, f"a lone pair whose output is not kept: {why}")
@@ -135,7 +159,7 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
 
 
 def _pair_labels(labels: List[str], k: int) -> Tuple[str, ...]:
-    """The Linear/Tanh pair that item k belongs to (k even: a Linear and its Tanh)."""
+    """The Linear/activation pair that item k belongs to (k even: a Linear and its activation)."""
     s = k - (k % 2)
     return tuple(labels[s:s + 2])
 
@@ -167,7 +191,7 @@ def split_at_problems(items_ok: List[Optional[str]], n: int) -> List[Tuple[int, 
 
 def sub_chain(chain: Chain, s: int, e: int, fate: Callable[[], Fate]) -> Chain:
     return Chain(chain.where, chain.how, chain.labels[s:e], chain.items[s:e],
-                  chain.layers[s // 2:(e + 1) // 2], (e - s) % 2 == 0, fate)
+                 chain.layers[s // 2:(e + 1) // 2], chain.activation, (e - s) % 2 == 0, fate)
 
 
 def layer_shape(label: str, lin: nn.Linear) -> LayerShape:

@@ -1,6 +1,6 @@
-"""What ``fuse`` says it did: one :class:`Decision` per run or pair of Linear/Tanh layers (fused,
-already fused, or left alone, with bytes freed and FLOPs added per row), gathered in a
-:class:`FuseReport`; ``fuse`` returns ``Fused(model, report)``."""
+"""What ``fuse`` says it did: one :class:`Decision` per run or pair of Linear/activation layers
+(fused, already fused, or left alone, with its activation, bytes freed and FLOPs added per row),
+gathered in a :class:`FuseReport`; ``fuse`` returns ``Fused(model, report)``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,7 +11,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Decision:
-    """One run or pair of Linear/Tanh layers and what fuse did with it.
+    """One run or pair of Linear/activation layers and what fuse did with it.
 
     Byte and FLOP figures are per *row*: one row of the layers' input (one sample; for a sequence
     input, one token — every leading dimension counts). For a near miss they say what fusing would
@@ -20,12 +20,14 @@ class Decision:
     where: str                # module holding the layers ("" = the model itself)
     layers: Tuple[str, ...]   # the layers in call order: paths, or "F.linear" / "torch.tanh" / ...
     action: str               # "fused", "already fused" or "left alone"
-    unit: str                 # what runs them ("tanh_mlp, 3 layers 4->64->64->2", "linear_tanh")
+    unit: str                 # what runs them ("tanh_mlp, 3 layers 4->64->64->2", "linear_tanh",
+    #                           "mlp gelu, 2 layers 32->64->32")
     how: str                  # "sequential", "children", "rewrite" ("" when left alone)
     bytes_per_row: int        # activation bytes per row no longer kept for backward
     flops_per_row: int        # extra FLOPs per row: the forward GEMMs that backward recomputes
     plain_flops_per_row: int  # these layers' forward + backward GEMM FLOPs per row, unfused
     why: str
+    activation: str = ""      # the layers' activation (ckpt_ext.ACTIVATIONS), "" if not known
 
     @property
     def extra_cost(self) -> float:

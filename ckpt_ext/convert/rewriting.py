@@ -1,12 +1,13 @@
 """Code generation for ``rewrite=True``: the graph of a forward with each planned unit's nodes
-replaced by one ``tanh_mlp`` / ``linear_tanh`` call, as Python source that the owner's
-:class:`_OwnerForward` compiles (and pickles by)."""
+replaced by one ``tanh_mlp`` / ``linear_tanh`` call (``mlp`` for the other activations), as Python
+source that the owner's :class:`_OwnerForward` compiles (and pickles by)."""
 from __future__ import annotations
 
 from typing import Dict, Sequence
 
 from torch import fx, nn
 
+from .. import ops
 from ..ops import linear_tanh, tanh_mlp
 from .discovery import data_input, getattr_path, linear_args
 from .planning import ModelPlan
@@ -31,7 +32,7 @@ def rewrite_forwards(plan: ModelPlan, report: FuseReport) -> Dict[int, str]:
 def _rewrite_source(owner: nn.Module, graph: fx.Graph, units: Sequence[Unit]) -> str:
     """Replace each unit's nodes by one fused call; return the source of the new forward."""
     for u in units:
-        s, e = u.chain.span(u.first, u.last, u.last_tanh)
+        s, e = u.chain.span(u.first, u.last, u.last_act)
         nodes = u.chain.items[s:e]
         lins = nodes[0::2]
         x = data_input(lins[0])
@@ -46,10 +47,13 @@ def _rewrite_source(owner: nn.Module, graph: fx.Graph, units: Sequence[Unit]) ->
                     _, w, b = linear_args(n)
                     ws.append(w)
                     bs.append(b)
-            if len(lins) == 1 and u.last_tanh:
+            if u.chain.activation != "tanh":
+                new = graph.call_function(ops.mlp, (x, ws, bs), {
+                    "activation": u.chain.activation, "last_activation": u.last_act})
+            elif len(lins) == 1 and u.last_act:
                 new = graph.call_function(linear_tanh, (x, ws[0], bs[0]))
             else:
-                new = graph.call_function(tanh_mlp, (x, ws, bs, u.last_tanh))
+                new = graph.call_function(tanh_mlp, (x, ws, bs, u.last_act))
         nodes[-1].replace_all_uses_with(new)
         for n in reversed(nodes):
             graph.erase_node(n)

@@ -1,5 +1,6 @@
 """What ``fuse`` leaves inside users' models, and so in their pickles: the member classes set on
-the user's own objects (:class:`FusedSequential`, :class:`RunLinear`, :class:`RunTanh`), the
+the user's own objects (:class:`FusedSequential`, :class:`RunLinear`, :class:`RunTanh` and the
+other :class:`RunActivation` classes, made per activation class by :func:`member_class`), the
 :class:`_Run` they share, the parts (:class:`_RunPart`) of a Sequential, and the
 :class:`_OwnerForward` set on an owner's instance with the guards (:class:`_Guard`) it checks at
 each call. Pickles name these classes by module and name, so both are part of the format:
@@ -7,8 +8,10 @@ each call. Pickles name these classes by module and name, so both are part of th
 from __future__ import annotations
 
 import copy
+import copyreg
 import enum
 import inspect
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
@@ -16,9 +19,10 @@ import torch
 import torch.nn.modules.module as _module_hooks  # the hooks registered for every module
 from torch import nn
 
-from .. import _C
+from .. import _C, ops
 from ..modules import _has_hooks
 from ..ops import SUPPORTED_DTYPES, linear_tanh, tanh_mlp
+from .activations import module_activation
 
 if TYPE_CHECKING:
     from .report import Decision
@@ -42,24 +46,27 @@ class _Region(threading.local):
 
 
 class _Run:
-    """One run of Linear/Tanh layers as fuse applied it: the modules whose weights it reads, what
+    """One run of Linear/activation layers as fuse applied it: the modules whose weights it reads, what
     must stay as it was for the fused op to compute it (:meth:`problem`), and that op (calling
     the run). With ``owner`` None, the Sequential holding the run computes it. Otherwise the
     owner's forward marks a region (:meth:`enter`, :meth:`leave`; per thread, for one call) in
     which each member takes its :meth:`turn` in the analysed order: the first computes the run,
     each later one passes its output on. Design: docs/converter.md, "Where a run is computed"."""
 
+    activation = "tanh"  # what a run pickled without one computes
+
     def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
-                 layers: Sequence[nn.Module], last_tanh: bool,
+                 layers: Sequence[nn.Module], last_activation: bool,
                  sequences: Sequence[Tuple[nn.Module, str]],
                  slots: Sequence[Slot],
                  unhooked: Sequence[Tuple[nn.Module, str]], owner: Optional[nn.Module],
                  calls: Sequence[str], elements: Sequence[Tuple[nn.Module, str]],
-                 decision: Optional[Decision] = None) -> None:
+                 decision: Optional[Decision] = None, activation: str = "tanh") -> None:
         self.labels = tuple(labels)        # the layers' paths in call order, for messages
-        self.key = (tuple(members), bool(last_tanh))  # the Linear/Tanh modules fused (identity)
+        self.key = (tuple(members), bool(last_activation))  # the modules fused (identity)
         self.layers = tuple(layers)        # its Linear modules, in order
-        self.last_tanh = bool(last_tanh)
+        self.activation = activation       # one of ckpt_ext.ACTIVATIONS, for every layer
+        self.last_activation = bool(last_activation)  # the last Linear's activation included
         # Sequentials whose elements must stay exactly these (name, module) pairs
         self.sequences = tuple((seq, label, tuple(seq._modules), tuple(seq._modules.values()))
                                for seq, label in sequences)
@@ -78,8 +85,15 @@ class _Run:
         return state
 
     def __setstate__(self, state):
+        if "last_tanh" in state:  # a tanh run pickled before runs had other activations
+            state["last_activation"] = state.pop("last_tanh")
         self.__dict__.update(state)
         self._region = _Region()
+
+    @property
+    def last_tanh(self) -> bool:
+        """Whether the run ends with a tanh."""
+        return self.last_activation and self.activation == "tanh"
 
     def __deepcopy__(self, memo):
         new = _Run.__new__(_Run)
@@ -101,6 +115,10 @@ class _Run:
         for m, label in self.unhooked:
             if _has_hooks(m):
                 return f"{label or '<model>'} has hooks, which the fused run would not call"
+        for m, label in zip(self.key[0][1::2], self.labels[1::2]):
+            found = module_activation(m)
+            if found is None or found.name != self.activation:
+                return f"{label} no longer computes {self.activation}"
         if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks or \
                 _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks:
             return "hooks registered for every module, which the fused run would not call"
@@ -116,10 +134,13 @@ class _Run:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights = [layer.weight for layer in self.layers]
         biases = [layer.bias for layer in self.layers]
-        if len(weights) == 1 and self.last_tanh:
+        if self.activation != "tanh":
+            return ops.mlp(x, weights, biases, activation=self.activation,
+                           last_activation=self.last_activation)
+        if len(weights) == 1 and self.last_activation:
             return linear_tanh(x, weights[0], biases[0])  # a lone pair: the op a pair is
         # What FusedTanhMLP.forward runs: the stack op, keeping only x for backward.
-        return tanh_mlp(x, weights, biases, self.last_tanh)
+        return tanh_mlp(x, weights, biases, self.last_activation)
 
     # -- the region --------------------------------------------------------------------------
     def enter(self) -> None:
@@ -193,6 +214,10 @@ class _RunPart:
         return self.run.last_tanh
 
     @property
+    def last_activation(self) -> bool:
+        return self.run.last_activation
+
+    @property
     def key(self) -> Tuple[Any, ...]:
         return (self.names, self.role, self.index, self.run.key)
 
@@ -218,7 +243,7 @@ class _RunPart:
         if self.role == PartRole.WHOLE:
             if not self.before and not self.after and run.elements and \
                     all(seq is run.elements[0][0] for seq, _ in run.elements):
-                return span + (" (last tanh)" if self.last_tanh else "")
+                return span + (f" (last {run.activation})" if self.last_activation else "")
             return f"{span} (computes the run {run.labels[0]}..{run.labels[-1]})"
         where = f"inside {run.decision.where or '<model>'}.forward" if run.decision else \
             "inside its caller's forward"
@@ -237,8 +262,9 @@ def _elements(steps: Sequence[Tuple[nn.Module, Tuple[str, ...]]], x: torch.Tenso
 
 
 class FusedSequential(nn.Sequential):
-    """An ``nn.Sequential`` whose planned runs of ``Linear, Tanh, Linear, ...`` elements each run
-    through one fused op (``tanh_mlp``, or ``linear_tanh`` for a single pair).
+    """An ``nn.Sequential`` whose planned runs of ``Linear, Act, Linear, ...`` elements each run
+    through one fused op (``tanh_mlp``, or ``linear_tanh`` for a single pair; ``mlp`` for the other
+    activations).
 
     ``fuse`` sets this class on the user's own ``nn.Sequential`` objects: same object, same
     elements, same ``state_dict`` keys, same parameters. Only ``forward`` differs, and only for the
@@ -286,6 +312,7 @@ class RunLinear(nn.Linear):
     in the analysed order, the first member computes the whole run and a later one passes the run's
     output on; called any other way it is exactly ``nn.Linear``."""
 
+    _ckpt_ext_base = nn.Linear
     _ckpt_ext_run: Optional[_Run] = None
     _ckpt_ext_index: int = 0
 
@@ -303,10 +330,12 @@ class RunLinear(nn.Linear):
         return super().extra_repr() + _member_repr(self)
 
 
-class RunTanh(nn.Tanh):
-    """An ``nn.Tanh`` that a module's forward calls as part of a fused run: inside its owner's
+class RunActivation:
+    """The member class of an activation module (``nn.GELU``, transformers' ``GELUActivation``,
+    ...) that a module's forward calls as part of a fused run, mixed into that very class by
+    :func:`member_class` (so the module stays an instance of its class): inside its owner's
     forward, in the analysed order, it passes the run's output on; called any other way it is
-    exactly ``nn.Tanh``."""
+    exactly its class. A member class made at run time pickles as its class's ``member_class``."""
 
     _ckpt_ext_run: Optional[_Run] = None
     _ckpt_ext_index: int = 0
@@ -320,7 +349,23 @@ class RunTanh(nn.Tanh):
         return input
 
     def extra_repr(self) -> str:
-        return _member_repr(self).lstrip(", ")
+        own = super().extra_repr()
+        return own + _member_repr(self) if own else _member_repr(self).lstrip(", ")
+
+    def __reduce_ex__(self, protocol):
+        reduced = super().__reduce_ex__(protocol)
+        cls = type(self)
+        if _named(cls) or not isinstance(reduced, tuple) or reduced[0] is not copyreg.__newobj__:
+            return reduced
+        return (_new_member, (cls._ckpt_ext_base,) + tuple(reduced[1][1:])) + reduced[2:]
+
+
+class RunTanh(RunActivation, nn.Tanh):
+    """An ``nn.Tanh`` that a module's forward calls as part of a fused run: inside its owner's
+    forward, in the analysed order, it passes the run's output on; called any other way it is
+    exactly ``nn.Tanh``."""
+
+    _ckpt_ext_base = nn.Tanh
 
 
 def _member_repr(m: nn.Module) -> str:
@@ -331,8 +376,34 @@ def _member_repr(m: nn.Module) -> str:
     return f", {what} the run {run.labels[0]}..{run.labels[-1]} inside its owner's forward"
 
 
-MEMBER_CLASSES = {nn.Linear: RunLinear, nn.Tanh: RunTanh, RunLinear: RunLinear,
-                   RunTanh: RunTanh}
+_MEMBER_CLASSES: Dict[type, type] = {nn.Linear: RunLinear, nn.Tanh: RunTanh}
+
+
+def member_class(cls: type) -> type:
+    """The class ``fuse`` gives a member of class ``cls`` (or of ``cls``'s member class): a
+    subclass, made once per class — ``RunLinear``, ``RunTanh``, ``RunGELU``, ..."""
+    base = getattr(cls, "_ckpt_ext_base", cls)
+    sub = _MEMBER_CLASSES.get(base)
+    if sub is None:
+        name = f"Run{base.__name__}"
+        sub = type(name, (RunActivation, base), {"__module__": __name__, "__qualname__": name,
+                                                 "_ckpt_ext_base": base})
+        _MEMBER_CLASSES[base] = sub
+    return sub
+
+
+def _new_member(base: type, *args: Any) -> nn.Module:
+    """An empty instance of ``base``'s member class, for pickle and deepcopy to fill."""
+    cls = member_class(base)
+    return cls.__new__(cls, *args)
+
+
+def _named(cls: type) -> bool:
+    """Whether pickle finds ``cls`` by its module and name."""
+    obj = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj is cls
 
 
 class _OwnerForward:

@@ -21,7 +21,8 @@ from torch import fx, nn
 
 from ..modules import FusedLinearTanh, FusedTanhMLP
 from .report import FuseReport
-from .runtime import MISSING, RunLinear, RunTanh, _Guard, _OwnerForward, is_sequential, join_path
+from .runtime import (MISSING, RunActivation, RunLinear, _Guard, _OwnerForward, is_sequential,
+                      join_path)
 
 
 _FX_DIR = os.path.dirname(fx.__file__)
@@ -369,7 +370,7 @@ def trace_module(clone: nn.Module, orig: nn.Module) -> Trace:
 # ------------------------------------------------------------------------------------------------
 # The analysis of one model: its module tree and a trace per user forward
 
-_OUR_MODULES = (FusedLinearTanh, FusedTanhMLP, RunLinear, RunTanh)
+_OUR_MODULES = (FusedLinearTanh, FusedTanhMLP, RunLinear, RunActivation)
 
 
 class ModelAnalysis:
