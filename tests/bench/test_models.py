@@ -48,7 +48,8 @@ ALL = [(name, mode, re) for name in NETWORKS for mode, re in _variants(name)]
 
 @pytest.mark.parametrize("name,mode,reentrant", ALL, ids=[f"{n}-{m}{'-re' * r}" for n, m, r in ALL])
 def test_modes_match_plain_float64(name, mode, reentrant):
-    # Odd sizes, float64, the same weights: the modes differ only in rounding order.
+    # Odd sizes, float64, the same weights: the modes differ only in rounding order (measured over
+    # 5 seeds: loss 1.0e-17, gradients 4.8e-16 relative; the bounds are 10x that).
     torch.manual_seed(0)
     kw = dict(in_features=IN[name], hidden=13, depth=3, dtype=torch.float64)
     plain = NETWORKS[name](mode="plain", **kw)
@@ -58,11 +59,11 @@ def test_modes_match_plain_float64(name, mode, reentrant):
     loss_p, grads_p = _step(plain, x)
     loss_o, grads_o = _step(other, x)
     assert torch.isfinite(loss_o)
-    assert abs(float(loss_o - loss_p)) <= 1e-13 * max(1.0, abs(float(loss_p)))
+    assert abs(float(loss_o - loss_p)) <= 1e-16 * max(1.0, abs(float(loss_p)))
     assert grads_o.keys() == grads_p.keys()
     for n in grads_p:
         assert grads_o[n] is not None, n
-        assert _rel(grads_o[n], grads_p[n]) < 1e-12, n
+        assert _rel(grads_o[n], grads_p[n]) < 5e-15, n
 
 
 @pytest.mark.parametrize("name", ["chain", "residual", "mlp", "bert-mlp"])
