@@ -1,12 +1,12 @@
-"""ckpt_ext: fused Linear+tanh ops for PyTorch that keep only their input and recompute the
+"""ckpt_ext: fused Linear+activation ops for PyTorch that keep only their input and recompute the
 activations in their own backward — the memory of gradient checkpointing at less cost — with the
 modules, the converter ``fuse``, the write-up's networks (``Net``, ``ckpt_ext.models``) and the
 memory meter (``ckpt_ext.memory``). The benchmark, ``python -m ckpt_ext.bench``, is not imported."""
 import torch  # noqa: F401  (first: loads libc10/libtorch, which _C links against)
 
 from ._native import _C  # refuses a _C built for another torch, naming both versions
-from .modules import FusedLinearTanh, FusedTanhMLP
-from .ops import linear_tanh, tanh_mlp
+from .modules import FusedLinearTanh, FusedMLP, FusedTanhMLP
+from .ops import ACTIVATIONS, linear_tanh, mlp, tanh_mlp
 
 #: True when the CUDA kernels were compiled into this build.
 WITH_CUDA: bool = bool(_C.WITH_CUDA)
@@ -17,5 +17,6 @@ from . import memory  # noqa: E402  (the meter: ckpt_ext.memory.MemoryMeter, mea
 from .convert import FuseReport, fuse  # noqa: E402
 from .models import Net  # noqa: E402  (the write-up's network; the others in ckpt_ext.models)
 
-__all__ = ["linear_tanh", "tanh_mlp", "FusedLinearTanh", "FusedTanhMLP", "WITH_CUDA",
+__all__ = ["linear_tanh", "tanh_mlp", "mlp", "ACTIVATIONS", "FusedLinearTanh", "FusedTanhMLP",
+           "FusedMLP", "WITH_CUDA",
            "fuse", "FuseReport", "Net"]

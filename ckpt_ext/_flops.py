@@ -1,7 +1,7 @@
 """FLOP formulas of the ckpt_ext ops for torch.utils.flop_counter.FlopCounterMode (the counter
 torch.compile's tooling and MFU estimates use); without them the custom ops count as 0 FLOPs.
 
-Like aten::addmm, only the GEMMs count (2·M·K·N each); tanh and the bias are not counted. A backward
+Like aten::addmm, only the GEMMs count (2·M·K·N each); activations and the bias are not counted. A backward
 counts what it runs: the recompute (every layer's forward GEMM but the top one's when last_tanh is
 False), then per layer from the top down to the lowest one with a gradient asked for, grad_W where
 asked and the gradient for the layer below (or grad_x where asked).
@@ -113,3 +113,15 @@ def _tanh_mlp_backward_flop(grad_out_shape, x_shape, w_shapes, b_shapes, has_bia
                             need_x, need_weights, need_biases, *args, **kwargs) -> int:
     return _stack_backward_flops(x_shape, w_shapes, has_bias, last_tanh, need_x, need_weights,
                                  need_biases)
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.mlp)
+def _mlp_flop(x_shape, w_shapes, *args, **kwargs) -> int:
+    return _tanh_mlp_flop(x_shape, w_shapes)
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.mlp_backward)
+def _mlp_backward_flop(grad_out_shape, x_shape, w_shapes, b_shapes, has_bias, activation,
+                       last_activation, need_x, need_weights, need_biases, *args, **kwargs) -> int:
+    return _stack_backward_flops(x_shape, w_shapes, has_bias, last_activation, need_x,
+                                 need_weights, need_biases)

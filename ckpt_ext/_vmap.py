@@ -11,6 +11,8 @@ inside a rule (functorch asserts), hence the explicit batch dimension.
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Optional
 
@@ -124,31 +126,39 @@ def _all_none(dims) -> bool:
     return all(_all_none(d) if isinstance(d, (list, tuple)) else d is None for d in dims)
 
 
-@torch.library.register_vmap("ckpt_ext::tanh_mlp")
-def _tanh_mlp_vmap(info, in_dims, x, weights, biases, has_bias, last_tanh):
+def _stack_vmap(op, info, in_dims, x, weights, biases, *rest):
+    """tanh_mlp / mlp (``rest``: their trailing non-tensor arguments) under vmap: unbatched
+    parameters fold the batch into the rows, one call; else one call per sample."""
     bx, bws, bbs = in_dims[:3]
     B = info.batch_size
     if _all_none(bws) and _all_none(bbs):
-        return _OPS.tanh_mlp.default(_bdim_first(x, bx, B), weights, biases, has_bias,
-                                     last_tanh), 0
-    args = (x, weights, biases, has_bias, last_tanh)
-    return torch.stack([_OPS.tanh_mlp.default(*_slices(args, in_dims, i)) for i in range(B)]), 0
+        return op(_bdim_first(x, bx, B), weights, biases, *rest), 0
+    args = (x, weights, biases, *rest)
+    return torch.stack([op(*_slices(args, in_dims, i)) for i in range(B)]), 0
 
 
-@torch.library.register_vmap("ckpt_ext::tanh_mlp_backward")
-def _tanh_mlp_backward_vmap(info, in_dims, grad_out, x, weights, biases, has_bias, last_tanh,
-                            need_x, need_weights, need_biases):
+def _stack_backward_vmap(op, info, in_dims, grad_out, x, weights, biases, *rest):
+    """tanh_mlp_backward / mlp_backward (``rest`` ends with need_x, need_weights, need_biases)
+    under vmap, likewise."""
     bgy, bx, bws, bbs = in_dims[:4]
     B = info.batch_size
+    need_x, need_weights, need_biases = rest[-3:]
     n_w, n_b = sum(map(bool, need_weights)), sum(map(bool, need_biases))
     if _all_none(bws) and _all_none(bbs) and n_w == 0 and n_b == 0:
-        gx, _, _ = _OPS.tanh_mlp_backward.default(
-            _bdim_first(grad_out, bgy, B), _bdim_first(x, bx, B), weights, biases, has_bias,
-            last_tanh, need_x, need_weights, need_biases)
+        gx, _, _ = op(_bdim_first(grad_out, bgy, B), _bdim_first(x, bx, B), weights, biases,
+                      *rest)
         return (gx, [], []), (0 if need_x else None, [], [])
-    args = (grad_out, x, weights, biases, has_bias, last_tanh, need_x, need_weights, need_biases)
-    per = [_OPS.tanh_mlp_backward.default(*_slices(args, in_dims, i)) for i in range(B)]
+    args = (grad_out, x, weights, biases, *rest)
+    per = [op(*_slices(args, in_dims, i)) for i in range(B)]
     gx = torch.stack([p[0] for p in per]) if need_x else None
     gw = [torch.stack([p[1][j] for p in per]) for j in range(n_w)]
     gb = [torch.stack([p[2][j] for p in per]) for j in range(n_b)]
     return (gx, gw, gb), (0 if need_x else None, [0] * n_w, [0] * n_b)
+
+
+for _name in ("tanh_mlp", "mlp"):
+    _op = getattr(_OPS, _name).default
+    torch.library.register_vmap(f"ckpt_ext::{_name}", functools.partial(_stack_vmap, _op))
+    _op = getattr(_OPS, f"{_name}_backward").default
+    torch.library.register_vmap(f"ckpt_ext::{_name}_backward",
+                                functools.partial(_stack_backward_vmap, _op))

@@ -1,13 +1,16 @@
-"""Drop-in modules built on the fused ops: :class:`FusedLinearTanh` (one Linear+Tanh) and
-:class:`FusedTanhMLP` (a whole run of Linear layers with tanh between them, recomputed as one)."""
+"""Drop-in modules built on the fused ops: :class:`FusedLinearTanh` (one Linear+Tanh),
+:class:`FusedTanhMLP` (a whole run of Linear layers with tanh between them, recomputed as one) and
+:class:`FusedMLP` (the same with any activation of ``ckpt_ext.ACTIVATIONS``)."""
 from __future__ import annotations
 
-from typing import Iterable, List, Mapping, Sequence, Tuple, Union
+from collections import OrderedDict
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from .ops import linear_tanh, tanh_mlp
+from ._activations import MODULE_OF, check_activation, module_activation
+from .ops import linear_tanh, mlp, tanh_mlp
 
 
 class FusedLinearTanh(nn.Module):
@@ -106,12 +109,7 @@ class FusedTanhMLP(nn.Module):
         sharing (not copying) the Linear modules and so their parameters: an optimizer built over
         them keeps training them. A sequence (or ``nn.Sequential``) registers the Linears under
         their indices, a mapping under its keys, so ``state_dict`` keys are those of the source."""
-        if isinstance(modules, Mapping):
-            named: List[Tuple[str, nn.Module]] = [(str(k), v) for k, v in modules.items()]
-        elif isinstance(modules, nn.Sequential):
-            named = list(modules._modules.items())
-        else:
-            named = [(str(i), m) for i, m in enumerate(modules)]
+        named = _named(modules)
         problem = run_problem([m for _, m in named])
         if problem is not None:
             raise ValueError(f"FusedTanhMLP.from_modules: {problem}")
@@ -133,39 +131,138 @@ class FusedTanhMLP(nn.Module):
         return [layers[0].in_features] + [lin.out_features for lin in layers]
 
     def forward(self, x: Tensor) -> Tensor:
-        weights, biases = [], []
-        for name in self._layer_names:
-            lin = self._modules[name]
-            if type(lin) is not nn.Linear or _has_hooks(lin):
-                what = (f"was replaced by {type(lin).__name__}" if type(lin) is not nn.Linear
-                        else "has hooks")
-                raise RuntimeError(
-                    f"FusedTanhMLP: layer {name!r} {what}; this module computes with the layers' "
-                    f"weight and bias only and would not run it. Use an nn.Sequential instead.")
-            weights.append(lin.weight)
-            biases.append(lin.bias)
+        weights, biases = _layer_params(self)
         return tanh_mlp(x, weights, biases, self.last_tanh)
 
     def extra_repr(self) -> str:
         return f"sizes={self.sizes}, last_tanh={self.last_tanh}"
 
 
-def run_problem(modules: Iterable[nn.Module]) -> Union[str, None]:
-    """None when ``modules`` is a run FusedTanhMLP can take over — ``Linear, Tanh, Linear, ...``,
-    starting with a Linear, Linears and Tanhs alternating, each exactly ``nn.Linear`` / ``nn.Tanh``
-    without hooks, widths chaining, one dtype and device — else why not."""
+def _layer_params(module: nn.Module):
+    """(weights, biases) of a FusedTanhMLP / FusedMLP's layers; raises where a layer is no longer
+    a plain nn.Linear, whose weight and bias alone the fused op would compute with."""
+    weights, biases = [], []
+    for name in module._layer_names:
+        lin = module._modules[name]
+        if type(lin) is not nn.Linear or _has_hooks(lin):
+            what = (f"was replaced by {type(lin).__name__}" if type(lin) is not nn.Linear
+                    else "has hooks")
+            raise RuntimeError(
+                f"{type(module).__name__}: layer {name!r} {what}; this module computes with the "
+                f"layers' weight and bias only and would not run it. Use an nn.Sequential instead.")
+        weights.append(lin.weight)
+        biases.append(lin.bias)
+    return weights, biases
+
+
+def _named(modules) -> List[Tuple[str, nn.Module]]:
+    if isinstance(modules, Mapping):
+        return [(str(k), v) for k, v in modules.items()]
+    if isinstance(modules, nn.Sequential):
+        return list(modules._modules.items())
+    return [(str(i), m) for i, m in enumerate(modules)]
+
+
+class FusedMLP(nn.Module):
+    """``nn.Sequential(Linear(s0, s1), Act(), Linear(s1, s2), Act(), ..., Linear(s_{L-1}, s_L))``
+    (and a final ``Act()`` when ``last_activation``) as one module whose autograd keeps only its
+    input, for any ``activation`` of ``ckpt_ext.ACTIVATIONS`` (:func:`ckpt_ext.mlp`).
+
+    As :class:`FusedTanhMLP`: the Linears are registered under their ``nn.Sequential`` indices
+    ("0", "2", ...), so ``state_dict`` keys and seeded initial values are the Sequential's.
+    """
+
+    def __init__(self, sizes: Sequence[int], activation: str = "tanh", bias: bool = True,
+                 last_activation: bool = True, device=None, dtype=None) -> None:
+        super().__init__()
+        sizes = [int(s) for s in sizes]
+        if len(sizes) < 2:
+            raise ValueError(f"FusedMLP: sizes must hold at least 2 entries (in_features, "
+                             f"out_features), got {sizes}")
+        self.activation = check_activation(activation, "FusedMLP")
+        self.last_activation = bool(last_activation)
+        self._layer_names: Tuple[str, ...] = tuple(str(2 * i) for i in range(len(sizes) - 1))
+        for name, k, n in zip(self._layer_names, sizes[:-1], sizes[1:]):
+            self.add_module(name, nn.Linear(k, n, bias=bias, device=device, dtype=dtype))
+
+    @classmethod
+    def from_modules(cls, modules: Union[Sequence[nn.Module], Mapping[str, nn.Module],
+                                         nn.Sequential]) -> "FusedMLP":
+        """A FusedMLP over an existing run ``Linear, Act, Linear, ..., Linear[, Act]`` (one
+        activation module class throughout, see :func:`run_problem`), sharing its Linears."""
+        named = _named(modules)
+        problem = run_problem([m for _, m in named], activation=None)
+        if problem is not None:
+            raise ValueError(f"FusedMLP.from_modules: {problem}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.activation = module_activation(named[1][1]) if len(named) > 1 else "tanh"
+        self.last_activation = type(named[-1][1]) is not nn.Linear
+        self._layer_names = tuple(name for name, m in named if type(m) is nn.Linear)
+        for name, m in named:
+            if type(m) is nn.Linear:
+                self.add_module(name, m)
+        return self
+
+    def layers(self) -> List[nn.Linear]:
+        return [self._modules[name] for name in self._layer_names]
+
+    @property
+    def sizes(self) -> List[int]:
+        layers = self.layers()
+        return [layers[0].in_features] + [lin.out_features for lin in layers]
+
+    def to_sequential(self) -> nn.Sequential:
+        """The equivalent nn.Sequential over the same Linears (sin, which has no nn module,
+        cannot be spelled so: ValueError)."""
+        if self.activation not in MODULE_OF:
+            raise ValueError(f"FusedMLP.to_sequential: activation {self.activation!r} has no "
+                             f"torch.nn module")
+        mods = {}
+        layers = self.layers()
+        for i, (name, lin) in enumerate(zip(self._layer_names, layers)):
+            mods[name] = lin
+            if i + 1 < len(layers) or self.last_activation:
+                mods[str(int(name) + 1)] = MODULE_OF[self.activation]()
+        return nn.Sequential(OrderedDict(mods))
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, biases = _layer_params(self)
+        return mlp(x, weights, biases, self.activation, self.last_activation)
+
+    def extra_repr(self) -> str:
+        return (f"sizes={self.sizes}, activation={self.activation!r}, "
+                f"last_activation={self.last_activation}")
+
+
+def run_problem(modules: Iterable[nn.Module], activation: Optional[str] = "tanh"
+                ) -> Union[str, None]:
+    """None when ``modules`` is a run a fused module can take over — ``Linear, Act, Linear, ...``,
+    starting with a Linear, Linears and activations alternating, each exactly ``nn.Linear`` or an
+    activation module of one kind (``activation``'s, or, with None, any one that
+    :func:`ckpt_ext._activations.module_activation` names), without hooks, widths chaining, one
+    dtype and device — else why not."""
     modules = list(modules)
     if not modules:
         return "the run is empty"
     prev_out, ref = None, None
+    act_name = "Tanh" if activation == "tanh" else "an activation module"
     for i, m in enumerate(modules):
-        want = nn.Linear if i % 2 == 0 else nn.Tanh
-        if type(m) is not want:
-            return (f"entry {i} must be exactly {want.__name__} (Linear and Tanh alternate, "
+        if i % 2 == 1:
+            found = module_activation(m)
+            if activation is None and found is not None:
+                activation = found
+            if found is None or found != activation:
+                return (f"entry {i} must be exactly {act_name} (Linear and {act_name} alternate, "
+                        f"starting with a Linear, one activation throughout), got "
+                        f"{type(m).__name__}" + ("" if found is None else f" ({found})"))
+            act_name = type(m).__name__
+        elif type(m) is not nn.Linear:
+            return (f"entry {i} must be exactly Linear (Linear and {act_name} alternate, "
                     f"starting with a Linear), got {type(m).__name__}")
         if _has_hooks(m):
             return f"entry {i} ({type(m).__name__}) has hooks, which the fused run would not call"
-        if want is nn.Linear:
+        if i % 2 == 0:
             if prev_out is not None and m.in_features != prev_out:
                 return (f"entry {i}: in_features {m.in_features} does not match the previous "
                         f"Linear's out_features {prev_out}")

@@ -1,4 +1,5 @@
-"""The public ops: :func:`linear_tanh` and :func:`tanh_mlp`, and the dtypes they accept.
+"""The public ops: :func:`linear_tanh`, :func:`tanh_mlp` and :func:`mlp` (any activation of
+``ACTIVATIONS``), and the dtypes they accept.
 
 The kernels are C++/CUDA ops under ``torch.ops.ckpt_ext`` (schemas in csrc/schemas.cpp, each with a
 Meta kernel that runs the eager checks). Importing this module registers their autograd
@@ -13,7 +14,8 @@ import torch
 from torch import Tensor
 
 from . import _C  # loading the library registers torch.ops.ckpt_ext.*
-from . import _autograd, _autograd_node, _flops, _higher_order, _vmap  # noqa: F401  (register)
+from . import _autograd, _autograd_node, _flops, _higher_order, _mlp_autograd, _vmap  # noqa: F401
+from ._activations import ACTIVATIONS, check_activation
 
 #: The dtypes the ops accept, read from the C++ library (one list, csrc/checks.cpp).
 SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in _C.SUPPORTED_DTYPES)
@@ -51,3 +53,23 @@ def tanh_mlp(x: Tensor, weights: Sequence[Tensor],
     has_bias = [b is not None for b in biases]
     return torch.ops.ckpt_ext.tanh_mlp.default(
         x, weights, [b for b in biases if b is not None], has_bias, bool(last_tanh))
+
+
+def mlp(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Optional[Tensor]]] = None,
+        activation: str = "tanh", last_activation: bool = True) -> Tensor:
+    """:func:`tanh_mlp` with any activation of ``ACTIVATIONS``: ``h = act(h @ weights[i].T +
+    biases[i])`` per layer (none after the last when ``last_activation`` is False), kept for
+    backward as ``x`` only. ``"tanh"`` is :func:`tanh_mlp` itself; the others are ``nn.GELU()``
+    ("gelu"), ``nn.GELU(approximate="tanh")`` ("gelu_tanh"), ``nn.SiLU``, ``nn.Sigmoid``,
+    ``nn.Softplus()`` (beta 1, threshold 20), ``torch.sin`` and ``nn.ReLU``."""
+    check_activation(activation, "ckpt_ext.mlp")
+    if activation == "tanh":
+        return tanh_mlp(x, weights, biases, last_activation)
+    weights = list(weights)
+    biases = [None] * len(weights) if biases is None else list(biases)
+    if len(biases) != len(weights):
+        raise ValueError(f"ckpt_ext.mlp: biases must have one entry (a tensor or None) per "
+                         f"layer ({len(weights)}), got {len(biases)}")
+    return torch.ops.ckpt_ext.mlp.default(
+        x, weights, [b for b in biases if b is not None], [b is not None for b in biases],
+        activation, bool(last_activation))

@@ -30,6 +30,24 @@ std::string supported_dtypes_text() {
   return s.str();
 }
 
+const std::vector<std::string>& activation_names() {
+  static const std::vector<std::string> names{"tanh",    "gelu",     "gelu_tanh", "silu",
+                                              "sigmoid", "softplus", "sin",       "relu"};
+  return names;
+}
+
+Activation parse_activation(const char* op, c10::string_view name) {
+  const auto& names = activation_names();
+  static_assert(kNumActivations == 8, "activation_names lists every Activation");
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (name == names[i]) return static_cast<Activation>(i);
+  }
+  std::ostringstream allowed;
+  for (size_t i = 0; i < names.size(); ++i) allowed << (i ? ", " : "") << '"' << names[i] << '"';
+  TORCH_CHECK_VALUE(false, "ckpt_ext.", op, ": activation must be one of ", allowed.str(),
+                    "; got \"", std::string(name.data(), name.size()), "\"");
+}
+
 namespace {
 
 std::string shape_str(const at::Tensor& t) {

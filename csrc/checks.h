@@ -8,6 +8,8 @@
 
 #include <ATen/ATen.h>
 
+#include "activations.h"
+
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +21,11 @@ const std::vector<at::ScalarType>& supported_dtypes();
 bool is_supported_dtype(at::ScalarType t);
 // "float32, float64, bfloat16 or float16", from supported_dtypes().
 std::string supported_dtypes_text();
+
+// The activations the mlp op takes, in Activation's order ("tanh", "gelu", ...), and the one
+// `name` names: a ValueError listing them all for any other name.
+const std::vector<std::string>& activation_names();
+Activation parse_activation(const char* op, c10::string_view name);
 
 // One layer: x at least 1-D, weight 2-D with weight.shape[1] == x.shape[-1], bias (N) or None;
 // x of a supported dtype, the others of x's dtype and on x's device.

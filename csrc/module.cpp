@@ -12,13 +12,16 @@
 #include "primitives.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "ckpt_ext native module: fused Linear+Tanh that recomputes in backward";
+  m.doc() = "ckpt_ext native module: fused Linear+activation runs that recompute in backward";
   m.attr("ROWS_PER_CHUNK") = ckpt_ext::kRowsPerChunk;
   // The dtypes the ops accept, as torch names ("float32", ...): ckpt_ext.ops reads them from
   // here, so the list is written once (csrc/checks.cpp).
   pybind11::list dtypes;
   for (at::ScalarType t : ckpt_ext::supported_dtypes()) dtypes.append(c10::getDtypeNames(t).first);
   m.attr("SUPPORTED_DTYPES") = dtypes;
+  pybind11::list activations;  // the mlp op's activation names, likewise written once
+  for (const std::string& name : ckpt_ext::activation_names()) activations.append(name);
+  m.attr("ACTIVATIONS") = activations;
   m.def("_set_poison_buffers", &ckpt_ext::set_poison_buffers,
         "Test hook: fill every buffer the ops allocate with NaN before the kernels write it.");
   m.def("_poison_buffers", &ckpt_ext::poison_buffers);

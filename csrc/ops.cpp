@@ -135,6 +135,53 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> tanh_ml
   return {need_x ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(), gw, gb};
 }
 
+// mlp and mlp_backward: tanh_mlp's with the activation named (checked before anything runs).
+at::Tensor mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+               const c10::List<bool>& has_bias_list, c10::string_view activation,
+               bool last_activation) {
+  const Activation act = parse_activation("mlp", activation);
+  const std::vector<bool> has_bias = has_bias_list.vec();
+  check_tanh_mlp_inputs("mlp", x, weights, biases, has_bias);
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  return stack_forward(x, weights, biases, has_bias, last_activation, act);
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> mlp_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
+    at::TensorList biases, const c10::List<bool>& has_bias_list, c10::string_view activation,
+    bool last_activation, bool need_x, const c10::List<bool>& need_weights_list,
+    const c10::List<bool>& need_biases_list) {
+  constexpr const char* op = "mlp_backward";
+  const Activation act = parse_activation(op, activation);
+  const std::vector<bool> has_bias = has_bias_list.vec(), need_weights = need_weights_list.vec(),
+                          need_biases = need_biases_list.vec();
+  check_tanh_mlp_inputs(op, x, weights, biases, has_bias);
+  check_tanh_mlp_masks(op, weights, biases, need_weights, need_biases);
+  check_grad_out(op, grad_out, x, weights.back().sym_size(0));
+  const c10::OptionalDeviceGuard guard(at::device_of(x));
+  StackGrads g = stack_backward(grad_out, x, weights, biases, has_bias, last_activation, need_x,
+                                need_weights, need_biases, act);
+  return {g.grad_x, asked(std::move(g.grad_weights), need_weights),
+          asked(std::move(g.grad_biases), need_biases)};
+}
+
+at::Tensor mlp_meta(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                    const c10::List<bool>& has_bias, c10::string_view activation,
+                    bool last_activation) {
+  parse_activation("mlp", activation);
+  return tanh_mlp_meta(x, weights, biases, has_bias, last_activation);
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> mlp_backward_meta(
+    const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
+    at::TensorList biases, const c10::List<bool>& has_bias, c10::string_view activation,
+    bool last_activation, bool need_x, const c10::List<bool>& need_weights,
+    const c10::List<bool>& need_biases) {
+  parse_activation("mlp_backward", activation);
+  return tanh_mlp_backward_meta(grad_out, x, weights, biases, has_bias, last_activation, need_x,
+                                need_weights, need_biases);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
@@ -142,6 +189,8 @@ TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
   m.impl("linear_tanh_backward", &linear_tanh_backward);
   m.impl("tanh_mlp", &tanh_mlp);
   m.impl("tanh_mlp_backward", &tanh_mlp_backward);
+  m.impl("mlp", &mlp);
+  m.impl("mlp_backward", &mlp_backward);
 }
 
 #ifdef CKPT_EXT_WITH_CUDA
@@ -150,6 +199,8 @@ TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   m.impl("linear_tanh_backward", &linear_tanh_backward);
   m.impl("tanh_mlp", &tanh_mlp);
   m.impl("tanh_mlp_backward", &tanh_mlp_backward);
+  m.impl("mlp", &mlp);
+  m.impl("mlp_backward", &mlp_backward);
 }
 #endif
 
@@ -158,6 +209,8 @@ TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
   m.impl("linear_tanh_backward", &linear_tanh_backward_meta);
   m.impl("tanh_mlp", &tanh_mlp_meta);
   m.impl("tanh_mlp_backward", &tanh_mlp_backward_meta);
+  m.impl("mlp", &mlp_meta);
+  m.impl("mlp_backward", &mlp_backward_meta);
 }
 
 }  // namespace ckpt_ext

@@ -36,6 +36,20 @@ at::Tensor tanh_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Hol
                             tanh_backward_cuda_(acc, grad_out, holds, want_bias_grad));
 }
 
+void activation_in_place(const at::Tensor& acc, Activation act) {
+  if (act == Activation::kTanh) return tanh_in_place(acc);
+  CKPT_EXT_ON_DEVICE(acc, activation_cpu_(acc, act), activation_cuda_(acc, act));
+}
+
+at::Tensor activation_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Activation act,
+                                bool want_bias_grad) {
+  if (act == Activation::kTanh) {
+    return tanh_backward_(acc, grad_out, Holds::kPreActivation, want_bias_grad);
+  }
+  return CKPT_EXT_ON_DEVICE(acc, activation_backward_cpu_(acc, grad_out, act, want_bias_grad),
+                            activation_backward_cuda_(acc, grad_out, act, want_bias_grad));
+}
+
 at::Tensor bias_grad(const at::Tensor& grad_out) {
   return CKPT_EXT_ON_DEVICE(grad_out, bias_grad_cpu(grad_out), bias_grad_cuda(grad_out));
 }

@@ -8,6 +8,8 @@
 
 #include <ATen/ATen.h>
 
+#include "activations.h"
+
 namespace ckpt_ext {
 
 // Test hook: when on, every buffer the ops allocate is filled with NaN before a kernel writes it,
@@ -38,6 +40,18 @@ at::Tensor tanh_backward_cpu_(const at::Tensor& acc, const at::Tensor& grad_out,
                               bool want_bias_grad);
 at::Tensor tanh_backward_cuda_(const at::Tensor& acc, const at::Tensor& grad_out, Holds holds,
                                bool want_bias_grad);
+
+// Any activation of activations.h (kTanh goes to the tanh primitives above). acc holds z and
+// becomes f(z), or g = grad_out·f'(z) with grad_b as tanh_backward_ returns it.
+void activation_in_place(const at::Tensor& acc, Activation act);
+void activation_cpu_(const at::Tensor& acc, Activation act);
+void activation_cuda_(const at::Tensor& acc, Activation act);
+at::Tensor activation_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Activation act,
+                                bool want_bias_grad);
+at::Tensor activation_backward_cpu_(const at::Tensor& acc, const at::Tensor& grad_out,
+                                    Activation act, bool want_bias_grad);
+at::Tensor activation_backward_cuda_(const at::Tensor& acc, const at::Tensor& grad_out,
+                                     Activation act, bool want_bias_grad);
 
 // The column sums (N) of grad_out: the bias gradient of a layer with no tanh after it (the last
 // layer of a stack with last_tanh = false).

@@ -25,6 +25,13 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "tanh_mlp_backward(Tensor grad_out, Tensor x, Tensor[] weights, Tensor[] biases, "
       "bool[] has_bias, bool last_tanh, bool need_x, bool[] need_weights, bool[] need_biases) "
       "-> (Tensor grad_x, Tensor[] grad_weights, Tensor[] grad_biases)");
+  // The same stack with any activation of activations.h, by name ("tanh" is tanh_mlp's).
+  m.def("mlp(Tensor x, Tensor[] weights, Tensor[] biases, bool[] has_bias, str activation, "
+        "bool last_activation) -> Tensor");
+  m.def(
+      "mlp_backward(Tensor grad_out, Tensor x, Tensor[] weights, Tensor[] biases, "
+      "bool[] has_bias, str activation, bool last_activation, bool need_x, bool[] need_weights, "
+      "bool[] need_biases) -> (Tensor grad_x, Tensor[] grad_weights, Tensor[] grad_biases)");
   // The orders above the first (higher_order.cpp; the math in docs/design.md). A grad_grad_*
   // input is None where no gradient reached that output; only the results asked for in
   // output_mask are computed, the others come back undefined.
@@ -68,7 +75,8 @@ void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   for (const char* name :
-       {"linear_tanh", "linear_tanh_backward", "tanh_mlp", "tanh_mlp_backward",
+       {"linear_tanh", "linear_tanh_backward", "tanh_mlp", "tanh_mlp_backward", "mlp",
+        "mlp_backward",
         "linear_tanh_double_backward", "linear_tanh_backward_from_output",
         "linear_tanh_backward_from_output_backward"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
@@ -92,6 +100,16 @@ at::Tensor call_tanh_mlp(const at::Tensor& x, at::TensorList weights, at::Tensor
                        .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
                                          const c10::List<bool>&, bool)>();
   return op.call(x, weights, biases, has_bias, last_tanh);
+}
+
+at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                    const c10::List<bool>& has_bias, c10::string_view activation,
+                    bool last_activation) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ckpt_ext::mlp", "")
+                       .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
+                                         const c10::List<bool>&, c10::string_view, bool)>();
+  return op.call(x, weights, biases, has_bias, activation, last_activation);
 }
 
 }  // namespace ckpt_ext

@@ -1,4 +1,4 @@
-// stack.h — the stack engine: one implementation of a stack of Linear layers with tanh, forward
+// stack.h — the stack engine: one implementation of a stack of Linear layers with an activation, forward
 // and recomputing backward, on every device; linear_tanh is its one-layer case (ops.cpp).
 // Shapes: x (..., K_0); weights[i] (N_i, K_i), K_i = N_{i-1}; `biases` holds only the layers'
 // biases that exist (has_bias[i]), each (N_i); inside, x is flattened to (M, K_0) and every
@@ -7,6 +7,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include "activations.h"
 
 #include <optional>
 #include <vector>
@@ -24,8 +26,11 @@ at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias);
 
 // Returns the output, (..., N_{L-1}), a fresh tensor (not a view of an internal buffer).
+// `act` after every layer (after the last only when last_tanh; the name is tanh's, the meaning
+// "last activation" for every act).
 at::Tensor stack_forward(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                         const std::vector<bool>& has_bias, bool last_tanh);
+                         const std::vector<bool>& has_bias, bool last_tanh,
+                         Activation act = Activation::kTanh);
 
 struct StackGrads {
   at::Tensor grad_x;                     // undefined when not asked for
@@ -39,6 +44,6 @@ struct StackGrads {
 StackGrads stack_backward(at::Tensor grad_out, const at::Tensor& x, at::TensorList weights,
                           at::TensorList biases, const std::vector<bool>& has_bias, bool last_tanh,
                           bool need_x, const std::vector<bool>& need_weights,
-                          const std::vector<bool>& need_biases);
+                          const std::vector<bool>& need_biases, Activation act = Activation::kTanh);
 
 }  // namespace ckpt_ext

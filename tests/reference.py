@@ -261,3 +261,24 @@ def bias_grad_chunks_left_to_right(g: Tensor, acc_dtype, out_dtype=None) -> Tens
     for s in sums:
         total = total + s
     return total.to(out_dtype or acc_dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# the mlp op: any activation
+
+#: Stock PyTorch's form of each activation of ckpt_ext.ACTIVATIONS.
+ACTIVATION_REF = {
+    "tanh": torch.tanh, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "silu": F.silu, "sigmoid": torch.sigmoid, "softplus": F.softplus, "sin": torch.sin,
+    "relu": torch.relu,
+}
+
+
+def mlp_ref(x, weights, biases, activation, last_activation=True):
+    """The run by stock PyTorch, in the inputs' dtype (call it with float64 tensors)."""
+    h = x
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        h = F.linear(h, w, b)
+        if i + 1 < len(weights) or last_activation:
+            h = ACTIVATION_REF[activation](h)
+    return h

@@ -6,6 +6,8 @@
 //   backward_rows(acc, gy, sr, sc, r0, r1, N, pre, sums)   acc (M, N) contiguous: z (pre) or t ->
 //       g in place; gy (M, N) strides (sr, sc), sc == 0 = one value per row; sums (N) += g or null
 //   column_sums(gy, sr, sc, r0, r1, N, sums)               sums (N) += rows of gy
+//   activate(p, n, act) / activation_backward_rows(acc, gy, sr, sc, r0, r1, N, act, sums): the
+//       same for any activation of activations.h, acc holding z
 // Sums in increasing row order, in acc_t (double for double, float otherwise: half types compute
 // in float and round once on the store). Details: docs/design.md, "CPU primitives".
 #pragma once
@@ -15,6 +17,8 @@
 
 #include <cstdint>
 #include <type_traits>
+
+#include "../activations.h"
 
 namespace ckpt_ext::cpu {
 
@@ -29,6 +33,10 @@ struct KernelsFor {
                         int64_t r0, int64_t r1, int64_t N, bool pre_activation, acc_t* sums);
   void (*column_sums)(const scalar_t* grad_out, int64_t sr, int64_t sc, int64_t r0, int64_t r1,
                       int64_t N, acc_t* sums);
+  void (*activate)(scalar_t* p, int64_t n, Activation act);
+  void (*activation_backward_rows)(scalar_t* acc, const scalar_t* grad_out, int64_t sr,
+                                   int64_t sc, int64_t r0, int64_t r1, int64_t N, Activation act,
+                                   acc_t* sums);
 };
 
 struct Kernels {

@@ -6,6 +6,7 @@
 //   tanh_backward_cpu_(acc, grad_out, holds, b)    acc (M, N): z or t -> g = grad_out·(1 − t²) in
 //                                                  place; grad_out (M, N) any strides; -> grad_b (N)?
 //   bias_grad_cpu(grad_out)                        grad_out (M, N) any strides -> column sums (N)
+//   activation_cpu_ / activation_backward_cpu_     the same for any activation (activations.h)
 //
 // Built portably: threads and bias partial sums here, element arithmetic in cpu/linear_tanh_kernels.cpp.
 #include <ATen/Dispatch.h>
@@ -52,35 +53,75 @@ void tanh_cpu_(const at::Tensor& acc) {
   });
 }
 
+namespace {
+
+// The backward pass over acc's rows, chunk by chunk in parallel: rows(a, gy, sr, sc, r0, r1, N,
+// sums) turns acc's rows r0..r1-1 into g and adds them to sums (null: no bias gradient).
+template <typename scalar_t, typename Rows>
+at::Tensor backward_pass(const at::Tensor& acc, const at::Tensor& grad_out, bool want_bias_grad,
+                         const Rows& rows) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t M = acc.size(0), N = acc.size(1), C = num_chunks(M);
+  at::Tensor partial;
+  if (want_bias_grad) partial = new_partials<scalar_t>(acc, C, N);
+  scalar_t* a = acc.data_ptr<scalar_t>();
+  const scalar_t* gy = grad_out.const_data_ptr<scalar_t>();
+  const int64_t sr = grad_out.stride(0), sc = grad_out.stride(1);
+  acc_t* part = want_bias_grad ? partial.data_ptr<acc_t>() : nullptr;
+  at::parallel_for(0, C, 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      rows(a, gy, sr, sc, k * kRowsPerChunk, std::min(M, (k + 1) * kRowsPerChunk), N,
+           part != nullptr ? part + k * N : nullptr);
+    }
+  });
+  at::Tensor grad_b;
+  if (want_bias_grad) {
+    grad_b = new_buffer({N}, acc.options());
+    combine_partials<scalar_t>(part, C, N, grad_b.data_ptr<scalar_t>());
+  }
+  return grad_b;
+}
+
+}  // namespace
+
 at::Tensor tanh_backward_cpu_(const at::Tensor& acc, const at::Tensor& grad_out, Holds holds,
                               bool want_bias_grad) {
   TORCH_INTERNAL_ASSERT(acc.is_contiguous() && acc.dim() == 2 && grad_out.dim() == 2);
-  const int64_t M = acc.size(0), N = acc.size(1), C = num_chunks(M);
   const cpu::Kernels& kern = cpu::kernels();
-  at::Tensor grad_b;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, acc.scalar_type(),
-                                  "tanh_backward_cpu_", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    at::Tensor partial;
-    if (want_bias_grad) partial = new_partials<scalar_t>(acc, C, N);
-    scalar_t* a = acc.data_ptr<scalar_t>();
-    const scalar_t* gy = grad_out.const_data_ptr<scalar_t>();
-    const int64_t sr = grad_out.stride(0), sc = grad_out.stride(1);
-    acc_t* part = want_bias_grad ? partial.data_ptr<acc_t>() : nullptr;
+  const bool pre = holds == Holds::kPreActivation;
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, acc.scalar_type(),
+                                         "tanh_backward_cpu_", [&] {
     const auto rows = kern.of<scalar_t>().backward_rows;
-    const bool pre = holds == Holds::kPreActivation;
-    at::parallel_for(0, C, 1, [&](int64_t k0, int64_t k1) {
-      for (int64_t k = k0; k < k1; ++k) {
-        rows(a, gy, sr, sc, k * kRowsPerChunk, std::min(M, (k + 1) * kRowsPerChunk), N, pre,
-             part != nullptr ? part + k * N : nullptr);
-      }
-    });
-    if (want_bias_grad) {
-      grad_b = new_buffer({N}, acc.options());
-      combine_partials<scalar_t>(part, C, N, grad_b.data_ptr<scalar_t>());
-    }
+    return backward_pass<scalar_t>(acc, grad_out, want_bias_grad,
+                                   [&](auto a, auto gy, auto sr, auto sc, auto r0, auto r1, auto N,
+                                       auto sums) { rows(a, gy, sr, sc, r0, r1, N, pre, sums); });
   });
-  return grad_b;
+}
+
+void activation_cpu_(const at::Tensor& acc, Activation act) {
+  TORCH_INTERNAL_ASSERT(acc.is_contiguous());
+  const cpu::Kernels& kern = cpu::kernels();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, acc.scalar_type(), "activation_cpu_",
+                                  [&] {
+    scalar_t* p = acc.data_ptr<scalar_t>();
+    const auto activate = kern.of<scalar_t>().activate;
+    // Elementwise, as tanh_cpu_: where a grain ends does not change a value.
+    at::parallel_for(0, acc.numel(), 32768,
+                     [&](int64_t i0, int64_t i1) { activate(p + i0, i1 - i0, act); });
+  });
+}
+
+at::Tensor activation_backward_cpu_(const at::Tensor& acc, const at::Tensor& grad_out,
+                                    Activation act, bool want_bias_grad) {
+  TORCH_INTERNAL_ASSERT(acc.is_contiguous() && acc.dim() == 2 && grad_out.dim() == 2);
+  const cpu::Kernels& kern = cpu::kernels();
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, acc.scalar_type(),
+                                         "activation_backward_cpu_", [&] {
+    const auto rows = kern.of<scalar_t>().activation_backward_rows;
+    return backward_pass<scalar_t>(acc, grad_out, want_bias_grad,
+                                   [&](auto a, auto gy, auto sr, auto sc, auto r0, auto r1, auto N,
+                                       auto sums) { rows(a, gy, sr, sc, r0, r1, N, act, sums); });
+  });
 }
 
 at::Tensor bias_grad_cpu(const at::Tensor& grad_out) {

@@ -11,12 +11,31 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "../activations.h"
 #include "../linear_tanh_math.h"
 #include "kernels.h"
 
 #ifndef CPU_CAPABILITY
 #error "cpu/linear_tanh_kernels.cpp is compiled once per ISA level with -DCPU_CAPABILITY=<level> (setup.py)"
 #endif
+
+namespace ckpt_ext {
+
+// The functions of activations.h's formulas on this copy's vectors (Vectorized lives in an inline
+// namespace named for the ISA level, so each copy specialises its own type).
+template <typename T>
+struct Math<at::vec::Vectorized<T>> {
+  using V = at::vec::Vectorized<T>;
+  static V exp(V v) { return v.exp(); }
+  static V erf(V v) { return v.erf(); }
+  static V tanh(V v) { return v.tanh(); }
+  static V sin(V v) { return v.sin(); }
+  static V cos(V v) { return v.cos(); }
+  static V log1p(V v) { return v.log1p(); }
+  static V where_gt(V a, V b, V x, V y) { return V::blendv(y, x, a > b); }
+};
+
+}  // namespace ckpt_ext
 
 namespace ckpt_ext::cpu {
 namespace CPU_CAPABILITY {
@@ -135,9 +154,47 @@ void column_sums_kernel(const scalar_t* grad_out, int64_t sr, int64_t sc, int64_
   }
 }
 
+// The activations of activations.h: f(z) in place, and z -> g = gy·f'(z) in place.
+template <typename scalar_t>
+void activate_kernel(scalar_t* p, int64_t n, Activation act) {
+  constexpr int64_t W = kStep<scalar_t>;
+  with_activation(act, [&](auto a) {
+    for (int64_t i = 0; i < n; i += W) {
+      const int64_t k = std::min(W, n - i);
+      Step<scalar_t> s = Step<scalar_t>::load(p + i, k);
+      for (auto& v : s.v) v = activate<decltype(a)::value>(v);
+      s.store(p + i, k);
+    }
+  });
+}
+
+template <typename scalar_t>
+void activation_backward_rows_kernel(scalar_t* acc, const scalar_t* grad_out, int64_t sr,
+                                     int64_t sc, int64_t r0, int64_t r1, int64_t N,
+                                     Activation act, acc_type_t<scalar_t>* sums) {
+  constexpr int64_t W = kStep<scalar_t>;
+  with_activation(act, [&](auto a) {
+    for (int64_t r = r0; r < r1; ++r) {
+      scalar_t* row = acc + r * N;
+      const scalar_t* grad_row = grad_out + r * sr;
+      for (int64_t c = 0; c < N; c += W) {
+        const int64_t k = std::min(W, N - c);
+        Step<scalar_t> z = Step<scalar_t>::load(row + c, k);  // becomes g
+        const Step<scalar_t> gy = load_grad(grad_row, sc, c, k);
+        for (int i = 0; i < Step<scalar_t>::kParts; ++i) {
+          z.v[i] = activation_grad<decltype(a)::value>(gy.v[i], z.v[i]);
+        }
+        z.store(row + c, k);
+        if (sums != nullptr) z.add_to(sums + c, k);
+      }
+    }
+  });
+}
+
 template <typename scalar_t>
 constexpr KernelsFor<scalar_t> kernels_for() {
-  return {&tanh_kernel<scalar_t>, &backward_rows_kernel<scalar_t>, &column_sums_kernel<scalar_t>};
+  return {&tanh_kernel<scalar_t>, &backward_rows_kernel<scalar_t>, &column_sums_kernel<scalar_t>,
+          &activate_kernel<scalar_t>, &activation_backward_rows_kernel<scalar_t>};
 }
 
 constexpr Kernels kKernels{kernels_for<float>(), kernels_for<double>(),

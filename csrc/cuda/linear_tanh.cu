@@ -6,6 +6,7 @@
 //                                                 grad_out·(1 − t²) in place; grad_out (M, N), any
 //                                                 strides; -> grad_b (N) = column sums of g, if b
 //   bias_grad_cuda(grad_out)                      grad_out (M, N), any strides -> column sums (N)
+//   activation_cuda_ / activation_backward_cuda_  the same for any activation (activations.h)
 //
 // Bandwidth-bound passes: 16-byte packs, loads first, no atomics (docs/design.md, "CUDA primitives").
 #include <ATen/Dispatch.h>
@@ -19,6 +20,7 @@
 #include <utility>
 
 #include "../primitives.h"
+#include "../activations.h"
 #include "../linear_tanh_math.h"
 
 namespace ckpt_ext {
@@ -122,7 +124,18 @@ void check_launch(const char* kernel) {
 // i, i + kThreads, ... (each of its kTanhUnroll accesses is coalesced across the warp) and issues
 // all its loads before its first store. The numel % V elements after the last whole pack (the
 // tail, < V) are done by the first threads of block 0.
-template <typename scalar_t, int V>
+// f(z) in the accumulate type: tanh's own (see the header comment), any other activation's
+// formula from activations.h.
+template <Activation kAct, typename scalar_t>
+__device__ __forceinline__ at::opmath_type<scalar_t> activate_value(at::opmath_type<scalar_t> z) {
+  if constexpr (kAct == Activation::kTanh) {
+    return Tanh<scalar_t>::apply(z);
+  } else {
+    return activate<kAct>(z);
+  }
+}
+
+template <typename scalar_t, int V, Activation kAct = Activation::kTanh>
 __global__ void __launch_bounds__(kThreads) tanh_kernel(scalar_t* __restrict__ acc, int64_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
   using PackT = Pack<scalar_t, V>;
@@ -143,7 +156,7 @@ __global__ void __launch_bounds__(kThreads) tanh_kernel(scalar_t* __restrict__ a
       if (p < n_packs) {
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          z[j].v[e] = static_cast<scalar_t>(Tanh<scalar_t>::apply(static_cast<acc_t>(z[j].v[e])));
+          z[j].v[e] = static_cast<scalar_t>(activate_value<kAct, scalar_t>(static_cast<acc_t>(z[j].v[e])));
         }
         packs[p] = z[j];
       }
@@ -152,7 +165,7 @@ __global__ void __launch_bounds__(kThreads) tanh_kernel(scalar_t* __restrict__ a
   if constexpr (V > 1) {
     const int64_t i = n_packs * V + threadIdx.x;  // tail: fewer than V <= kThreads elements
     if (blockIdx.x == 0 && i < numel) {
-      acc[i] = static_cast<scalar_t>(Tanh<scalar_t>::apply(static_cast<acc_t>(acc[i])));
+      acc[i] = static_cast<scalar_t>(activate_value<kAct, scalar_t>(static_cast<acc_t>(acc[i])));
     }
   }
 }
@@ -175,7 +188,7 @@ enum class GradRead {
 
 // One row of one pack: `held` is what acc holds (z or t) and becomes g; gy is grad_out's pack (or
 // the broadcast value); `sums` accumulates g per column (grad_out for kSumOnly), in row order.
-template <Pass kPass, GradRead kRead, typename scalar_t, int V>
+template <Pass kPass, GradRead kRead, Activation kAct, typename scalar_t, int V>
 __device__ __forceinline__ void backward_row(Pack<scalar_t, V>& held, const Pack<scalar_t, V>& gy,
                                              at::opmath_type<scalar_t> gy_bcast,
                                              at::opmath_type<scalar_t> (&sums)[V]) {
@@ -186,9 +199,14 @@ __device__ __forceinline__ void backward_row(Pack<scalar_t, V>& held, const Pack
     if constexpr (kPass == Pass::kSumOnly) {
       sums[e] = add_rn(sums[e], grad);
     } else {
-      acc_t t = static_cast<acc_t>(held.v[e]);
-      if constexpr (kPass == Pass::kFromPreActivation) t = exact_tanh(t);
-      const acc_t g = tanh_grad_from_output(Rounded<acc_t>(grad), Rounded<acc_t>(t)).v;
+      acc_t g;
+      if constexpr (kAct != Activation::kTanh) {  // held is z
+        g = activation_grad<kAct>(grad, static_cast<acc_t>(held.v[e]));
+      } else {
+        acc_t t = static_cast<acc_t>(held.v[e]);
+        if constexpr (kPass == Pass::kFromPreActivation) t = exact_tanh(t);
+        g = tanh_grad_from_output(Rounded<acc_t>(grad), Rounded<acc_t>(t)).v;
+      }
       held.v[e] = static_cast<scalar_t>(g);
       sums[e] = add_rn(sums[e], g);  // the unrounded g, as on the CPU (half types round on store)
     }
@@ -202,7 +220,7 @@ __device__ __forceinline__ void backward_row(Pack<scalar_t, V>& held, const Pack
 // packs of the same rows, so every row step is one coalesced access per warp. The thread walks its
 // chunk's rows in increasing order (the documented in-chunk order), kRowsPerBatch rows' loads at a
 // time on a full chunk; only the last chunk can be partial and takes the plain loop.
-template <typename scalar_t, int V, Pass kPass, GradRead kRead>
+template <typename scalar_t, int V, Pass kPass, GradRead kRead, Activation kAct>
 __global__ void __launch_bounds__(kThreads)
     tanh_backward_kernel(scalar_t* __restrict__ acc, const scalar_t* __restrict__ grad_out,
                          int64_t sr, int64_t sc, int64_t M, int64_t N,
@@ -246,9 +264,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int r = 0; r < kRowsPerBatch; ++r) {  // then the rows in order: g, sums, store
           if constexpr (kLoadsGrad) {
-            backward_row<kPass, kRead>(held[r], gy[r], gy_bcast, sums);
+            backward_row<kPass, kRead, kAct>(held[r], gy[r], gy_bcast, sums);
           } else {
-            backward_row<kPass, kRead>(held[r], gy_unused, gy_bcast, sums);
+            backward_row<kPass, kRead, kAct>(held[r], gy_unused, gy_bcast, sums);
           }
           if constexpr (kHasAcc) *reinterpret_cast<PackT*>(acc_batch + r * N) = held[r];
         }
@@ -260,7 +278,7 @@ __global__ void __launch_bounds__(kThreads)
         PackT gy = gy_unused;
         if constexpr (kHasAcc) held = *reinterpret_cast<const PackT*>(acc_row + r * N);
         if constexpr (kLoadsGrad) gy = *reinterpret_cast<const PackT*>(grad_row + r * sr);
-        backward_row<kPass, kRead>(held, gy, gy_bcast, sums);
+        backward_row<kPass, kRead, kAct>(held, gy, gy_bcast, sums);
         if constexpr (kHasAcc) *reinterpret_cast<PackT*>(acc_row + r * N) = held;
       }
     }
@@ -355,37 +373,42 @@ void combine_partials(at::Tensor& partial, int64_t C, int64_t N, const at::Tenso
   check_launch("combine_chunks_kernel");
 }
 
-template <typename scalar_t, int V, Pass kPass, GradRead kRead>
+template <typename scalar_t, int V, Pass kPass, GradRead kRead, Activation kAct>
 void launch_backward(scalar_t* acc, const at::Tensor& grad_out, int64_t M, int64_t N,
                      at::opmath_type<scalar_t>* partial, cudaStream_t stream) {
   const int64_t items = num_chunks(M) * (N / V);
-  tanh_backward_kernel<scalar_t, V, kPass, kRead>
+  tanh_backward_kernel<scalar_t, V, kPass, kRead, kAct>
       <<<grid_for(items, kThreads), kThreads, 0, stream>>>(
           acc, grad_out.const_data_ptr<scalar_t>(), grad_out.stride(0), grad_out.stride(1), M, N,
           partial);
   check_launch("tanh_backward_kernel");
 }
 
-template <typename scalar_t, Pass kPass>
+template <typename scalar_t, Pass kPass, Activation kAct = Activation::kTanh>
 void launch_backward(scalar_t* acc, const at::Tensor& grad_out, int64_t M, int64_t N,
                      at::opmath_type<scalar_t>* partial, bool vector, bool broadcast,
                      cudaStream_t stream) {
   constexpr int V = kPackBytes / sizeof(scalar_t);
   if (vector && broadcast) {
-    launch_backward<scalar_t, V, kPass, GradRead::kBroadcast>(acc, grad_out, M, N, partial, stream);
+    launch_backward<scalar_t, V, kPass, GradRead::kBroadcast, kAct>(acc, grad_out, M, N, partial,
+                                                                     stream);
   } else if (vector) {
-    launch_backward<scalar_t, V, kPass, GradRead::kStrided>(acc, grad_out, M, N, partial, stream);
+    launch_backward<scalar_t, V, kPass, GradRead::kStrided, kAct>(acc, grad_out, M, N, partial,
+                                                                   stream);
   } else if (broadcast) {
-    launch_backward<scalar_t, 1, kPass, GradRead::kBroadcast>(acc, grad_out, M, N, partial, stream);
+    launch_backward<scalar_t, 1, kPass, GradRead::kBroadcast, kAct>(acc, grad_out, M, N, partial,
+                                                                     stream);
   } else {
-    launch_backward<scalar_t, 1, kPass, GradRead::kStrided>(acc, grad_out, M, N, partial, stream);
+    launch_backward<scalar_t, 1, kPass, GradRead::kStrided, kAct>(acc, grad_out, M, N, partial,
+                                                                   stream);
   }
 }
 
 // The backward pass over acc (undefined: kSumOnly, the sums of grad_out alone); -> grad_b (N), or
 // undefined when !want_bias_grad.
+// act: the activation of a kFromPreActivation pass.
 at::Tensor backward_pass(const at::Tensor& acc, const at::Tensor& grad_out, Pass pass,
-                         bool want_bias_grad) {
+                         bool want_bias_grad, Activation act = Activation::kTanh) {
   const int64_t M = grad_out.size(0), N = grad_out.size(1), C = num_chunks(M);
   const int64_t sr = grad_out.stride(0), sc = grad_out.stride(1);
   at::Tensor grad_b;
@@ -411,8 +434,10 @@ at::Tensor backward_pass(const at::Tensor& acc, const at::Tensor& grad_out, Pass
       acc_t* partial_ptr = want_bias_grad ? partial.data_ptr<acc_t>() : nullptr;
       switch (pass) {
         case Pass::kFromPreActivation:
-          launch_backward<scalar_t, Pass::kFromPreActivation>(acc_ptr, grad_out, M, N, partial_ptr,
-                                                              vector, broadcast, stream);
+          with_activation(act, [&](auto a) {
+            launch_backward<scalar_t, Pass::kFromPreActivation, decltype(a)::value>(
+                acc_ptr, grad_out, M, N, partial_ptr, vector, broadcast, stream);
+          });
           break;
         case Pass::kFromTanhOutput:
           launch_backward<scalar_t, Pass::kFromTanhOutput>(acc_ptr, grad_out, M, N, partial_ptr,
@@ -431,7 +456,10 @@ at::Tensor backward_pass(const at::Tensor& acc, const at::Tensor& grad_out, Pass
 
 }  // namespace
 
-void tanh_cuda_(const at::Tensor& acc) {
+namespace {
+
+template <Activation kAct>
+void activation_pass(const at::Tensor& acc) {
   TORCH_INTERNAL_ASSERT(acc.is_cuda() && acc.is_contiguous());
   const int64_t numel = acc.numel();
   if (numel == 0) return;
@@ -441,12 +469,27 @@ void tanh_cuda_(const at::Tensor& acc) {
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     scalar_t* z = acc.data_ptr<scalar_t>();  // becomes t
     if (aligned_to(z, kPackBytes)) {
-      tanh_kernel<scalar_t, V><<<grid_for(numel / V, kTile), kThreads, 0, stream>>>(z, numel);
+      tanh_kernel<scalar_t, V, kAct><<<grid_for(numel / V, kTile), kThreads, 0, stream>>>(z, numel);
     } else {
-      tanh_kernel<scalar_t, 1><<<grid_for(numel, kTile), kThreads, 0, stream>>>(z, numel);
+      tanh_kernel<scalar_t, 1, kAct><<<grid_for(numel, kTile), kThreads, 0, stream>>>(z, numel);
     }
     check_launch("tanh_kernel");
   });
+}
+
+}  // namespace
+
+void tanh_cuda_(const at::Tensor& acc) { activation_pass<Activation::kTanh>(acc); }
+
+void activation_cuda_(const at::Tensor& acc, Activation act) {
+  with_activation(act, [&](auto a) { activation_pass<decltype(a)::value>(acc); });
+}
+
+at::Tensor activation_backward_cuda_(const at::Tensor& acc, const at::Tensor& grad_out,
+                                     Activation act, bool want_bias_grad) {
+  TORCH_INTERNAL_ASSERT(acc.is_cuda() && acc.is_contiguous() && acc.dim() == 2 &&
+                        grad_out.sizes() == acc.sizes());
+  return backward_pass(acc, grad_out, Pass::kFromPreActivation, want_bias_grad, act);
 }
 
 at::Tensor tanh_backward_cuda_(const at::Tensor& acc, const at::Tensor& grad_out, Holds holds,

@@ -1,0 +1,123 @@
+// activations.h — the activations of the mlp op, each written once: its value f(z) and its
+// derivative times the incoming gradient, gy·f'(z), as templates over the value type V (float or
+// double registers on CUDA and the host, at::vec::Vectorized on the CPU), compiled by g++ and nvcc.
+// Math<V> gives each V the functions the formulas use. PyTorch's own formulas and constants
+// (aten/src/ATen/native/cpu/Activation.cpp); tanh keeps its own kernels (linear_tanh_math.h).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "linear_tanh_math.h"  // CKPT_HD
+
+namespace ckpt_ext {
+
+// The order is the schema's spelling order (activation_names in activations.cpp).
+enum class Activation : int8_t { kTanh, kGelu, kGeluTanh, kSilu, kSigmoid, kSoftplus, kSin, kRelu };
+constexpr int kNumActivations = 8;
+
+// Math<V>: exp, erf, tanh, sin, cos, log1p of V, and where_gt(a, b, x, y) = (a > b ? x : y) per
+// element. The host/CUDA scalar ones here; the CPU kernels specialise it for Vectorized.
+template <typename V>
+struct Math {
+  static CKPT_HD V exp(V v) { return ::exp(v); }
+  static CKPT_HD V erf(V v) { return ::erf(v); }
+  static CKPT_HD V tanh(V v) { return ::tanh(v); }
+  static CKPT_HD V sin(V v) { return ::sin(v); }
+  static CKPT_HD V cos(V v) { return ::cos(v); }
+  static CKPT_HD V log1p(V v) { return ::log1p(v); }
+  static CKPT_HD V where_gt(V a, V b, V x, V y) { return a > b ? x : y; }
+};
+template <>
+struct Math<float> {
+  static CKPT_HD float exp(float v) { return ::expf(v); }
+  static CKPT_HD float erf(float v) { return ::erff(v); }
+  static CKPT_HD float tanh(float v) { return ::tanhf(v); }
+  static CKPT_HD float sin(float v) { return ::sinf(v); }
+  static CKPT_HD float cos(float v) { return ::cosf(v); }
+  static CKPT_HD float log1p(float v) { return ::log1pf(v); }
+  static CKPT_HD float where_gt(float a, float b, float x, float y) { return a > b ? x : y; }
+};
+
+// Constants of PyTorch's GELU kernels: 1/√2, 1/√(2π), √(2/π), and the cubic coefficient.
+constexpr double kSqrtHalf = 0.70710678118654752440;
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;
+constexpr double kSqrt2OverPi = 0.79788456080286535588;
+constexpr double kGeluCubic = 0.044715;
+// nn.Softplus's defaults (beta = 1): above the threshold softplus(z) = z.
+constexpr double kSoftplusThreshold = 20.0;
+
+template <Activation A, typename V>
+CKPT_HD V activate(V z) {
+  using M = Math<V>;
+  if constexpr (A == Activation::kTanh) {
+    return M::tanh(z);
+  } else if constexpr (A == Activation::kGelu) {
+    return z * V(0.5) * (V(1) + M::erf(z * V(kSqrtHalf)));
+  } else if constexpr (A == Activation::kGeluTanh) {
+    const V inner = V(kSqrt2OverPi) * (z + V(kGeluCubic) * z * z * z);
+    return V(0.5) * z * (V(1) + M::tanh(inner));
+  } else if constexpr (A == Activation::kSilu) {
+    return z / (V(1) + M::exp(V(0) - z));
+  } else if constexpr (A == Activation::kSigmoid) {
+    return V(1) / (V(1) + M::exp(V(0) - z));
+  } else if constexpr (A == Activation::kSoftplus) {
+    return M::where_gt(z, V(kSoftplusThreshold), z, M::log1p(M::exp(z)));
+  } else if constexpr (A == Activation::kSin) {
+    return M::sin(z);
+  } else {  // kRelu: 0 below zero, z (NaN included) otherwise
+    return M::where_gt(V(0), z, V(0), z);
+  }
+}
+
+// gy·f'(z). tanh's is taken from its output instead (tanh_grad_from_output).
+template <Activation A, typename V>
+CKPT_HD V activation_grad(V gy, V z) {
+  using M = Math<V>;
+  if constexpr (A == Activation::kTanh) {
+    const V t = M::tanh(z);
+    return tanh_grad_from_output(gy, t);
+  } else if constexpr (A == Activation::kGelu) {
+    const V cdf = V(0.5) * (V(1) + M::erf(z * V(kSqrtHalf)));
+    const V pdf = M::exp(V(-0.5) * z * z) * V(kInvSqrt2Pi);
+    return gy * (cdf + z * pdf);
+  } else if constexpr (A == Activation::kGeluTanh) {
+    const V z2 = z * z;
+    const V th = M::tanh(V(kSqrt2OverPi) * (z + V(kGeluCubic) * z2 * z));
+    const V left = V(0.5) * (V(1) + th);
+    const V right = V(0.5) * z * (V(1) - th * th) * V(kSqrt2OverPi) * (V(1) + V(3 * kGeluCubic) * z2);
+    return gy * (left + right);
+  } else if constexpr (A == Activation::kSilu) {
+    const V s = V(1) / (V(1) + M::exp(V(0) - z));
+    return gy * s * (V(1) + z * (V(1) - s));
+  } else if constexpr (A == Activation::kSigmoid) {
+    const V s = V(1) / (V(1) + M::exp(V(0) - z));
+    return gy * s * (V(1) - s);
+  } else if constexpr (A == Activation::kSoftplus) {
+    const V e = M::exp(z);
+    return M::where_gt(z, V(kSoftplusThreshold), gy, gy * e / (e + V(1)));
+  } else if constexpr (A == Activation::kSin) {
+    return gy * M::cos(z);
+  } else {  // kRelu
+    return M::where_gt(z, V(0), gy, V(0));
+  }
+}
+
+// Calls fn(std::integral_constant<Activation, A>{}) for the runtime value a: one instantiation per
+// activation, so each kernel loop is compiled for its formula.
+template <typename Fn>
+inline auto with_activation(Activation a, Fn&& fn) {
+  switch (a) {
+    case Activation::kGelu: return fn(std::integral_constant<Activation, Activation::kGelu>{});
+    case Activation::kGeluTanh: return fn(std::integral_constant<Activation, Activation::kGeluTanh>{});
+    case Activation::kSilu: return fn(std::integral_constant<Activation, Activation::kSilu>{});
+    case Activation::kSigmoid: return fn(std::integral_constant<Activation, Activation::kSigmoid>{});
+    case Activation::kSoftplus: return fn(std::integral_constant<Activation, Activation::kSoftplus>{});
+    case Activation::kSin: return fn(std::integral_constant<Activation, Activation::kSin>{});
+    case Activation::kRelu: return fn(std::integral_constant<Activation, Activation::kRelu>{});
+    case Activation::kTanh: default: return fn(std::integral_constant<Activation, Activation::kTanh>{});
+  }
+}
+
+}  // namespace ckpt_ext
