@@ -85,7 +85,7 @@ class _Run:
         return state
 
     def __setstate__(self, state):
-        if "last_tanh" in state:  # a tanh run pickled before runs had other activations
+        if "last_tanh" in state:  # a state that names it last_tanh holds a tanh run
             state["last_activation"] = state.pop("last_tanh")
         self.__dict__.update(state)
         self._region = _Region()
