@@ -6,10 +6,8 @@
 //   backward_rows(acc, gy, sr, sc, r0, r1, N, pre, sums)   acc (M, N) contiguous: z (pre) or t ->
 //       g in place; gy (M, N) strides (sr, sc), sc == 0 = one value per row; sums (N) += g or null
 //   column_sums(gy, sr, sc, r0, r1, N, sums)               sums (N) += rows of gy
-//   activate(p, n, act) / activation_backward_rows(acc, gy, sr, sc, r0, r1, N, act, sums): the
-//       same for any activation of activations.h, acc holding z
-// Sums in increasing row order, in acc_t (double for double, float otherwise: half types compute
-// in float and round once on the store). Details: docs/design.md, "CPU primitives".
+//   activate, activation_backward_rows: the same for any activation (activations.h), acc holding z
+// Sums in increasing row order, in acc_t (half types compute in float): docs/design.md.
 #pragma once
 
 #include <c10/util/BFloat16.h>

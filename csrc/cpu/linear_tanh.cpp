@@ -7,7 +7,6 @@
 //                                                  place; grad_out (M, N) any strides; -> grad_b (N)?
 //   bias_grad_cpu(grad_out)                        grad_out (M, N) any strides -> column sums (N)
 //   activation_cpu_ / activation_backward_cpu_     the same for any activation (activations.h)
-//
 // Built portably: threads and bias partial sums here, element arithmetic in cpu/linear_tanh_kernels.cpp.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>

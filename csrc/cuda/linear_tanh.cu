@@ -7,7 +7,6 @@
 //                                                 strides; -> grad_b (N) = column sums of g, if b
 //   bias_grad_cuda(grad_out)                      grad_out (M, N), any strides -> column sums (N)
 //   activation_cuda_ / activation_backward_cuda_  the same for any activation (activations.h)
-//
 // Bandwidth-bound passes: 16-byte packs, loads first, no atomics (docs/design.md, "CUDA primitives").
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>

@@ -321,3 +321,84 @@ def test_activation_modules_compute_what_the_names_say():
     assert module_activation(nn.Softplus(threshold=10)) is None
     assert module_activation(nn.GELU(approximate="tanh")) == "gelu_tanh"
     assert F.gelu is ACTIVATION_REF["gelu"]
+
+
+# ---- every CPU ISA level -------------------------------------------------------------------------
+
+LEVELS = list(ckpt_ext._C._cpu_capabilities())
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    before = ckpt_ext._C._cpu_capability()
+    ckpt_ext._C._set_cpu_capability(request.param)
+    try:
+        yield request.param
+    finally:
+        ckpt_ext._C._set_cpu_capability(before)
+
+
+# widths that leave a tail at every vector width (8/16 floats, 4/8 doubles, 16/32 halves), rows
+# over several 32-row bias chunks and a partial one
+@pytest.mark.parametrize("act", OTHER_ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_level_matches_reference_and_recomputes_bitwise(level, act, dtype, poison):
+    x, ws, bs, gy = _inputs((67,), [33, 45, 19], (True, True), dtype, seed=17)
+    y = ckpt_ext.mlp(x, ws, bs, activation=act, last_activation=False)
+    got = _grads(y, [x, *ws, *bs], gy)
+    x64, ws64, bs64 = _double([x]), _double(ws), _double(bs)
+    y64 = mlp_ref(x64[0], ws64, bs64, act, False)
+    want = _grads(y64, [*x64, *ws64, *bs64], gy.double())
+    tol = RELU_HALF_TOL if act == "relu" and dtype.itemsize == 2 else REL_TOL[dtype]
+    for o, r in zip([y, *got], [y64, *want]):
+        assert rel_err(o, r) <= tol, (level, act, dtype)
+    a1 = ckpt_ext.mlp(x.detach(), [ws[0].detach()], [bs[0].detach()], activation=act)
+    assert torch.equal(got[2], gy.t() @ a1)
+
+
+# ---- CUDA (scripts/gpu_check.sh runs the `cuda`-marked tests) ------------------------------------
+
+from reference import requires_gpu  # noqa: E402
+
+
+def _to(ts, device):
+    return [None if t is None else t.detach().to(device).requires_grad_() for t in ts]
+
+
+@pytest.mark.cuda
+@requires_gpu
+@pytest.mark.parametrize("act", OTHER_ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("width", [1, 7, 8, 17, 64])
+def test_cuda_matches_reference_and_recomputes_bitwise(act, dtype, width, poison):
+    # widths below, at and past the 16-byte pack; 67 rows: two full 32-row chunks and a partial
+    x, ws, bs, gy = _inputs((67,), [13, width, 9], (True, True), dtype, seed=19)
+    xc, wc, bc = _to([x], "cuda"), _to(ws, "cuda"), _to(bs, "cuda")
+    y = ckpt_ext.mlp(xc[0], wc, bc, activation=act, last_activation=False)
+    got = _grads(y, [*xc, *wc, *bc], gy.cuda())
+    x64, ws64, bs64 = _double([x]), _double(ws), _double(bs)
+    y64 = mlp_ref(x64[0], ws64, bs64, act, False)
+    want = _grads(y64, [*x64, *ws64, *bs64], gy.double())
+    tol = RELU_HALF_TOL if act == "relu" and dtype.itemsize == 2 else REL_TOL[dtype]
+    for o, r in zip([y, *got], [y64, *want]):
+        assert rel_err(o.cpu(), r) <= tol, (act, dtype, width)
+    a1 = ckpt_ext.mlp(xc[0].detach(), [wc[0].detach()], [bc[0].detach()], activation=act)
+    assert torch.equal(got[2], gy.cuda().t() @ a1)
+
+
+@pytest.mark.cuda
+@requires_gpu
+@pytest.mark.parametrize("act", OTHER_ACTS)
+def test_cuda_double_backward_matches_cpu(act):
+    x, ws, bs, _ = _inputs((33,), [2, 16, 16, 1], (True, True, True), torch.float64, seed=23)
+
+    def u_xx(device):
+        xd, wd, bd = _to([x], device)[0], _to(ws, device), _to(bs, device)
+        u = ckpt_ext.mlp(xd, wd, bd, activation=act, last_activation=False)
+        (ux,) = torch.autograd.grad(u.sum(), xd, create_graph=True)
+        (uxx,) = torch.autograd.grad(ux[:, 1].sum(), xd, create_graph=True)
+        loss = uxx.pow(2).mean()
+        return [loss, *torch.autograd.grad(loss, wd)]
+
+    for c, g in zip(u_xx("cpu"), u_xx("cuda")):
+        assert rel_err(g.cpu(), c) <= 1e-12
