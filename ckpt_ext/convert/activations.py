@@ -2,7 +2,7 @@
 exactly which one: :func:`module_activation` (``nn.GELU``, transformers' ``GELUActivation``, ...)
 and :func:`node_activation` (``F.gelu``, ``torch.sin``, ``.relu()`` in an fx graph). Also what
 stock autograd keeps for each (:data:`SAVES_INPUT`), which sets what fusing frees. The tests check
-every entry numerically against ``ckpt_ext``'s own formulas (tests/fuse/test_fuse_activations.py)."""
+every entry numerically against the reference formulas (tests/fuse/test_fuse_activations.py)."""
 from __future__ import annotations
 
 import functools

@@ -1,7 +1,7 @@
 """Applying a plan to the user's model, in place: each run is made (or the one an earlier fuse put
-in place is kept), its child Linear/activation members get their member class, each Sequential exactly
-its parts, each owner an :class:`_OwnerForward` with its runs, guards and rewritten source; what
-an earlier fuse put in place and this plan no longer holds is undone."""
+in place is kept), its child Linear/activation members get their member class, each Sequential
+exactly its parts, each owner an :class:`_OwnerForward` with its runs, guards and rewritten
+source; what an earlier fuse put in place and this plan no longer holds is undone."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple

@@ -15,8 +15,8 @@ from .discovery import LayerCall, LayerKind, RunDiscovery, graph_chains
 from .policy import (Chain, Unit, chain_problem, decide, item_misses, layer_shape,
                      split_at_problems, sub_chain)
 from .report import Decision
-from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, Slot, _OwnerForward, _Run,
-                      is_sequential, join_path, parts_of)
+from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, Slot, _OwnerForward,
+                      _Run, is_sequential, join_path, parts_of)
 from .tracing import ModelAnalysis, Trace
 
 

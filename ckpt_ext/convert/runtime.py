@@ -46,8 +46,8 @@ class _Region(threading.local):
 
 
 class _Run:
-    """One run of Linear/activation layers as fuse applied it: the modules whose weights it reads, what
-    must stay as it was for the fused op to compute it (:meth:`problem`), and that op (calling
+    """One run of Linear/activation layers as fuse applied it: the modules whose weights it reads,
+    what must stay as it was for the fused op to compute it (:meth:`problem`), and that op (calling
     the run). With ``owner`` None, the Sequential holding the run computes it. Otherwise the
     owner's forward marks a region (:meth:`enter`, :meth:`leave`; per thread, for one call) in
     which each member takes its :meth:`turn` in the analysed order: the first computes the run,
