@@ -1,10 +1,10 @@
 """The activations of :func:`ckpt_ext.mlp` on the Python side: their names (read from the C++
 library, csrc/checks.cpp), f(z) and gy·f'(z) from ATen's own ops (differentiable again, and
-batched by vmap), and the ``nn`` modules that compute each. The kernels' formulas:
-csrc/activations.h."""
+batched by vmap), and the ``nn`` module that computes each (recognising one is the converter's
+job: ckpt_ext/convert/activations.py). The kernels' formulas: csrc/activations.h."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict
 
 import torch
 import torch.nn.functional as F
@@ -59,20 +59,6 @@ def activation_backward(name: str, gy: Tensor, z: Tensor) -> Tensor:
     tangent gy of z."""
     return _FORMULAS[name][1](gy, z)
 
-
-def module_activation(m: nn.Module) -> Optional[str]:
-    """The activation an ``nn`` activation module computes, when exactly that class with the
-    arguments the kernels implement (nn.Softplus: beta=1, threshold=20 only); else None."""
-    t = type(m)
-    if t is nn.GELU:
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(m.approximate)
-    if t is nn.Softplus:
-        return "softplus" if (m.beta, m.threshold) == (1, 20) else None
-    return _MODULES.get(t)
-
-
-_MODULES: Dict[type, str] = {nn.Tanh: "tanh", nn.SiLU: "silu", nn.Sigmoid: "sigmoid",
-                             nn.ReLU: "relu"}
 
 #: The module of each activation, as FusedMLP's equivalent nn.Sequential holds it (sin has none).
 MODULE_OF: Dict[str, Callable[[], nn.Module]] = {

@@ -9,7 +9,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ._activations import MODULE_OF, check_activation, module_activation
+from ._activations import MODULE_OF, check_activation
 from .ops import linear_tanh, mlp, tanh_mlp
 
 
@@ -155,6 +155,14 @@ def _layer_params(module: nn.Module):
     return weights, biases
 
 
+def module_activation(m: nn.Module) -> Optional[str]:
+    """The activation of ``ckpt_ext.ACTIVATIONS`` that module ``m`` computes exactly, else None:
+    the converter's table (torch's modules and transformers'), so both accept the same ones."""
+    from .convert.activations import module_activation as recognise  # convert imports this module
+    found = recognise(m)
+    return None if found is None else found.name
+
+
 def _named(modules) -> List[Tuple[str, nn.Module]]:
     if isinstance(modules, Mapping):
         return [(str(k), v) for k, v in modules.items()]
@@ -240,7 +248,7 @@ def run_problem(modules: Iterable[nn.Module], activation: Optional[str] = "tanh"
     """None when ``modules`` is a run a fused module can take over — ``Linear, Act, Linear, ...``,
     starting with a Linear, Linears and activations alternating, each exactly ``nn.Linear`` or an
     activation module of one kind (``activation``'s, or, with None, any one that
-    :func:`ckpt_ext._activations.module_activation` names), without hooks, widths chaining, one
+    :func:`module_activation` names), without hooks, widths chaining, one
     dtype and device — else why not."""
     modules = list(modules)
     if not modules:

@@ -314,7 +314,8 @@ def test_shape_errors_name_the_layer():
 
 
 def test_activation_modules_compute_what_the_names_say():
-    from ckpt_ext._activations import MODULE_OF, module_activation
+    from ckpt_ext._activations import MODULE_OF
+    from ckpt_ext.modules import module_activation
     z = torch.randn(50, dtype=torch.float64) * 4
     for name, make in MODULE_OF.items():
         m = make()
