@@ -110,8 +110,12 @@ class _Mlp(_SingleLevelFunction):
             gx, gw, gb = mlp_backward_composite(grad_out, x, weights, layer_b, ctx.act, ctx.last,
                                                 need_x, need_w, _layer_biases(need_b, ctx.has_bias))
             return (gx, None, None, None, *gw, *[g for g, hb in zip(gb, ctx.has_bias) if hb])
-        out = _MlpBackward.apply(grad_out, x, ctx.has_bias, ctx.act, ctx.last, need_x,
-                                 tuple(need_w), tuple(need_b), *params)
+        if torch.is_grad_enabled():  # create_graph: recorded, for the orders above
+            out = _MlpBackward.apply(grad_out, x, ctx.has_bias, ctx.act, ctx.last, need_x,
+                                     tuple(need_w), tuple(need_b), *params)
+        else:
+            out = _MlpBackward.forward(grad_out, x, ctx.has_bias, ctx.act, ctx.last, need_x,
+                                       need_w, need_b, *params)
         it = iter(out[1:])
         gw = [next(it) if n else None for n in need_w]
         gb = [next(it) if n else None for n in need_b]
