@@ -18,8 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from . import modules
-from .modules import FusedLinearTanh, FusedTanhMLP
+from .modules import FusedLinearTanh, FusedMLP, FusedTanhMLP
 from .ops import tanh_mlp
 
 #: Every mode some network has; each class lists its own in ``MODES``.
@@ -206,8 +205,8 @@ class BertMLPBlock(nn.Module):
     def __init__(self, width: int, hidden: int, fused: bool, device=None, dtype=None) -> None:
         super().__init__()
         if fused:
-            self.mlp = modules.FusedMLP([width, hidden, width], activation="gelu",
-                                        last_activation=False, device=device, dtype=dtype)
+            self.mlp = FusedMLP([width, hidden, width], activation="gelu",
+                                last_activation=False, device=device, dtype=dtype)
         else:
             self.mlp = nn.Sequential(nn.Linear(width, hidden, device=device, dtype=dtype),
                                      nn.GELU(),
@@ -293,8 +292,8 @@ class PINNNet(_Recompute, nn.Module):
         self.mode, self.use_reentrant, self.activation = mode, use_reentrant, activation
         sizes = [in_features] + [hidden] * depth + [out_features]
         if mode == "fused" and activation != "tanh":
-            self.mlp = modules.FusedMLP(sizes, activation=activation, last_activation=False,
-                                        device=device, dtype=dtype)
+            self.mlp = FusedMLP(sizes, activation=activation, last_activation=False,
+                                device=device, dtype=dtype)
             return
         layers: list[nn.Module] = []
         for k, n in zip(sizes[:-1], sizes[1:]):
