@@ -50,6 +50,23 @@ at::Tensor grad_of_g(const std::optional<at::Tensor>& ggx, const std::optional<a
 
 namespace {
 
+// fn(args...) -> std::array<at::Tensor, 4>; for a half dtype, run in float32 on float32 copies of
+// the tensor arguments, each result rounded once to dtype, as the other ops do.
+at::Tensor float_of(const at::Tensor& t) { return t.to(at::kFloat); }
+std::optional<at::Tensor> float_of(const std::optional<at::Tensor>& t) { return to_float(t); }
+template <typename T>
+const T& float_of(const T& v) { return v; }
+
+template <typename Fn, typename... Args>
+std::array<at::Tensor, 4> in_float_if_half(at::ScalarType dtype, Fn&& fn, const Args&... args) {
+  if (!is_half(dtype)) return fn(args...);
+  std::array<at::Tensor, 4> r = fn(float_of(args)...);
+  for (auto& t : r) {
+    if (t.defined()) t = t.to(dtype);
+  }
+  return r;
+}
+
 constexpr const char* kDouble = "linear_tanh_double_backward";
 
 // ----------------------------------------------------------------------------------------------
@@ -120,20 +137,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_tanh_double_ba
   at::Tensor x2 = flatten_rows(x);
   at::Tensor gy2 = grad_out.reshape({x2.size(0), weight.size(0)});
   std::optional<at::Tensor> ggx2 = rows_of(grad_grad_x);
-  std::array<at::Tensor, 4> r;
-  const at::ScalarType dtype = x.scalar_type();
-  if (is_half(dtype)) {
-    // Half types: compute in float32 and round each result once, as the other ops do.
-    r = double_backward_2d(to_float(ggx2), to_float(grad_grad_weight), to_float(grad_grad_bias),
-                           gy2.to(at::kFloat), x2.to(at::kFloat), weight.to(at::kFloat),
-                           to_float(bias), output_mask);
-    for (auto& t : r) {
-      if (t.defined()) t = t.to(dtype);
-    }
-  } else {
-    r = double_backward_2d(ggx2, grad_grad_weight, grad_grad_bias, gy2, x2, weight, bias,
-                           output_mask);
-  }
+  std::array<at::Tensor, 4> r =
+      in_float_if_half(x.scalar_type(), double_backward_2d, ggx2, grad_grad_weight,
+                       grad_grad_bias, gy2, x2, weight, bias, output_mask);
   if (r[0].defined()) r[0] = r[0].view(grad_out.sizes());
   if (r[1].defined()) r[1] = r[1].view(x.sizes());
   return {r[0], r[1], r[2], r[3]};
@@ -234,19 +240,9 @@ linear_tanh_backward_from_output_backward(
   const int64_t M = x2.size(0), N = weight.size(0);
   at::Tensor gy2 = grad_out.reshape({M, N}), t2 = output.reshape({M, N});
   std::optional<at::Tensor> ggx2 = rows_of(grad_grad_x);
-  std::array<at::Tensor, 4> r;
-  const at::ScalarType dtype = x.scalar_type();
-  if (is_half(dtype)) {
-    r = from_output_backward_2d(to_float(ggx2), to_float(grad_grad_weight),
-                                to_float(grad_grad_bias), gy2.to(at::kFloat), x2.to(at::kFloat),
-                                t2.to(at::kFloat), weight.to(at::kFloat), output_mask);
-    for (auto& t : r) {
-      if (t.defined()) t = t.to(dtype);
-    }
-  } else {
-    r = from_output_backward_2d(ggx2, grad_grad_weight, grad_grad_bias, gy2, x2, t2, weight,
-                                output_mask);
-  }
+  std::array<at::Tensor, 4> r =
+      in_float_if_half(x.scalar_type(), from_output_backward_2d, ggx2, grad_grad_weight,
+                       grad_grad_bias, gy2, x2, t2, weight, output_mask);
   if (r[0].defined()) r[0] = r[0].view(grad_out.sizes());
   if (r[1].defined()) r[1] = r[1].view(x.sizes());
   if (r[2].defined()) r[2] = r[2].view(output.sizes());

@@ -25,25 +25,14 @@ namespace {
 // inputs it reads are present (an absent one is zero), so that no loop has a branch and the
 // compiler vectorizes each (a single loop with null checks per element ran 6x slower). All arrays
 // are (M·N) contiguous; a null output pointer is not computed.
-template <bool kUgy, bool kUt, typename T>
-void dgbar_loop(int64_t n, const T* t, const T* gy, const T* ugy, const T* ut, T* out) {
+template <bool kA, bool kUtB, typename T>
+void s_minus_2utbt_loop(int64_t n, const T* t, const T* a, const T* b, const T* ut, T* out) {
+  // out = a·s − 2·u_t·b·t, s = 1 − t²: d̄g (a = u_gy, b = gy) and the gy result (a = ḡ, b = dg)
   at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       T v = T(0);
-      if constexpr (kUgy) v += ugy[i] * (T(1) - t[i] * t[i]);      // u_gy·s
-      if constexpr (kUt) v += T(-2) * ut[i] * gy[i] * t[i];           // − 2·u_t·gy·t
-      out[i] = v;
-    }
-  });
-}
-
-template <bool kGbar, bool kUtDg, typename T>
-void gybar_loop(int64_t n, const T* t, const T* dg, const T* gbar, const T* ut, T* out) {
-  at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      T v = T(0);
-      if constexpr (kGbar) v += gbar[i] * (T(1) - t[i] * t[i]);     // ḡ·s
-      if constexpr (kUtDg) v += T(-2) * ut[i] * dg[i] * t[i];         // − 2·u_t·dg·t
+      if constexpr (kA) v += a[i] * (T(1) - t[i] * t[i]);
+      if constexpr (kUtB) v += T(-2) * ut[i] * b[i] * t[i];
       out[i] = v;
     }
   });
@@ -79,13 +68,13 @@ void triple_pass(int64_t n, const T* t, const T* gy, const T* dg, const T* gbar,
                  const T* ut, T* dgbar, T* gybar, T* tbar) {
   if (dgbar) {
     with_bools(ugy != nullptr, ut != nullptr, [&](auto u, auto v) {
-      dgbar_loop<decltype(u)::value, decltype(v)::value>(n, t, gy, ugy, ut, dgbar);
+      s_minus_2utbt_loop<decltype(u)::value, decltype(v)::value>(n, t, ugy, gy, ut, dgbar);
     });
   }
   const bool ut_dg = ut != nullptr && dg != nullptr;
   if (gybar) {
     with_bools(gbar != nullptr, ut_dg, [&](auto u, auto v) {
-      gybar_loop<decltype(u)::value, decltype(v)::value>(n, t, dg, gbar, ut, gybar);
+      s_minus_2utbt_loop<decltype(u)::value, decltype(v)::value>(n, t, gbar, dg, ut, gybar);
     });
   }
   if (tbar) {
