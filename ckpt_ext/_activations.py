@@ -1,10 +1,11 @@
 """The activations of :func:`ckpt_ext.mlp` on the Python side: their names (read from the C++
 library, csrc/checks.cpp), f(z) and gy·f'(z) from ATen's own ops (differentiable again, and
-batched by vmap), and the ``nn`` module that computes each (recognising one is the converter's
+batched by vmap), f''(z) for the second order, and the ``nn`` module that computes each (recognising one is the converter's
 job: ckpt_ext/convert/activations.py). The kernels' formulas: csrc/activations.h."""
 from __future__ import annotations
 
-from typing import Callable, Dict
+import math
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,14 @@ _FORMULAS: Dict[str, tuple] = {
     "relu": (torch.relu, lambda gy, z: _ATEN.threshold_backward(gy, z, 0)),
 }
 
+# The activations whose derivative PyTorch takes from the output (as stock autograd keeps it):
+# given the output, gy·f'(z) reads it instead of z (the output is the next layer's input anyway).
+_FROM_OUTPUT = {
+    "tanh": lambda gy, out: _ATEN.tanh_backward(gy, out),
+    "sigmoid": lambda gy, out: _ATEN.sigmoid_backward(gy, out),
+    "relu": lambda gy, out: _ATEN.threshold_backward(gy, out, 0),
+}
+
 
 def _silu_backward(gy, z):
     # aten.silu_backward's own formula, spelled in ops autograd can differentiate again (it cannot
@@ -40,6 +49,45 @@ def _silu_backward(gy, z):
 
 
 assert set(_FORMULAS) == set(ACTIVATIONS), "a formula for every activation of the C++ library"
+
+
+def _second_derivatives():
+    # f''(z), for the second order of the per-layer nodes (its own derivative, the third order, by
+    # autograd through these ATen ops). s = sigmoid(z), φ = exp(−z²/2)/√(2π); gelu_tanh with
+    # u = k(z + c·z³), th = tanh(u): (1 − th²)·(u' + z·(u'' − 2·th·u'²)/2).
+    k, c = math.sqrt(2 / math.pi), 0.044715
+
+    def gelu_tanh(z):
+        th = torch.tanh(k * (z + c * z ** 3))
+        du, d2u = k * (1 + 3 * c * z * z), 6 * k * c * z
+        return (1 - th * th) * (du + 0.5 * z * (d2u - 2 * th * du * du))
+
+    def silu(z):
+        s = torch.sigmoid(z)
+        return s * (1 - s) * (2 + z * (1 - 2 * s))
+
+    def sigmoid(z):
+        s = torch.sigmoid(z)
+        return s * (1 - s) * (1 - 2 * s)
+
+    def softplus(z):
+        s = torch.sigmoid(z)
+        return torch.where(z > 20, torch.zeros_like(z), s * (1 - s))
+
+    return {
+        "tanh": lambda z: -2 * torch.tanh(z) * (1 - torch.tanh(z) ** 2),
+        "gelu": lambda z: torch.exp(-0.5 * z * z) * (1 / math.sqrt(2 * math.pi)) * (2 - z * z),
+        "gelu_tanh": gelu_tanh, "silu": silu, "sigmoid": sigmoid, "softplus": softplus,
+        "sin": lambda z: -torch.sin(z), "relu": torch.zeros_like,
+    }
+
+
+_SECOND = _second_derivatives()
+
+
+def second_derivative(name: str, z: Tensor) -> Tensor:
+    """f''(z), from ATen ops."""
+    return _SECOND[name](z)
 
 
 def check_activation(name, where: str) -> str:
@@ -54,9 +102,11 @@ def activate(name: str, z: Tensor) -> Tensor:
     return _FORMULAS[name][0](z)
 
 
-def activation_backward(name: str, gy: Tensor, z: Tensor) -> Tensor:
+def activation_backward(name: str, gy: Tensor, z: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """gy·f'(z), elementwise: the backward through f, and the forward-mode tangent of f(z) for a
-    tangent gy of z."""
+    tangent gy of z. ``out`` = f(z), where the caller has it: tanh, sigmoid and relu read it."""
+    if out is not None and name in _FROM_OUTPUT:
+        return _FROM_OUTPUT[name](gy, out)
     return _FORMULAS[name][1](gy, z)
 
 

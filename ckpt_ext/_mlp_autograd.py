@@ -1,11 +1,12 @@
 """Autograd of the mlp op (any activation; tanh_mlp keeps its own, ``_autograd``): it keeps x and
-the parameters only. First order: the recomputing C++ mlp_backward. With create_graph=True that
-call is recorded by a node that keeps (grad_out, x, parameters) and differentiates the composite
-below (ATen ops) when a later order reaches it; under torch.func the composite runs directly.
+the parameters only. First order: the recomputing C++ mlp_backward. With create_graph=True the
+first order is built from per-layer nodes that keep their inputs only and recompute (one layer)
+for every later order; under torch.func the composite below runs directly.
 Design: docs/design.md, "Other activations".
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional
 
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import _SingleLevelFunction
 
-from ._activations import activate, activation_backward
+from ._activations import activate, activation_backward, second_derivative
 from ._autograd import _below_autograd, _needed, _plain_autograd, _register_autograd_kernel
 from ._derivatives import _OPS, _add, _flat, _layer_biases
 
@@ -37,14 +38,16 @@ def mlp_backward_composite(grad_out, x, weights, layer_b, act, last_activation, 
     if lowest == L:
         return None, gws, gbs
     acts, zs = [x], []
-    for i in range(L - 1):
+    for i in range(L):
+        if not _applies(i, L, last_activation):
+            break
         zs.append(F.linear(acts[i], weights[i], layer_b[i]))
         acts.append(activate(act, zs[i]))
-    zs.append(F.linear(acts[L - 1], weights[L - 1], layer_b[L - 1])
-              if last_activation else None)
     grad = grad_out
     for i in reversed(range(lowest, L)):
-        g = activation_backward(act, grad, zs[i]) if _applies(i, L, last_activation) else grad
+        # the output a_{i+1} where f' reads it (tanh, sigmoid, relu), else z_i
+        g = (activation_backward(act, grad, zs[i], acts[i + 1])
+             if _applies(i, L, last_activation) else grad)
         if need_w[i]:
             gws[i] = _flat(g).t() @ _flat(acts[i])
         if need_b[i]:
@@ -106,20 +109,24 @@ class _Mlp(_SingleLevelFunction):
         need = _needed(ctx, 4 + len(params))
         need_x, need_w, need_b = need[0], need[4:4 + L], need[4 + L:]
         weights, layer_b = _split(ctx, params)
-        if not _plain_autograd():  # torch.func: the composite, which the transforms see through
+        # torch.func: the composite, which the transforms see through. relu with create_graph too:
+        # its derivative is piecewise constant, so what stock autograd keeps for the orders above
+        # is already less than what per-layer nodes keep.
+        if not _plain_autograd() or (ctx.act == "relu" and torch.is_grad_enabled()):
             gx, gw, gb = mlp_backward_composite(grad_out, x, weights, layer_b, ctx.act, ctx.last,
                                                 need_x, need_w, _layer_biases(need_b, ctx.has_bias))
             return (gx, None, None, None, *gw, *[g for g, hb in zip(gb, ctx.has_bias) if hb])
-        if torch.is_grad_enabled():  # create_graph: recorded, for the orders above
-            out = _MlpBackward.apply(grad_out, x, ctx.has_bias, ctx.act, ctx.last, need_x,
-                                     tuple(need_w), tuple(need_b), *params)
-        else:
-            out = _MlpBackward.forward(grad_out, x, ctx.has_bias, ctx.act, ctx.last, need_x,
-                                       need_w, need_b, *params)
-        it = iter(out[1:])
-        gw = [next(it) if n else None for n in need_w]
-        gb = [next(it) if n else None for n in need_b]
-        return (out[0] if need_x else None, None, None, None, *gw, *gb)
+        if torch.is_grad_enabled():  # create_graph: per-layer nodes, for the orders above
+            gx, gw, gb = _per_layer_backward(grad_out, x, weights, layer_b, ctx.act, ctx.last,
+                                             need_x, need_w, _layer_biases(need_b, ctx.has_bias))
+            return (gx, None, None, None, *gw, *[g for g, hb in zip(gb, ctx.has_bias) if hb])
+        gx, gw_asked, gb_asked = _OPS.mlp_backward.default(
+            grad_out, x, weights, params[L:], list(ctx.has_bias), ctx.act, ctx.last, need_x,
+            need_w, need_b)
+        it_w, it_b = iter(gw_asked), iter(gb_asked)
+        gw = [next(it_w) if n else None for n in need_w]
+        gb = [next(it_b) if n else None for n in need_b]
+        return (gx if need_x else None, None, None, None, *gw, *gb)
 
     @staticmethod
     def jvp(ctx, x_t, _hb, _act, _last, *param_t):
@@ -130,57 +137,136 @@ class _Mlp(_SingleLevelFunction):
                         _layer_biases(param_t[L:], ctx.has_bias))
 
 
-class _MlpBackward(_SingleLevelFunction):
-    """mlp_backward (the C++ kernel, recomputing); keeps (grad_out, x, weights, biases). Its
-    backward differentiates the composite on them. apply(grad_out, x, has_bias, activation,
-    last_activation, need_x, need_w, need_b, *params) -> (grad_x, *asked grad_W, *asked grad_b)."""
+# ---- create_graph: per-layer nodes that keep their inputs and recompute ------------------------
+
+def _layer_forward(act, a, weight, bias):
+    """(z, f(z)) of one layer."""
+    z = F.linear(a, weight, bias)
+    return z, activate(act, z)
+
+
+def _layer_forward_vjp(act, wanted, a, weight, bias, c_z, c_h):
+    """Its vjp, z recomputed: c = c_z + c_h·f'(z), then (c·W, cᵀ·a, Σ c)."""
+    z = F.linear(a, weight, bias)
+    c = c_z
+    if c_h is not None:
+        c = _add(c, activation_backward(act, c_h, z))
+    if c is None:
+        return None, None, None
+    return (c @ weight if wanted[0] else None, _flat(c).t() @ _flat(a) if wanted[1] else None,
+            _flat(c).sum(0) if wanted[2] and bias is not None else None)
+
+
+def _layer_backward(act, mask, gy, a, z, weight):
+    """(grad_a, grad_W, grad_b) of one layer from its z: g = gy·f'(z)."""
+    g = activation_backward(act, gy, z)
+    return (g @ weight if mask[0] else None, _flat(g).t() @ _flat(a) if mask[1] else None,
+            _flat(g).sum(0) if mask[2] else None)
+
+
+def _layer_backward_vjp(act, mask, wanted, gy, a, z, weight, c_ga, c_gw, c_gb):
+    """Its vjp (the second order), with c_* the cotangents of (grad_a, grad_W, grad_b):
+    dg = c_ga·Wᵀ + a·c_gWᵀ + c_gb, and (dg·f'(z), g·c_gW, dg·gy·f''(z), gᵀ·c_ga) for
+    (gy, a, z, W)."""
+    dg = None if c_ga is None else c_ga @ weight.t()
+    if c_gw is not None:
+        dg = _add(dg, a @ c_gw.t())
+    if c_gb is not None:
+        dg = _add(dg, c_gb.expand(*a.shape[:-1], weight.shape[0]))
+    need_g = (wanted[1] and c_gw is not None) or (wanted[3] and c_ga is not None)
+    g = activation_backward(act, gy, z) if need_g else None
+    d_gy = d_z = None
+    if dg is not None:
+        d_gy = activation_backward(act, dg, z) if wanted[0] else None
+        d_z = dg * gy * second_derivative(act, z) if wanted[2] else None
+    d_a = g @ c_gw if wanted[1] and c_gw is not None else None
+    d_w = _flat(g).t() @ _flat(c_ga) if wanted[3] and c_ga is not None else None
+    return d_gy, d_a, d_z, d_w
+
+
+def _per_layer_backward(grad_out, x, weights, layer_b, act, last_activation, need_x, need_w,
+                        need_b):
+    """The first-order backward of the run, recorded (create_graph) as one recomputing node per
+    layer for its forward, (z_i, a_{i+1}), and one for its backward from z_i: each keeps its
+    inputs, and every later order recomputes one layer at a time."""
+    L = len(weights)
+    need_b = [bool(n) and b is not None for n, b in zip(need_b, layer_b)]
+    lowest = 0 if need_x else min([i for i in range(L) if need_w[i] or need_b[i]], default=L)
+    gws: List[Optional[Tensor]] = [None] * L
+    gbs: List[Optional[Tensor]] = [None] * L
+    if lowest == L:
+        return None, gws, gbs
+    acts, zs = [x], []
+    for i in range(L):
+        if not _applies(i, L, last_activation):
+            break
+        z, h = _Recomputed.apply(functools.partial(_layer_forward, act),
+                                 functools.partial(_layer_forward_vjp, act), acts[i], weights[i],
+                                 layer_b[i])
+        zs.append(z)
+        acts.append(h)
+    grad = grad_out
+    for i in reversed(range(lowest, L)):
+        mask = (i > lowest or need_x, bool(need_w[i]), need_b[i])
+        if _applies(i, L, last_activation):
+            gx, gws[i], gbs[i] = _Recomputed.apply(
+                functools.partial(_layer_backward, act, mask),
+                functools.partial(_layer_backward_vjp, act, mask), grad, acts[i], zs[i],
+                weights[i])
+        else:  # a plain Linear on top
+            gx = grad @ weights[i] if mask[0] else None
+            gws[i] = _flat(grad).t() @ _flat(acts[i]) if mask[1] else None
+            gbs[i] = _flat(grad).sum(0) if mask[2] else None
+        grad = gx
+    return (grad if need_x else None), gws, gbs
+
+
+class _Recomputed(torch.autograd.Function):
+    """fn(*inputs), ATen ops, as a node that keeps its inputs only. Its backward is the vjp of fn,
+    from ``vjp(wanted, *inputs, *cotangents)`` (a formula) or else by autograd through fn
+    recomputed, and is recorded as another such node when a graph is built (create_graph): the
+    memory of checkpointing one layer at every order."""
 
     @staticmethod
-    def forward(grad_out, x, has_bias, act, last_activation, need_x, need_w, need_b, *params):
-        L = len(has_bias)
-        gx, gw, gb = _below_autograd(_OPS.mlp_backward.default, grad_out, x, params[:L],
-                                     params[L:], list(has_bias), act, last_activation, need_x,
-                                     list(need_w), list(need_b))
-        return (gx, *gw, *gb)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        grad_out, x, has_bias, act, last_activation, need_x, need_w, need_b, *params = inputs
-        ctx.save_for_backward(grad_out, x, *params)
-        ctx.has_bias, ctx.act, ctx.last = tuple(has_bias), act, bool(last_activation)
-        ctx.need_x, ctx.need_w, ctx.need_b = bool(need_x), tuple(need_w), tuple(need_b)
+    def forward(ctx, fn, vjp, *inputs):
+        ctx.fn, ctx.vjp = fn, vjp
+        ctx.save_for_backward(*inputs)
         ctx.set_materialize_grads(False)
+        return tuple(fn(*inputs))
 
     @staticmethod
     def backward(ctx, *cotangents):
-        saved = list(ctx.saved_tensors)
-        need = _needed(ctx, 8 + len(saved) - 2)
-        wanted = [need[0], need[1], *need[8:]]  # grad_out, x, *params
-        pairs = [(o, c) for o, c in zip(range(len(cotangents)), cotangents) if c is not None]
-        if not pairs or not any(wanted):
-            return (None,) * (8 + len(saved) - 2)
-        create = torch.is_grad_enabled()
-        # With create_graph the saved tensors themselves (so the result is differentiable in
-        # them); else detached copies of the ones whose gradient is wanted.
-        inputs = [t if (create and t.requires_grad) else t.detach().requires_grad_(w)
-                  for t, w in zip(saved, wanted)]
-        with torch.enable_grad():
-            grad_out, x, *params = inputs
-            weights, layer_b = _split(ctx, params)
-            gx, gw, gb = mlp_backward_composite(grad_out, x, weights, layer_b, ctx.act, ctx.last,
-                                                ctx.need_x, list(ctx.need_w),
-                                                _layer_biases(list(ctx.need_b), ctx.has_bias))
-            outs = [gx] + [g for g, n in zip(gw, ctx.need_w) if n]
-            outs += [g for g, n in zip(gb, _layer_biases(list(ctx.need_b), ctx.has_bias))
-                     if n and g is not None]
-            used = [(outs[o], c) for o, c in pairs if outs[o] is not None and outs[o].requires_grad]
-            targets = [t for t, w in zip(inputs, wanted) if w]
-            grads = torch.autograd.grad([u for u, _ in used], targets, [c for _, c in used],
-                                        create_graph=create, allow_unused=True) if used else \
-                [None] * len(targets)
-        it = iter(grads)
-        res = [next(it) if w else None for w in wanted]
-        return (res[0], res[1], None, None, None, None, None, None, *res[2:])
+        inputs = ctx.saved_tensors
+        wanted = tuple(bool(w) for w in ctx.needs_input_grad[2:])
+        if all(c is None for c in cotangents) or not any(wanted):
+            return (None,) * (2 + len(inputs))
+        if ctx.vjp is not None:
+            fn = functools.partial(ctx.vjp, wanted)
+        else:
+            fn = functools.partial(_vjp, ctx.fn, len(inputs), wanted)
+        if torch.is_grad_enabled():
+            return (None, None, *_Recomputed.apply(fn, None, *inputs, *cotangents))
+        return (None, None, *fn(*inputs, *cotangents))
+
+
+def _vjp(fn, n_inputs, wanted, *tensors):
+    """The gradient of <fn(*inputs), cotangents> w.r.t. each input where ``wanted`` (else None),
+    fn recomputed. In grad mode (a caller differentiating this) the inputs that require grad are
+    used as they are, so the result is differentiable in them."""
+    inputs, cotangents = tensors[:n_inputs], tensors[n_inputs:]
+    create = torch.is_grad_enabled()
+    with torch.enable_grad():
+        ins = [t if (t is None or (create and t.requires_grad))
+               else t.detach().requires_grad_(w) for t, w in zip(inputs, wanted)]
+        outs = fn(*ins)
+        pairs = [(o, c) for o, c in zip(outs, cotangents)
+                 if c is not None and o is not None and o.requires_grad]
+        targets = [t for t, w in zip(ins, wanted) if w]
+        grads = (torch.autograd.grad([o for o, _ in pairs], targets, [c for _, c in pairs],
+                                     create_graph=create, allow_unused=True)
+                 if pairs else [None] * len(targets))
+    it = iter(grads)
+    return tuple(next(it) if w else None for w in wanted)
 
 
 def _apply_mlp(x, weights, biases, has_bias, act, last_activation):
