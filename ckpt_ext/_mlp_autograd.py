@@ -30,6 +30,16 @@ def mlp_backward_composite(grad_out, x, weights, layer_b, act, last_activation, 
     """(grad_x?, [grad_W_i?], [grad_b_i?] per layer) of the run, recomputed with ATen ops:
     z_i = a_i·W_iᵀ + b_i, a_{i+1} = f(z_i); from the top, g_i = gy_i·f'(z_i) (gy_i itself above a
     top layer without activation), grad_W_i = g_iᵀ·a_i, grad_b_i = Σ g_i, gy_{i−1} = g_i·W_i."""
+    return _walk(grad_out, x, weights, layer_b, last_activation, need_x, need_w, need_b,
+                 functools.partial(_layer_forward, act),
+                 lambda mask, gy, a, z, out, w: _layer_backward(act, mask, gy, a, z, w, out))
+
+
+def _walk(grad_out, x, weights, layer_b, last_activation, need_x, need_w, need_b, forward,
+          backward):
+    """The run's first-order backward from per-layer steps: ``forward(a, W, b) -> (z, f(z))`` for
+    every layer with an activation, then from the top ``backward(mask, gy, a, z, f(z), W) ->
+    (grad_a, grad_W, grad_b)``, each asked by mask; a top layer without one is a plain Linear."""
     L = len(weights)
     need_b = [bool(n) and b is not None for n, b in zip(need_b, layer_b)]
     lowest = 0 if need_x else min([i for i in range(L) if need_w[i] or need_b[i]], default=L)
@@ -41,18 +51,19 @@ def mlp_backward_composite(grad_out, x, weights, layer_b, act, last_activation, 
     for i in range(L):
         if not _applies(i, L, last_activation):
             break
-        zs.append(F.linear(acts[i], weights[i], layer_b[i]))
-        acts.append(activate(act, zs[i]))
+        z, h = forward(acts[i], weights[i], layer_b[i])
+        zs.append(z)
+        acts.append(h)
     grad = grad_out
     for i in reversed(range(lowest, L)):
-        # the output a_{i+1} where f' reads it (tanh, sigmoid, relu), else z_i
-        g = (activation_backward(act, grad, zs[i], acts[i + 1])
-             if _applies(i, L, last_activation) else grad)
-        if need_w[i]:
-            gws[i] = _flat(g).t() @ _flat(acts[i])
-        if need_b[i]:
-            gbs[i] = _flat(g).sum(0)
-        grad = g @ weights[i] if (i > lowest or need_x) else None
+        mask = (i > lowest or need_x, bool(need_w[i]), need_b[i])
+        if _applies(i, L, last_activation):
+            gx, gws[i], gbs[i] = backward(mask, grad, acts[i], zs[i], acts[i + 1], weights[i])
+        else:
+            gx = grad @ weights[i] if mask[0] else None
+            gws[i] = _flat(grad).t() @ _flat(acts[i]) if mask[1] else None
+            gbs[i] = _flat(grad).sum(0) if mask[2] else None
+        grad = gx
     return (grad if need_x else None), gws, gbs
 
 
@@ -157,9 +168,10 @@ def _layer_forward_vjp(act, wanted, a, weight, bias, c_z, c_h):
             _flat(c).sum(0) if wanted[2] and bias is not None else None)
 
 
-def _layer_backward(act, mask, gy, a, z, weight):
-    """(grad_a, grad_W, grad_b) of one layer from its z: g = gy·f'(z)."""
-    g = activation_backward(act, gy, z)
+def _layer_backward(act, mask, gy, a, z, weight, out=None):
+    """(grad_a, grad_W, grad_b) of one layer: g = gy·f'(z) (from out = f(z) where PyTorch's
+    derivative reads the output)."""
+    g = activation_backward(act, gy, z, out)
     return (g @ weight if mask[0] else None, _flat(g).t() @ _flat(a) if mask[1] else None,
             _flat(g).sum(0) if mask[2] else None)
 
@@ -189,36 +201,16 @@ def _per_layer_backward(grad_out, x, weights, layer_b, act, last_activation, nee
     """The first-order backward of the run, recorded (create_graph) as one recomputing node per
     layer for its forward, (z_i, a_{i+1}), and one for its backward from z_i: each keeps its
     inputs, and every later order recomputes one layer at a time."""
-    L = len(weights)
-    need_b = [bool(n) and b is not None for n, b in zip(need_b, layer_b)]
-    lowest = 0 if need_x else min([i for i in range(L) if need_w[i] or need_b[i]], default=L)
-    gws: List[Optional[Tensor]] = [None] * L
-    gbs: List[Optional[Tensor]] = [None] * L
-    if lowest == L:
-        return None, gws, gbs
-    acts, zs = [x], []
-    for i in range(L):
-        if not _applies(i, L, last_activation):
-            break
-        z, h = _Recomputed.apply(functools.partial(_layer_forward, act),
-                                 functools.partial(_layer_forward_vjp, act), acts[i], weights[i],
-                                 layer_b[i])
-        zs.append(z)
-        acts.append(h)
-    grad = grad_out
-    for i in reversed(range(lowest, L)):
-        mask = (i > lowest or need_x, bool(need_w[i]), need_b[i])
-        if _applies(i, L, last_activation):
-            gx, gws[i], gbs[i] = _Recomputed.apply(
-                functools.partial(_layer_backward, act, mask),
-                functools.partial(_layer_backward_vjp, act, mask), grad, acts[i], zs[i],
-                weights[i])
-        else:  # a plain Linear on top
-            gx = grad @ weights[i] if mask[0] else None
-            gws[i] = _flat(grad).t() @ _flat(acts[i]) if mask[1] else None
-            gbs[i] = _flat(grad).sum(0) if mask[2] else None
-        grad = gx
-    return (grad if need_x else None), gws, gbs
+    def forward(a, w, b):
+        return _Recomputed.apply(functools.partial(_layer_forward, act),
+                                 functools.partial(_layer_forward_vjp, act), a, w, b)
+
+    def backward(mask, gy, a, z, out, w):
+        return _Recomputed.apply(functools.partial(_layer_backward, act, mask),
+                                 functools.partial(_layer_backward_vjp, act, mask), gy, a, z, w)
+
+    return _walk(grad_out, x, weights, layer_b, last_activation, need_x, need_w, need_b, forward,
+                 backward)
 
 
 class _Recomputed(torch.autograd.Function):

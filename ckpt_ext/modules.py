@@ -73,7 +73,48 @@ def _has_hooks(m: nn.Module) -> bool:
                 or getattr(m, "_backward_pre_hooks", None))
 
 
-class FusedTanhMLP(nn.Module):
+class _LinearRun(nn.Module):
+    """What FusedTanhMLP and FusedMLP share: their Linear layers, registered under their
+    ``nn.Sequential`` indices (or a source run's names), made or adopted."""
+
+    _layer_names: Tuple[str, ...]
+
+    def _make_layers(self, where: str, sizes: Sequence[int], bias, device, dtype) -> None:
+        sizes = [int(s) for s in sizes]
+        if len(sizes) < 2:
+            raise ValueError(f"{where}: sizes must hold at least 2 entries (in_features, "
+                             f"out_features), got {sizes}")
+        self._layer_names = tuple(str(2 * i) for i in range(len(sizes) - 1))
+        # In layer order: the same RNG draws as the nn.Sequential (activations draw nothing).
+        for name, k, n in zip(self._layer_names, sizes[:-1], sizes[1:]):
+            self.add_module(name, nn.Linear(k, n, bias=bias, device=device, dtype=dtype))
+
+    @classmethod
+    def _adopt(cls, modules, where: str, activation: Optional[str]):
+        """(a new instance sharing the Linears of run ``modules``, its (name, module) list);
+        ValueError naming the problem when ``modules`` is not such a run (run_problem)."""
+        named = _named(modules)
+        problem = run_problem([m for _, m in named], activation=activation)
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._layer_names = tuple(name for name, m in named if type(m) is nn.Linear)
+        for name, m in named:
+            if type(m) is nn.Linear:
+                self.add_module(name, m)
+        return self, named
+
+    def layers(self) -> List[nn.Linear]:
+        return [self._modules[name] for name in self._layer_names]
+
+    @property
+    def sizes(self) -> List[int]:
+        layers = self.layers()
+        return [layers[0].in_features] + [lin.out_features for lin in layers]
+
+
+class FusedTanhMLP(_LinearRun):
     """``nn.Sequential(Linear(s0, s1), Tanh(), Linear(s1, s2), Tanh(), ..., Linear(s_{L-1}, s_L))``
     (and a final ``Tanh()`` when ``last_tanh``) as one module whose autograd keeps only its input.
 
@@ -92,15 +133,8 @@ class FusedTanhMLP(nn.Module):
     def __init__(self, sizes: Sequence[int], bias: bool = True, last_tanh: bool = True,
                  device=None, dtype=None) -> None:
         super().__init__()
-        sizes = [int(s) for s in sizes]
-        if len(sizes) < 2:
-            raise ValueError(f"FusedTanhMLP: sizes must hold at least 2 entries (in_features, "
-                             f"out_features), got {sizes}")
         self.last_tanh = bool(last_tanh)
-        self._layer_names: Tuple[str, ...] = tuple(str(2 * i) for i in range(len(sizes) - 1))
-        # In layer order: the same RNG draws as the nn.Sequential (Tanh draws nothing).
-        for name, k, n in zip(self._layer_names, sizes[:-1], sizes[1:]):
-            self.add_module(name, nn.Linear(k, n, bias=bias, device=device, dtype=dtype))
+        self._make_layers("FusedTanhMLP", sizes, bias, device, dtype)
 
     @classmethod
     def from_modules(cls, modules: Union[Sequence[nn.Module], Mapping[str, nn.Module],
@@ -109,26 +143,9 @@ class FusedTanhMLP(nn.Module):
         sharing (not copying) the Linear modules and so their parameters: an optimizer built over
         them keeps training them. A sequence (or ``nn.Sequential``) registers the Linears under
         their indices, a mapping under its keys, so ``state_dict`` keys are those of the source."""
-        named = _named(modules)
-        problem = run_problem([m for _, m in named])
-        if problem is not None:
-            raise ValueError(f"FusedTanhMLP.from_modules: {problem}")
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self.last_tanh = type(named[-1][1]) is nn.Tanh
-        self._layer_names = tuple(name for name, m in named if type(m) is nn.Linear)
-        for name, m in named:
-            if type(m) is nn.Linear:
-                self.add_module(name, m)
+        self, named = cls._adopt(modules, "FusedTanhMLP.from_modules", "tanh")
+        self.last_tanh = type(named[-1][1]) is not nn.Linear
         return self
-
-    def layers(self) -> List[nn.Linear]:
-        return [self._modules[name] for name in self._layer_names]
-
-    @property
-    def sizes(self) -> List[int]:
-        layers = self.layers()
-        return [layers[0].in_features] + [lin.out_features for lin in layers]
 
     def forward(self, x: Tensor) -> Tensor:
         weights, biases = _layer_params(self)
@@ -171,7 +188,7 @@ def _named(modules) -> List[Tuple[str, nn.Module]]:
     return [(str(i), m) for i, m in enumerate(modules)]
 
 
-class FusedMLP(nn.Module):
+class FusedMLP(_LinearRun):
     """``nn.Sequential(Linear(s0, s1), Act(), Linear(s1, s2), Act(), ..., Linear(s_{L-1}, s_L))``
     (and a final ``Act()`` when ``last_activation``) as one module whose autograd keeps only its
     input, for any ``activation`` of ``ckpt_ext.ACTIVATIONS`` (:func:`ckpt_ext.mlp`).
@@ -183,42 +200,19 @@ class FusedMLP(nn.Module):
     def __init__(self, sizes: Sequence[int], activation: str = "tanh", bias: bool = True,
                  last_activation: bool = True, device=None, dtype=None) -> None:
         super().__init__()
-        sizes = [int(s) for s in sizes]
-        if len(sizes) < 2:
-            raise ValueError(f"FusedMLP: sizes must hold at least 2 entries (in_features, "
-                             f"out_features), got {sizes}")
         self.activation = check_activation(activation, "FusedMLP")
         self.last_activation = bool(last_activation)
-        self._layer_names: Tuple[str, ...] = tuple(str(2 * i) for i in range(len(sizes) - 1))
-        for name, k, n in zip(self._layer_names, sizes[:-1], sizes[1:]):
-            self.add_module(name, nn.Linear(k, n, bias=bias, device=device, dtype=dtype))
+        self._make_layers("FusedMLP", sizes, bias, device, dtype)
 
     @classmethod
     def from_modules(cls, modules: Union[Sequence[nn.Module], Mapping[str, nn.Module],
                                          nn.Sequential]) -> "FusedMLP":
         """A FusedMLP over an existing run ``Linear, Act, Linear, ..., Linear[, Act]`` (one
         activation module class throughout, see :func:`run_problem`), sharing its Linears."""
-        named = _named(modules)
-        problem = run_problem([m for _, m in named], activation=None)
-        if problem is not None:
-            raise ValueError(f"FusedMLP.from_modules: {problem}")
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
+        self, named = cls._adopt(modules, "FusedMLP.from_modules", None)
         self.activation = module_activation(named[1][1]) if len(named) > 1 else "tanh"
         self.last_activation = type(named[-1][1]) is not nn.Linear
-        self._layer_names = tuple(name for name, m in named if type(m) is nn.Linear)
-        for name, m in named:
-            if type(m) is nn.Linear:
-                self.add_module(name, m)
         return self
-
-    def layers(self) -> List[nn.Linear]:
-        return [self._modules[name] for name in self._layer_names]
-
-    @property
-    def sizes(self) -> List[int]:
-        layers = self.layers()
-        return [layers[0].in_features] + [lin.out_features for lin in layers]
 
     def to_sequential(self) -> nn.Sequential:
         """The equivalent nn.Sequential over the same Linears (sin, which has no nn module,
