@@ -1,9 +1,8 @@
 """The derivative formulas of linear_tanh and tanh_mlp, each written once, from ATen ops and the
 ckpt_ext ops so autograd can differentiate them again (the notation of docs/design.md).
 
-Rows are flattened to (M, ·); the batched formulas (``_batched_*``) take (B, M, ·) rows and (B, ·)
-parameters, for the vmap rules. ``_autograd`` and ``_higher_order`` record the ops whose backward
-or jvp these are; ``_vmap`` computes batched ops from them.
+Rows are flattened to (M, ·). ``_autograd`` and ``_higher_order`` record the ops whose backward or
+jvp these are; the vmap rules (``_vmap``) call the ops themselves.
 """
 from __future__ import annotations
 
@@ -35,17 +34,16 @@ def _add(a: Optional[Tensor], b: Optional[Tensor]) -> Optional[Tensor]:
 
 def _grad_of_g(ggx2: Optional[Tensor], ggw: Optional[Tensor], ggb: Optional[Tensor], x2: Tensor,
                weight: Tensor) -> Optional[Tensor]:
-    """dg, the gradient reaching g = grad_out·(1 − t²) from the first-order results' gradients
-    (ggx, ggW, ggb): ggx·Wᵀ (through grad_x = g·W), x·ggWᵀ (through grad_W = gᵀ·x), ggb on every
-    row (through grad_b = Σ g). None when none of them is given. Rows (M, ·) and parameters, or
-    batched: (B, M, ·) rows and (B, ·) parameters."""
+    """dg (M, N), the gradient reaching g = grad_out·(1 − t²) from the first-order results'
+    gradients (ggx, ggW, ggb): ggx·Wᵀ (through grad_x = g·W), x·ggWᵀ (through grad_W = gᵀ·x), ggb
+    on every row (through grad_b = Σ g). None when none of them is given."""
     dg = None
     if ggx2 is not None:
-        dg = ggx2 @ weight.transpose(-1, -2)
+        dg = ggx2 @ weight.t()
     if ggw is not None:
-        dg = _add(dg, x2 @ ggw.transpose(-1, -2))
+        dg = _add(dg, x2 @ ggw.t())
     if ggb is not None:
-        dg = _add(dg, ggb.unsqueeze(-2).expand(*x2.shape[:-1], weight.shape[-2]))
+        dg = _add(dg, ggb.expand(x2.shape[0], weight.shape[0]))
     return dg
 
 
@@ -381,60 +379,3 @@ def linear_tanh_double_backward(grad_grad_x: Optional[Tensor], grad_grad_weight:
     Differentiable to any order."""
     return _OPS.linear_tanh_double_backward.default(grad_grad_x, grad_grad_weight, grad_grad_bias,
                                                     grad_out, x, weight, bias, list(output_mask))
-
-
-# ---- batched, for the vmap rules -----------------------------------------------------------------
-
-def _batched_tanh(x3: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    z = x3 @ w.transpose(-1, -2)
-    return torch.tanh(z if b is None else z + b.unsqueeze(1))
-
-
-def _batched_backward_from_output(gy3, x3, t3, w, has_bias: bool, mask):
-    """linear_tanh_backward_from_output on (B, R, ·) rows and (B, ·) parameters: g = gy·(1 − t²),
-    (g·W, gᵀ·x, Σ g), each where ``mask`` asks (Σ g only with a bias)."""
-    g = gy3 * (1 - t3 * t3)
-    return (g @ w if mask[0] else None,
-            g.transpose(-1, -2) @ x3 if mask[1] else None,
-            g.sum(1) if mask[2] and has_bias else None)
-
-
-def _batched_backward(gy3, x3, w, b, mask):
-    """linear_tanh_backward on (B, R, ·) rows and (B, ·) parameters: the output-based formula
-    with t recomputed."""
-    return _batched_backward_from_output(gy3, x3, _batched_tanh(x3, w, b), w, b is not None, mask)
-
-
-def _batched_from_output_backward(ggx3, ggw, ggb, gy3, x3, t3, w, mask):
-    """linear_tanh_backward_from_output_backward on (B, R, ·) rows and (B, ·) parameters:
-    s = 1 − t², g = gy·s, dg = ggx·Wᵀ + x·ggWᵀ + ggb, and the results
-    (dg·s, g·ggW, −2·dg·gy·t, gᵀ·ggx) where ``mask`` asks (zeros where a term's input is absent)."""
-    s = 1 - t3 * t3
-    g = gy3 * s
-    dg = _grad_of_g(ggx3, ggw, ggb, x3, w)
-    if dg is None:
-        dg = torch.zeros_like(t3)
-    return (dg * s if mask[0] else None,
-            (g @ ggw if ggw is not None else torch.zeros_like(x3)) if mask[1] else None,
-            -2 * dg * gy3 * t3 if mask[2] else None,
-            (g.transpose(-1, -2) @ ggx3 if ggx3 is not None else torch.zeros_like(w))
-            if mask[3] else None)
-
-
-def _batched_double_backward(ggx3, ggw, ggb, gy3, x3, w, b, mask):
-    """linear_tanh_double_backward on (B, R, ·) rows and (B, ·) parameters: the output-based
-    formula with t = tanh(x·Wᵀ + b) recomputed, and its gradient w.r.t. t carried on through
-    dt/dz = s: dz = grad_t·s, grad_x = dz·W + g·ggW, grad_W = dzᵀ·x + gᵀ·ggx, grad_b = Σ dz."""
-    t = _batched_tanh(x3, w, b)
-    want_db = mask[3] and b is not None
-    want_dz = mask[1] or mask[2] or want_db
-    out_gy, gx_explicit, grad_t, gw_explicit = _batched_from_output_backward(
-        ggx3, ggw, ggb if b is not None else None, gy3, x3, t, w,
-        (mask[0], mask[1], want_dz, mask[2]))
-    if not want_dz:
-        return out_gy, None, None, None
-    dz = grad_t * (1 - t * t)
-    return (out_gy,
-            dz @ w + gx_explicit if mask[1] else None,
-            dz.transpose(-1, -2) @ x3 + gw_explicit if mask[2] else None,
-            dz.sum(1) if want_db else None)

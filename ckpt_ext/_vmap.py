@@ -2,26 +2,23 @@
 hessian). A rule gets the tensors without their batch dimension and ``in_dims`` saying where it was
 (None: unbatched).
 
-Fast path: when only the row tensors (x, grad_out, grad_grad_x) are batched and only row results
-(y, grad_x, grad_grad_out) are asked for, the batch is folded into the rows and the op runs once,
-recomputing as usual. Otherwise (batched weights: model ensembles, tangents of jacfwd/hessian
-w.r.t. the weights; or per-sample weight gradients) the one-layer ops are computed from the batched
-formulas of ``_derivatives``, and the stack ops loop over the batch. torch.vmap cannot be called
-inside a rule (functorch asserts), hence the explicit batch dimension.
+Every rule calls the ops themselves, so each derivative formula is the op's own. With unbatched
+parameters the batch is folded into the rows and the op runs once, unless a result that sums over
+rows (a weight or bias gradient) is asked: it differs per sample, so the op runs once per sample
+(batched weights: model ensembles, tangents of jacfwd/hessian w.r.t. the weights; per-sample weight
+gradients), and the results are stacked. torch.vmap cannot be called inside a rule (functorch
+asserts), hence the loop.
 """
 from __future__ import annotations
 
 import functools
-
-import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ._derivatives import (_OPS, _batched_backward, _batched_backward_from_output,
-                           _batched_double_backward, _batched_from_output_backward, _batched_tanh,
-                           linear_tanh_backward, linear_tanh_double_backward)
+from ._derivatives import _OPS
+
 
 def _bdim_first(t: Optional[Tensor], bdim: Optional[int], batch: int) -> Optional[Tensor]:
     """t with its batch dimension first; an unbatched t expanded to the batch (a view)."""
@@ -30,85 +27,41 @@ def _bdim_first(t: Optional[Tensor], bdim: Optional[int], batch: int) -> Optiona
     return t.movedim(bdim, 0) if bdim is not None else t.expand(batch, *t.shape)
 
 
-def _batched_rows(t: Optional[Tensor]) -> Optional[Tensor]:
-    """(B, ..., C) as (B, rows, C)."""
-    return None if t is None else t.reshape(t.shape[0], math.prod(t.shape[1:-1]), t.shape[-1])
-
-
-def _unrows(t: Optional[Tensor], like_shape) -> Optional[Tensor]:
-    """(B, R, C) back to (B, *like_shape[:-1], C)."""
-    return None if t is None else t.reshape(t.shape[0], *like_shape[:-1], t.shape[-1])
-
-
-@torch.library.register_vmap("ckpt_ext::linear_tanh")
-def _linear_tanh_vmap(info, in_dims, x, weight, bias):
-    bx, bw, bb = in_dims
-    if bw is None and bb is None:
-        return _OPS.linear_tanh.default(x.movedim(bx, 0), weight, bias), 0
+def _one_layer_vmap(op, params: Sequence[int], sums: Sequence[int], info, in_dims, *args):
+    """A one-layer op under vmap. ``params``: the positions of the parameter-shaped arguments
+    (weight, bias, grad_grad_weight, ...); the others are rows (..., C), or the output mask last.
+    ``sums``: the positions of the results that sum over rows (each asked where the mask says)."""
     B = info.batch_size
-    x, weight, bias = (_bdim_first(t, d, B) for t, d in zip((x, weight, bias), in_dims))
-    return _unrows(_batched_tanh(_batched_rows(x), weight, bias), x.shape[1:]), 0
+    mask = args[-1] if sums else ()
+    if all(in_dims[i] is None for i in params) and not any(mask[j] for j in sums):
+        # The op takes any leading row dimensions: (B, ..., C) is B times the rows.
+        folded = [a if i in params or not isinstance(a, Tensor) else _bdim_first(a, d, B)
+                  for i, (a, d) in enumerate(zip(args, in_dims))]
+        r = op(*folded)
+    else:
+        per = [op(*_slices(args, in_dims, i)) for i in range(B)]
+        if isinstance(per[0], Tensor):
+            r = torch.stack(per)
+        else:
+            r = tuple(None if v is None else torch.stack([p[j] for p in per])
+                      for j, v in enumerate(per[0]))
+    if isinstance(r, Tensor):
+        return r, 0
+    return tuple(r), tuple(None if v is None else 0 for v in r)
 
 
-@torch.library.register_vmap("ckpt_ext::linear_tanh_backward")
-def _linear_tanh_backward_vmap(info, in_dims, grad_out, x, weight, bias, output_mask):
-    bgy, bx, bw, bb, _ = in_dims
-    B = info.batch_size
-    grad_out, x = _bdim_first(grad_out, bgy, B), _bdim_first(x, bx, B)
-    mask = [bool(m) for m in output_mask]
-    if bw is None and bb is None and not mask[1] and not mask[2]:
-        gx = linear_tanh_backward(grad_out, x, weight, bias, mask)[0]
-        return (gx, None, None), (0 if mask[0] else None, None, None)
-    weight, bias = _bdim_first(weight, bw, B), _bdim_first(bias, bb, B)
-    gx, gw, gb = _batched_backward(_batched_rows(grad_out), _batched_rows(x), weight, bias, mask)
-    return (_unrows(gx, x.shape[1:]), gw, gb), tuple(None if r is None else 0 for r in (gx, gw, gb))
-
-
-@torch.library.register_vmap("ckpt_ext::linear_tanh_double_backward")
-def _linear_tanh_double_backward_vmap(info, in_dims, ggx, ggw, ggb, grad_out, x, weight, bias,
-                                      output_mask):
-    b_ggx, b_ggw, b_ggb, bgy, bx, bw, bb, _ = in_dims
-    B = info.batch_size
-    ggx, grad_out, x = (_bdim_first(t, d, B) for t, d in ((ggx, b_ggx), (grad_out, bgy), (x, bx)))
-    mask = [bool(m) for m in output_mask]
-    if all(d is None for d in (b_ggw, b_ggb, bw, bb)) and not mask[2] and not mask[3]:
-        r = linear_tanh_double_backward(ggx, ggw, ggb, grad_out, x, weight, bias, mask)
-        return (r[0], r[1], None, None), (0 if mask[0] else None, 0 if mask[1] else None, None,
-                                          None)
-    ggw, ggb, weight, bias = (_bdim_first(t, d, B)
-                              for t, d in ((ggw, b_ggw), (ggb, b_ggb), (weight, bw), (bias, bb)))
-    r = _batched_double_backward(_batched_rows(ggx), ggw, ggb, _batched_rows(grad_out),
-                                 _batched_rows(x), weight, bias, mask)
-    r = (_unrows(r[0], grad_out.shape[1:]), _unrows(r[1], x.shape[1:]), r[2], r[3])
-    return r, tuple(None if t is None else 0 for t in r)
-
-
-# The output-based ops serve create_graph=True in plain autograd (torch.func uses the recomputing
-# ones); their rules are the batched formulas, for completeness.
-@torch.library.register_vmap("ckpt_ext::linear_tanh_backward_from_output")
-def _linear_tanh_backward_from_output_vmap(info, in_dims, grad_out, x, output, weight, bias,
-                                           output_mask):
-    B = info.batch_size
-    grad_out, x, output, weight, bias = (_bdim_first(t, d, B) for t, d in
-                                         zip((grad_out, x, output, weight, bias), in_dims))
-    x3 = _batched_rows(x)
-    gx, gw, gb = _batched_backward_from_output(_batched_rows(grad_out), x3, _batched_rows(output),
-                                               weight, bias is not None, output_mask)
-    r = (_unrows(gx, x.shape[1:]), gw, gb)
-    return r, tuple(None if v is None else 0 for v in r)
-
-
-@torch.library.register_vmap("ckpt_ext::linear_tanh_backward_from_output_backward")
-def _linear_tanh_backward_from_output_backward_vmap(info, in_dims, ggx, ggw, ggb, grad_out, x,
-                                                    output, weight, output_mask):
-    B = info.batch_size
-    ggx, ggw, ggb, grad_out, x, output, weight = (
-        _bdim_first(t, d, B) for t, d in zip((ggx, ggw, ggb, grad_out, x, output, weight), in_dims))
-    r = _batched_from_output_backward(_batched_rows(ggx), ggw, ggb, _batched_rows(grad_out),
-                                      _batched_rows(x), _batched_rows(output), weight, output_mask)
-    r = (_unrows(r[0], grad_out.shape[1:]), _unrows(r[1], x.shape[1:]),
-         _unrows(r[2], output.shape[1:]), r[3])
-    return r, tuple(None if v is None else 0 for v in r)
+# (op, parameter-shaped arguments, results summed over rows)
+_ONE_LAYER = {
+    "linear_tanh": ((1, 2), ()),
+    "linear_tanh_backward": ((2, 3), (1, 2)),
+    "linear_tanh_double_backward": ((1, 2, 5, 6), (2, 3)),
+    "linear_tanh_backward_from_output": ((3, 4), (1, 2)),
+    "linear_tanh_backward_from_output_backward": ((1, 2, 6), (3,)),
+}
+for _name, (_params, _sums) in _ONE_LAYER.items():
+    torch.library.register_vmap(
+        f"ckpt_ext::{_name}",
+        functools.partial(_one_layer_vmap, getattr(_OPS, _name).default, _params, _sums))
 
 
 def _slices(args, dims, i):
