@@ -73,12 +73,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_meta(
 
 // The registered kernels take bool[] as c10::List<bool> (what the dispatcher passes); the engine
 // and the checks read std::vector<bool>.
-at::Tensor tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                    const c10::List<bool>& has_bias_list, bool last_tanh) {
+// tanh_mlp and mlp: the checks, then the engine, with the op's activation.
+at::Tensor run_forward(const char* op, const at::Tensor& x, at::TensorList weights,
+                       at::TensorList biases, const c10::List<bool>& has_bias_list, bool last,
+                       Activation act) {
   const std::vector<bool> has_bias = has_bias_list.vec();
-  check_tanh_mlp_inputs("tanh_mlp", x, weights, biases, has_bias);
+  check_tanh_mlp_inputs(op, x, weights, biases, has_bias);
   const c10::OptionalDeviceGuard guard(at::device_of(x));
-  return stack_forward(x, weights, biases, has_bias, last_tanh);
+  return stack_forward(x, weights, biases, has_bias, last, act);
+}
+
+at::Tensor tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                    const c10::List<bool>& has_bias, bool last_tanh) {
+  return run_forward("tanh_mlp", x, weights, biases, has_bias, last_tanh, Activation::kTanh);
 }
 
 // Only the gradients asked for, in order (the schema's compact lists).
@@ -90,21 +97,33 @@ std::vector<at::Tensor> asked(std::vector<at::Tensor>&& grads, const std::vector
   return out;
 }
 
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> tanh_mlp_backward(
-    const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
-    at::TensorList biases, const c10::List<bool>& has_bias_list, bool last_tanh, bool need_x,
-    const c10::List<bool>& need_weights_list, const c10::List<bool>& need_biases_list) {
-  constexpr const char* op = "tanh_mlp_backward";
+using StackBackwardResult =
+    std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>;
+
+StackBackwardResult run_backward(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
+                                 at::TensorList weights, at::TensorList biases,
+                                 const c10::List<bool>& has_bias_list, bool last, bool need_x,
+                                 const c10::List<bool>& need_weights_list,
+                                 const c10::List<bool>& need_biases_list, Activation act) {
   const std::vector<bool> has_bias = has_bias_list.vec(), need_weights = need_weights_list.vec(),
                           need_biases = need_biases_list.vec();
   check_tanh_mlp_inputs(op, x, weights, biases, has_bias);
   check_tanh_mlp_masks(op, weights, biases, need_weights, need_biases);
   check_grad_out(op, grad_out, x, weights.back().sym_size(0));
   const c10::OptionalDeviceGuard guard(at::device_of(x));
-  StackGrads g = stack_backward(grad_out, x, weights, biases, has_bias, last_tanh, need_x,
-                                need_weights, need_biases);
+  StackGrads g = stack_backward(grad_out, x, weights, biases, has_bias, last, need_x,
+                                need_weights, need_biases, act);
   return {g.grad_x, asked(std::move(g.grad_weights), need_weights),
           asked(std::move(g.grad_biases), need_biases)};
+}
+
+StackBackwardResult tanh_mlp_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                      at::TensorList weights, at::TensorList biases,
+                                      const c10::List<bool>& has_bias, bool last_tanh, bool need_x,
+                                      const c10::List<bool>& need_weights,
+                                      const c10::List<bool>& need_biases) {
+  return run_backward("tanh_mlp_backward", grad_out, x, weights, biases, has_bias, last_tanh,
+                      need_x, need_weights, need_biases, Activation::kTanh);
 }
 
 at::Tensor tanh_mlp_meta(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
@@ -137,32 +156,21 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> tanh_ml
 
 // mlp and mlp_backward: tanh_mlp's with the activation named (checked before anything runs).
 at::Tensor mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-               const c10::List<bool>& has_bias_list, c10::string_view activation,
+               const c10::List<bool>& has_bias, c10::string_view activation,
                bool last_activation) {
-  const Activation act = parse_activation("mlp", activation);
-  const std::vector<bool> has_bias = has_bias_list.vec();
-  check_tanh_mlp_inputs("mlp", x, weights, biases, has_bias);
-  const c10::OptionalDeviceGuard guard(at::device_of(x));
-  return stack_forward(x, weights, biases, has_bias, last_activation, act);
+  return run_forward("mlp", x, weights, biases, has_bias, last_activation,
+                     parse_activation("mlp", activation));
 }
 
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> mlp_backward(
-    const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
-    at::TensorList biases, const c10::List<bool>& has_bias_list, c10::string_view activation,
-    bool last_activation, bool need_x, const c10::List<bool>& need_weights_list,
-    const c10::List<bool>& need_biases_list) {
-  constexpr const char* op = "mlp_backward";
-  const Activation act = parse_activation(op, activation);
-  const std::vector<bool> has_bias = has_bias_list.vec(), need_weights = need_weights_list.vec(),
-                          need_biases = need_biases_list.vec();
-  check_tanh_mlp_inputs(op, x, weights, biases, has_bias);
-  check_tanh_mlp_masks(op, weights, biases, need_weights, need_biases);
-  check_grad_out(op, grad_out, x, weights.back().sym_size(0));
-  const c10::OptionalDeviceGuard guard(at::device_of(x));
-  StackGrads g = stack_backward(grad_out, x, weights, biases, has_bias, last_activation, need_x,
-                                need_weights, need_biases, act);
-  return {g.grad_x, asked(std::move(g.grad_weights), need_weights),
-          asked(std::move(g.grad_biases), need_biases)};
+StackBackwardResult mlp_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                 at::TensorList weights, at::TensorList biases,
+                                 const c10::List<bool>& has_bias, c10::string_view activation,
+                                 bool last_activation, bool need_x,
+                                 const c10::List<bool>& need_weights,
+                                 const c10::List<bool>& need_biases) {
+  return run_backward("mlp_backward", grad_out, x, weights, biases, has_bias, last_activation,
+                      need_x, need_weights, need_biases,
+                      parse_activation("mlp_backward", activation));
 }
 
 at::Tensor mlp_meta(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
@@ -172,7 +180,7 @@ at::Tensor mlp_meta(const at::Tensor& x, at::TensorList weights, at::TensorList 
   return tanh_mlp_meta(x, weights, biases, has_bias, last_activation);
 }
 
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> mlp_backward_meta(
+StackBackwardResult mlp_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
     at::TensorList biases, const c10::List<bool>& has_bias, c10::string_view activation,
     bool last_activation, bool need_x, const c10::List<bool>& need_weights,
