@@ -39,11 +39,16 @@ def _one_layer_vmap(op, params: Sequence[int], sums: Sequence[int], info, in_dim
                   for i, (a, d) in enumerate(zip(args, in_dims))]
         r = op(*folded)
     else:
-        per = [op(*_slices(args, in_dims, i)) for i in range(B)]
+        samples = [_slices(args, in_dims, i) for i in range(B)]
+        if B == 0:  # one sample of zeros gives the results' shapes; none of it is kept
+            samples = [[a.new_zeros(a.shape[:d] + a.shape[d + 1:])
+                        if isinstance(a, Tensor) and d is not None else a
+                        for a, d in zip(args, in_dims)]]
+        per = [op(*a) for a in samples]
         if isinstance(per[0], Tensor):
-            r = torch.stack(per)
+            r = torch.stack(per)[:B]
         else:
-            r = tuple(None if v is None else torch.stack([p[j] for p in per])
+            r = tuple(None if v is None else torch.stack([p[j] for p in per])[:B]
                       for j, v in enumerate(per[0]))
     if isinstance(r, Tensor):
         return r, 0

@@ -231,3 +231,20 @@ def test_vmap_over_rows_folds_the_batch_into_one_call():
     with _RecordOps() as s:
         vmap(fused, in_dims=(0, None, None))(xs, *args[1:])
     assert [shape for name, shape in s.calls if name == "ckpt_ext.linear_tanh"] == [(4, 5, 3)]
+
+
+@pytest.mark.parametrize("case", ["linear_tanh", "linear_tanh-nobias"])
+def test_vmap_over_an_empty_batch(case):
+    # Batched weights and per-sample weight gradients run the op once per sample: with no
+    # sample, the results still have the reference's shapes.
+    fused, ref, args = CASES[case]()
+    fused, tensors = _without_none(fused, args)
+    ref, _ = _without_none(ref, args)
+    x, w = tensors[0], tensors[1]
+    ws = w.new_empty(0, *w.shape)
+    in_dims = (None, 0) + (None,) * (len(tensors) - 2)
+    got = vmap(fused, in_dims=in_dims)(x, ws, *tensors[2:])
+    assert got.shape == vmap(ref, in_dims=in_dims)(x, ws, *tensors[2:]).shape
+    rows = x.new_empty(0, x.shape[-1])
+    per = [_per_sample_grads(f, [rows, *tensors[1:]]) for f in (fused, ref)]
+    assert per[0].shape == per[1].shape == (0, *w.shape)
