@@ -39,7 +39,9 @@ def _one_layer_vmap(op, params: Sequence[int], sums: Sequence[int], info, in_dim
                   for i, (a, d) in enumerate(zip(args, in_dims))]
         r = op(*folded)
     else:
-        samples = [_slices(args, in_dims, i) for i in range(B)]
+        cols = [a.unbind(d) if isinstance(a, Tensor) and d is not None else None
+                for a, d in zip(args, in_dims)]
+        samples = [[a if c is None else c[i] for a, c in zip(args, cols)] for i in range(B)]
         if B == 0:  # one sample of zeros gives the results' shapes; none of it is kept
             samples = [[a.new_zeros(a.shape[:d] + a.shape[d + 1:])
                         if isinstance(a, Tensor) and d is not None else a
