@@ -110,8 +110,15 @@ def activation_backward(name: str, gy: Tensor, z: Tensor, out: Optional[Tensor] 
     return _FORMULAS[name][1](gy, z)
 
 
-#: The module of each activation, as FusedMLP's equivalent nn.Sequential holds it (sin has none).
+class Sin(nn.Module):
+    """``torch.sin`` as a module (PyTorch has none), the activation of SIREN-style networks."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sin(x)
+
+
+#: The module of each activation, as FusedMLP's equivalent nn.Sequential holds it.
 MODULE_OF: Dict[str, Callable[[], nn.Module]] = {
     "tanh": nn.Tanh, "gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
-    "silu": nn.SiLU, "sigmoid": nn.Sigmoid, "softplus": nn.Softplus, "relu": nn.ReLU,
+    "silu": nn.SiLU, "sigmoid": nn.Sigmoid, "softplus": nn.Softplus, "sin": Sin, "relu": nn.ReLU,
 }

@@ -10,7 +10,6 @@ What each mode keeps and why: docs/benchmark.md#networks-and-modes.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable, Optional, Sequence
 
@@ -18,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ._activations import MODULE_OF, Sin  # noqa: F401  (Sin: the module of sin)
 from .modules import FusedLinearTanh, FusedMLP, FusedTanhMLP
 from .ops import tanh_mlp
 
@@ -25,18 +25,9 @@ from .ops import tanh_mlp
 ALL_MODES = ("plain", "checkpoint", "checkpoint-stack", "fused")
 
 
-class Sin(nn.Module):
-    """``torch.sin`` as a module (PyTorch has none), the activation of SIREN-style networks."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.sin(x)
-
-
 #: The stock module of each activation name of ``ckpt_ext.mlp``: what the plain and checkpoint
 #: modes run where ``fused`` passes the name.
-ACTIVATION_MODULES: dict[str, Callable[[], nn.Module]] = {
-    "tanh": nn.Tanh, "gelu": nn.GELU, "gelu_tanh": functools.partial(nn.GELU, approximate="tanh"),
-    "silu": nn.SiLU, "sigmoid": nn.Sigmoid, "softplus": nn.Softplus, "sin": Sin, "relu": nn.ReLU}
+ACTIVATION_MODULES = MODULE_OF
 
 
 def _check_args(cls, mode: str, use_reentrant: bool) -> None:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .._activations import Sin
+
 
 class Recognised(NamedTuple):
     """An activation module or call: the activation it computes (None when fuse cannot fuse it,
@@ -98,6 +100,7 @@ _TORCH: List[Tuple[type, Callable[[nn.Module], Recognised]]] = [
     (nn.Sigmoid, lambda m: Recognised("sigmoid")),
     (nn.Softplus, _softplus),
     (nn.ReLU, lambda m: Recognised("relu")),
+    (Sin, lambda m: Recognised("sin")),  # ckpt_ext's module of torch.sin
 ]
 
 # transformers.activations, by class name: read only when transformers is already imported (a
