@@ -9,6 +9,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from ._activation_modules import module_activation as recognise
 from ._activations import MODULE_OF, check_activation
 from .ops import linear_tanh, mlp, tanh_mlp
 
@@ -175,7 +176,6 @@ def _layer_params(module: nn.Module):
 def module_activation(m: nn.Module) -> Optional[str]:
     """The activation of ``ckpt_ext.ACTIVATIONS`` that module ``m`` computes exactly, else None:
     the converter's table (torch's modules and transformers'), so both accept the same ones."""
-    from .convert.activations import module_activation as recognise  # convert imports this module
     found = recognise(m)
     return None if found is None else found.name
 
