@@ -205,7 +205,7 @@ class BertMLPBlock(nn.Module):
         self.norm = nn.LayerNorm(width, eps=1e-12, device=device, dtype=dtype)
 
     def forward(self, h: Tensor, recompute: Optional[Callable] = None) -> Tensor:
-        return self.norm(h + (recompute(self.mlp, h) if recompute else self.mlp(h)))
+        return self.norm(h + (self.mlp(h) if recompute is None else recompute(self.mlp, h)))
 
 
 class BertMLPNet(_Recompute, nn.Module):
