@@ -10,8 +10,8 @@ from torch import nn
 
 from .planning import PlannedRun, RunPlan
 from .report import Decision
-from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, _OwnerForward, _Run,
-                      _RunPart, is_sequential, member_class, parts_of)
+from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, _Guard, _OwnerForward,
+                      _Run, _RunPart, is_sequential, member_class, owner_wrappers, parts_of)
 from .tracing import ModelAnalysis
 
 
@@ -70,6 +70,7 @@ def apply_plan(analysis: ModelAnalysis, planned: Sequence[PlannedRun],
     of an earlier fuse that are no longer planned, and set each owner's forward."""
     parts: Dict[int, List[_RunPart]] = {}
     owner_runs: Dict[int, List[_Run]] = {}
+    crossed_guards: Dict[int, List[_Guard]] = {}
     members = set()
     for plan, d, run in planned:
         run, plan_parts = _apply_run(analysis, plan, d, run)
@@ -77,6 +78,8 @@ def apply_plan(analysis: ModelAnalysis, planned: Sequence[PlannedRun],
             parts.setdefault(id(seq), []).append(part)
         if plan.owner is not None:
             owner_runs.setdefault(id(plan.owner), []).append(run)
+            kept = crossed_guards.setdefault(id(plan.owner), [])
+            kept += [g for g in plan.guards if g not in kept]
         members.update(id(call.module) for call, _ in plan.members)
     for m in analysis.model.modules():
         if isinstance(m, (RunLinear, RunActivation)) and id(m) not in members:
@@ -85,16 +88,19 @@ def apply_plan(analysis: ModelAnalysis, planned: Sequence[PlannedRun],
                 vars(m).pop(name, None)
         if is_sequential(m):
             _set_parts(m, parts.get(id(m), []))
-        fwd = vars(m).get("forward")
+        t = analysis.trace_of(m)
+        method = t.method if t is not None else "forward"
+        for name, wrapper in owner_wrappers(m).items():
+            if name != method or (id(m) not in owner_runs and wrapper.source is None):
+                del vars(m)[name]  # a region no run of this plan needs
+        fwd = vars(m).get(method)
         runs = tuple(owner_runs.get(id(m), ()))
         source = sources.get(id(m), fwd.source if isinstance(fwd, _OwnerForward) else None)
         if not runs and source is None:
-            if isinstance(fwd, _OwnerForward):
-                del vars(m)["forward"]
             continue
-        t = analysis.trace_of(m)
-        guards = t.guards if t is not None else fwd.guards
+        guards = tuple(t.guards if t is not None else fwd.guards) + \
+            tuple(crossed_guards.get(id(m), ()))
         if isinstance(fwd, _OwnerForward) and (fwd.runs, fwd.guards, fwd.source) == \
-                (runs, tuple(guards), source):
+                (runs, guards, source):
             continue  # as it is: keep the very object
-        m.forward = _OwnerForward(m, runs, guards, source)
+        setattr(m, method, _OwnerForward(m, runs, guards, source, method))

@@ -141,6 +141,9 @@ def _use_fate(analysis: ModelAnalysis, owner: nn.Module, t: Trace, node: fx.Node
               depth: int) -> Fate:
     opath = analysis.path_of(owner)
     if u.op == "output":
+        if t.method != "forward":
+            return Fate(None, f"{opath or '<model>'}.{t.method} returns it to callers fuse did "
+                              f"not analyse")
         out = u.args[0]
         if out is node:
             return output_fate(analysis, owner, None, depth)

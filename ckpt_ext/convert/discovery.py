@@ -185,11 +185,13 @@ class RunDiscovery:
     A value goes from one call to the next: between consecutive elements of a Sequential; from a
     Sequential's last element to what consumes the Sequential's output (the next element of the
     Sequential holding it, or the one call using it in the forward that calls it); into the first
-    element of a Sequential it is passed to; and between children an analysed forward calls one
-    after the other. A step counts only when the value has that single consumer. Crossing into or
-    out of a Sequential needs that Sequential to have no hooks, to be held at one place and, when
-    a forward calls it, to be called once there and by no other method of that class: otherwise
-    the run stops there and the report says why."""
+    element of a Sequential it is passed to; between children an analysed forward calls one
+    after the other; and into and out of a child module whose analysed forward takes the value
+    (as any one of its positional arguments) or returns it. A step counts only when the value has
+    that single consumer. Crossing a Sequential or a module needs it to have no hooks, to be held
+    at one place and, when a forward calls it, to be called once there, directly; a module's own
+    forward must be one whose guards can be checked: otherwise the run stops there and the report
+    says why."""
 
     def __init__(self, analysis: ModelAnalysis, taken_nodes: set) -> None:
         self.analysis = analysis
@@ -231,13 +233,19 @@ class RunDiscovery:
             return self._after_element(s.container, s.index, 0)
         return self._after_node(s.container, s.trace, s.node, 0)
 
-    def _crossing_problem(self, seq: nn.Module) -> Optional[str]:
-        places = self.analysis.paths.get(id(seq), [])
-        label = places[0] if places else "<a Sequential>"
-        if _has_hooks(seq):
+    def _crossing_problem(self, c: nn.Module) -> Optional[str]:
+        """Why a run may not cross container ``c`` (a Sequential, or a module whose analysed
+        forward it passes through), else None."""
+        places = self.analysis.paths.get(id(c), [])
+        label = places[0] if places else f"<a {type(c).__name__}>"
+        if _has_hooks(c):
             return f"{label} has hooks, which a run computed across it would not call"
         if len(places) != 1:
             return f"{label} is held at {len(places)} places ({', '.join(places)})"
+        if not is_sequential(c):
+            t = self.analysis.trace_of(c)
+            if t.region_problem is not None:
+                return f"the run cannot cross {label}.forward: {t.region_problem}"
         return None
 
     def _enter(self, seq: nn.Module, name: str, depth: int):
@@ -258,23 +266,41 @@ class RunDiscovery:
             return None, None
         return call, self._crossing_problem(seq) or why
 
+    def _enter_module(self, m: nn.Module, position: int, n_args: int, depth: int):
+        """Into the analysed forward of a module that receives the value as argument
+        ``position`` of ``n_args``, all positional."""
+        t = self.analysis.trace_of(m)
+        if t is None or t.method != "forward" or t.already_rewritten or depth > 64:
+            return None, None
+        placeholders = [n for n in t.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != n_args:
+            return None, None
+        call, why = self._after_node(m, t, placeholders[position], depth + 1)
+        if call is None:
+            return None, None
+        return call, self._crossing_problem(m) or why
+
     def _after_element(self, seq: nn.Module, i: int, depth: int):
         names = list(seq._modules)
         if i + 1 < len(names):
             return self._enter(seq, names[i + 1], depth)
-        return self._after_seq(seq, depth)
+        return self._after_container(seq, depth)
 
-    def _after_seq(self, seq: nn.Module, depth: int):
+    def _after_container(self, c: nn.Module, depth: int):
+        """From the output of a Sequential, or of a module whose analysed forward returns the
+        value, to where its caller sends it."""
         analysis = self.analysis
-        places = analysis.paths.get(id(seq), [])
+        places = analysis.paths.get(id(c), [])
         if not places or places[0] not in analysis.parent or depth > 64:
             return None, None  # the model itself
-        problem = self._crossing_problem(seq)
+        problem = self._crossing_problem(c)
         parent, ppath, name = analysis.parent[places[0]]
         if is_sequential(parent):
+            if not is_sequential(c):  # a Sequential computes its elements: no region in there
+                return None, None
             call, why = self._after_element(parent, list(parent._modules).index(name), depth + 1)
             return call, problem or why
-        target = name  # a Sequential held in a ModuleList/ModuleDict: called as "blocks.0"
+        target = name  # a child held in a ModuleList/ModuleDict: called as "blocks.0"
         while isinstance(parent, (nn.ModuleList, nn.ModuleDict)) and ppath in analysis.parent:
             parent, ppath, holder = analysis.parent[ppath]
             target = f"{holder}.{target}"
@@ -290,22 +316,32 @@ class RunDiscovery:
         if call is None:
             return None, None
         return call, problem or child_problem(analysis, parent, t, target,
-                                              join_path(ppath, target), seq) or why
+                                              join_path(ppath, target), c) or why
 
     def _after_node(self, owner: nn.Module, t: Trace, node: fx.Node, depth: int):
         users = list(node.users)
         if len(users) != 1:
             return None, None
         u = users[0]
-        if u.op != "call_module" or len(u.args) != 1 or u.args[0] is not node or u.kwargs:
+        if u.op == "output":  # returned: on to the forward's caller
+            if u.args[0] is not node or t.method != "forward" or depth > 64:
+                return None, None
+            return self._after_container(owner, depth + 1)
+        if u.op != "call_module" or u.kwargs:
+            return None, None
+        at = [k for k, a in enumerate(u.args) if a is node]
+        if len(at) != 1:
             return None, None
         call = self.at.get((id(owner), u))
         if call is not None:
-            return call, None
+            return (call, None) if len(u.args) == 1 else (None, None)
         sub = owner.get_submodule(u.target)
-        if not is_sequential(sub) or depth > 64:
+        if depth > 64:
             return None, None
-        call, why = self._enter_seq(sub, depth + 1)
+        if is_sequential(sub):
+            call, why = self._enter_seq(sub, depth + 1) if len(u.args) == 1 else (None, None)
+        else:
+            call, why = self._enter_module(sub, at[0], len(u.args), depth + 1)
         if call is None:
             return None, None
         label = join_path(self.analysis.path_of(owner), u.target)

@@ -15,8 +15,8 @@ from .discovery import LayerCall, LayerKind, RunDiscovery, graph_chains
 from .policy import (Chain, Unit, chain_problem, decide, item_misses, layer_shape,
                      split_at_problems, sub_chain)
 from .report import Decision
-from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, Slot, _OwnerForward,
-                      _Run, is_sequential, join_path, parts_of)
+from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, Slot, _Guard,
+                      _OwnerForward, _Run, is_sequential, join_path, parts_of)
 from .tracing import ModelAnalysis, Trace
 
 
@@ -58,6 +58,7 @@ class RunPlan:
     slots: List[Slot] = field(default_factory=list)
     unhooked: List[nn.Module] = field(default_factory=list)
     owner: Optional[nn.Module] = None  # the module whose forward calls the members
+    guards: List[_Guard] = field(default_factory=list)  # those of the forwards the run crosses
     # per member Sequential: the run of its own elements it computes fused when called on its own
     alone: Dict[int, List[LayerCall]] = field(default_factory=dict)
     note: str = ""
@@ -151,9 +152,12 @@ def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall], activation: 
                 out.append((seq, tuple(names[names.index(name) + 1:])))
         return tuple(out)
 
-    p.sequences = list(inside.values())
+    p.sequences = [c for c in inside.values() if is_sequential(c)]
     p.unhooked = list(inside.values())
+    crossed = [c for c in inside.values() if not is_sequential(c)]  # their forwards run it
     if is_sequential(lca):
+        if crossed:  # a Sequential computes its elements: it marks no region
+            return None
         names = list(lca._modules)
         i0, i1 = names.index(first[0][1]), names.index(last[0][1])
         p.parts.append(PartPlan(lca, tuple(names[i0:i1 + 1]), PartRole.WHOLE, 0,
@@ -165,17 +169,24 @@ def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall], activation: 
             p.note = (f"it crosses {crossed} inside {p.where or '<model>'}, which computes the "
                       f"whole run; called on its own, each of them computes its own layers")
         return p
-    # The calls the lca's forward makes, in order: child Linear/activation modules, or a child
-    # Sequential the run goes through. Each becomes a member of the run.
+    # The calls the run is made of, in order: child Linear/activation modules of the lca or of a
+    # module whose forward it crosses, or the outermost Sequential on the way down to a layer.
+    # Each becomes a member of the run.
     units: List[Any] = []
     for s, chain in zip(layer_calls, chains):
-        u = s if s.container is lca else chain[[id(c) for c in chain].index(id(lca)) - 1]
+        below = chain[:[id(c) for c in chain].index(id(lca))]
+        u = next((c for c in reversed(below) if is_sequential(c)), s)
         if not units or units[-1] is not u:
             units.append(u)
+    for c in crossed:
+        holder, hpath, hname = analysis.parent[analysis.paths[id(c)][0]]
+        p.slots.append(Slot(holder, hname, c, join_path(hpath, hname)))
+        at = _below(analysis, lca, c)
+        p.guards += [g._replace(path=join_path(at, g.path)) for g in analysis.trace_of(c).guards]
     for k, u in enumerate(units):
         if isinstance(u, LayerCall):
             p.members.append(MemberPlan(u, k))
-            p.slots.append(Slot(lca, u.name, u.module, u.label))
+            p.slots.append(Slot(u.container, u.name, u.module, u.label))
             p.calls.append(u.label)
             continue
         holder, hpath, hname = analysis.parent[analysis.paths[id(u)][0]]
@@ -183,21 +194,26 @@ def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall], activation: 
         p.calls.append(analysis.path_of(u))
         names = list(u._modules)
         if k == 0:
-            p.parts.append(PartPlan(u, tuple(names[names.index(first[1][1]):]), PartRole.FIRST,
-                                    0, before(first[2:]), ()))
+            down = _descent(analysis, layer_calls[0], chains[0], u)
+            p.parts.append(PartPlan(u, tuple(names[names.index(down[0][1]):]), PartRole.FIRST,
+                                    0, before(down[1:]), ()))
         elif k == len(units) - 1:
-            p.parts.append(PartPlan(u, tuple(names[:names.index(last[1][1]) + 1]), PartRole.ON,
-                                    k, (), after(last[2:])))
+            down = _descent(analysis, layer_calls[-1], chains[-1], u)
+            p.parts.append(PartPlan(u, tuple(names[:names.index(down[0][1]) + 1]), PartRole.ON,
+                                    k, (), after(down[1:])))
         else:
             p.parts.append(PartPlan(u, tuple(names), PartRole.ON, k, (), ()))
         alone = _alone(u, layer_calls) if policy == "memory" else None
         if alone:
             p.alone[id(u)] = alone
-    p.how = "children" if all(isinstance(u, LayerCall) for u in units) else "across"
+    p.how = "children" if all(isinstance(u, LayerCall) and u.container is lca for u in units) \
+        else "across"
     p.owner = lca
     where = p.where or "<model>"
+    method = analysis.trace_of(lca).method
     if p.how == "across":
-        p.note = (f"it crosses {', '.join(p.calls)} in {where}: inside {where}.forward, "
+        crosses = ", ".join([analysis.path_of(c) for c in crossed] or p.calls)
+        p.note = (f"it crosses {crosses} in {where}: inside {where}.{method}, "
                   f"{p.calls[0]} computes the whole run and {', '.join(p.calls[1:])} "
                   f"pass{'es' if len(p.calls) == 2 else ''} its output on; called any other "
                   f"way, each computes its own layers")
@@ -241,7 +257,8 @@ def existing_runs(model: nn.Module) -> List[_Run]:
     return list(runs.values())
 
 
-def in_place(plan: RunPlan, existing: Dict[Any, _Run]) -> Optional[_Run]:
+def in_place(analysis: ModelAnalysis, plan: RunPlan,
+             existing: Dict[Any, _Run]) -> Optional[_Run]:
     """The run an earlier fuse put in place for exactly this plan, if it is still whole."""
     run = existing.get(plan.key)
     if run is None or run.problem() is not None:
@@ -254,7 +271,7 @@ def in_place(plan: RunPlan, existing: Dict[Any, _Run]) -> Optional[_Run]:
         if getattr(m, "_ckpt_ext_run", None) is not run or m._ckpt_ext_index != k:
             return None
     if plan.owner is not None:
-        fwd = vars(plan.owner).get("forward")
+        fwd = vars(plan.owner).get(analysis.trace_of(plan.owner).method)
         if not isinstance(fwd, _OwnerForward) or run not in fwd.runs:
             return None
     return run
@@ -375,7 +392,7 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
                 continue
             d = dataclasses.replace(d, where=run_plan.where, how=run_plan.how,
                                     why=d.why + (f"; {run_plan.note}" if run_plan.note else ""))
-            already = in_place(run_plan, existing)
+            already = in_place(analysis, run_plan, existing)
             plan.runs.append(PlannedRun(run_plan, d, already))
             found.append(_already(d) if already is not None else d)
     position = {label: i for i, label in enumerate(labels)}

@@ -409,25 +409,29 @@ def _named(cls: type) -> bool:
 class _OwnerForward:
     """The forward ``fuse`` sets on one module instance (its class is untouched) when that module's
     forward calls the members of a run one after the other, or its code was rewritten
-    (``rewrite=True``).
+    (``rewrite=True``); or, set as ``method``, the method the forward names (handed to a helper
+    such as transformers' ``apply_chunking_to_forward``) that calls them.
 
-    At each call it first checks that every attribute the analysed forward read still has the value
-    it had (``guards``): if one changed, the forward may take another path, so it runs the class's
-    forward as it is, unfused. Otherwise it runs the rewritten code (or the class's forward) inside
+    At each call it first checks that every attribute the analysed method read still has the value
+    it had (``guards``): if one changed, the method may take another path, so it runs the class's
+    method as it is, unfused. Otherwise it runs the rewritten code (or the class's method) inside
     the region of each of its runs. It pickles and deep-copies by its source, as
     torch.fx.GraphModule does."""
 
     def __init__(self, owner: nn.Module, runs: Sequence[_Run] = (),
-                 guards: Sequence[_Guard] = (), source: Optional[str] = None) -> None:
+                 guards: Sequence[_Guard] = (), source: Optional[str] = None,
+                 method: str = "forward") -> None:
         self.owner, self.runs, self.guards, self.source = owner, tuple(runs), tuple(guards), source
+        self.method = method
         self._fn = _compile_forward(source) if source is not None else None
 
     def __call__(self, *args, **kwargs):
         owner = self.owner
+        cls_fn = getattr(type(owner), self.method)
         for guard in self.guards:
             if not guard.holds(owner):
-                return type(owner).forward(owner, *args, **kwargs)
-        fn = self._fn if self._fn is not None else type(owner).forward
+                return cls_fn(owner, *args, **kwargs)
+        fn = self._fn if self._fn is not None else cls_fn
         runs = self.runs
         if not runs:
             return fn(owner, *args, **kwargs)
@@ -443,22 +447,28 @@ class _OwnerForward:
         return out
 
     @property
-    def __signature__(self) -> inspect.Signature:  # the class forward's, for libraries that look
-        sig = inspect.signature(type(self.owner).forward)
+    def __signature__(self) -> inspect.Signature:  # the class method's, for libraries that look
+        sig = inspect.signature(getattr(type(self.owner), self.method))
         return sig.replace(parameters=list(sig.parameters.values())[1:])
 
     def __getstate__(self):
         return {"owner": self.owner, "runs": self.runs, "guards": self.guards,
-                "source": self.source}
+                "source": self.source, "method": self.method}
 
     def __setstate__(self, state):
-        self.__init__(state["owner"], state["runs"], state["guards"], state["source"])
+        self.__init__(state["owner"], state["runs"], state["guards"], state["source"],
+                      state.get("method", "forward"))
 
     def __deepcopy__(self, memo):
         new = _OwnerForward.__new__(_OwnerForward)
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
+
+
+def owner_wrappers(m: nn.Module) -> Dict[str, "_OwnerForward"]:
+    """The forward and methods fuse set on this instance, by name."""
+    return {k: v for k, v in vars(m).items() if isinstance(v, _OwnerForward)}
 
 
 class _Guard(NamedTuple):

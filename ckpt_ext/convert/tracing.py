@@ -31,12 +31,13 @@ _MODULE_FILE = inspect.getsourcefile(nn.Module)
 
 class _LocalTracer(fx.Tracer):
     """Keeps every child opaque, and notes each child call that does not come straight from the
-    traced forward's own code (through ``torch.utils.checkpoint``, a helper, a lambda): such a
-    call may run again, on its own, outside that forward (checkpoint re-runs it in backward)."""
+    traced method's own code (through ``torch.utils.checkpoint``, a helper, a lambda): such a
+    call may run again, on its own, outside that method (checkpoint re-runs it in backward)."""
 
-    def __init__(self, forward_code: Any) -> None:
+    def __init__(self, forward_code: Any, method: str) -> None:
         super().__init__()
         self.forward_code = forward_code
+        self.traced_func_name = method
         self.indirect: Dict[str, str] = {}  # node name -> the function the call came from
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
@@ -61,6 +62,7 @@ class Trace:
     ok: bool
     reason: str = ""
     graph: Optional[fx.Graph] = None
+    method: str = "forward"  # or the method forward names that was analysed in its place
     already_rewritten: bool = False
     calls: Optional[Dict[str, int]] = None  # call_module counts per target, filled on first use
     indirect: Dict[str, str] = field(default_factory=dict)  # see _LocalTracer
@@ -202,7 +204,8 @@ def _recording_class(cls: type) -> type:
     def __getattribute__(self, name):
         value = super(sub, self).__getattribute__(name)
         log = _Reads.log
-        if log is None or name in _MODULE_INTERNALS or name.startswith("__"):
+        if log is None or name in _MODULE_INTERNALS or name.startswith("__") or \
+                isinstance(value, _OwnerForward):  # a method fuse set: the class's runs
             return value
         if name not in object.__getattribute__(self, "__dict__") and \
                 not _class_value(cls, name):
@@ -271,34 +274,47 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def _signature_problem(m: nn.Module) -> Optional[str]:
+def _signature_problem(m: nn.Module, method: str) -> Optional[str]:
     try:
-        sig = inspect.signature(type(m).forward)
+        sig = inspect.signature(getattr(type(m), method))
     except (TypeError, ValueError):
-        return "its forward has no inspectable signature"
+        return f"its {method} has no inspectable signature"
     for p in list(sig.parameters.values())[1:]:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             stars = "*" if p.kind == p.VAR_POSITIONAL else "**"
-            return f"its forward takes {stars}{p.name}; fx would see only the traced arity"
+            return f"its {method} takes {stars}{p.name}; fx would see only the traced arity"
         if p.default is not p.empty:
-            return (f"its forward has an optional argument {p.name}={p.default!r}; fx would see "
+            return (f"its {method} has an optional argument {p.name}={p.default!r}; fx would see "
                     f"only one value of it")
     return None
 
 
-def trace_module(clone: nn.Module, orig: nn.Module) -> Trace:
-    fwd = vars(orig).get("forward")
+def named_methods(m: nn.Module) -> List[str]:
+    """The methods of ``m``'s class (not nn.Module's) that its forward's own code names, such as
+    ``self.feed_forward_chunk`` handed to a helper: analysed when the forward cannot be."""
+    code = getattr(inspect.unwrap(type(m).forward), "__code__", None)
+    names = []
+    for name in dict.fromkeys(code.co_names if code is not None else ()):
+        raw = inspect.getattr_static(type(m), name, None)
+        if name != "forward" and name not in vars(nn.Module) and inspect.isfunction(raw) and \
+                not name.startswith("__"):
+            names.append(name)
+    return names
+
+
+def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> Trace:
+    fwd = vars(orig).get(method)
     already = isinstance(fwd, _OwnerForward) and fwd.source is not None
     # A forward fuse set (a region, or code rewritten by an earlier fuse) came from its class's
     # forward, which fx traces: that graph still says what the code does with each value, but
     # nothing new is rewritten in it.
     if fwd is not None and not isinstance(fwd, _OwnerForward):
-        return Trace(False, "its forward is set on the instance (fx would trace its class's "
-                             "forward, not what runs)")
-    problem = _signature_problem(orig)
+        return Trace(False, f"its {method} is set on the instance (fx would trace its class's "
+                            f"{method}, not what runs)")
+    problem = _signature_problem(orig, method)
     if problem:
         return Trace(False, problem)
-    code = getattr(inspect.unwrap(type(orig).forward), "__code__", None)
+    code = getattr(inspect.unwrap(getattr(type(orig), method)), "__code__", None)
     codes, graph, indirect = [], None, {}
     reads: Dict[Tuple[int, str], Any] = {}
     changed: set = set()
@@ -306,7 +322,7 @@ def trace_module(clone: nn.Module, orig: nn.Module) -> Trace:
     for mode in (True, False):
         clone.train(mode)
         before = _snapshot(clone)
-        tracer = _LocalTracer(code)
+        tracer = _LocalTracer(code, method)
         _Reads.log = reads
         try:
             # Warnings raised while fx runs the forward on placeholders (torch.utils.checkpoint:
@@ -326,9 +342,9 @@ def trace_module(clone: nn.Module, orig: nn.Module) -> Trace:
         if graph is None:
             graph, indirect = g, tracer.indirect
     if codes[0] != codes[1]:
-        return Trace(False, "its forward runs different code in train() and eval() (it reads "
-                             "self.training)")
-    t = Trace(True, "", graph, already_rewritten=already, indirect=indirect)
+        return Trace(False, f"its {method} runs different code in train() and eval() (it reads "
+                            f"self.training)")
+    t = Trace(True, "", graph, method=method, already_rewritten=already, indirect=indirect)
     # What the forward read, and what tracing changed: a region and a rewrite both rely on the
     # forward taking the path fx saw, so every attribute that could steer it is checked at call
     # time (a guard), and one that changes at every call must be a pure count.
@@ -361,6 +377,8 @@ def trace_module(clone: nn.Module, orig: nn.Module) -> Trace:
         t.region_problem = (f"its forward reads {', '.join(unchecked)}, a value fuse cannot check "
                             f"at each call")
     t.rewrite_problem = t.region_problem
+    if method != "forward" and not t.rewrite_problem:
+        t.rewrite_problem = f"fuse rewrites forward code only, and {method} is another method"
     if changed_names and not t.rewrite_problem:
         t.rewrite_problem = (f"tracing its forward changed {', '.join(counted)}: a rewritten "
                              f"forward would not replay that statement")
@@ -411,11 +429,31 @@ class ModelAnalysis:
         unrecorded = record_reads(clone)
         for path, m in wanted:
             t = trace_module(clones[path], m)
+            if not t.ok:
+                t = self._method_trace(clones[path], m, t)
             if t.ok and unrecorded:
                 t.region_problem = t.rewrite_problem = unrecorded
             self.traces[id(m)] = t
             if not t.ok:
                 report.not_analysed.append((path, t.reason))
+            elif t.method != "forward":
+                report.not_analysed.append((path, f"{t.reason}; fuse analysed the method its "
+                                                  f"forward names, {t.method}, in its place"))
+
+    @staticmethod
+    def _method_trace(clone: nn.Module, m: nn.Module, t: Trace) -> Trace:
+        """The trace of the one method the forward names that calls children (a forward fx
+        cannot follow, because of its optional or variadic arguments, may hand such a method to a
+        helper), else ``t``, the forward's."""
+        found = []
+        for name in named_methods(m):
+            mt = trace_module(clone, m, name)
+            if mt.ok and any(n.op == "call_module" for n in mt.graph.nodes):
+                found.append(mt)
+        if len(found) != 1:
+            return t
+        found[0].reason = t.reason
+        return found[0]
 
     def trace_of(self, m: nn.Module) -> Optional[Trace]:
         t = self.traces.get(id(m))

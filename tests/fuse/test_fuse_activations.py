@@ -19,6 +19,7 @@ from torch import nn
 
 from ckpt_ext import fuse
 from ckpt_ext.convert import RunActivation, RunLinear, member_class
+from ckpt_ext.convert.runtime import _OwnerForward
 from ckpt_ext.convert.activations import module_activation
 from _ecosys import kept_bytes, outputs_and_grads, rel_err, saved_activation_bytes
 from reference import ACTIVATION_REF, measured
@@ -363,12 +364,13 @@ def test_member_classes_pickle_copy_and_undo():
 # Real models: transformers' BertModel, DeepXDE's FNN
 
 
-def _bert(hidden_act: str):
+def _bert(hidden_act: str, chunk: int = 0):
     transformers = _need("transformers")
     config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=2, intermediate_size=64,
                                      max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0, hidden_act=hidden_act)
+                                     attention_probs_dropout_prob=0.0, hidden_act=hidden_act,
+                                     chunk_size_feed_forward=chunk)
     torch.manual_seed(0)
     return transformers.BertModel(config).double()
 
@@ -385,33 +387,11 @@ class _BertOutputs(nn.Module):
         return torch.cat([out.last_hidden_state.flatten(), out.pooler_output.flatten()])
 
 
-@pytest.mark.parametrize("hidden_act,name,formula", [
-    ("gelu", "gelu", False), ("gelu_python", "gelu", True), ("gelu_new", "gelu_tanh", True),
-    ("gelu_pytorch_tanh", "gelu_tanh", False), ("silu", "silu", False)])
-def test_bert_intermediate_pairs_fused(hidden_act, name, formula):
-    """BertIntermediate calls dense then its activation: a lone pair of children, fused (the
-    activation keeps its input z unfused). The MLP goes on into BertOutput.dense, but
-    BertOutput.forward takes two tensors and BertLayer calls the pair through
-    apply_chunking_to_forward, so the run stops at the pair; dropout, the residual add and
-    LayerNorm follow in BertOutput. An activation written as a Python formula (``formula``)
-    keeps more than z unfused: fusing it frees more than the report's figure."""
-    model = _bert(hidden_act)
-    before = copy.deepcopy(model)
-    _, report = fuse(model)
-    layers = [(f"encoder.layer.{i}.intermediate.dense",
-               f"encoder.layer.{i}.intermediate.intermediate_act_fn") for i in range(2)]
-    assert [(d.layers, d.how, d.activation) for d in report.fused] == [
-        (pair, "children", name) for pair in layers]
-    assert all(d.bytes_per_row == 64 * 8 for d in report.fused)
-    for i in range(2):
-        inter, plain = model.encoder.layer[i].intermediate, before.encoder.layer[i].intermediate
-        assert type(inter.dense) is RunLinear
-        assert type(inter.intermediate_act_fn) is member_class(type(plain.intermediate_act_fn))
-    assert [d.layers for d in report.near_misses] == [("pooler.dense", "pooler.activation")]
-    ids = torch.randint(0, 99, (3, 7))
-    mask = torch.ones(3, 7, dtype=torch.long)
+def _bert_matches(plain_model, fused_model, ids):
+    """The fused BertModel's outputs and gradients against the unfused copy's (float64)."""
+    mask = torch.ones(ids.shape, dtype=torch.long)
     mask[1, 5:] = 0
-    plain, fused = _BertOutputs(before, mask), _BertOutputs(model, mask)
+    plain, fused = _BertOutputs(plain_model, mask), _BertOutputs(fused_model, mask)
     out_b, _, g_b = outputs_and_grads(plain, ids, grad_input=False)
     out_f, _, g_f = outputs_and_grads(fused, ids, grad_input=False)
     for a, b in zip(out_f, out_b):
@@ -422,10 +402,78 @@ def test_bert_intermediate_pairs_fused(hidden_act, name, formula):
     assert g_f.keys() == g_b.keys()
     for n in g_b:
         assert (g_f[n] - g_b[n]).norm().item() <= 1e-12 * g_b[n].norm().item() + floor, n
+    return plain, fused
+
+
+_BERT_MLP = [(f"encoder.layer.{i}.intermediate.dense",
+              f"encoder.layer.{i}.intermediate.intermediate_act_fn",
+              f"encoder.layer.{i}.output.dense") for i in range(2)]
+
+
+@pytest.mark.parametrize("hidden_act,name,formula", [
+    ("gelu", "gelu", False), ("gelu_python", "gelu", True), ("gelu_new", "gelu_tanh", True),
+    ("gelu_pytorch_tanh", "gelu_tanh", False), ("silu", "silu", False)])
+def test_bert_mlp_fused(hidden_act, name, formula):
+    """BERT's MLP, BertIntermediate's dense and activation then BertOutput's dense, is one run.
+    BertLayer.forward (optional arguments) is not analysed; the method it hands to
+    apply_chunking_to_forward, feed_forward_chunk, is, and marks the region. The run crosses
+    BertIntermediate.forward (its output) and BertOutput.forward (its first argument); dropout,
+    the residual add and LayerNorm follow in BertOutput. It frees z and act(z). An activation
+    written as a Python formula (``formula``) keeps more than that unfused: fusing it frees more
+    than the report's figure."""
+    model = _bert(hidden_act)
+    before = copy.deepcopy(model)
+    _, report = fuse(model)
+    assert [(d.layers, d.how, d.activation) for d in report.fused] == [
+        (run, "across", name) for run in _BERT_MLP]
+    assert all(d.bytes_per_row == 2 * 64 * 8 for d in report.fused)
+    assert all("inside encoder.layer." in d.why and ".feed_forward_chunk" in d.why
+               for d in report.fused)
+    for i in range(2):
+        layer, plain = model.encoder.layer[i], before.encoder.layer[i]
+        assert type(layer) is type(plain) and type(layer.intermediate) is type(plain.intermediate)
+        assert type(layer.intermediate.dense) is RunLinear and type(layer.output.dense) is RunLinear
+        assert type(layer.intermediate.intermediate_act_fn) is \
+            member_class(type(plain.intermediate.intermediate_act_fn))
+        assert isinstance(vars(layer)["feed_forward_chunk"], _OwnerForward)
+        assert "forward" not in vars(layer) and "forward" not in vars(layer.intermediate)
+    assert [d.layers for d in report.near_misses] == [("pooler.dense", "pooler.activation")]
+    ids = torch.randint(0, 99, (3, 7))
+    plain, fused = _bert_matches(before, model, ids)
     saved = saved_activation_bytes(plain, ids) - saved_activation_bytes(fused, ids)
     tokens = 3 * 7
     assert saved > tokens * report.bytes_per_row if formula else \
         freed(plain, fused, ids) == tokens * report.bytes_per_row
+
+
+def test_bert_mlp_fused_in_chunks():
+    """With chunk_size_feed_forward set, apply_chunking_to_forward calls feed_forward_chunk once
+    per chunk of the sequence: each call computes its chunk's run, and keeps its input only."""
+    model = _bert("gelu", chunk=4)
+    before = copy.deepcopy(model)
+    _, report = fuse(model)
+    assert [d.layers for d in report.fused] == _BERT_MLP
+    ids = torch.randint(0, 99, (3, 8))  # two chunks of 4 tokens
+    plain, fused = _bert_matches(before, model, ids)
+    assert freed(plain, fused, ids) == 3 * 8 * report.bytes_per_row
+
+
+def test_bert_mlp_with_a_hook_is_computed_layer_by_layer():
+    """A forward hook on BertIntermediate, registered after fusing, must see act(z): the run
+    crosses BertIntermediate.forward, so each call with the hook computes layer by layer (and
+    fused again once the hook is removed)."""
+    model = _bert("gelu")
+    before = copy.deepcopy(model)
+    fuse(model)
+    seen = []
+    handle = model.encoder.layer[0].intermediate.register_forward_hook(
+        lambda m, args, out: seen.append(out.shape[-1]))
+    ids = torch.randint(0, 99, (2, 5))
+    plain, fused = _bert_matches(before, model, ids)
+    assert seen and set(seen) == {64}  # the intermediate width, every call
+    hooked = saved_activation_bytes(fused, ids)
+    handle.remove()
+    assert saved_activation_bytes(fused, ids) == hooked - 2 * 5 * 2 * 64 * 8  # layer 0: z, act(z)
 
 
 def test_bert_with_a_near_gelu_is_left_alone():

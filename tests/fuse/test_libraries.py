@@ -109,7 +109,7 @@ def _bert_outputs_and_grads(model, ids, mask):
 
 
 def _pooler(decisions):
-    """The decisions on the pooler (the encoder's Linear+GELU pairs are fused too:
+    """The decisions on the pooler (the encoder's MLPs are fused too:
     test_fuse_activations.py)."""
     return [d for d in decisions if d.layers[0].startswith("pooler.")]
 
