@@ -182,7 +182,8 @@ def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall], activation: 
         holder, hpath, hname = analysis.parent[analysis.paths[id(c)][0]]
         p.slots.append(Slot(holder, hname, c, join_path(hpath, hname)))
         at = _below(analysis, lca, c)
-        p.guards += [g._replace(path=join_path(at, g.path)) for g in analysis.trace_of(c).guards]
+        p.guards += [g._replace(path=join_path(at, g.path) if g.path else at)
+                     for g in analysis.trace_of(c).guards]
     for k, u in enumerate(units):
         if isinstance(u, LayerCall):
             p.members.append(MemberPlan(u, k))
