@@ -429,7 +429,7 @@ class ModelAnalysis:
         unrecorded = record_reads(clone)
         for path, m in wanted:
             t = trace_module(clones[path], m)
-            if not t.ok:
+            if not t.ok or _only_through_a_method(t):
                 t = self._method_trace(clones[path], m, t)
             if t.ok and unrecorded:
                 t.region_problem = t.rewrite_problem = unrecorded
@@ -442,9 +442,10 @@ class ModelAnalysis:
 
     @staticmethod
     def _method_trace(clone: nn.Module, m: nn.Module, t: Trace) -> Trace:
-        """The trace of the one method the forward names that calls children (a forward fx
-        cannot follow, because of its optional or variadic arguments, may hand such a method to a
-        helper), else ``t``, the forward's."""
+        """The trace of the one method the forward names that calls children, else ``t``, the
+        forward's. Such a method is handed to a helper (transformers'
+        ``apply_chunking_to_forward``) by a forward fx cannot follow (optional or variadic
+        arguments), or by one that calls no child but through it."""
         found = []
         for name in named_methods(m):
             mt = trace_module(clone, m, name)
@@ -452,12 +453,19 @@ class ModelAnalysis:
                 found.append(mt)
         if len(found) != 1:
             return t
-        found[0].reason = t.reason
+        found[0].reason = t.reason if not t.ok else \
+            f"its forward calls its children only through {found[0].method}, from a helper"
         return found[0]
 
     def trace_of(self, m: nn.Module) -> Optional[Trace]:
         t = self.traces.get(id(m))
         return t if t is not None and t.ok else None
+
+
+def _only_through_a_method(t: Trace) -> bool:
+    """Whether the traced forward calls children, each through a function other than itself."""
+    calls = [n for n in t.graph.nodes if n.op == "call_module"]
+    return bool(calls) and all(n.name in t.indirect for n in calls)
 
 
 def _wants_analysis(m: nn.Module) -> bool:

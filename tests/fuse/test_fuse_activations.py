@@ -387,6 +387,15 @@ class _BertOutputs(nn.Module):
         return torch.cat([out.last_hidden_state.flatten(), out.pooler_output.flatten()])
 
 
+class _LastHidden(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).last_hidden_state
+
+
 def _bert_matches(plain_model, fused_model, ids):
     """The fused BertModel's outputs and gradients against the unfused copy's (float64)."""
     mask = torch.ones(ids.shape, dtype=torch.long)
@@ -394,6 +403,11 @@ def _bert_matches(plain_model, fused_model, ids):
     plain, fused = _BertOutputs(plain_model, mask), _BertOutputs(fused_model, mask)
     out_b, _, g_b = outputs_and_grads(plain, ids, grad_input=False)
     out_f, _, g_f = outputs_and_grads(fused, ids, grad_input=False)
+    _same_transformer(out_f, g_f, out_b, g_b)
+    return plain, fused
+
+
+def _same_transformer(out_f, g_f, out_b, g_b):
     for a, b in zip(out_f, out_b):
         assert rel_err(a, b) <= 1e-14  # measured: bit-identical
     # As in test_libraries: each gradient within 1e-12 of its own norm, with a floor of 1e-15 of
@@ -402,7 +416,6 @@ def _bert_matches(plain_model, fused_model, ids):
     assert g_f.keys() == g_b.keys()
     for n in g_b:
         assert (g_f[n] - g_b[n]).norm().item() <= 1e-12 * g_b[n].norm().item() + floor, n
-    return plain, fused
 
 
 _BERT_MLP = [(f"encoder.layer.{i}.intermediate.dense",
@@ -474,6 +487,32 @@ def test_bert_mlp_with_a_hook_is_computed_layer_by_layer():
     hooked = saved_activation_bytes(fused, ids)
     handle.remove()
     assert saved_activation_bytes(fused, ids) == hooked - 2 * 5 * 2 * 64 * 8  # layer 0: z, act(z)
+
+
+def test_distilbert_ffn_fused():
+    """DistilBERT's FFN.forward calls its layers only through ff_chunk, the method it hands to
+    apply_chunking_to_forward: that method is analysed in its place and marks the region of the
+    run lin1 -> GELU -> lin2."""
+    transformers = _need("transformers")
+    config = transformers.DistilBertConfig(vocab_size=99, dim=32, n_layers=2, n_heads=2,
+                                           hidden_dim=64, max_position_embeddings=64,
+                                           dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.DistilBertModel(config).double()
+    before = copy.deepcopy(model)
+    _, report = fuse(model)
+    runs = [tuple(f"transformer.layer.{i}.ffn.{n}" for n in ("lin1", "activation", "lin2"))
+            for i in range(2)]
+    assert [(d.layers, d.how, d.activation) for d in report.fused] == [
+        (run, "children", "gelu") for run in runs]
+    assert dict(report.not_analysed)["transformer.layer.0.ffn"].startswith(
+        "its forward calls its children only through ff_chunk")
+    ids = torch.randint(0, 99, (3, 7))
+    plain, fused = _LastHidden(before), _LastHidden(model)
+    out_b, _, g_b = outputs_and_grads(plain, ids, grad_input=False)
+    out_f, _, g_f = outputs_and_grads(fused, ids, grad_input=False)
+    _same_transformer(out_f, g_f, out_b, g_b)
+    assert freed(plain, fused, ids) == 3 * 7 * report.bytes_per_row == 3 * 7 * 2 * (2 * 64 * 8)
 
 
 def test_bert_with_a_near_gelu_is_left_alone():
