@@ -237,3 +237,63 @@ def test_the_crossing_run_compiles_to_one_op():
     x = torch.randn(4, 6, dtype=F64)
     assert rel_err(compiled(x), plain(x)) <= TOL
     assert ops.count("ckpt_ext.mlp.default") == 1 and "aten.linear.default" not in ops
+
+
+class Body(nn.Module):
+    """Its forward calls a Sequential (Linear, SiLU)."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.seq = nn.Sequential(nn.Linear(d_in, d_out), nn.SiLU())
+
+    def forward(self, x):
+        return self.seq(x)
+
+
+class Encoder(nn.Module):
+    """Crossed forwards nested two deep: enc -> body -> seq."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = Body(5, 9)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.mid, self.head = Encoder(), Body(9, 7), Head(7, 5)
+
+    def forward(self, x):
+        return self.head(self.mid(self.enc(x)), x)
+
+
+def test_a_run_crosses_nested_forwards_and_their_sequentials():
+    """The run enc.body.seq.0 .. head.fc crosses enc, enc.body, mid and head: its members are the
+    two Sequentials (the first computes the run, the second passes it on) and head.fc."""
+    torch.manual_seed(0)
+    model = Nested().double()
+    plain = copy.deepcopy(model)
+    _, report = fuse(model)
+    run = ("enc.body.seq.0", "enc.body.seq.1", "mid.seq.0", "mid.seq.1", "head.fc")
+    assert [(d.layers, d.how, d.activation) for d in report.fused] == [(run, "across", "silu")]
+    x = torch.randn(4, 5, dtype=F64)
+    assert_same(plain, model, x)
+    assert freed(plain, model, x) == 4 * report.bytes_per_row == 4 * 2 * (9 + 7) * 8
+    assert torch.equal(model.mid(torch.ones(2, 9, dtype=F64)), plain.mid(torch.ones(2, 9, dtype=F64)))
+    fuse(model, trace=False)  # without the analysis: every region and member is undone
+    assert "forward" not in vars(model) and type(model.head.fc) is nn.Linear
+    assert_same(plain, model, x)
+
+
+def test_without_the_analysis_a_method_region_is_undone():
+    torch.manual_seed(0)
+    model = Layer().double()
+    plain = copy.deepcopy(model)
+    fuse(model)
+    assert "mlp" in vars(model)
+    fuse(model, trace=False)
+    assert "mlp" not in vars(model) and type(model.inp) is nn.Linear
+    assert_same(plain, model, torch.randn(4, 6, dtype=F64))
