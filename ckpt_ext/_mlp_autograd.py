@@ -97,18 +97,20 @@ def _split(ctx, params):
 
 
 class _Mlp(_SingleLevelFunction):
-    """mlp; keeps (x, weights, biases). apply(x, has_bias, activation, last_activation, *weights,
-    *biases)."""
+    """mlp; keeps (x, weights, biases). apply(x, *weights, *biases, has_bias, activation,
+    last_activation): the tensors first, where the node's edges (one per tensor input) line up
+    with the inputs, as _needed reads them."""
 
     @staticmethod
-    def forward(x, has_bias, act, last_activation, *params):
+    def forward(x, *rest):
+        *params, has_bias, act, last_activation = rest
         L = len(has_bias)
         return _below_autograd(_OPS.mlp.default, x, params[:L], params[L:], list(has_bias), act,
                                last_activation)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, has_bias, act, last_activation, *params = inputs
+        x, *params, has_bias, act, last_activation = inputs
         ctx.save_for_backward(x, *params)
         ctx.save_for_forward(x, *params)
         ctx.has_bias, ctx.act, ctx.last = tuple(has_bias), act, bool(last_activation)
@@ -117,8 +119,8 @@ class _Mlp(_SingleLevelFunction):
     def backward(ctx, grad_out):
         x, *params = ctx.saved_tensors
         L = len(ctx.has_bias)
-        need = _needed(ctx, 4 + len(params))
-        need_x, need_w, need_b = need[0], need[4:4 + L], need[4 + L:]
+        need = _needed(ctx, 1 + len(params))
+        need_x, need_w, need_b = need[0], need[1:1 + L], need[1 + L:]
         weights, layer_b = _split(ctx, params)
         # torch.func: the composite, which the transforms see through. relu with create_graph too:
         # its derivative is piecewise constant, so what stock autograd keeps for the orders above
@@ -126,21 +128,22 @@ class _Mlp(_SingleLevelFunction):
         if not _plain_autograd() or (ctx.act == "relu" and torch.is_grad_enabled()):
             gx, gw, gb = mlp_backward_composite(grad_out, x, weights, layer_b, ctx.act, ctx.last,
                                                 need_x, need_w, _layer_biases(need_b, ctx.has_bias))
-            return (gx, None, None, None, *gw, *[g for g, hb in zip(gb, ctx.has_bias) if hb])
+            return (gx, *gw, *[g for g, hb in zip(gb, ctx.has_bias) if hb], None, None, None)
         if torch.is_grad_enabled():  # create_graph: per-layer nodes, for the orders above
             gx, gw, gb = _per_layer_backward(grad_out, x, weights, layer_b, ctx.act, ctx.last,
                                              need_x, need_w, _layer_biases(need_b, ctx.has_bias))
-            return (gx, None, None, None, *gw, *[g for g, hb in zip(gb, ctx.has_bias) if hb])
+            return (gx, *gw, *[g for g, hb in zip(gb, ctx.has_bias) if hb], None, None, None)
         gx, gw_asked, gb_asked = _OPS.mlp_backward.default(
             grad_out, x, weights, params[L:], list(ctx.has_bias), ctx.act, ctx.last, need_x,
             need_w, need_b)
         it_w, it_b = iter(gw_asked), iter(gb_asked)
         gw = [next(it_w) if n else None for n in need_w]
         gb = [next(it_b) if n else None for n in need_b]
-        return (gx if need_x else None, None, None, None, *gw, *gb)
+        return (gx if need_x else None, *gw, *gb, None, None, None)
 
     @staticmethod
-    def jvp(ctx, x_t, _hb, _act, _last, *param_t):
+    def jvp(ctx, x_t, *rest):
+        param_t = rest[:-3]
         x, *params = ctx.saved_tensors
         weights, layer_b = _split(ctx, params)
         L = len(weights)
@@ -262,7 +265,7 @@ def _vjp(fn, n_inputs, wanted, *tensors):
 
 
 def _apply_mlp(x, weights, biases, has_bias, act, last_activation):
-    return _Mlp.apply(x, tuple(has_bias), act, bool(last_activation), *weights, *biases)
+    return _Mlp.apply(x, *weights, *biases, tuple(has_bias), act, bool(last_activation))
 
 
 _register_autograd_kernel("mlp", _apply_mlp)

@@ -117,6 +117,23 @@ def test_gradcheck_and_gradgradcheck(act, last):
     assert torch.autograd.gradgradcheck(f, args)
 
 
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_gradient_of_one_parameter_alone(act, create_graph):
+    # Asked for one weight only (a leaf, or reached through a non-leaf), the backward must still
+    # make that weight's gradient: the same as from a call that asks for every input.
+    x, ws, bs, gy = _inputs((6,), [3, 5, 4, 2], (True, True, True), torch.float64, seed=11)
+    want = _grads(ckpt_ext.mlp(x, ws, bs, activation=act), [x, *ws, *bs], gy)
+    for i in range(len(ws)):
+        y = ckpt_ext.mlp(x, ws, bs, activation=act)
+        (got,) = torch.autograd.grad(y, ws[i], gy, create_graph=create_graph)
+        assert rel_err(got, want[1 + i]) <= 1e-13, i
+        v = ws[i].detach().requires_grad_()
+        y = ckpt_ext.mlp(x, ws[:i] + [v * 1.0] + ws[i + 1:], bs, activation=act)
+        (got,) = torch.autograd.grad(y, v, gy, create_graph=create_graph)
+        assert rel_err(got, want[1 + i]) <= 1e-13, i
+
+
 @pytest.mark.parametrize("act", OTHER_ACTS)
 def test_third_order_matches_autograd(act):
     # u(p) and u_xx as a PINN builds them (create_graph twice), then a loss's gradient: the
