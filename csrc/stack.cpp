@@ -85,7 +85,8 @@ Asked asked_of(int64_t L, const std::vector<bool>& has_bias, bool need_x,
 
 // The backward of an activation whose derivative needs z (every one but tanh): the recompute
 // keeps z_i of the layers from lo up and the input a_lo; a_i = f(z_{i−1}) is made again, into a
-// buffer of its own, only for the GEMM of grad_W_i (docs/design.md, "Other activations").
+// buffer of its own, only for the GEMM of grad_W_i (docs/design.md, "Other activations"). The top
+// layer's input is made only where its z is recomputed (last_act): else the loop makes it.
 StackGrads stack_backward_from_z(at::Tensor grad_out, const at::Tensor& x,
                                  at::TensorList weights, const std::vector<std::optional<at::Tensor>>& b,
                                  int64_t n_biases, bool last_act, bool need_x,
@@ -101,13 +102,17 @@ StackGrads stack_backward_from_z(at::Tensor grad_out, const at::Tensor& x,
   at::Tensor a = flatten_rows(x);
   const int64_t M = a.size(0);
   at::Tensor a_lo = lo == 0 ? a : at::Tensor();
-  for (int64_t i = 0; i < L; ++i) {
-    if (i == L - 1 && !last_act) break;
+  const int64_t top = last_act ? L : L - 1;  // the layers whose z is recomputed
+  for (int64_t i = 0; i < top; ++i) {
     at::Tensor z = pre_activation(a, weights[i], b[i]);
-    if (i + 1 < L) {
-      at::Tensor next = i >= lo ? new_buffer(z.sizes(), z.options()) : z;
-      if (i >= lo) next.copy_(z);
-      activation_in_place(next, act);
+    if (i + 1 < top || i + 1 == lo) {  // a_{i+1} = f(z_i), an input the recompute reads
+      at::Tensor next = z;
+      if (i >= lo) {
+        next = new_buffer(z.sizes(), z.options());
+        activation_to(z, next, act);
+      } else {
+        activation_in_place(next, act);
+      }
       if (i + 1 == lo) a_lo = next;
       a = std::move(next);
     }
@@ -133,8 +138,7 @@ StackGrads stack_backward_from_z(at::Tensor grad_out, const at::Tensor& x,
       at::Tensor a_i = a_lo;
       if (i > lo) {  // f(z_{i−1}), as the forward made it
         a_i = new_buffer(zs[i - 1].sizes(), zs[i - 1].options());
-        a_i.copy_(zs[i - 1]);
-        activation_in_place(a_i, act);
+        activation_to(zs[i - 1], a_i, act);
       }
       out.grad_weights[i] = at::mm(g.t(), a_i);
     }
