@@ -1,7 +1,8 @@
 """The activations of :func:`ckpt_ext.mlp` on the Python side: their names (read from the C++
 library, csrc/checks.cpp), f(z) and gy·f'(z) from ATen's own ops (differentiable again, and
-batched by vmap), f''(z) for the second order, and the ``nn`` module that computes each (recognising one is the converter's
-job: ckpt_ext/convert/activations.py). The kernels' formulas: csrc/activations.h."""
+batched by vmap), f'(z), f''(z) and f'''(z) for the orders above the first, and the ``nn``
+module that computes each (recognising one is the converter's job:
+ckpt_ext/convert/activations.py). The kernels' formulas: csrc/activations.h."""
 from __future__ import annotations
 
 import math
@@ -28,7 +29,7 @@ _FORMULAS: Dict[str, tuple] = {
     "silu": (F.silu, lambda gy, z: _silu_backward(gy, z)),
     "sigmoid": (torch.sigmoid, lambda gy, z: _ATEN.sigmoid_backward(gy, torch.sigmoid(z))),
     "softplus": (F.softplus, lambda gy, z: _ATEN.softplus_backward(gy, z, 1, 20)),
-    "sin": (torch.sin, lambda gy, z: gy * torch.cos(z)),
+    "sin": (torch.sin, lambda gy, z: gy * _FIRST["sin"](z)),
     "relu": (torch.relu, lambda gy, z: _ATEN.threshold_backward(gy, z, 0)),
 }
 
@@ -44,50 +45,87 @@ _FROM_OUTPUT = {
 def _silu_backward(gy, z):
     # aten.silu_backward's own formula, spelled in ops autograd can differentiate again (it cannot
     # differentiate silu_backward itself).
+    return gy * _silu_derivative(z)
+
+
+def _silu_derivative(z):
     s = torch.sigmoid(z)
-    return gy * s * (1 + z * (1 - s))
+    return s * (1 + z * (1 - s))
 
 
 assert set(_FORMULAS) == set(ACTIVATIONS), "a formula for every activation of the C++ library"
 
+# f'(z) as a tensor, for the formulas of the orders above the first: written out where _FORMULAS
+# multiplies gy by it, else PyTorch's backward op with gy = 1.
+_FIRST = {"sin": torch.cos, "silu": _silu_derivative}
 
-def _second_derivatives():
-    # f''(z), for the second order of the per-layer nodes (its own derivative, the third order, by
-    # autograd through these ATen ops). s = sigmoid(z), φ = exp(−z²/2)/√(2π); gelu_tanh with
-    # u = k(z + c·z³), th = tanh(u): (1 − th²)·(u' + z·(u'' − 2·th·u'²)/2).
+
+def _higher_derivatives():
+    # f''(z) and f'''(z) (third=True), for the second and third orders of the per-layer nodes
+    # (the orders above by autograd through these ATen ops). s = sigmoid(z),
+    # φ = exp(−z²/2)/√(2π); gelu_tanh with u = k(z + c·z³), th = tanh(u), S = 1 − th²:
+    # f'' = S·P with P = u' + z·(u'' − 2·th·u'²)/2, and f''' = S·(P' − 2·th·u'·P) with
+    # P' = 3u''/2 − th·u'² + z·(u''' − 2·S·u'³ − 4·th·u'·u'')/2.
     k, c = math.sqrt(2 / math.pi), 0.044715
 
-    def gelu_tanh(z):
+    def gelu_tanh(z, third):
         th = torch.tanh(k * (z + c * z ** 3))
         du, d2u = k * (1 + 3 * c * z * z), 6 * k * c * z
-        return (1 - th * th) * (du + 0.5 * z * (d2u - 2 * th * du * du))
+        sech2 = 1 - th * th
+        p = du + 0.5 * z * (d2u - 2 * th * du * du)
+        if not third:
+            return sech2 * p
+        dp = (1.5 * d2u - th * du * du
+              + 0.5 * z * (6 * k * c - 2 * sech2 * du ** 3 - 4 * th * du * d2u))
+        return sech2 * (dp - 2 * th * du * p)
 
-    def silu(z):
+    def silu(z, third):
         s = torch.sigmoid(z)
-        return s * (1 - s) * (2 + z * (1 - 2 * s))
+        if not third:
+            return s * (1 - s) * (2 + z * (1 - 2 * s))
+        return s * (1 - s) * ((1 - 2 * s) * (3 + z * (1 - 2 * s)) - 2 * z * s * (1 - s))
 
-    def sigmoid(z):
+    def sigmoid(z, third):
         s = torch.sigmoid(z)
-        return s * (1 - s) * (1 - 2 * s)
+        return s * (1 - s) * ((1 - 6 * s + 6 * s * s) if third else (1 - 2 * s))
 
-    def softplus(z):
+    def softplus(z, third):  # f(z) = z above the threshold 20
         s = torch.sigmoid(z)
-        return torch.where(z > 20, torch.zeros_like(z), s * (1 - s))
+        return torch.where(z > 20, torch.zeros_like(z), s * (1 - s) * ((1 - 2 * s) if third else 1))
 
-    return {
-        "tanh": lambda z: -2 * torch.tanh(z) * (1 - torch.tanh(z) ** 2),
-        "gelu": lambda z: torch.exp(-0.5 * z * z) * (1 / math.sqrt(2 * math.pi)) * (2 - z * z),
-        "gelu_tanh": gelu_tanh, "silu": silu, "sigmoid": sigmoid, "softplus": softplus,
-        "sin": lambda z: -torch.sin(z), "relu": torch.zeros_like,
-    }
+    def tanh(z, third):
+        t = torch.tanh(z)
+        return (1 - t * t) * ((6 * t * t - 2) if third else -2 * t)
+
+    def gelu(z, third):
+        phi = torch.exp(-0.5 * z * z) * (1 / math.sqrt(2 * math.pi))
+        return phi * (z * (z * z - 4) if third else (2 - z * z))
+
+    def sin(z, third):
+        return -torch.cos(z) if third else -torch.sin(z)
+
+    return {"tanh": tanh, "gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu, "sigmoid": sigmoid,
+            "softplus": softplus, "sin": sin, "relu": lambda z, third: torch.zeros_like(z)}
 
 
-_SECOND = _second_derivatives()
+_HIGHER = _higher_derivatives()
+
+
+def derivative(name: str, z: Tensor) -> Tensor:
+    """f'(z), from ATen ops."""
+    if name in _FIRST:
+        return _FIRST[name](z)
+    return _FORMULAS[name][1](torch.ones_like(z), z)
 
 
 def second_derivative(name: str, z: Tensor) -> Tensor:
     """f''(z), from ATen ops."""
-    return _SECOND[name](z)
+    return _HIGHER[name](z, False)
+
+
+def third_derivative(name: str, z: Tensor) -> Tensor:
+    """f'''(z), from ATen ops."""
+    return _HIGHER[name](z, True)
 
 
 def check_activation(name, where: str) -> str:

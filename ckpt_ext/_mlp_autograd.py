@@ -1,7 +1,7 @@
 """Autograd of the mlp op (any activation; tanh_mlp keeps its own, ``_autograd``): it keeps x and
 the parameters only. First order: the recomputing C++ mlp_backward. With create_graph=True the
 first order is built from per-layer nodes that keep their inputs only and recompute (one layer)
-for every later order; under torch.func the composite below runs directly.
+for every later order (``_mlp_higher_order``); under torch.func the composite below runs directly.
 Design: docs/design.md, "Other activations".
 """
 from __future__ import annotations
@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import _SingleLevelFunction
 
-from ._activations import activate, activation_backward, second_derivative
+from ._activations import activate, activation_backward
 from ._autograd import _below_autograd, _needed, _plain_autograd, _register_autograd_kernel
 from ._derivatives import _OPS, _add, _flat, _layer_biases
+from ._mlp_higher_order import create_graph_backward
 
 
 # ---- the composite: the run and its first-order backward from ATen ops ------------------------
@@ -130,8 +131,8 @@ class _Mlp(_SingleLevelFunction):
                                                 need_x, need_w, _layer_biases(need_b, ctx.has_bias))
             return (gx, *gw, *[g for g, hb in zip(gb, ctx.has_bias) if hb], None, None, None)
         if torch.is_grad_enabled():  # create_graph: per-layer nodes, for the orders above
-            gx, gw, gb = _per_layer_backward(grad_out, x, weights, layer_b, ctx.act, ctx.last,
-                                             need_x, need_w, _layer_biases(need_b, ctx.has_bias))
+            gx, gw, gb = create_graph_backward(grad_out, x, weights, layer_b, ctx.act, ctx.last,
+                                               need_x, need_w, _layer_biases(need_b, ctx.has_bias))
             return (gx, *gw, *[g for g, hb in zip(gb, ctx.has_bias) if hb], None, None, None)
         gx, gw_asked, gb_asked = _OPS.mlp_backward.default(
             grad_out, x, weights, params[L:], list(ctx.has_bias), ctx.act, ctx.last, need_x,
@@ -151,24 +152,12 @@ class _Mlp(_SingleLevelFunction):
                         _layer_biases(param_t[L:], ctx.has_bias))
 
 
-# ---- create_graph: per-layer nodes that keep their inputs and recompute ------------------------
+# ---- one layer's steps, for the composite ------------------------------------------------------
 
 def _layer_forward(act, a, weight, bias):
     """(z, f(z)) of one layer."""
     z = F.linear(a, weight, bias)
     return z, activate(act, z)
-
-
-def _layer_forward_vjp(act, wanted, a, weight, bias, c_z, c_h):
-    """Its vjp, z recomputed: c = c_z + c_h·f'(z), then (c·W, cᵀ·a, Σ c)."""
-    z = F.linear(a, weight, bias)
-    c = c_z
-    if c_h is not None:
-        c = _add(c, activation_backward(act, c_h, z))
-    if c is None:
-        return None, None, None
-    return (c @ weight if wanted[0] else None, _flat(c).t() @ _flat(a) if wanted[1] else None,
-            _flat(c).sum(0) if wanted[2] and bias is not None else None)
 
 
 def _layer_backward(act, mask, gy, a, z, weight, out=None):
@@ -177,91 +166,6 @@ def _layer_backward(act, mask, gy, a, z, weight, out=None):
     g = activation_backward(act, gy, z, out)
     return (g @ weight if mask[0] else None, _flat(g).t() @ _flat(a) if mask[1] else None,
             _flat(g).sum(0) if mask[2] else None)
-
-
-def _layer_backward_vjp(act, mask, wanted, gy, a, z, weight, c_ga, c_gw, c_gb):
-    """Its vjp (the second order), with c_* the cotangents of (grad_a, grad_W, grad_b):
-    dg = c_ga·Wᵀ + a·c_gWᵀ + c_gb, and (dg·f'(z), g·c_gW, dg·gy·f''(z), gᵀ·c_ga) for
-    (gy, a, z, W)."""
-    dg = None if c_ga is None else c_ga @ weight.t()
-    if c_gw is not None:
-        dg = _add(dg, a @ c_gw.t())
-    if c_gb is not None:
-        dg = _add(dg, c_gb.expand(*a.shape[:-1], weight.shape[0]))
-    need_g = (wanted[1] and c_gw is not None) or (wanted[3] and c_ga is not None)
-    g = activation_backward(act, gy, z) if need_g else None
-    d_gy = d_z = None
-    if dg is not None:
-        d_gy = activation_backward(act, dg, z) if wanted[0] else None
-        d_z = dg * gy * second_derivative(act, z) if wanted[2] else None
-    d_a = g @ c_gw if wanted[1] and c_gw is not None else None
-    d_w = _flat(g).t() @ _flat(c_ga) if wanted[3] and c_ga is not None else None
-    return d_gy, d_a, d_z, d_w
-
-
-def _per_layer_backward(grad_out, x, weights, layer_b, act, last_activation, need_x, need_w,
-                        need_b):
-    """The first-order backward of the run, recorded (create_graph) as one recomputing node per
-    layer for its forward, (z_i, a_{i+1}), and one for its backward from z_i: each keeps its
-    inputs, and every later order recomputes one layer at a time."""
-    def forward(a, w, b):
-        return _Recomputed.apply(functools.partial(_layer_forward, act),
-                                 functools.partial(_layer_forward_vjp, act), a, w, b)
-
-    def backward(mask, gy, a, z, out, w):
-        return _Recomputed.apply(functools.partial(_layer_backward, act, mask),
-                                 functools.partial(_layer_backward_vjp, act, mask), gy, a, z, w)
-
-    return _walk(grad_out, x, weights, layer_b, last_activation, need_x, need_w, need_b, forward,
-                 backward)
-
-
-class _Recomputed(torch.autograd.Function):
-    """fn(*inputs), ATen ops, as a node that keeps its inputs only. Its backward is the vjp of fn,
-    from ``vjp(wanted, *inputs, *cotangents)`` (a formula) or else by autograd through fn
-    recomputed, and is recorded as another such node when a graph is built (create_graph): the
-    memory of checkpointing one layer at every order."""
-
-    @staticmethod
-    def forward(ctx, fn, vjp, *inputs):
-        ctx.fn, ctx.vjp = fn, vjp
-        ctx.save_for_backward(*inputs)
-        ctx.set_materialize_grads(False)
-        return tuple(fn(*inputs))
-
-    @staticmethod
-    def backward(ctx, *cotangents):
-        inputs = ctx.saved_tensors
-        wanted = tuple(bool(w) for w in ctx.needs_input_grad[2:])
-        if all(c is None for c in cotangents) or not any(wanted):
-            return (None,) * (2 + len(inputs))
-        if ctx.vjp is not None:
-            fn = functools.partial(ctx.vjp, wanted)
-        else:
-            fn = functools.partial(_vjp, ctx.fn, len(inputs), wanted)
-        if torch.is_grad_enabled():
-            return (None, None, *_Recomputed.apply(fn, None, *inputs, *cotangents))
-        return (None, None, *fn(*inputs, *cotangents))
-
-
-def _vjp(fn, n_inputs, wanted, *tensors):
-    """The gradient of <fn(*inputs), cotangents> w.r.t. each input where ``wanted`` (else None),
-    fn recomputed. In grad mode (a caller differentiating this) the inputs that require grad are
-    used as they are, so the result is differentiable in them."""
-    inputs, cotangents = tensors[:n_inputs], tensors[n_inputs:]
-    create = torch.is_grad_enabled()
-    with torch.enable_grad():
-        ins = [t if (t is None or (create and t.requires_grad))
-               else t.detach().requires_grad_(w) for t, w in zip(inputs, wanted)]
-        outs = fn(*ins)
-        pairs = [(o, c) for o, c in zip(outs, cotangents)
-                 if c is not None and o is not None and o.requires_grad]
-        targets = [t for t, w in zip(ins, wanted) if w]
-        grads = (torch.autograd.grad([o for o, _ in pairs], targets, [c for _, c in pairs],
-                                     create_graph=create, allow_unused=True)
-                 if pairs else [None] * len(targets))
-    it = iter(grads)
-    return tuple(next(it) if w else None for w in wanted)
 
 
 def _apply_mlp(x, weights, biases, has_bias, act, last_activation):

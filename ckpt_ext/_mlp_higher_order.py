@@ -1,0 +1,332 @@
+"""The create_graph backward of the mlp op (every activation but relu; tanh_mlp has its own): nodes
+per layer that keep their inputs only and recompute one layer at every later order, with formulas
+for the first three orders and autograd through the third above that.
+Design: docs/design.md, "Other activations".
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._activations import activate, derivative, second_derivative, third_derivative
+from ._derivatives import _flat
+
+
+# ---- one layer, written on its pre-activation input --------------------------------------------
+# Layer i reads p = z_{i−1} (x for the first layer) and makes a = f(p) itself (a = p for the
+# first layer: act None), so its nodes keep pre-activations and gradients, never f(z):
+#   forward:  z = a·Wᵀ + b
+#   backward: gp = (gz·W)·f'(p),  gW = gzᵀ·a,  gb = Σ gz     (gz: the gradient w.r.t. z)
+# The activation on top of the run (last_activation) is that backward without W: gp = gz·f'(p).
+
+class _Input:
+    """f and its derivatives at a layer's input p, each made once per formula call (``drop``
+    lets one go); the identity where act is None."""
+
+    def __init__(self, act: Optional[str], p: Tensor) -> None:
+        self.act, self.p, self._made = act, p, {}
+
+    def _get(self, key, make):
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+    def drop(self, *keys) -> None:
+        for k in keys:
+            self._made.pop(k, None)
+
+    def f(self) -> Tensor:
+        return self.p if self.act is None else self._get("f", lambda: activate(self.act, self.p))
+
+    def d1(self, v: Tensor) -> Tensor:
+        """v·f'(p); v itself for the identity."""
+        if self.act is None:
+            return v
+        return v * self._get("d1", lambda: derivative(self.act, self.p))
+
+    def d2(self) -> Tensor:
+        """f''(p) (never asked for the identity, whose f'' is zero)."""
+        return self._get("d2", lambda: second_derivative(self.act, self.p))
+
+    def d3(self) -> Tensor:
+        return self._get("d3", lambda: third_derivative(self.act, self.p))
+
+
+# Where no graph is recorded, a formula updates its own temporaries in place (one buffer fewer
+# per term); the ``acc`` argument of the helpers below is always such a temporary.
+
+def _addcmul(acc: Optional[Tensor], a: Tensor, b: Tensor) -> Tensor:
+    """acc + a·b."""
+    if acc is None:
+        return a * b
+    return acc + a * b if torch.is_grad_enabled() else acc.addcmul_(a, b)
+
+
+def _plus(acc: Optional[Tensor], t: Optional[Tensor]) -> Optional[Tensor]:
+    """acc + t (t may be an input: returned as it is when acc is None)."""
+    if acc is None or t is None:
+        return t if acc is None else acc
+    return acc + t if torch.is_grad_enabled() else acc.add_(t)
+
+
+def _times(acc: Tensor, t: Tensor) -> Tensor:
+    """acc·t."""
+    return acc * t if torch.is_grad_enabled() else acc.mul_(t)
+
+
+def _mm(t: Tensor, w: Optional[Tensor]) -> Tensor:
+    return t if w is None else t @ w  # no W: the activation on top
+
+
+def _mm_t(t: Tensor, w: Optional[Tensor]) -> Tensor:
+    return t if w is None else t @ w.t()
+
+
+def _outer(u: Tensor, v: Tensor) -> Tensor:
+    """uᵀ·v over the rows."""
+    return _flat(u).t() @ _flat(v)
+
+
+def _forward(act, p, weight, bias):
+    """(z,) = (f(p)·Wᵀ + b,)."""
+    return (F.linear(_Input(act, p).f(), weight, bias),)
+
+
+def _forward_vjp(act, wanted, p, weight, bias, c):
+    """Its vjp for c, the cotangent of z: ((c·W)·f'(p), cᵀ·f(p), Σ c) for (p, W, b)."""
+    if c is None:
+        return None, None, None
+    fp = _Input(act, p)
+    return (fp.d1(c @ weight) if wanted[0] else None, _outer(c, fp.f()) if wanted[1] else None,
+            _flat(c).sum(0) if wanted[2] and bias is not None else None)
+
+
+def _forward_vjp_vjp(act, wanted, p, weight, bias, c, u_p, u_w, u_b):
+    """The vjp of _forward_vjp, with u_* the cotangents of its results and k = u_p·f'(p):
+    p: u_p·(c·W)·f''(p) + (c·u_W)·f'(p),  W: cᵀ·k,  b: 0,  c: k·Wᵀ + f(p)·u_Wᵀ + u_b."""
+    fp = _Input(act, p)
+    g_p = g_w = g_c = None
+    if wanted[0] and c is not None:
+        if u_p is not None and act is not None:
+            g_p = _times(_times(c @ weight, u_p), fp.d2())
+            fp.drop("d2")
+        if u_w is not None:
+            g_p = _plus(g_p, fp.d1(c @ u_w))
+    k = None if u_p is None else fp.d1(u_p)
+    if wanted[1] and k is not None and c is not None:
+        g_w = _outer(c, k)
+    if wanted[3]:
+        g_c = None if k is None else k @ weight.t()
+        del k
+        if u_w is not None:
+            g_c = _plus(g_c, fp.f() @ u_w.t())
+        if u_b is not None:
+            g_c = _plus(g_c, u_b.expand(*p.shape[:-1], weight.shape[0]))
+    return g_p, g_w, None, g_c
+
+
+def _backward(act, mask, gz, p, weight):
+    """(gp, gW, gb) = ((gz·W)·f'(p), gzᵀ·f(p), Σ gz), each where mask says."""
+    fp = _Input(act, p)
+    return (fp.d1(_mm(gz, weight)) if mask[0] else None,
+            _outer(gz, fp.f()) if mask[1] else None, _flat(gz).sum(0) if mask[2] else None)
+
+
+def _backward_vjp(act, wanted, gz, p, weight, c_gp, c_gw, c_gb):
+    """Its vjp (the second order), c_* the cotangents of (gp, gW, gb); with s = c_gp·f'(p):
+    gz: s·Wᵀ + f(p)·c_gWᵀ + c_gb,  p: c_gp·(gz·W)·f''(p) + (gz·c_gW)·f'(p),  W: gzᵀ·s."""
+    fp = _Input(act, p)
+    r_gz = r_p = r_w = None
+    if wanted[1]:
+        if c_gp is not None and act is not None:
+            r_p = _times(c_gp * _mm(gz, weight), fp.d2())
+            fp.drop("d2")
+        if c_gw is not None:
+            r_p = _plus(r_p, fp.d1(gz @ c_gw))
+    s = None if c_gp is None else fp.d1(c_gp)
+    fp.drop("d1")
+    if wanted[0]:
+        r_gz = None if s is None else _mm_t(s, weight)
+        if c_gw is not None:
+            r_gz = _plus(r_gz, fp.f() @ c_gw.t())
+        if c_gb is not None:
+            r_gz = _plus(r_gz, c_gb.expand(gz.shape))
+    if wanted[2] and s is not None:
+        r_w = _outer(gz, s)
+    return r_gz, r_p, r_w
+
+
+def _backward_vjp_vjp(act, wanted, gz, p, weight, c_gp, c_gw, c_gb, v_gz, v_p, v_w):
+    """The vjp of _backward_vjp (the third order), v_* the cotangents of its results. With
+    s = c_gp·f'(p), m = gz·W, n = gz·c_gW and the cotangents reaching them
+        s̄ = v_gz·W + gz·v_W,   m̄ = v_p·c_gp·f''(p),   n̄ = v_p·f'(p),   ā = v_gz·c_gW (of f(p)):
+    gz: m̄·Wᵀ + n̄·c_gWᵀ + s·v_Wᵀ,   W: v_gzᵀ·s + gzᵀ·m̄,
+    p: v_p·c_gp·m·f'''(p) + (v_p·n + s̄·c_gp)·f''(p) + ā·f'(p),
+    c_gp: v_p·m·f''(p) + s̄·f'(p),   c_gW: v_gzᵀ·f(p) + gzᵀ·n̄,   c_gb: Σ v_gz."""
+    fp = _Input(act, p)
+    curved = act is not None  # f'' and f''' nonzero
+    res: List[Optional[Tensor]] = [None] * 6
+    s_bar = None if v_gz is None else _mm(v_gz, weight)
+    if v_w is not None:
+        s_bar = _plus(gz @ v_w, s_bar)
+    # the terms through m (f''' and the m-part of c_gp's)
+    if curved and v_p is not None and c_gp is not None and (wanted[1] or wanted[3]):
+        vm = v_p * _mm(gz, weight)  # v_p·m
+        if wanted[1]:
+            res[1] = _times(c_gp * vm, fp.d3())
+            fp.drop("d3")
+        if wanted[3]:
+            res[3] = _times(vm, fp.d2())
+        del vm
+    if wanted[3] and s_bar is not None:
+        res[3] = _plus(res[3], fp.d1(s_bar)) if res[3] is not None else fp.d1(s_bar)
+    if wanted[1]:
+        if curved:
+            inner = None if v_p is None or c_gw is None else v_p * (gz @ c_gw)  # v_p·n
+            if s_bar is not None and c_gp is not None:
+                inner = _addcmul(inner, s_bar, c_gp)
+            if inner is not None:
+                res[1] = _addcmul(res[1], inner, fp.d2())
+            del inner
+        if v_gz is not None and c_gw is not None:
+            res[1] = _plus(res[1], fp.d1(v_gz @ c_gw))  # ā·f'(p)
+    del s_bar
+    m_bar = None
+    if curved and v_p is not None and c_gp is not None and (wanted[0] or wanted[2]):
+        m_bar = _times(v_p * c_gp, fp.d2())
+    fp.drop("d2")
+    s = None
+    if c_gp is not None and ((wanted[0] and v_w is not None) or (wanted[2] and v_gz is not None)):
+        s = fp.d1(c_gp)
+    if wanted[2]:
+        r = None if m_bar is None else _outer(gz, m_bar)
+        if v_gz is not None and s is not None:
+            r = _plus(r, _outer(v_gz, s))
+        res[2] = r
+    n_bar = None if v_p is None or c_gw is None else fp.d1(v_p)
+    if wanted[0]:
+        r = None if m_bar is None else _mm_t(m_bar, weight)
+        if n_bar is not None:
+            r = _plus(r, n_bar @ c_gw.t())
+        if v_w is not None and s is not None:
+            r = _plus(r, s @ v_w.t())
+        res[0] = r
+    del m_bar, s
+    if wanted[4]:
+        r = None if v_gz is None else _outer(v_gz, fp.f())
+        if n_bar is not None:
+            r = _plus(r, _outer(gz, n_bar))
+        res[4] = r
+    if wanted[5] and v_gz is not None:
+        res[5] = _flat(v_gz).sum(0)
+    return tuple(res)
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+def create_graph_backward(grad_out, x, weights, layer_b, act, last_activation, need_x, need_w,
+                          need_b):
+    """The first-order backward of the run (grad_x?, [grad_W_i?], [grad_b_i?]), recorded as
+    per-layer nodes: one forward node per pre-activation z_i (from z_{i−1}, W_i, b_i), one
+    backward node per layer (and one for the activation on top)."""
+    L = len(weights)
+    need_b = [bool(n) and b is not None for n, b in zip(need_b, layer_b)]
+    lowest = 0 if need_x else min([i for i in range(L) if need_w[i] or need_b[i]], default=L)
+    gws: List[Optional[Tensor]] = [None] * L
+    gbs: List[Optional[Tensor]] = [None] * L
+    if lowest == L:
+        return None, gws, gbs
+
+    def act_in(i):
+        return act if i > 0 else None
+
+    ps = [x]  # the layers' inputs: x, z_0, z_1, ...
+    for i in range(L if last_activation else L - 1):
+        ps.append(_Recomputed.apply(
+            functools.partial(_forward, act_in(i)),
+            (functools.partial(_forward_vjp, act_in(i)),
+             functools.partial(_forward_vjp_vjp, act_in(i))),
+            ps[i], weights[i], layer_b[i])[0])
+    grad = grad_out
+    if last_activation:
+        grad = _backward_node(act, (True, False, False), grad, ps[L], None)[0]
+    for i in reversed(range(lowest, L)):
+        mask = (i > lowest or need_x, bool(need_w[i]), need_b[i])
+        grad, gws[i], gbs[i] = _backward_node(act_in(i), mask, grad, ps[i], weights[i])
+    return (grad if need_x else None), gws, gbs
+
+
+def _backward_node(act, mask, gz, p, weight):
+    return _Recomputed.apply(functools.partial(_backward, act, mask),
+                             (functools.partial(_backward_vjp, act),
+                              functools.partial(_backward_vjp_vjp, act)), gz, p, weight)
+
+
+class _Recomputed(torch.autograd.Function):
+    """fn(*inputs), ATen ops, as a node that keeps its inputs only. Its backward is the vjp of fn:
+    vjps[0](wanted, *inputs, *cotangents) (a formula, whose own vjp is vjps[1], ...) or, past
+    the last formula, autograd through fn recomputed; recorded as another such node when a graph
+    is built (create_graph): the memory of checkpointing one layer at every order."""
+
+    @staticmethod
+    def forward(ctx, fn, vjps, *inputs):
+        ctx.fn, ctx.vjps = fn, vjps
+        ctx.save_for_backward(*inputs)
+        ctx.set_materialize_grads(False)
+        return tuple(fn(*inputs))
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        inputs = ctx.saved_tensors
+        wanted = _wanted(ctx, inputs)
+        if all(c is None for c in cotangents) or not any(wanted):
+            return (None,) * (2 + len(inputs))
+        if ctx.vjps:
+            fn, vjps = functools.partial(ctx.vjps[0], wanted), ctx.vjps[1:]
+        else:
+            fn, vjps = functools.partial(_vjp, ctx.fn, len(inputs), wanted), ()
+        if torch.is_grad_enabled():
+            return (None, None, *_Recomputed.apply(fn, vjps, *inputs, *cotangents))
+        return (None, None, *fn(*inputs, *cotangents))
+
+
+def _wanted(ctx, inputs) -> tuple:
+    """Which inputs' gradients the running pass uses (as _autograd._needed asks the engine); the
+    node has one edge per tensor input, none for a None one."""
+    need = [bool(n) for n in ctx.needs_input_grad[2:]]
+    edges = ctx.next_functions
+    j = 0
+    for i, t in enumerate(inputs):
+        if t is None:
+            continue
+        node, j = edges[j][0], j + 1
+        if need[i] and node is not None:
+            try:
+                need[i] = bool(torch._C._will_engine_execute_node(node))
+            except RuntimeError:  # a leaf captured by autograd.grad: its gradient is the result
+                pass
+    return tuple(need)
+
+
+def _vjp(fn, n_inputs, wanted, *tensors):
+    """The gradient of <fn(*inputs), cotangents> w.r.t. each input where ``wanted`` (else None),
+    fn recomputed. In grad mode (a caller differentiating this) the inputs that require grad are
+    used as they are, so the result is differentiable in them."""
+    inputs, cotangents = tensors[:n_inputs], tensors[n_inputs:]
+    create = torch.is_grad_enabled()
+    with torch.enable_grad():
+        ins = [t if (t is None or (create and t.requires_grad))
+               else t.detach().requires_grad_(w) for t, w in zip(inputs, wanted)]
+        outs = fn(*ins)
+        pairs = [(o, c) for o, c in zip(outs, cotangents)
+                 if c is not None and o is not None and o.requires_grad]
+        targets = [t for t, w in zip(ins, wanted) if w]
+        grads = (torch.autograd.grad([o for o, _ in pairs], targets, [c for _, c in pairs],
+                                     create_graph=create, allow_unused=True)
+                 if pairs else [None] * len(targets))
+    it = iter(grads)
+    return tuple(next(it) if w else None for w in wanted)
