@@ -535,17 +535,23 @@ def _deepxde():
     return dde
 
 
-@pytest.mark.parametrize("activation", ["sin", "silu"])
+# DeepXDE's activation names (deepxde.nn.activations.get) -> what fuse computes them as.
+DEEPXDE_ACTIVATIONS = {"tanh": "tanh", "sin": "sin", "silu": "silu", "swish": "silu",
+                       "gelu": "gelu", "sigmoid": "sigmoid", "relu": "relu"}
+
+
+@pytest.mark.parametrize("activation", list(DEEPXDE_ACTIVATIONS))
 def test_deepxde_fnn_trains_like_the_unfused_copy(activation):
     """DeepXDE's FNN calls its Linears from a ModuleList and its activation as a function
-    (torch.sin, F.silu): fused by a rewrite. A PINN loss (u'' through the fused op, twice
+    (torch.sin, F.silu, ...): fused by a rewrite. A PINN loss (u'' through the fused op, twice
     differentiated) trained 5 SGD steps moves every parameter as the unfused copy."""
     dde = _deepxde()
     torch.manual_seed(0)
     net = dde.nn.FNN([1, 16, 16, 1], activation, "Glorot normal").double()
     plain = copy.deepcopy(net)
     _, report = fuse(net, rewrite=True)
-    assert [(d.how, d.activation) for d in report.fused] == [("rewrite", activation)]
+    name = DEEPXDE_ACTIVATIONS[activation]
+    assert [(d.how, d.activation) for d in report.fused] == [("rewrite", name)]
     assert report.fused[0].layers[::2] == ("linears.0", "linears.1", "linears.2")
     x = torch.linspace(-1, 1, 33, dtype=F64).unsqueeze(1)
     for m in (net, plain):
@@ -565,4 +571,14 @@ def test_deepxde_fnn_trains_like_the_unfused_copy(activation):
     floor = 1e-15 * max(p.norm().item() for p in plain.parameters())
     for (n, p), q in zip(net.named_parameters(), plain.parameters()):
         assert (p - q).norm().item() <= 1e-12 * q.norm().item() + floor, n
-    assert freed(plain, net, x) == 33 * report.bytes_per_row == 33 * 2 * 2 * 16 * 8
+    assert freed(plain, net, x) == 33 * report.bytes_per_row == \
+        33 * 2 * TENSORS_PER_LAYER[name] * 16 * 8
+
+
+@pytest.mark.parametrize("activation", ["elu", "selu"])
+def test_deepxde_fnn_with_an_activation_fuse_has_not_is_left_alone(activation):
+    dde = _deepxde()
+    net = dde.nn.FNN([1, 16, 16, 1], activation, "Glorot normal").double()
+    _, report = fuse(net, rewrite=True)
+    assert len(report) == 0 and not report.rewritten
+    assert type(net.linears[0]) is nn.Linear
