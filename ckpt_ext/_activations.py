@@ -102,7 +102,7 @@ def _higher_derivatives():
         return phi * (z * (z * z - 4) if third else (2 - z * z))
 
     def sin(z, third):
-        return -torch.cos(z) if third else -torch.sin(z)
+        return (torch.cos(z) if third else torch.sin(z)).neg_()  # one buffer
 
     return {"tanh": tanh, "gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu, "sigmoid": sigmoid,
             "softplus": softplus, "sin": sin, "relu": lambda z, third: torch.zeros_like(z)}

@@ -24,8 +24,8 @@ from ._derivatives import _flat
 # The activation on top of the run (last_activation) is that backward without W: gp = gz·f'(p).
 
 class _Input:
-    """f and its derivatives at a layer's input p, each made once per formula call (``drop``
-    lets one go); the identity where act is None."""
+    """f and its derivatives at a layer's input p: f, f'' and f''' made once per formula call
+    (``drop`` lets one go), f' for each product; the identity where act is None."""
 
     def __init__(self, act: Optional[str], p: Tensor) -> None:
         self.act, self.p, self._made = act, p, {}
@@ -43,10 +43,11 @@ class _Input:
         return self.p if self.act is None else self._get("f", lambda: activate(self.act, self.p))
 
     def d1(self, v: Tensor) -> Tensor:
-        """v·f'(p); v itself for the identity."""
+        """v·f'(p), f'(p) made for this product alone (no buffer outlives it); v itself for the
+        identity."""
         if self.act is None:
             return v
-        return v * self._get("d1", lambda: derivative(self.act, self.p))
+        return _times(derivative(self.act, self.p), v)
 
     def d2(self) -> Tensor:
         """f''(p) (never asked for the identity, whose f'' is zero)."""
@@ -148,7 +149,6 @@ def _backward_vjp(act, wanted, gz, p, weight, c_gp, c_gw, c_gb):
         if c_gw is not None:
             r_p = _plus(r_p, fp.d1(gz @ c_gw))
     s = None if c_gp is None else fp.d1(c_gp)
-    fp.drop("d1")
     if wanted[0]:
         r_gz = None if s is None else _mm_t(s, weight)
         if c_gw is not None:
@@ -165,57 +165,58 @@ def _backward_vjp_vjp(act, wanted, gz, p, weight, c_gp, c_gw, c_gb, v_gz, v_p, v
     s = c_gp·f'(p), m = gz·W, n = gz·c_gW and the cotangents reaching them
         s̄ = v_gz·W + gz·v_W,   m̄ = v_p·c_gp·f''(p),   n̄ = v_p·f'(p),   ā = v_gz·c_gW (of f(p)):
     gz: m̄·Wᵀ + n̄·c_gWᵀ + s·v_Wᵀ,   W: v_gzᵀ·s + gzᵀ·m̄,
-    p: v_p·c_gp·m·f'''(p) + (v_p·n + s̄·c_gp)·f''(p) + ā·f'(p),
-    c_gp: v_p·m·f''(p) + s̄·f'(p),   c_gW: v_gzᵀ·f(p) + gzᵀ·n̄,   c_gb: Σ v_gz."""
+    p: c_gp·(v_p·m·f'''(p) + s̄·f''(p)) + v_p·n·f''(p) + ā·f'(p),
+    c_gp: v_p·m·f''(p) + s̄·f'(p),   c_gW: v_gzᵀ·f(p) + gzᵀ·n̄,   c_gb: Σ v_gz.
+    Ordered so that at most four (rows, width) buffers are alive at once, f'' made twice for it."""
     fp = _Input(act, p)
     curved = act is not None  # f'' and f''' nonzero
+    through_m = curved and v_p is not None and c_gp is not None
     res: List[Optional[Tensor]] = [None] * 6
     s_bar = None if v_gz is None else _mm(v_gz, weight)
     if v_w is not None:
         s_bar = _plus(gz @ v_w, s_bar)
-    # the terms through m (f''' and the m-part of c_gp's)
-    if curved and v_p is not None and c_gp is not None and (wanted[1] or wanted[3]):
-        vm = v_p * _mm(gz, weight)  # v_p·m
-        if wanted[1]:
-            res[1] = _times(c_gp * vm, fp.d3())
-            fp.drop("d3")
+    if s_bar is not None:
+        if wanted[1] and curved and c_gp is not None:
+            res[1] = s_bar * fp.d2()
         if wanted[3]:
-            res[3] = _times(vm, fp.d2())
-        del vm
-    if wanted[3] and s_bar is not None:
-        res[3] = _plus(res[3], fp.d1(s_bar)) if res[3] is not None else fp.d1(s_bar)
-    if wanted[1]:
-        if curved:
-            inner = None if v_p is None or c_gw is None else v_p * (gz @ c_gw)  # v_p·n
-            if s_bar is not None and c_gp is not None:
-                inner = _addcmul(inner, s_bar, c_gp)
-            if inner is not None:
-                res[1] = _addcmul(res[1], inner, fp.d2())
-            del inner
-        if v_gz is not None and c_gw is not None:
-            res[1] = _plus(res[1], fp.d1(v_gz @ c_gw))  # ā·f'(p)
+            res[3] = fp.d1(s_bar)
     del s_bar
-    m_bar = None
-    if curved and v_p is not None and c_gp is not None and (wanted[0] or wanted[2]):
+    if through_m and (wanted[1] or wanted[3]):
+        vm = v_p * gz if weight is None else _times(gz @ weight, v_p)  # v_p·m
+        if wanted[3]:
+            res[3] = _addcmul(res[3], vm, fp.d2())
+        fp.drop("d2")
+        if wanted[1]:
+            res[1] = _addcmul(res[1], vm, fp.d3())
+        fp.drop("d3")
+        del vm
+    if res[1] is not None:
+        res[1] = _times(res[1], c_gp)
+    if wanted[1]:
+        if curved and v_p is not None and c_gw is not None:
+            res[1] = _addcmul(res[1], v_p * (gz @ c_gw), fp.d2())
+        if v_gz is not None and c_gw is not None:
+            res[1] = _plus(res[1], fp.d1(v_gz @ c_gw))
+    if through_m and (wanted[0] or wanted[2]):
         m_bar = _times(v_p * c_gp, fp.d2())
-    fp.drop("d2")
+        fp.drop("d2")
+        if wanted[2]:
+            res[2] = _outer(gz, m_bar)
+        if wanted[0]:
+            res[0] = m_bar @ weight.t() if weight is not None else m_bar
+        del m_bar
     s = None
     if c_gp is not None and ((wanted[0] and v_w is not None) or (wanted[2] and v_gz is not None)):
         s = fp.d1(c_gp)
-    if wanted[2]:
-        r = None if m_bar is None else _outer(gz, m_bar)
-        if v_gz is not None and s is not None:
-            r = _plus(r, _outer(v_gz, s))
-        res[2] = r
+    if wanted[2] and v_gz is not None and s is not None:
+        res[2] = _plus(res[2], _outer(v_gz, s))
     n_bar = None if v_p is None or c_gw is None else fp.d1(v_p)
     if wanted[0]:
-        r = None if m_bar is None else _mm_t(m_bar, weight)
         if n_bar is not None:
-            r = _plus(r, n_bar @ c_gw.t())
+            res[0] = _plus(res[0], n_bar @ c_gw.t())
         if v_w is not None and s is not None:
-            r = _plus(r, s @ v_w.t())
-        res[0] = r
-    del m_bar, s
+            res[0] = _plus(res[0], s @ v_w.t())
+    del s
     if wanted[4]:
         r = None if v_gz is None else _outer(v_gz, fp.f())
         if n_bar is not None:
