@@ -159,6 +159,40 @@ def test_third_order_matches_autograd(act):
 
 
 @pytest.mark.parametrize("act", OTHER_ACTS)
+@pytest.mark.parametrize("last", [True, False])
+def test_fourth_order_and_weight_penalty_match_autograd(act, last):
+    # The orders above a PINN's: u_xxx then the parameters' gradient (the fourth order, autograd
+    # through the third order's formula), and a penalty on the gradient w.r.t. the weights and x
+    # (create_graph asks for grad_W and grad_b), differentiated twice more (the weights' terms of
+    # every formula); a 3-D x and a layer without bias.
+    g = torch.Generator().manual_seed(13)
+    sizes, has_bias = [2, 5, 6, 3], (True, False, True)
+    x0 = torch.randn(4, 3, 2, generator=g, dtype=torch.float64)
+    ws0, bs0 = _params(sizes, has_bias, torch.float64, seed=13)
+
+    def losses(fn):
+        x = x0.clone().requires_grad_()
+        ws, bs = _double(ws0), _double(bs0)
+        params = ws + [b for b in bs if b is not None]
+        u = fn(x, ws, bs)
+        (d1,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        (d2,) = torch.autograd.grad(d1[..., 1].sum(), x, create_graph=True)
+        (d3,) = torch.autograd.grad(d2[..., 1].sum(), x, create_graph=True)
+        out = list(torch.autograd.grad((d3 ** 2).sum() + (d2 ** 2).sum() + (u ** 2).sum(), params))
+        u = fn(x, ws, bs)
+        first = torch.autograd.grad((u ** 2).sum(), params + [x], create_graph=True)
+        second = torch.autograd.grad(sum((t ** 2).sum() for t in first), params + [x],
+                                     create_graph=True)
+        third = sum((t * t.detach().sign()).sum() for t in second)
+        return out + list(torch.autograd.grad(third, params + [x]))
+
+    got = losses(lambda x, ws, bs: ckpt_ext.mlp(x, ws, bs, activation=act, last_activation=last))
+    want = losses(lambda x, ws, bs: mlp_ref(x, ws, bs, act, last_activation=last))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-12
+
+
+@pytest.mark.parametrize("act", OTHER_ACTS)
 def test_torch_func(act):
     from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
     x, ws, bs, gy = _inputs((5,), [3, 6, 2], (True, True), torch.float64, seed=9)
