@@ -1,7 +1,7 @@
 """ckpt_ext.mlp and FusedMLP, every activation: values and gradients against the float64 reference
 in every dtype, odd shapes and poisoned buffers; the recompute bitwise equal to the forward;
-gradcheck/gradgradcheck, third order, torch.func, torch.compile, autocast, opcheck, FLOPs; the
-memory kept; the module's keys and initial values; bad input."""
+gradcheck/gradgradcheck, third and fourth orders, torch.func, torch.compile, autocast, opcheck,
+FLOPs; the memory kept; the module's keys and initial values; bad input."""
 from __future__ import annotations
 
 import math
