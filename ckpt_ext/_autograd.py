@@ -31,6 +31,12 @@ def _below_autograd(op, *args):
         return op(*args)
 
 
+def _note_tensor_inputs(ctx, inputs) -> None:
+    """Which inputs are tensors: a node has one edge per tensor input, in order, and none for a
+    flag or a None, so _needed finds input i's edge by this (called in setup_context)."""
+    ctx.tensor_inputs = tuple(i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor))
+
+
 def _needed(ctx, n: int) -> List[bool]:
     """Which of the first n inputs' gradients the running backward pass will use.
 
@@ -45,6 +51,14 @@ def _needed(ctx, n: int) -> List[bool]:
         edges = ctx.next_functions
     except (AttributeError, RuntimeError):
         return need
+    positions = getattr(ctx, "tensor_inputs", range(len(edges)))
+    for (node, _), i in zip(edges, positions):
+        if i < n and need[i] and node is not None:
+            try:
+                need[i] = bool(torch._C._will_engine_execute_node(node))
+            except RuntimeError:  # a leaf captured by autograd.grad: its gradient is the result
+                pass
+    return need
     for i in range(min(n, len(edges))):
         node = edges[i][0]
         if need[i] and node is not None:
@@ -129,6 +143,7 @@ class _LinearTanh(_SingleLevelFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        _note_tensor_inputs(ctx, inputs)
         ctx.save_for_backward(*inputs)
         ctx.save_for_forward(*inputs)  # for jvp; released right after the forward when unused
 
@@ -158,6 +173,7 @@ class _LinearTanhKeep(_SingleLevelFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        _note_tensor_inputs(ctx, inputs)
         ctx.save_for_backward(*inputs, output)
         ctx.save_for_forward(*inputs)
 
@@ -234,6 +250,7 @@ class _TanhMlp(_SingleLevelFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        _note_tensor_inputs(ctx, inputs)
         x, has_bias, last_tanh, *params = inputs
         ctx.save_for_backward(x, *params)
         ctx.save_for_forward(x, *params)

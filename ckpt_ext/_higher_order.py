@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import _SingleLevelFunction
 
-from ._autograd import _below_autograd, _needed, _register_autograd_kernel
+from ._autograd import (_below_autograd, _needed, _note_tensor_inputs,
+                        _register_autograd_kernel)
 from ._derivatives import (_OPS, _add, _double_backward_vjp, _first_order_jvp, _flat,
                            _from_output_backward_vjp, _layer_biases, _result_like,
                            _stack_backward_composite, _stack_double_backward)
@@ -27,6 +28,7 @@ class _LinearTanhBackward(_SingleLevelFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        _note_tensor_inputs(ctx, inputs)
         grad_out, x, weight, bias, output_mask = inputs
         ctx.save_for_backward(grad_out, x, weight, bias)
         ctx.save_for_forward(grad_out, x, weight, bias)
@@ -63,6 +65,7 @@ class _LinearTanhBackwardFromOutput(_SingleLevelFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        _note_tensor_inputs(ctx, inputs)
         grad_out, x, t, weight, bias, output_mask = inputs
         ctx.save_for_backward(grad_out, x, t, weight)
         ctx.save_for_forward(grad_out, x, t, weight)
@@ -116,6 +119,7 @@ class _LinearTanhBackwardFromOutputBackward(_SingleLevelFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        _note_tensor_inputs(ctx, inputs)
         *tensors, output_mask = inputs
         ctx.save_for_backward(*tensors)
         ctx.set_materialize_grads(False)
@@ -149,6 +153,7 @@ class _LinearTanhDoubleBackward(_SingleLevelFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        _note_tensor_inputs(ctx, inputs)
         *tensors, output_mask = inputs
         ctx.save_for_backward(*tensors)
         ctx.save_for_forward(*tensors)
@@ -196,6 +201,7 @@ class _TanhMlpBackward(_SingleLevelFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        _note_tensor_inputs(ctx, inputs)
         grad_out, x, has_bias, last_tanh, need_x, need_w, need_b, *params = inputs
         ctx.save_for_backward(grad_out, x, *params)
         ctx.save_for_forward(grad_out, x, *params)

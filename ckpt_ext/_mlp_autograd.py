@@ -15,7 +15,8 @@ from torch import Tensor
 from torch.autograd.function import _SingleLevelFunction
 
 from ._activations import activate, activation_backward
-from ._autograd import _below_autograd, _needed, _plain_autograd, _register_autograd_kernel
+from ._autograd import (_below_autograd, _needed, _note_tensor_inputs, _plain_autograd,
+                        _register_autograd_kernel)
 from ._derivatives import _OPS, _add, _flat, _layer_biases
 from ._mlp_higher_order import create_graph_backward
 
@@ -111,6 +112,7 @@ class _Mlp(_SingleLevelFunction):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        _note_tensor_inputs(ctx, inputs)
         x, *params, has_bias, act, last_activation = inputs
         ctx.save_for_backward(x, *params)
         ctx.save_for_forward(x, *params)

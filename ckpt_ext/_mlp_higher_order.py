@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._activations import activate, derivative, second_derivative, third_derivative
+from ._autograd import _needed, _note_tensor_inputs
 from ._derivatives import _flat
 
 
@@ -275,6 +276,7 @@ class _Recomputed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fn, vjps, *inputs):
+        _note_tensor_inputs(ctx, (fn, vjps, *inputs))
         ctx.fn, ctx.vjps = fn, vjps
         ctx.save_for_backward(*inputs)
         ctx.set_materialize_grads(False)
@@ -296,21 +298,8 @@ class _Recomputed(torch.autograd.Function):
 
 
 def _wanted(ctx, inputs) -> tuple:
-    """Which inputs' gradients the running pass uses (as _autograd._needed asks the engine); the
-    node has one edge per tensor input, none for a None one."""
-    need = [bool(n) for n in ctx.needs_input_grad[2:]]
-    edges = ctx.next_functions
-    j = 0
-    for i, t in enumerate(inputs):
-        if t is None:
-            continue
-        node, j = edges[j][0], j + 1
-        if need[i] and node is not None:
-            try:
-                need[i] = bool(torch._C._will_engine_execute_node(node))
-            except RuntimeError:  # a leaf captured by autograd.grad: its gradient is the result
-                pass
-    return tuple(need)
+    """Which inputs' gradients the running pass uses (_autograd._needed asks the engine)."""
+    return tuple(_needed(ctx, 2 + len(inputs))[2:])
 
 
 def _vjp(fn, n_inputs, wanted, *tensors):

@@ -18,6 +18,7 @@ import torch._dynamo
 import torch._dynamo.testing
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import ckpt_ext
@@ -204,6 +205,49 @@ def test_autograd_asks_only_for_what_is_needed():
     # recompute both layers (last_tanh), grad_W0 and the gradient through layer 1 to layer 0
     bwd = 2 * m * (4 * 5 + 5 * 3) + 2 * m * 4 * 5 + 2 * m * 5 * 3
     assert flops == fwd + bwd
+
+
+class _Passthrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing: under it the C++ node steps aside and the Python
+    Functions record the graph."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("op", ["tanh_mlp", "mlp_gelu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_gradient_of_each_parameter_alone_on_the_python_path(op, bias):
+    """torch.autograd.grad for one parameter at a time, first and second order (through the
+    x-gradient), with the Python Functions: each node's edges are those of its tensor inputs only,
+    past its flags, and the gradient asked for is computed from its own edge."""
+    ws, bs = _stack_params([3, 5, 4, 2], bias, 11, torch.float64)
+    params = [p.requires_grad_() for p in ws + (bs if bias else [])]
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+
+    def fused(x):
+        if op == "tanh_mlp":
+            return tanh_mlp(x, ws, bs if bias else None)
+        return ckpt_ext.mlp(x, ws, bs if bias else None, activation="gelu")
+
+    act = torch.tanh if op == "tanh_mlp" else torch.nn.functional.gelu
+
+    def plain(x):
+        a = x
+        for w, b in zip(ws, bs if bias else [None] * len(ws)):
+            a = act(torch.nn.functional.linear(a, w, b))
+        return a
+
+    for p in params:
+        with _Passthrough():
+            y = fused(x)
+            g1 = torch.autograd.grad(y.pow(2).sum(), [p])[0]
+            gx = torch.autograd.grad(fused(x).sum(), [x], create_graph=True)[0]
+            g2 = torch.autograd.grad(gx.pow(2).sum(), [p])[0]
+        r1 = torch.autograd.grad(plain(x).pow(2).sum(), [p])[0]
+        rx = torch.autograd.grad(plain(x).sum(), [x], create_graph=True)[0]
+        r2 = torch.autograd.grad(rx.pow(2).sum(), [p])[0]
+        assert rel_err(g1, r1) <= TOL[torch.float64] and rel_err(g2, r2) <= TOL[torch.float64]
 
 
 # ------------------------------------------------------------------------------------------------
