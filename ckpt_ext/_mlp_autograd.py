@@ -7,18 +7,16 @@ Design: docs/design.md, "Other activations".
 from __future__ import annotations
 
 import functools
-from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 from torch.autograd.function import _SingleLevelFunction
 
 from ._activations import activate, activation_backward
 from ._autograd import (_below_autograd, _needed, _note_tensor_inputs, _plain_autograd,
                         _register_autograd_kernel)
 from ._derivatives import _OPS, _add, _flat, _layer_biases
-from ._mlp_higher_order import create_graph_backward
+from ._mlp_higher_order import asked_layers, create_graph_backward
 
 
 # ---- the composite: the run and its first-order backward from ATen ops ------------------------
@@ -42,11 +40,8 @@ def _walk(grad_out, x, weights, layer_b, last_activation, need_x, need_w, need_b
     """The run's first-order backward from per-layer steps: ``forward(a, W, b) -> (z, f(z))`` for
     every layer with an activation, then from the top ``backward(mask, gy, a, z, f(z), W) ->
     (grad_a, grad_W, grad_b)``, each asked by mask; a top layer without one is a plain Linear."""
+    need_b, lowest, gws, gbs = asked_layers(need_x, need_w, need_b, layer_b)
     L = len(weights)
-    need_b = [bool(n) and b is not None for n, b in zip(need_b, layer_b)]
-    lowest = 0 if need_x else min([i for i in range(L) if need_w[i] or need_b[i]], default=L)
-    gws: List[Optional[Tensor]] = [None] * L
-    gbs: List[Optional[Tensor]] = [None] * L
     if lowest == L:
         return None, gws, gbs
     acts, zs = [x], []

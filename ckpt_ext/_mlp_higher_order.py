@@ -230,16 +230,24 @@ def _backward_vjp_vjp(act, wanted, gz, p, weight, c_gp, c_gw, c_gb, v_gz, v_p, v
 
 # ---- the run -----------------------------------------------------------------------------------
 
+def asked_layers(need_x, need_w, need_b, layer_b):
+    """The bias gradients asked for of layers that have one, the lowest layer a first-order
+    backward must reach (len(layer_b): none), and the per-layer lists of gradients to fill."""
+    L = len(layer_b)
+    need_b = [bool(n) and b is not None for n, b in zip(need_b, layer_b)]
+    lowest = 0 if need_x else min([i for i in range(L) if need_w[i] or need_b[i]], default=L)
+    gws: List[Optional[Tensor]] = [None] * L
+    gbs: List[Optional[Tensor]] = [None] * L
+    return need_b, lowest, gws, gbs
+
+
 def create_graph_backward(grad_out, x, weights, layer_b, act, last_activation, need_x, need_w,
                           need_b):
     """The first-order backward of the run (grad_x?, [grad_W_i?], [grad_b_i?]), recorded as
     per-layer nodes: one forward node per pre-activation z_i (from z_{i−1}, W_i, b_i), one
     backward node per layer (and one for the activation on top)."""
+    need_b, lowest, gws, gbs = asked_layers(need_x, need_w, need_b, layer_b)
     L = len(weights)
-    need_b = [bool(n) and b is not None for n, b in zip(need_b, layer_b)]
-    lowest = 0 if need_x else min([i for i in range(L) if need_w[i] or need_b[i]], default=L)
-    gws: List[Optional[Tensor]] = [None] * L
-    gbs: List[Optional[Tensor]] = [None] * L
     if lowest == L:
         return None, gws, gbs
 
