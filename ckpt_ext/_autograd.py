@@ -59,14 +59,6 @@ def _needed(ctx, n: int) -> List[bool]:
             except RuntimeError:  # a leaf captured by autograd.grad: its gradient is the result
                 pass
     return need
-    for i in range(min(n, len(edges))):
-        node = edges[i][0]
-        if need[i] and node is not None:
-            try:
-                need[i] = bool(torch._C._will_engine_execute_node(node))
-            except RuntimeError:  # a leaf captured by autograd.grad: its gradient is the result
-                pass
-    return need
 
 
 def _plain_autograd() -> bool:

@@ -57,9 +57,7 @@ def _walk(grad_out, x, weights, layer_b, last_activation, need_x, need_w, need_b
         if _applies(i, L, last_activation):
             gx, gws[i], gbs[i] = backward(mask, grad, acts[i], zs[i], acts[i + 1], weights[i])
         else:
-            gx = grad @ weights[i] if mask[0] else None
-            gws[i] = _flat(grad).t() @ _flat(acts[i]) if mask[1] else None
-            gbs[i] = _flat(grad).sum(0) if mask[2] else None
+            gx, gws[i], gbs[i] = _linear_backward(mask, grad, acts[i], weights[i])
         grad = gx
     return (grad if need_x else None), gws, gbs
 
@@ -160,7 +158,11 @@ def _layer_forward(act, a, weight, bias):
 def _layer_backward(act, mask, gy, a, z, weight, out=None):
     """(grad_a, grad_W, grad_b) of one layer: g = gy·f'(z) (from out = f(z) where PyTorch's
     derivative reads the output)."""
-    g = activation_backward(act, gy, z, out)
+    return _linear_backward(mask, activation_backward(act, gy, z, out), a, weight)
+
+
+def _linear_backward(mask, g, a, weight):
+    """(g·W, gᵀ·a, Σ g) of z = a·Wᵀ + b for g the gradient w.r.t. z, each where mask says."""
     return (g @ weight if mask[0] else None, _flat(g).t() @ _flat(a) if mask[1] else None,
             _flat(g).sum(0) if mask[2] else None)
 

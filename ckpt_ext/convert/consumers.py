@@ -203,7 +203,7 @@ def _module_input_fate(analysis: ModelAnalysis, sub: nn.Module, label: str,
             return Fate(True, f"kept by {label} ({type(sub).__name__} keeps its input)")
         return Fate(False, f"its user {label} ({type(sub).__name__}) does not keep it")
     ts = analysis.trace_of(sub)
-    if ts is not None:
+    if ts is not None and ts.method == "forward":  # a method's inputs are not the module's
         ph = [n for n in ts.graph.nodes if n.op == "placeholder"]
         if ph:
             return node_fate(analysis, sub, ts, ph[0], None, depth + 1)

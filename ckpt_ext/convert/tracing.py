@@ -370,11 +370,11 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     t.guards = tuple(guards)
     counted = sorted(changed_names - set(steering))
     if steering:
-        t.region_problem = (f"tracing its forward changed {', '.join(sorted(steering))}, which it "
+        t.region_problem = (f"tracing its {method} changed {', '.join(sorted(steering))}, which it "
                             f"also reads other than to count: fuse cannot tell that its path "
                             f"does not depend on them")
     elif unchecked:
-        t.region_problem = (f"its forward reads {', '.join(unchecked)}, a value fuse cannot check "
+        t.region_problem = (f"its {method} reads {', '.join(unchecked)}, a value fuse cannot check "
                             f"at each call")
     t.rewrite_problem = t.region_problem
     if method != "forward" and not t.rewrite_problem:
@@ -454,7 +454,7 @@ class ModelAnalysis:
         if len(found) != 1:
             return t
         found[0].reason = t.reason if not t.ok else \
-            f"its forward calls its children only through {found[0].method}, from a helper"
+            f"its forward calls its children only through {found[0].method}"
         return found[0]
 
     def trace_of(self, m: nn.Module) -> Optional[Trace]:

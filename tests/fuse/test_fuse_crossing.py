@@ -297,3 +297,42 @@ def test_without_the_analysis_a_method_region_is_undone():
     fuse(model, trace=False)
     assert "mlp" not in vars(model) and type(model.inp) is nn.Linear
     assert_same(plain, model, torch.randn(4, 6, dtype=F64))
+
+
+class Consumer(nn.Module):
+    """Its forward (not analysable: an optional argument) keeps its input x for a matmul; its
+    method ``head`` passes its own input to a Tanh, which keeps nothing of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.lin, self.act = nn.Linear(8, 8), nn.Tanh()
+
+    def forward(self, x, scale=None):
+        return self.head(x) + x @ self.w
+
+    def head(self, h):
+        return self.lin(self.act(h))
+
+
+class Producer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.fc2, self.act2 = (nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8),
+                                                  nn.Tanh())
+        self.cons = Consumer()
+
+    def forward(self, x):
+        return self.cons(self.act2(self.fc2(self.act(self.fc(x)))))
+
+
+def test_a_method_graph_says_nothing_of_what_the_module_does_with_its_input():
+    """The run fc..act2 feeds cons, whose analysed graph is its method head's: what head does with
+    its own input is not what cons does with x (kept by the matmul), so the trailing tanh's
+    output counts as maybe kept and the unit ends at fc2."""
+    torch.manual_seed(0)
+    model = Producer().double()
+    plain = copy.deepcopy(model)
+    _, report = fuse(model)
+    assert [d.layers for d in report.fused if d.layers[0] == "fc"] == [("fc", "act", "fc2")]
+    assert_same(plain, model, torch.randn(3, 4, dtype=F64))
