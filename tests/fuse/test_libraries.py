@@ -34,15 +34,19 @@ def _need(module: str):
 # stable-baselines3: PPO("MlpPolicy") on CartPole
 
 
-def _ppo(seed: int):
+def _ppo(seed: int, folder):
     sb3 = _need("stable_baselines3")
     _need("gymnasium")
-    return sb3.PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=2,
-                   seed=seed, device="cpu")
+    from stable_baselines3.common.logger import configure
+    model = sb3.PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=2,
+                    seed=seed, device="cpu")
+    # learn() would otherwise make a log folder of its own under the system's temp directory
+    model.set_logger(configure(str(folder), []))
+    return model
 
 
-def test_sb3_ppo_fused_trains_like_the_unfused_copy():
-    plain, fused = _ppo(0), _ppo(0)
+def test_sb3_ppo_fused_trains_like_the_unfused_copy(tmp_path):
+    plain, fused = _ppo(0, tmp_path), _ppo(0, tmp_path)
     for p, q in zip(plain.policy.parameters(), fused.policy.parameters()):
         assert torch.equal(p, q)  # same seed, same start
     start = {n: p.detach().clone() for n, p in fused.policy.named_parameters()}
@@ -79,7 +83,7 @@ def test_sb3_ppo_fused_trains_like_the_unfused_copy():
     assert moved == len(start)  # the optimizer built before fusing trained every parameter
 
     # The fused policy's weights load into an unfused PPO (same keys).
-    other = _ppo(1)
+    other = _ppo(1, tmp_path)
     other.policy.load_state_dict(fused.policy.state_dict(), strict=True)
     obs = torch.randn(5, 4)
     with torch.no_grad():
