@@ -1,16 +1,21 @@
 # The two commands of the README: `make bench` (the main job) and `make test`. Both set
 # everything up first (scripts/setup.sh: venv, pinned torch, build), so they work on a fresh clone.
 # `make test-oldest` builds and tests against the oldest supported torch, as the GPU machine has it
-# (torch 2.11 on Python 3.12), in a venv of its own beside .venv.
+# (torch 2.11 on Python 3.12), and `make test-newest` against the newest (torch 2.15 on Python
+# 3.13), each in a venv of its own beside .venv.
 PYTHON := .venv/bin/python
 OLDEST_TORCH := 2.11.0
 OLDEST_VENV := .venv-torch2.11
-# Python 3.12 for the oldest-torch venv: on PATH, else pyenv's. Its own extension suffix lets its
-# in-place build sit beside .venv's (Python 3.11) in one tree.
-PYTHON312 ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12; do \
+NEWEST_TORCH := 2.15.0
+NEWEST_VENV := .venv-torch2.15
+# A Python of each version: on PATH, else pyenv's. Each has its own extension suffix, so the
+# in-place builds of .venv (Python 3.11) and of both legs sit side by side in one tree.
+find_python = $(shell for p in python$(1) $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$(1).*/bin/python$(1); do \
   "$$p" -c "" 2>/dev/null && echo "$$p" && break; done)
+PYTHON312 ?= $(call find_python,3.12)
+PYTHON313 ?= $(call find_python,3.13)
 
-.PHONY: setup test test-oldest bench demo clean
+.PHONY: setup test test-oldest test-newest bench demo clean
 
 setup:
 	bash scripts/setup.sh
@@ -26,6 +31,14 @@ test-oldest:
 	@[ -n "$(PYTHON312)" ] || { echo "make test-oldest: no Python 3.12 found (PYTHON312=...)" >&2; exit 1; }
 	PYTHON=$(PYTHON312) VENV=$(OLDEST_VENV) TORCH=$(OLDEST_TORCH) bash scripts/setup.sh
 	$(EXPECT_CUDA) $(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+# PIP_CONSTRAINT=/dev/null: a pip constraint file may cap torch below the newest (this machine's
+# caps it at the default); lifted for this venv's set-up alone.
+test-newest:
+	@[ -n "$(PYTHON313)" ] || { echo "make test-newest: no Python 3.13 found (PYTHON313=...)" >&2; exit 1; }
+	PIP_CONSTRAINT=/dev/null PYTHON=$(PYTHON313) VENV=$(NEWEST_VENV) TORCH=$(NEWEST_TORCH) \
+	  bash scripts/setup.sh
+	$(EXPECT_CUDA) $(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
 bench: setup
 	$(PYTHON) -m ckpt_ext.bench

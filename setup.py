@@ -1,6 +1,7 @@
 """Build of ckpt_ext: the native module ckpt_ext._C, compiled with ninja through
-torch.utils.cpp_extension.BuildExtension. Run with `pip install --no-build-isolation .` so that it
-builds against the torch already installed (a build-isolated env would fetch another torch).
+torch.utils.cpp_extension.BuildExtension. `pip install --no-build-isolation .` builds against the
+torch already installed, offline; a plain `pip install .` builds against that same torch too, which
+build_backend/installed_torch.py makes the isolated build's requirement.
 
 CUDA or not (environment, all optional):
   CKPT_EXT_CUDA=auto  (default) build the CUDA kernels when torch is a CUDA build and a CUDA
@@ -101,6 +102,17 @@ def wheel_cuda_include_dirs(torch_mod):
                   if os.path.isdir(d))
 
 
+def cuda_include_dirs(torch_mod, toolkit_root):
+    """The toolkit's own headers first, then the wheel's. A wheel may ship a newer CUDA minor
+    release's headers than the toolkit's nvcc (torch 2.15: CUDA 13.2 headers beside nvcc 13.0),
+    and cuda_runtime.h stops with "CUDA compiler and CUDA toolkit headers are incompatible" when it
+    is not nvcc's own; nvcc's implicit include of its toolkit comes after every -I, so the toolkit's
+    must be named, ahead of the rest. The wheel's fill in the libraries a minimal toolkit lacks."""
+    toolkit = os.path.realpath(os.path.join(toolkit_root, "include"))
+    wheel = [d for d in wheel_cuda_include_dirs(torch_mod) if os.path.realpath(d) != toolkit]
+    return [toolkit] + wheel
+
+
 def want_cuda(torch_mod):
     mode = os.environ.get("CKPT_EXT_CUDA", "auto").strip().lower()
     if mode not in ("auto", "0", "1"):
@@ -154,9 +166,10 @@ def cuda_arch_list():
     return archs
 
 
-# The torch releases CI builds and tests against (.ci/run: `make test` and `make test-oldest`);
-# csrc/autograd_node.cpp holds the code that differs between them.
-TESTED_TORCH = ((2, 11), (2, 14))
+# The oldest and newest torch releases CI builds and tests against (.ci/run: `make test-oldest`,
+# `make test-newest`, and `make test` at the pinned default between them); csrc/autograd_node.cpp
+# holds the code that differs between them. build_backend/installed_torch.py reads this line.
+TESTED_TORCH = ((2, 11), (2, 15))
 
 
 def check_torch_range(version):
@@ -215,8 +228,8 @@ def extensions():
     # -lineinfo lets compute-sanitizer and ncu point at source lines, at no runtime cost.
     extra["nvcc"] = ["-O3", "-lineinfo", "-DCKPT_EXT_WITH_CUDA"]
     extra["cxx"] += ["-DCKPT_EXT_WITH_CUDA", f'-DCKPT_EXT_CUDA_ARCH_LIST="{archs}"']
-    return [CUDAExtension("ckpt_ext._C", sources,
-                          include_dirs=include_dirs + wheel_cuda_include_dirs(torch),
+    include_dirs += cuda_include_dirs(torch, os.environ["CUDA_HOME"])
+    return [CUDAExtension("ckpt_ext._C", sources, include_dirs=include_dirs,
                           extra_compile_args=extra, depends=depends)]
 
 

@@ -8,6 +8,10 @@
 #       another torch of the supported range (and another Python) beside it: the build goes in
 #       place as ckpt_ext/_C<the interpreter's EXT_SUFFIX>, so venvs of different Pythons share
 #       the tree; venvs of one Python share one module file, so build one at a time.
+#   PIP_CONSTRAINT=/dev/null PYTHON=python3.13 VENV=.venv-torch2.15 TORCH=2.15.0 \
+#     bash scripts/setup.sh
+#       a torch above the cap of a pip constraint file (this machine's caps torch at the default):
+#       the variable lifts it for this call's pip alone, so for this venv alone (make test-newest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

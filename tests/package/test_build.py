@@ -188,16 +188,29 @@ def _minor(version):
 
 
 def test_the_tested_torch_range_is_the_one_ci_builds():
-    # setup.py's TESTED_TORCH runs from the Makefile's oldest torch (make test-oldest) to the
-    # pinned one (make test); pyproject's build requirement admits exactly that range.
+    # setup.py's TESTED_TORCH runs from the Makefile's oldest torch (make test-oldest) to its
+    # newest (make test-newest), the pinned default (make test) between them, and CI runs all
+    # three; README and docs/install.md state that range; the build backend takes its torch from
+    # the environment, not from a range written in pyproject.toml.
     setup = _setup_module()
     lo, hi = setup["TESTED_TORCH"]
-    reqs = open(os.path.join(ROOT, "requirements.txt")).read()
-    assert _minor(re.search(r"^torch==(\S+)$", reqs, re.M).group(1)) == hi
     makefile = open(os.path.join(ROOT, "Makefile")).read()
     assert _minor(re.search(r"^OLDEST_TORCH := (\S+)$", makefile, re.M).group(1)) == lo
+    assert _minor(re.search(r"^NEWEST_TORCH := (\S+)$", makefile, re.M).group(1)) == hi
+    reqs = open(os.path.join(ROOT, "requirements.txt")).read()
+    assert lo <= _minor(re.search(r"^torch==(\S+)$", reqs, re.M).group(1)) <= hi
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    for leg in ("make test", "make test-oldest", "make test-newest"):
+        assert re.search(rf"^{leg}$", ci, re.M), f".ci/run does not run {leg}"
+    stated = f"{lo[0]}.{lo[1]} through {hi[0]}.{hi[1]}"
+    assert f"**Supported torch: {stated}**" in open(os.path.join(ROOT, "README.md")).read()
+    install = open(os.path.join(ROOT, "docs", "install.md")).read()
+    assert f"**{stated}**" in install
+    assert f"Outside {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]} " in install
     pyproject = open(os.path.join(ROOT, "pyproject.toml")).read()
-    assert f'"torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}"' in pyproject
+    build_requires = re.search(r"^requires = \[(.*)\]$", pyproject, re.M).group(1)
+    assert "torch" not in build_requires
+    assert re.search(r'^build-backend = "installed_torch"$', pyproject, re.M)
     check = setup["check_torch_range"]
     assert check(f"{lo[0]}.{lo[1]}.0") and check(f"{hi[0]}.{hi[1]}.9+cu130")
     assert not check(f"{lo[0]}.{lo[1] - 1}.0") and not check(f"{hi[0]}.{hi[1] + 1}.0")
@@ -230,6 +243,17 @@ def test_default_cuda_arch_list(monkeypatch):
     assert setup["cuda_arch_list"]() == "8.0;8.6;8.9;9.0+PTX"
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
     assert setup["cuda_arch_list"]() == "9.0"
+
+
+def test_toolkit_headers_come_before_the_wheels(tmp_path):
+    # torch 2.15's wheel carries CUDA 13.2 headers, which nvcc 13.0 refuses ("CUDA compiler and
+    # CUDA toolkit headers are incompatible") when they are found before its own (make
+    # test-newest builds exactly that pair).
+    setup = _setup_module()
+    (tmp_path / "include").mkdir()
+    dirs = setup["cuda_include_dirs"](torch, str(tmp_path))
+    wheel = setup["wheel_cuda_include_dirs"](torch)
+    assert dirs == [os.path.realpath(tmp_path / "include")] + wheel
 
 
 def fatbin_archs(data: bytes) -> tuple[set[int], set[int]]:
