@@ -14,9 +14,9 @@ WITH_CUDA: bool = bool(_C.WITH_CUDA)
 __version__ = "0.1.0"
 
 from . import memory  # noqa: E402  (the meter: ckpt_ext.memory.MemoryMeter, measured_step)
-from .convert import FuseReport, fuse  # noqa: E402
+from .convert import FuseReport, fuse, unfuse  # noqa: E402
 from .models import Net  # noqa: E402  (the write-up's network; the others in ckpt_ext.models)
 
 __all__ = ["linear_tanh", "tanh_mlp", "mlp", "ACTIVATIONS", "FusedLinearTanh", "FusedTanhMLP",
            "FusedMLP", "WITH_CUDA",
-           "fuse", "FuseReport", "Net"]
+           "fuse", "unfuse", "FuseReport", "Net"]

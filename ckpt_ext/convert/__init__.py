@@ -16,11 +16,11 @@ run's *region*; a *part* (``_RunPart``, with a ``PartRole``) is what one ``Fused
 with the run; a *guard* (``_Guard``) is an attribute the traced forward read, checked at each
 call.
 """
-from .api import POLICIES, fuse
+from .api import POLICIES, fuse, unfuse
 from .report import Decision, FuseReport, Fused
 from .runtime import FusedSequential, RunActivation, RunLinear, RunTanh, member_class
 # Pickles name the runtime classes at ``ckpt_ext.convert`` too; these keep such pickles loading.
 from .runtime import _Guard, _OwnerForward, _Run, _RunPart  # noqa: F401
 
-__all__ = ["fuse", "Fused", "FuseReport", "Decision", "FusedSequential", "RunLinear",
+__all__ = ["fuse", "unfuse", "Fused", "FuseReport", "Decision", "FusedSequential", "RunLinear",
            "RunTanh", "RunActivation", "member_class", "POLICIES"]

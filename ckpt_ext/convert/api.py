@@ -1,10 +1,12 @@
-"""``fuse(model)``: analyse the model, plan every unit, then apply the plan in place. The stages
-are the package's modules; the contract is ``docs/converter.md``."""
+"""``fuse(model)``: analyse the model, plan every unit, then apply the plan in place;
+``unfuse(model)``: take it out again. The stages are the package's modules; the contract is
+``docs/converter.md``."""
 from __future__ import annotations
 
 from torch import nn
 
-from .applying import apply_plan
+from .accounting import unaccounted
+from .applying import apply_plan, undo_all
 from .planning import plan_model
 from .report import FuseReport, Fused
 from .rewriting import rewrite_forwards
@@ -40,4 +42,17 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
         sources = rewrite_forwards(plan, report)     # a rewrite that fails is left alone
         apply_plan(analysis, plan.runs, sources)
     report.decisions = plan.decisions(model)
+    named = [layer for d in report.decisions for layer in d.layers]
+    report.other_layers = unaccounted(analysis, named + [p for p, _ in report.not_analysed])
     return Fused(model, report)
+
+
+def unfuse(model: nn.Module) -> nn.Module:
+    """Undo ``fuse`` in place and return ``model``: every module fuse changed gets back its own
+    class (``type(m) is nn.Linear`` again) and forward, and loses the attributes fuse set; the
+    parameters, buffers and ``state_dict`` are untouched. For tools that match exact types
+    (``torch.ao.quantization.quantize_dynamic``, ``torch.jit.script``): docs/fuse-usage.md."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ckpt_ext.unfuse expects an nn.Module, got {type(model).__name__}")
+    undo_all(model)
+    return model

@@ -1,7 +1,8 @@
 """Applying a plan to the user's model, in place: each run is made (or the one an earlier fuse put
 in place is kept), its child Linear/activation members get their member class, each Sequential
 exactly its parts, each owner an :class:`_OwnerForward` with its runs, guards and rewritten
-source; what an earlier fuse put in place and this plan no longer holds is undone."""
+source; what an earlier fuse put in place and this plan no longer holds is undone.
+:func:`undo_all` takes everything fuse put in place out again (``ckpt_ext.unfuse``)."""
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -104,3 +105,18 @@ def apply_plan(analysis: ModelAnalysis, planned: Sequence[PlannedRun],
                 (runs, guards, source):
             continue  # as it is: keep the very object
         setattr(m, method, _OwnerForward(m, runs, guards, source, method))
+
+
+def undo_all(model: nn.Module) -> None:
+    """Every module fuse changed gets back its class (``RunLinear`` -> ``nn.Linear``, a member
+    class -> its activation class, ``FusedSequential`` -> ``nn.Sequential``) and loses the
+    attributes fuse set (its run, its place in it, the forward or method set on its instance)."""
+    for m in model.modules():
+        if isinstance(m, (RunLinear, RunActivation)):
+            m.__class__ = type(m)._ckpt_ext_base
+        elif isinstance(m, FusedSequential):
+            m.__class__ = nn.Sequential
+        for name in ("_ckpt_ext_run", "_ckpt_ext_index", "_ckpt_ext_runs"):
+            vars(m).pop(name, None)
+        for name in owner_wrappers(m):
+            del vars(m)[name]

@@ -6,6 +6,7 @@ trailing activation that keeps its output (tanh, sigmoid) is fused only where th
 kept anyway."""
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import Any, Callable, List, NamedTuple, Optional
 
@@ -40,7 +41,7 @@ _META_METHODS = {"size", "dim", "numel", "stride", "ndimension"}
 _FREEING_FUNCTIONS = {operator.add, operator.sub, operator.iadd, operator.isub, operator.neg,
                       torch.add, torch.sub, torch.neg, torch.cat, torch.concat, torch.stack,
                       torch.sum, torch.mean, torch.clone, torch.tanh, torch.sigmoid, torch.relu,
-                      F.relu, F.tanh, F.sigmoid, F.dropout, F.softmax, F.log_softmax,
+                      F.relu, F.tanh, F.sigmoid, F.softmax, F.log_softmax,
                       torch.softmax}
 _FREEING_METHODS = {"add", "sub", "add_", "sub_", "neg", "sum", "mean", "clone", "tanh",
                     "sigmoid", "relu", "softmax", "log_softmax"}
@@ -54,7 +55,7 @@ _KEEPING_FUNCTIONS = {F.linear, torch._C._nn.linear, torch.matmul, torch.mm, tor
 _KEEPING_METHODS = {"matmul", "mm", "bmm", "pow", "sin"}
 _PASS_THROUGH_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten)
 # These save their output or a mask for backward, never their input.
-_FREEING_MODULES = (nn.Dropout, nn.Tanh, nn.Sigmoid, nn.ReLU, nn.Softmax, nn.LogSoftmax)
+_FREEING_MODULES = (nn.Tanh, nn.Sigmoid, nn.ReLU, nn.Softmax, nn.LogSoftmax)
 _KEEPING_MODULES = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.GroupNorm, nn.GELU, nn.SiLU,
                     nn.Softplus, nn.MultiheadAttention, nn.modules.conv._ConvNd,
                     nn.modules.batchnorm._BatchNorm, FusedLinearTanh, FusedTanhMLP)
@@ -168,6 +169,18 @@ def _use_fate(analysis: ModelAnalysis, owner: nn.Module, t: Trace, node: fx.Node
         def among(functions: set, methods: set) -> bool:
             return target in (functions if is_fn else methods)
 
+        if is_fn and target in _DROPOUT_FUNCTIONS:
+            try:
+                bound = _DROPOUT_SIGNATURE.bind(*u.args, **u.kwargs)
+            except TypeError:
+                return Fate(None, f"used by {name} with arguments fuse cannot read")
+            bound.apply_defaults()
+            p, training = bound.arguments["p"], bound.arguments["training"]
+            if bound.arguments["input"] is not node or isinstance(p, fx.Node) or \
+                    isinstance(training, fx.Node):
+                return Fate(None, f"used by {name} with a p or training fuse cannot read")
+            return _dropout_fate(f"{name}(p={p})", p, training,
+                                 lambda: node_fate(analysis, owner, t, u, None, depth + 1))
         if among(_META_FUNCTIONS, _META_METHODS):
             return Fate(False, "")
         if among(_VIEW_FUNCTIONS, _VIEW_METHODS):
@@ -185,6 +198,22 @@ def _use_fate(analysis: ModelAnalysis, owner: nn.Module, t: Trace, node: fx.Node
     return Fate(None, f"used by a {u.op} node")
 
 
+_DROPOUT_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                      torch.dropout}
+_DROPOUT_SIGNATURE = inspect.signature(lambda input, p=0.5, training=True, inplace=False: None)
+
+
+def _dropout_fate(label: str, p: float, training: bool, on_output: Callable[[], Fate]) -> Fate:
+    """Dropout with p > 0 in training keeps only its mask; with p = 0, or in eval(), it returns
+    its input, so what its output's consumer keeps is what counts."""
+    if p == 0 or training is False:
+        kept, why = on_output()
+        return Fate(kept, f"{why} (through {label}, which returns its input "
+                          f"{'with p=0' if p == 0 else 'in eval()'})")
+    return Fate(False, f"its user {label} keeps only its mask (in train(); in eval() it passes "
+                       f"the value on)")
+
+
 def _module_input_fate(analysis: ModelAnalysis, sub: nn.Module, label: str,
                        on_output: Callable[[], Fate], depth: int) -> Fate:
     """What module ``sub`` does with its input; ``on_output`` answers for its output when it
@@ -193,6 +222,9 @@ def _module_input_fate(analysis: ModelAnalysis, sub: nn.Module, label: str,
         return elements_fate(analysis, sub, label, 0, on_output, depth + 1)
     if isinstance(sub, _PASS_THROUGH_MODULES):
         return on_output()
+    if isinstance(sub, nn.modules.dropout._DropoutNd):
+        return _dropout_fate(f"{label} ({type(sub).__name__}(p={sub.p}))", sub.p, sub.training,
+                             on_output)
     if isinstance(sub, _FREEING_MODULES):
         return Fate(False, f"its user {label} ({type(sub).__name__}) does not keep it")
     if isinstance(sub, _KEEPING_MODULES):

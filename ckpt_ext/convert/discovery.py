@@ -14,13 +14,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.nn.utils import parametrize
 
 from ..modules import _has_hooks
 from .activations import Recognised, module_activation, node_activation
 from .consumers import Fate, elements_fate, node_fate, output_fate
 from .policy import Chain, LayerShape, item_misses, layer_shape
 from .report import Decision
-from .runtime import RunLinear, is_sequential, join_path, unsupported_reason
+from .runtime import (RunLinear, foreign_forward, is_sequential, join_path, stored_weight,
+                      unsupported_reason)
 from .tracing import ModelAnalysis, Trace
 
 
@@ -29,20 +31,34 @@ class LayerKind(enum.Enum):
     ACTIVATION = "activation"
 
 
+INSTANCE_FORWARD = ("its forward is set on the instance (an instance forward, as accelerate's "
+                    "add_hook_to_module sets), which the fused op would not call")
+
+
 def linear_problem(lin: nn.Module) -> Optional[str]:
+    if foreign_forward(lin):
+        return f"the Linear: {INSTANCE_FORWARD}"
     if type(lin) not in (nn.Linear, RunLinear):
-        return f"{type(lin).__name__} subclasses nn.Linear; its forward may not be F.linear"
+        name = type(lin).__name__
+        if parametrize.is_parametrized(lin):
+            return (f"{name}: its weight is computed by a parametrization "
+                    f"({', '.join(lin.parametrizations)}), which the fused op would not run")
+        if isinstance(lin, nn.modules.lazy.LazyModuleMixin):
+            return f"{name} is a lazy layer: its weight is made at its first call"
+        return f"{name} subclasses nn.Linear; its forward may not be F.linear"
     if _has_hooks(lin):
         return "the Linear has hooks, which the fused op would not call"
-    return unsupported_reason(lin.weight)
+    return unsupported_reason(stored_weight(lin))
 
 
 def activation_problem(act: nn.Module) -> Optional[str]:
     found = module_activation(act)
     if found is None or found.problem is not None:
         return found.problem if found is not None else f"{type(act).__name__} is no activation"
+    name = getattr(type(act), "_ckpt_ext_base", type(act)).__name__
+    if foreign_forward(act):
+        return f"the {name}: {INSTANCE_FORWARD}"
     if _has_hooks(act):
-        name = getattr(type(act), "_ckpt_ext_base", type(act)).__name__
         return f"the {name} has hooks, which the fused op would not call"
     return None
 
@@ -74,6 +90,16 @@ def getattr_path(root: Any, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def stored_attr(root: nn.Module, target: str) -> Any:
+    """``getattr_path`` that evaluates nothing: a parametrized attribute gives its stored original
+    (see :func:`stored_weight`), not the tensor its parametrization would compute."""
+    *parents, name = target.split(".")
+    obj = getattr_path(root, ".".join(parents)) if parents else root
+    if isinstance(obj, nn.Module) and parametrize.is_parametrized(obj, name):
+        return next(iter(obj.parametrizations[name].parameters()), None)
+    return getattr(obj, name)
 
 
 _LINEAR_FUNCTIONS = (F.linear, torch._C._nn.linear)
@@ -240,6 +266,8 @@ class RunDiscovery:
         label = places[0] if places else f"<a {type(c).__name__}>"
         if _has_hooks(c):
             return f"{label} has hooks, which a run computed across it would not call"
+        if foreign_forward(c):
+            return f"{label}: {INSTANCE_FORWARD}"
         if len(places) != 1:
             return f"{label} is held at {len(places)} places ({', '.join(places)})"
         if not is_sequential(c):
@@ -381,6 +409,8 @@ class RunDiscovery:
         return paths, stops
 
     def problem(self, s: LayerCall) -> Optional[str]:
+        if s.node is None and foreign_forward(s.container):
+            return f"{self.analysis.path_of(s.container) or '<model>'}: {INSTANCE_FORWARD}"
         if s.node is not None:
             p = child_problem(self.analysis, s.container, s.trace, s.name, s.label, s.module)
             if p is not None:
@@ -436,7 +466,7 @@ def graph_chains(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace,
         _, w, _ = linear_args(n)
         if not (isinstance(w, fx.Node) and w.op == "get_attr"):
             return f"{node_label(n, path)}'s weight is not an attribute of {path or '<model>'}"
-        return unsupported_reason(getattr_path(owner, w.target))
+        return unsupported_reason(stored_attr(owner, w.target))
 
     def member_problem(n: fx.Node) -> Optional[str]:
         label = node_label(n, path)
@@ -458,7 +488,7 @@ def graph_chains(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace,
             return layer_shape(node_label(n, path), owner.get_submodule(n.target))
         _, w, _ = linear_args(n)
         if isinstance(w, fx.Node) and w.op == "get_attr":
-            wt = getattr_path(owner, w.target)
+            wt = stored_attr(owner, w.target)
             return LayerShape("F.linear", wt.shape[1], wt.shape[0], wt.element_size())
         return None
 

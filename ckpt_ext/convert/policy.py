@@ -13,6 +13,7 @@ from torch import nn
 from .activations import DISPLAY, SAVES_INPUT, tensors_per_layer
 from .consumers import Fate
 from .report import Decision
+from .runtime import stored_weight
 
 
 class LayerShape(NamedTuple):
@@ -195,7 +196,11 @@ def sub_chain(chain: Chain, s: int, e: int, fate: Callable[[], Fate]) -> Chain:
 
 
 def layer_shape(label: str, lin: nn.Linear) -> LayerShape:
-    return LayerShape(label, lin.in_features, lin.out_features, lin.weight.element_size())
+    """Its widths and itemsize, from its attributes and stored weight: nothing is evaluated (a
+    lazy Linear, whose weight does not exist yet, counts 0 bytes)."""
+    w = stored_weight(lin)
+    return LayerShape(label, lin.in_features, lin.out_features,
+                      w.element_size() if w is not None else 0)
 
 
 def chain_problem(layers: Sequence[nn.Module]) -> Optional[str]:
@@ -204,7 +209,10 @@ def chain_problem(layers: Sequence[nn.Module]) -> Optional[str]:
         if b.in_features != a.out_features:
             return (f"layer {i}: in_features {b.in_features} does not match the previous "
                     f"Linear's out_features {a.out_features}")
-        if b.weight.dtype != a.weight.dtype or b.weight.device != a.weight.device:
-            return (f"layer {i}: weight is {b.weight.dtype} on {b.weight.device}, the previous "
-                    f"Linear's is {a.weight.dtype} on {a.weight.device}")
+        wa, wb = stored_weight(a), stored_weight(b)
+        if wa is None or wb is None:
+            return f"layer {i - (wa is None)}: its weight is not made yet (a lazy layer)"
+        if wb.dtype != wa.dtype or wb.device != wa.device:
+            return (f"layer {i}: weight is {wb.dtype} on {wb.device}, the previous "
+                    f"Linear's is {wa.dtype} on {wa.device}")
     return None

@@ -3,8 +3,9 @@
 gathered in a :class:`FuseReport`; ``fuse`` returns ``Fused(model, report)``."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 from torch import nn
 
@@ -46,6 +47,9 @@ class FuseReport:
     not_analysed: List[Tuple[str, str]] = field(default_factory=list)
     #: modules whose instance got a rewritten forward (rewrite=True)
     rewritten: List[str] = field(default_factory=list)
+    #: (path, why) for every nn.Linear and transformers Conv1D that no decision names: why no run
+    #: starts or goes through it. With the decisions, every Linear of the model is accounted for.
+    other_layers: List[Tuple[str, str]] = field(default_factory=list)
 
     @property
     def fused(self) -> List[Decision]:
@@ -80,12 +84,53 @@ class FuseReport:
             lines.append(f"  {tag:<11s} {layers} [{d.how}] as {d.unit}: frees "
                          f"{d.bytes_per_row:,} B/row, +{d.flops_per_row:,} FLOPs/row "
                          f"(+{100 * d.extra_cost:.0f}% of these layers' fwd+bwd); {d.why}")
+        for path, why in self.other_layers:
+            lines.append(f"  left alone  {path}: {why}")
         if self.rewritten:
             lines.append("  forward rewritten (rewrite=True): "
                          + ", ".join(p or "<model>" for p in self.rewritten))
         for path, why in self.not_analysed:
             lines.append(f"  not analysed: {path or '<model>'}: {why}")
-        return "\n".join(lines)
+        return "\n".join(lines[:1] + grouped(lines[1:]))
+
+
+# An index in a module path ("layers.5.mlp"): a number right after a name and a dot.
+_INDEX = re.compile(r"(?<=[A-Za-z_]\.)\d+(?=\.|\b)")
+
+
+def grouped(lines: List[str]) -> List[str]:
+    """Lines that differ only in the indices of module paths, with each line's indices all equal
+    (``layers.5.fc1 -> layers.5.fc2``), printed once: ``layers.{0..31}.fc1 -> ...``."""
+    groups: Dict[str, List[int]] = {}
+    order: List[str] = []
+    for line in lines:
+        found = {int(i) for i in _INDEX.findall(line)}
+        key = _INDEX.sub("#", line) if len(found) == 1 else line
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        if len(found) == 1:
+            groups[key].append(found.pop())
+    out = []
+    for key in order:
+        indices = groups[key]
+        if not indices:
+            out.append(key)
+        elif len(indices) == 1:
+            out.append(key.replace("#", str(indices[0])))
+        else:
+            out.append(key.replace("#", "{" + _spans(sorted(set(indices))) + "}"))
+    return out
+
+
+def _spans(values: List[int]) -> str:
+    """0..31, or 0..3,7,9..12"""
+    parts, start = [], values[0]
+    for a, b in zip(values, values[1:] + [None]):
+        if b != a + 1:
+            parts.append(f"{start}..{a}" if a > start else str(start))
+            start = b
+    return ",".join(parts)
 
 
 class Fused(NamedTuple):

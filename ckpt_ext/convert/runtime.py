@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Seq
 import torch
 import torch.nn.modules.module as _module_hooks  # the hooks registered for every module
 from torch import nn
+from torch.nn.parameter import is_lazy
+from torch.nn.utils import parametrize
 
 from .. import _C, ops
 from ..modules import _has_hooks
@@ -103,6 +105,14 @@ class _Run:
 
     def problem(self) -> Optional[str]:
         """None while the run can be computed fused, else what changed since fuse."""
+        if torch.jit.is_tracing():  # it records what each module computes on its own
+            return "torch.jit.trace is recording the model"
+        for m, label in zip(self.key[0], self.labels):
+            if foreign_forward(m):
+                return f"{label}'s forward was set on the instance, which the fused run would skip"
+        for seq, label, _, _ in self.sequences:
+            if foreign_forward(seq):
+                return f"{label or '<model>'}'s forward was set on the instance"
         for seq, label, names, modules in self.sequences:
             if len(seq._modules) != len(names):
                 return f"the elements of {label or '<model>'} changed"
@@ -134,6 +144,7 @@ class _Run:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights = [layer.weight for layer in self.layers]
         biases = [layer.bias for layer in self.layers]
+        _as_linear_would(x, weights[0], biases[0])
         if self.activation != "tanh":
             return ops.mlp(x, weights, biases, activation=self.activation,
                            last_activation=self.last_activation)
@@ -178,6 +189,17 @@ class _Run:
                 f"{owner or '<model>'}.forward took a path its analysis did not see (it depends on "
                 f"state outside the module). Fuse an unfused copy of the model with trace=False, "
                 f"or make that state an attribute of the module")
+
+
+def _as_linear_would(x: Any, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """Input the run's first Linear would refuse makes the unfused call raise: the error the
+    unfused model raises (F.linear's RuntimeError, message and all), not the fused op's own
+    ValueError/TypeError, which name arguments the user never passed."""
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] == weight.shape[1] and \
+            x.device == weight.device and (x.dtype == weight.dtype or
+                                           torch.is_autocast_enabled(x.device.type)):
+        return
+    torch.nn.functional.linear(x, weight, bias)  # raises; if not, the op decides
 
 
 class PartRole(str, enum.Enum):
@@ -428,6 +450,8 @@ class _OwnerForward:
     def __call__(self, *args, **kwargs):
         owner = self.owner
         cls_fn = getattr(type(owner), self.method)
+        if torch.jit.is_tracing():  # records the class's own code, exactly
+            return cls_fn(owner, *args, **kwargs)
         for guard in self.guards:
             if not guard.holds(owner):
                 return cls_fn(owner, *args, **kwargs)
@@ -504,6 +528,20 @@ def _compile_forward(source: str) -> Callable:
     return scope["forward"]
 
 
+def stored_weight(lin: nn.Module) -> Optional[torch.Tensor]:
+    """The tensor a Linear's weight is stored in, read without evaluating anything: the parameter
+    itself, or a parametrization's original (``spectral_norm``'s ``original``, ``weight_norm``'s
+    ``original0``), whose dtype and device the computed weight has. Reading ``lin.weight`` would
+    run the parametrization (spectral_norm in train mode moves its ``_u``, ``_v``). None for a
+    lazy, uninitialised parameter."""
+    w = lin._parameters.get("weight")
+    if w is None and parametrize.is_parametrized(lin, "weight"):
+        w = next(iter(lin.parametrizations["weight"].parameters()), None)
+    if w is None or is_lazy(w):
+        return None
+    return w
+
+
 def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
     """None when the op runs on this weight's device and dtype, else why not."""
     if weight is None:
@@ -514,6 +552,13 @@ def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
     if weight.device.type not in ok:
         return f"device {weight.device} is not supported by this build of the fused op"
     return None
+
+
+def foreign_forward(m: nn.Module) -> bool:
+    """Whether someone other than fuse set ``forward`` on this instance (accelerate's
+    ``add_hook_to_module`` does): a fused op computing this module's output would not call it."""
+    fwd = vars(m).get("forward")
+    return fwd is not None and not isinstance(fwd, _OwnerForward)
 
 
 def join_path(prefix: str, name: str) -> str:

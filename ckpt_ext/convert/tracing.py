@@ -6,11 +6,13 @@ from a value the forward branches on) and becomes a :class:`_Guard` the owner's 
 each call. Attributes changed by tracing are found by comparing snapshots before and after."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import inspect
 import operator
 import os
+import random
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import fx, nn
+from torch.nn.parameter import is_lazy
 
 from ..modules import FusedLinearTanh, FusedTanhMLP
 from .report import FuseReport
@@ -77,10 +80,12 @@ def analysis_copy(model: nn.Module) -> nn.Module:
     their values, so the copy costs no tensor memory."""
     memo: Dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
-                                   requires_grad=p.requires_grad)
+        # a lazy (uninitialised) parameter has no shape yet; reading its dtype would raise
+        memo[id(p)] = nn.UninitializedParameter(p.requires_grad, device="meta") if is_lazy(p) \
+            else nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
+        memo[id(b)] = nn.UninitializedBuffer(device="meta") if is_lazy(b) else \
+            torch.empty_like(b, device="meta")
     # No fallback to a full copy: that could double the memory of a large model.
     return copy.deepcopy(model, memo)
 
@@ -418,6 +423,10 @@ class ModelAnalysis:
         wanted = [(p, m) for p, m in self.model.named_modules() if _wants_analysis(m)]
         if not wanted:
             return
+        with _rng_kept():
+            self._trace_wanted(wanted, report)
+
+    def _trace_wanted(self, wanted: List[Tuple[str, nn.Module]], report: FuseReport) -> None:
         try:
             clone = analysis_copy(self.model)
         except Exception as e:
@@ -460,6 +469,25 @@ class ModelAnalysis:
     def trace_of(self, m: nn.Module) -> Optional[Trace]:
         t = self.traces.get(id(m))
         return t if t is not None and t.ok else None
+
+
+@contextlib.contextmanager
+def _rng_kept():
+    """Tracing runs the forward's Python code on placeholders: a call such as ``torch.rand([])``
+    (LayerDrop) runs for real and draws from a generator. Every generator the forward could draw
+    from — torch's CPU and initialised CUDA ones, Python's ``random``, numpy's global one — is
+    put back as it was, so the user's next random numbers are those of an unfused run."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    py_state = random.getstate()
+    np = sys.modules.get("numpy")
+    np_state = np.random.get_state() if np is not None else None
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(py_state)
+        if np_state is not None:
+            np.random.set_state(np_state)
 
 
 def _only_through_a_method(t: Trace) -> bool:

@@ -1144,7 +1144,8 @@ def test_in_place_ops_after_a_fused_pair():
     ref = copy.deepcopy(model)
     ref.forward = lambda inp: ref.block[:2](inp).clone().add_(inp)
     _, report = fuse(model)
-    assert len(report) == 1 and "Dropout" in report.fused[0].why
+    # Dropout(0) returns its input: what counts is the residual add after it
+    assert len(report) == 1 and "(a residual add)" in report.fused[0].why
     assert_same_computation(ref, model, [x], torch.float64)
 
 

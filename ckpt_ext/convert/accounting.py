@@ -1,0 +1,159 @@
+"""Every Linear accounted for: for each ``nn.Linear`` (attention projections and
+``MultiheadAttention.out_proj`` included) and each transformers ``Conv1D`` that no decision of the
+plan names, why no run starts or goes through it — the pattern the analysis saw and what stopped
+it ("gated product", "Conv1D", "LoRA wrapper", "instance forward", "dropout p>0 between", the
+caller's optional argument, ...). Read from the analysis only: nothing is evaluated."""
+from __future__ import annotations
+
+import operator
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+from torch import fx, nn
+
+from .activations import module_activation
+from .discovery import LayerKind, linear_problem, node_kind, node_label
+from .runtime import foreign_forward, is_sequential, join_path
+from .tracing import ModelAnalysis, Trace
+
+_VIEWS = {operator.getitem, torch.chunk, torch.split, torch.narrow, "chunk", "split", "view",
+          "reshape", "narrow", "contiguous"}
+_PRODUCTS = {operator.mul, torch.mul, operator.imul, "mul", "mul_"}
+
+
+def is_conv1d(m: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections): x·W + b with W stored (in, out)."""
+    return type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers")
+
+
+def unaccounted(analysis: ModelAnalysis, named: Iterable[str]) -> List[Tuple[str, str]]:
+    """(path, why) for each Linear or Conv1D of the model that ``named`` (the paths the report's
+    decisions and not_analysed entries name) does not hold, in module order."""
+    named = set(named)
+    out = []
+    for path, m in analysis.model.named_modules():
+        if path in named or not (isinstance(m, nn.Linear) or is_conv1d(m)):
+            continue
+        out.append((path, _why(analysis, path, m)))
+    return out
+
+
+def _caller(analysis: ModelAnalysis, path: str):
+    """(the module whose forward calls the one at ``path``, its path, the call's target)."""
+    if path not in analysis.parent:
+        return None, "", ""
+    parent, ppath, target = analysis.parent[path]
+    while isinstance(parent, (nn.ModuleList, nn.ModuleDict)) and ppath in analysis.parent:
+        parent, ppath, holder = analysis.parent[ppath]
+        target = f"{holder}.{target}"
+    return parent, ppath, target
+
+
+def _why(analysis: ModelAnalysis, path: str, m: nn.Module) -> str:
+    places = analysis.paths.get(id(m), [path])
+    if len(places) > 1:
+        return f"it is held at {len(places)} places ({', '.join(places)})"
+    if is_conv1d(m):
+        return ("a transformers Conv1D (x·W + b with W stored (in, out)), not an nn.Linear: the "
+                "fused ops compute nn.Linear runs only")
+    if foreign_forward(m):
+        return linear_problem(m)
+    parent, ppath, target = _caller(analysis, path)
+    if parent is None:
+        return "it is the model itself: nothing follows it"
+    caller = ppath or "<model>"
+    if hasattr(parent, "lora_A") and hasattr(parent, "lora_B"):
+        return (f"inside the LoRA wrapper {caller} ({type(parent).__name__}): base_layer(x) + "
+                f"lora_B(lora_A(x))·scaling is a sum, not a Linear/activation run")
+    if is_sequential(parent):
+        return _in_sequential(parent, ppath, target) or linear_problem(m) or \
+            "no activation fuse computes follows it"
+    if type(parent).__module__.startswith("torch."):
+        return (f"its caller {caller} is torch.nn.{type(parent).__name__}, whose forward is "
+                f"torch's own code, which fuse does not analyse")
+    t = analysis.traces.get(id(parent))
+    if t is None:
+        return f"its caller {caller} was not analysed (trace=False)"
+    if not t.ok:
+        return f"its caller {caller} was not analysed: {t.reason}"
+    return _in_graph(analysis, parent, caller, t, target) or linear_problem(m) or \
+        "no activation fuse computes follows it"
+
+
+def _in_sequential(seq: nn.Module, spath: str, name: str) -> Optional[str]:
+    names = list(seq._modules)
+    i = names.index(name)
+    if i >= 2:
+        prev, before = seq._modules[names[i - 1]], seq._modules[names[i - 2]]
+        if isinstance(prev, nn.modules.dropout._DropoutNd) and prev.p > 0 and \
+                module_activation(before) is not None:
+            return (f"dropout p>0 between it and {join_path(spath, names[i - 2])}: "
+                    f"{names[i - 1]} (p={prev.p}) draws a mask the fused op would not")
+    if i + 1 == len(names):
+        return f"it is the last element of {spath or '<model>'}: no activation follows it there"
+    nxt = seq._modules[names[i + 1]]
+    found = module_activation(nxt)
+    if found is None:
+        return (f"{join_path(spath, names[i + 1])} ({type(nxt).__name__}) follows it, not an "
+                f"activation fuse computes")
+    return None
+
+
+def _in_graph(analysis: ModelAnalysis, owner: nn.Module, caller: str, t: Trace,
+              target: str) -> Optional[str]:
+    calls = [n for n in t.graph.nodes if n.op == "call_module" and n.target == target]
+    if len(calls) != 1:
+        return f"{caller}.{t.method} calls it {len(calls)} times"
+    node = calls[0]
+    x = node.args[0] if node.args else None
+    if isinstance(x, fx.Node) and x.op == "call_module":
+        sub = owner.get_submodule(x.target)
+        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return (f"dropout p>0 between it and what comes before: {join_path(caller, x.target)}"
+                    f" (p={sub.p}) draws a mask the fused op would not")
+    users = list(node.users)
+    if len(users) != 1:
+        return f"its output has {len(users)} users in {caller}.{t.method}"
+    gated = _gated(owner, users[0], 0)
+    if gated:
+        return (f"gated product: {gated} (a GLU MLP); the fused ops compute Linear, activation, "
+                f"Linear runs only")
+    return f"its output goes to {_describe(owner, caller, users[0])}, not an activation"
+
+
+def _gated(owner: nn.Module, u: fx.Node, depth: int) -> Optional[str]:
+    """'act(x) * y' when u (through views) is an activation whose output is multiplied by
+    another tensor, or u is that product itself."""
+    if depth > 4:
+        return None
+    if _is(u, _PRODUCTS) and sum(isinstance(a, fx.Node) for a in u.args) == 2:
+        return "its output is multiplied by another tensor"
+    kind = node_kind(u, owner)
+    if kind is not None and kind[0] is LayerKind.ACTIVATION or \
+            (u.op == "call_module" and module_activation(owner.get_submodule(u.target))):
+        for v in u.users:
+            if _is(v, _PRODUCTS) and sum(isinstance(a, fx.Node) for a in v.args) == 2:
+                return f"{node_label(u, '') if kind else u.target}(its output) * another tensor"
+        return None
+    if _is(u, _VIEWS):
+        for v in u.users:
+            found = _gated(owner, v, depth + 1)
+            if found:
+                return found
+    return None
+
+
+def _is(n: fx.Node, targets: set) -> bool:
+    return n.op in ("call_function", "call_method") and n.target in targets
+
+
+def _describe(owner: nn.Module, caller: str, u: fx.Node) -> str:
+    if u.op == "output":
+        return f"the return of {caller}'s forward"
+    if u.op == "call_module":
+        return f"{join_path(caller, u.target)} ({type(owner.get_submodule(u.target)).__name__})"
+    if u.op == "call_method":
+        return f".{u.target}()"
+    name = getattr(u.target, "__name__", str(u.target))
+    mod = getattr(u.target, "__module__", "") or ""
+    return f"{'operator.' if mod == '_operator' else ''}{name}"
