@@ -10,24 +10,30 @@
 #       a cheap form of its command (setup.py's configuration, tests without a GPU, the scripts'
 #       --list/--dry-run, the benchmark on CPU at the tiny preset), under the same caps
 #
-# Exit status: 0 when every step that ran passed (steps not run are listed, never failed; an
-# optional step stopped by the total cap is "cut", not failed); 1 when a step failed or hit its
-# own cap; 2 when no GPU is visible (not a dry run): stopped at once.
+# Exit status: 0 when nothing failed: "overall: PASS", or "overall: CUT" when a step with tests or
+# cases was stopped by its cap with none failed (its note counts passed / failed / not run); steps
+# not run are listed, never failed. 1 when a step failed or hit its cap with a failure (or, for a
+# step without tests, hit its cap at all); 2 when no GPU is visible (not a dry run): stopped at once.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 # ---- the plan -----------------------------------------------------------------------------------
 # name cap tier what. Required steps run in this order, each within its cap; the summary's cap
 # closes the budget. The tests step may also use what the steps before it left unused (it ends by
-# the sum of the caps up to its own), which leaves every later step its whole cap.
+# the sum of the caps up to its own), which leaves every later step its whole cap. Each cap's
+# grounds: docs/gpu_check.md, "Budget".
 TEST_TIMEOUT=45  # seconds per test (pytest-timeout), within the tests step's cap
+# The tests: every `cuda`-marked test, from the files that hold one (scripts/gpu_check_pytest.py
+# finds them without importing the others), ordered by value: a cover of every test function's
+# dtypes, activations and layouts first (these files' functions first), the long sweeps last.
+TESTS_FIRST="tests/ops/test_ops_cuda.py tests/ops"
 REQUIRED=(
-  "probe 25 1 GPU visible to torch; driver, nvcc, torch, compute-sanitizer, pytest-timeout"
-  "build 165 1 setup.py build_ext --inplace, CKPT_EXT_CUDA=1, the visible GPU's arch, nproc jobs"
-  "import 20 1 import ckpt_ext with its CUDA kernels; one fused op forward+backward on the GPU"
-  "tests 95 2 pytest -m cuda, ${TEST_TIMEOUT} s a test, results kept as they end; + tier 1's spare"
-  "memcheck 75 3 compute-sanitizer memcheck on gpu_sanitize_case.py: every kernel path, small"
-  "kernel_bench 35 4 gpu_kernel_bench.py: each kernel's GB/s vs a D2D copy, 2^20, 2^24, 2^27"
+  "probe 20 1 GPU visible to torch; driver, nvcc, torch, compute-sanitizer, pytest-timeout"
+  "build 150 1 setup.py build_ext --inplace, CKPT_EXT_CUDA=1, the visible GPU's arch, nproc jobs"
+  "import 15 1 import ckpt_ext with its CUDA kernels; one fused op forward+backward on the GPU"
+  "tests 105 2 pytest -m cuda by value, ${TEST_TIMEOUT} s a test, results kept as they end; + tier 1's spare"
+  "memcheck 80 3 compute-sanitizer memcheck on gpu_sanitize_case.py: every kernel path, every activation"
+  "kernel_bench 45 4 gpu_kernel_bench.py: GB/s vs a D2D copy; tanh primitives, every activation's kernels"
   "bench_eager 45 5 python -m ckpt_ext.bench --device cuda --networks chain, eager modes"
 )
 SUMMARY_CAP=10
@@ -76,7 +82,7 @@ LOG="$DEST/gpu_check.log"
 elapsed() { echo $(($(date +%s) - START)); }
 say() { echo "[gpu_check $(elapsed)s] $*" | tee -a "$LOG"; }
 
-declare -A RESULT SECS CAPS NOTE
+declare -A RESULT SECS CAPS NOTE STARTS
 ORDER=()
 # run_step NAME CAP CMD...: CMD under CAP seconds in all (SIGTERM at CAP-5 s, SIGKILL 5 s later),
 # output to $TMP/NAME.log. Result: pass, fail(rc) or timeout.
@@ -85,6 +91,7 @@ run_step() {
   ORDER+=("$name"); CAPS[$name]=$cap
   say "$name: start (cap ${cap}s)"
   local s t=$((cap - 5)); s=$(date +%s)
+  STARTS[$name]=$s
   [ "$t" -lt 1 ] && t=1
   timeout --kill-after=5 "$t" "$@" >"$TMP/$name.log" 2>&1
   local rc=$?
@@ -181,6 +188,10 @@ else
 fi
 grep '^ckpt_ext setup:' "$TMP/build.log" | tee -a "$LOG"
 fold build 12
+# each object's compile time from ninja's logs of this build: the figures behind the build's cap
+find build -name .ninja_log -newer "$TMP/probe.json" 2>/dev/null | while read -r f; do
+  awk '!/^#/ { printf "%7.1f s  %s\n", ($2 - $1) / 1000, $4 }' "$f"
+done | sort -rn | head -n 12 | sed 's/^/build: compile /' | tee -a "$LOG"
 
 cat >"$TMP/import_check.py" <<'EOF'
 """ckpt_ext imports with its CUDA kernels; one fused op runs forward and backward on the GPU.
@@ -221,35 +232,8 @@ if [ "${RESULT[import]}" != pass ]; then
     not_run "$s" "no CUDA build of ckpt_ext imported"
   done
 else
-  # ---- tier 2: the CUDA tests, each result written as it ends -----------------------------------
-  cat >"$TMP/gpu_check_results.py" <<'EOF'
-"""pytest plugin: one JSON line per test phase into $GPU_CHECK_TESTS_JSONL, flushed at once, so a
-run killed at its cap keeps every result before it (and names the test that was running); the
-files named in $GPU_CHECK_TESTS_FIRST run first (pytest orders its arguments by path)."""
-import json, os
-_f = open(os.environ["GPU_CHECK_TESTS_JSONL"], "a", buffering=1)
-def pytest_collection_modifyitems(session, config, items):
-    first = os.environ.get("GPU_CHECK_TESTS_FIRST", "").split()
-    items.sort(key=lambda item: first.index(item.nodeid.split("::")[0])
-               if item.nodeid.split("::")[0] in first else len(first))
-def _w(**kw): _f.write(json.dumps(kw) + "\n")
-def _msg(report):
-    """A skip's reason, or a failure's one-line message."""
-    lr = report.longrepr
-    if isinstance(lr, tuple):
-        return str(lr[2])
-    crash = getattr(lr, "reprcrash", None)
-    return crash.message if crash is not None else (str(lr).strip().splitlines() or [""])[-1]
-def pytest_runtest_logstart(nodeid, location): _w(start=nodeid)
-def pytest_runtest_logreport(report):
-    if report.when == "call" or report.outcome != "passed":
-        _w(id=report.nodeid, when=report.when, outcome=report.outcome, s=round(report.duration, 3),
-           msg="" if report.outcome == "passed" else _msg(report)[:300])
-def pytest_collectreport(report):
-    if report.failed:
-        _w(id=report.nodeid, when="collect", outcome="failed", s=0, msg=_msg(report)[:300])
-EOF
-  TEST_ARGS=(-q -rfE --tb=short -p no:cacheprovider -p gpu_check_results
+  # ---- tier 2: the CUDA tests, by value (scripts/gpu_check_pytest.py), results kept as they end -
+  TEST_ARGS=(-q -rfE --tb=short -p no:cacheprovider -p gpu_check_pytest
              --continue-on-collection-errors)
   if [ "$(pyget pytest_timeout)" = True ]; then
     TEST_ARGS+=(--timeout="$TEST_TIMEOUT" --timeout-method=signal)
@@ -257,23 +241,27 @@ EOF
     say "tests: pytest-timeout is not installed: the step's cap is the only limit"
   fi
   # GPU_CHECK_TESTS replaces the selection, e.g. "tests/ops/test_ops_cuda.py -k graphs"
-  read -r -a SEL <<<"${GPU_CHECK_TESTS:--m cuda tests}"
+  read -r -a SEL <<<"${GPU_CHECK_TESTS:--m cuda $("$PY" scripts/gpu_check_pytest.py tests | tr '\n' ' ')}"
   run_step tests $(($(caps_through tests) - $(elapsed))) \
-    env GPU_CHECK_TESTS_JSONL="$TMP/tests.jsonl" GPU_CHECK_TESTS_FIRST=tests/ops/test_ops_cuda.py \
-    CKPT_EXT_EXPECT_CUDA=1 \
-    "$PY" -m pytest "${TEST_ARGS[@]}" "${SEL[@]}"
+    env PYTHONPATH="$PWD/scripts:$PYTHONPATH" GPU_CHECK_TESTS_JSONL="$TMP/tests.jsonl" \
+    GPU_CHECK_TESTS_ORDER="$TMP/tests_order.txt" GPU_CHECK_TESTS_FIRST="$TESTS_FIRST" \
+    CKPT_EXT_EXPECT_CUDA=1 "$PY" -m pytest "${TEST_ARGS[@]}" "${SEL[@]}"
   fold tests 60
 
-  # ---- tier 3: memcheck -------------------------------------------------------------------------
+  # ---- tier 3: memcheck ---------------------------------------------------------------------------
+  # The case stops itself 10 s before the cap (--deadline, wall clock: it cannot see how long the
+  # sanitizer took to start it) and records each case's seconds, and its own start, in a JSON.
   SAN_ARGS=(--report-api-errors no --error-exitcode 3 --print-limit 20)
   CASE=(scripts/gpu_sanitize_case.py)
   [ "$DRY" = 1 ] && CASE+=(--list)
+  deadline() { echo $(($(date +%s) + $1 - 10)); }
   if [ -n "$SAN" ]; then
     run_step memcheck "$(cap memcheck)" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-      "$SAN" --tool memcheck "${SAN_ARGS[@]}" "$PY" "${CASE[@]}"
+      "$SAN" --tool memcheck "${SAN_ARGS[@]}" "$PY" "${CASE[@]}" \
+      --json "$TMP/memcheck.json" --deadline "$(deadline "$(cap memcheck)")"
   elif [ "$DRY" = 1 ]; then
     say "memcheck: compute-sanitizer not found here; the case's --list alone"
-    run_step memcheck "$(cap memcheck)" "$PY" "${CASE[@]}"
+    run_step memcheck "$(cap memcheck)" "$PY" "${CASE[@]}" --json "$TMP/memcheck.json"
   else
     failed memcheck "compute-sanitizer not found (PATH, CUDA_HOME, nvcc's toolkit)"
   fi
@@ -305,12 +293,12 @@ EOF
     case $name in
       racecheck)
         if [ -z "$SAN" ] && [ "$DRY" = 1 ]; then
-          run_step racecheck "$c" "$PY" "${CASE[@]}" --only combine
+          run_step racecheck "$c" "$PY" "${CASE[@]}" --only combine --json "$TMP/racecheck.json"
         elif [ -z "$SAN" ]; then
           failed racecheck "compute-sanitizer not found"
         else
           run_step racecheck "$c" "$SAN" --tool racecheck "${SAN_ARGS[@]}" "$PY" "${CASE[@]}" \
-            --only combine
+            --only combine --json "$TMP/racecheck.json" --deadline "$(deadline "$c")"
         fi ;;
       timing)
         TM=(scripts/gpu_timing.py --json "$TMP/timing.json" --iters 10)
@@ -343,7 +331,8 @@ done
 cat >"$TMP/summary.py" <<'EOF'
 """gpu_check.json and the result table, from the steps' files (no torch import: fast)."""
 import glob, json, os, sys
-dest, tmp, steps, commit, total, dry = sys.argv[1:7]
+dest, tmp, steps, commit, total, dry, required = sys.argv[1:8]
+step_starts = dict(kv.split("=") for kv in sys.argv[8].split()) if len(sys.argv) > 8 else {}
 res = {"commit": commit, "dry_run": dry == "1", "total_cap_s": int(total), "steps": {}}
 for line in steps.splitlines():
     k, v = line.split("=", 1)
@@ -357,36 +346,85 @@ def load(name):
         return None
 res["machine"] = load("probe.json")
 notes = {}
+def cut(name, why):
+    """A step stopped by its cap with nothing failed: out of time, not a failure."""
+    s = res["steps"].get(name)
+    if s and s["result"] == "timeout":
+        s["result"], s["note"] = "cut", why
 # tests: the last phase report per test decides it; a test started and never reported was running
-# when the step hit its cap
+# when the step hit its cap. Selected minus finished = not run.
 path = os.path.join(tmp, "tests.jsonl")
 if os.path.exists(path):
-    started, final = [], {}
+    started, final, selected, cover = [], {}, None, None
     for line in open(path):
         try:
             e = json.loads(line)
         except ValueError:
             continue  # a line cut by the kill
-        if "start" in e:
+        if "selected" in e:
+            selected, cover = e["selected"], e["cover"]
+        elif "start" in e:
             started.append(e["start"])
         elif final.get(e["id"], {}).get("outcome") != "failed":  # a failed phase decides
             final[e["id"]] = e
     by_file = {}
     for tid, e in final.items():
-        f = by_file.setdefault(tid.split("::")[0], {"passed": 0, "failed": 0, "skipped": 0})
+        f = by_file.setdefault(tid.split("::")[0], {"passed": 0, "failed": 0, "skipped": 0, "s": 0})
         f[e["outcome"]] += 1
+        f["s"] = round(f["s"] + e["s"], 3)  # the seconds of each file: the tests cap's figures
     unfinished = [t for t in started if t not in final]
     t = {k: sum(f[k] for f in by_file.values()) for k in ("passed", "failed", "skipped")}
-    t.update(by_file=by_file, unfinished=unfinished,
+    order = [l.strip() for l in open(os.path.join(tmp, "tests_order.txt"))] \
+        if os.path.exists(os.path.join(tmp, "tests_order.txt")) else []
+    not_run = {}  # test function -> its cases not run
+    for tid in order:
+        if tid not in final:
+            not_run[tid.split("[")[0]] = not_run.get(tid.split("[")[0], 0) + 1
+    t.update(selected=selected, cover=cover,
+             not_run=selected - len(final) if selected is not None else None,
+             cover_done=sum(tid in final for tid in order[:cover or 0]),
+             not_run_by_function=not_run, by_file=by_file, unfinished=unfinished,
              failed_ids=[f"{k}: {e['msg']}" for k, e in final.items()
                          if e["outcome"] == "failed"][:40],
              skip_reasons=sorted({e["msg"] for e in final.values()
                                   if e["outcome"] == "skipped"})[:10],
              slowest=sorted(([e["s"], k] for k, e in final.items()), reverse=True)[:10])
     res["tests"] = t
-    notes["tests"] = (f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped in "
-                      f"{len(by_file)} files"
-                      + (f"; running at the cap: {unfinished[0]}" if unfinished else ""))
+    counts = (f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped, "
+              f"{t['not_run'] if t['not_run'] is not None else '?'} not run of "
+              f"{selected if selected is not None else '?'}")
+    notes["tests"] = counts + (f"; cover {t['cover_done']}/{cover}" if cover else "") \
+        + (f"; running at the cap: {unfinished[0]}" if unfinished else "")
+    if t["failed"] == 0 and selected is not None:  # collected, and nothing failed
+        cut("tests", "cut at its cap: " + notes["tests"])
+# memcheck, racecheck: each case's seconds (gpu_sanitize_case.py --json); the sanitizer's start-up
+# is the time from the step's start to the case script's first line
+for name in ("memcheck", "racecheck"):
+    rec = load(f"{name}.json")
+    if rec is None:
+        continue
+    step_start = int(step_starts.get(name, 0))
+    rec["startup_s"] = round(rec["started_epoch"] - step_start, 1) if step_start else None
+    rec["import_s"] = (round(rec["first_case_epoch"] - rec["started_epoch"], 1)
+                       if "first_case_epoch" in rec else None)
+    res[name] = rec
+    done = len(rec["seconds"])
+    finding = False
+    try:
+        finding = any(l.startswith("========= ") and "COMPUTE-SANITIZER" not in l
+                      and "ERROR SUMMARY: 0 errors" not in l and l.strip() != "========="
+                      for l in open(os.path.join(tmp, f"{name}.log"), errors="replace"))
+    except OSError:
+        pass
+    res[name]["sanitizer_finding"] = finding
+    if not rec.get("listed"):
+        notes[name] = (f"{done} of {rec['cases']} cases in {sum(rec['seconds'].values()):.0f} s; "
+                       f"start-up {rec['startup_s']} s (sanitizer, python), torch+ckpt_ext "
+                       f"import {rec['import_s']} s")
+        stopped = rec["not_run"] or done < rec["cases"]
+        s = res["steps"].get(name)
+        if s and stopped and not finding and s["result"] in ("pass", "timeout"):
+            s["result"], s["note"] = "cut", "cut at its cap: " + notes[name]
 for name in ("kernel_bench", "timing"):
     if load(f"{name}.json") is not None:
         res[name] = load(f"{name}.json")
@@ -396,6 +434,11 @@ if kb.get("targets"):
     missed = "".join(f"; {k} {100 * v['worst_frac']:.0f}%" for k, v in tg.items() if not v["met"])
     met = sum(v["met"] for v in tg.values())
     notes["kernel_bench"] = f"80% targets met {met}/{len(tg)}" + missed[:160]
+if kb.get("not_measured"):  # it starts no shape after its --max-seconds: out of time
+    s = res["steps"].get("kernel_bench")
+    if s and s["result"] in ("pass", "timeout"):
+        s["result"], s["note"] = "cut", (f"cut at its time limit: {len(kb['not_measured'])} "
+                                         f"shapes not measured; " + notes.get("kernel_bench", ""))
 for path in sorted(glob.glob(os.path.join(dest, "bench_*", "*.json"))):
     run = os.path.basename(os.path.dirname(path))
     try:
@@ -415,26 +458,41 @@ for path in sorted(glob.glob(os.path.join(dest, "bench_*", "*.json"))):
         notes["bench_eager"] = f"chain: fused step / checkpoint step = {f / c:.2f} (target <= 1)"
 ran = [s for s in res["steps"].values() if s["result"] != "not run"]
 res["ok"] = all(s["result"] in ("pass", "cut") for s in ran)
+# the verdict: FAIL when a step failed; CUT when nothing failed but a required step was cut (tests
+# or cases not run: read its note); PASS otherwise (an optional step cut at the total cap included)
+cut_required = [k for k, s in res["steps"].items() if s["result"] == "cut" and k in required.split()]
+res["verdict"] = "FAIL" if not res["ok"] else "CUT" if cut_required else "PASS"
 json.dump(res, open(os.path.join(dest, "gpu_check.json"), "w"), indent=1)
 print(f"\n{'step':<14} {'result':<9} {'s':>4} {'cap':>4}  note")
 for k, s in res["steps"].items():
     word = s["result"] if s["result"] in ("pass", "not run", "cut") else s["result"].upper()
-    print(f"{k:<14} {word:<9} {s['seconds']:>4} {s['cap_s'] or '':>4}  {notes.get(k, s['note'])}")
+    note = s["note"] if s["result"] == "cut" else notes.get(k, s["note"])
+    print(f"{k:<14} {word:<9} {s['seconds']:>4} {s['cap_s'] or '':>4}  {note}")
 n_run, n_not = len(ran), len(res["steps"]) - len(ran)
 n_pass, n_cut = (sum(s["result"] == r for s in ran) for r in ("pass", "cut"))
-print(f"overall: {'PASS' if res['ok'] else 'FAIL'} ({n_pass} of {n_run} steps that ran passed"
-      + (f", {n_cut} cut at the total cap" if n_cut else "") + f"; {n_not} not run)"
+print(f"overall: {res['verdict']} ({n_pass} of {n_run} steps that ran passed"
+      + (f", {n_cut} cut ({', '.join(k for k, s in res['steps'].items() if s['result'] == 'cut')})"
+         if n_cut else "") + (", nothing failed" if res["ok"] else "") + f"; {n_not} not run)"
       + ("  [dry run]" if dry == "1" else ""))
+sys.exit(0 if res["ok"] else 1)
 EOF
 COMMIT=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # the summary ends by the total cap (it absorbs the seconds spent between steps)
 t=$((TOTAL - $(elapsed) - 2)); [ "$t" -lt 5 ] && t=5
+required=""; for s in "${REQUIRED[@]}"; do read -r n _ <<<"$s"; required+="$n "; done
+starts=""; for k in "${!STARTS[@]}"; do starts+="$k=${STARTS[$k]} "; done
 timeout --kill-after=2 "$t" "$PY" "$TMP/summary.py" "$DEST" "$TMP" "$steps" \
-  "$COMMIT" "$TOTAL" "$DRY" 2>&1 | tee -a "$LOG"
+  "$COMMIT" "$TOTAL" "$DRY" "$required" "$starts" 2>&1 | tee -a "$LOG"
+rc=${PIPESTATUS[0]}
 files=$(cd "$DEST" && find . -type f | sort)
 say "done in $(elapsed)s of ${TOTAL}s; $(echo "$files" | grep -c .) files in $DEST: $(echo $files)"
-rc=0
-for k in "${ORDER[@]}"; do
-  case ${RESULT[$k]} in pass|"not run"|cut) ;; *) rc=1 ;; esac
-done
+# the summary's verdict (0: PASS or CUT, 1: FAIL); where it did not end, the steps' own results
+# (a step stopped at its cap then counts as failed)
+if [ "$rc" != 0 ] && [ "$rc" != 1 ]; then
+  say "the summary did not end (exit $rc): the verdict from the steps' exit statuses alone"
+  rc=0
+  for k in "${ORDER[@]}"; do
+    case ${RESULT[$k]} in pass|"not run"|cut) ;; *) rc=1 ;; esac
+  done
+fi
 exit $rc

@@ -1,7 +1,7 @@
 """Small cases that reach every path of the CUDA kernels once, for compute-sanitizer (run by
 scripts/gpu_check.sh: `--tool memcheck` on all of it, `--tool racecheck` on the combine passes).
 
-    python scripts/gpu_sanitize_case.py [--only combine] [--list]
+    python scripts/gpu_sanitize_case.py [--only combine] [--list] [--json F] [--deadline EPOCH]
 
 Paths, in every dtype: the forward tanh with 16-byte packs (and a scalar tail) and scalar
 (misaligned buffer); the backward from z and from t, with and without the bias sums, on the pack
@@ -9,14 +9,20 @@ path (grad_out contiguous, and broadcast) and the scalar path (grad_out at a sto
 column-major, broadcast with a width that is not a multiple of the pack, and a misaligned acc);
 bias_grad on both paths; partial last chunks; 130 and 16388 chunks, so the chunk sums take two and
 three combine passes; M = 0 and N = 0; and the ops themselves: linear_tanh, tanh_mlp at depth 3
-with last_tanh on and off and mixed biases (Holds::kTanhOutput, bias_grad), forward and backward.
+with last_tanh on and off and mixed biases (Holds::kTanhOutput, bias_grad), forward and backward;
+every activation of ckpt_ext.mlp (ckpt_ext.ACTIVATIONS), first order forward and backward, at widths
+1 (the scalar path) and 8 (whole packs in every dtype), with a random and a broadcast incoming
+gradient, the activation after the last layer on and off.
 
 Run it with PYTORCH_NO_CUDA_MEMORY_CACHING=1: then every buffer is its own cudaMalloc and an access
 one element past a buffer is caught, instead of landing inside the caching allocator's block.
 Exits non-zero if a result is not finite or far from a float64 reference (a check of the run,
-not a substitute for the tests).
+not a substitute for the tests). --json records each case's seconds as it ends and the wall clock
+at the script's start (the sanitizer's start-up is the time before it); --deadline (seconds since
+the epoch) starts no case after it, so a sanitizer run ends with its summary instead of a kill.
 """
 import argparse
+import json
 import sys
 import time
 
@@ -25,12 +31,21 @@ import torch.nn.functional as F
 
 import ckpt_ext
 
+STARTED = time.time()  # before the imports: under a sanitizer, torch's start-up is slow too
+
 PACK = {torch.float32: 4, torch.float64: 2, torch.bfloat16: 8, torch.float16: 8}
-DTYPES = list(PACK)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # the most used first
 OPS_USED = [("ckpt_ext_kernels", "tanh_"), ("ckpt_ext_kernels", "tanh_backward_"),
             ("ckpt_ext_kernels", "bias_grad"), ("ckpt_ext", "linear_tanh"),
-            ("ckpt_ext", "linear_tanh_backward"), ("ckpt_ext", "tanh_mlp")]
+            ("ckpt_ext", "linear_tanh_backward"), ("ckpt_ext", "tanh_mlp"), ("ckpt_ext", "mlp"),
+            ("ckpt_ext", "mlp_backward")]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+# two layers of mlp: twice tests/ops/test_mlp.py's REL_TOL in the half types (the check of a run,
+# not the test), and its RELU_HALF_TOL for relu there (a pre-activation within the GEMM's rounding
+# of 0 takes the other side of the kink)
+MLP_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2e-1, torch.float16: 3e-2}
+RELU_HALF_TOL = 0.3
+DEVICE = "cuda"
 
 
 def misaligned(t):
@@ -104,6 +119,43 @@ def combine_passes(dtype):
               scale=acc.double().abs().sum(0))
 
 
+def activations(dtype):
+    """Every activation of ckpt_ext.mlp: two layers of width 1 or 8 on 37 rows (a partial chunk
+    of the bias sums), forward and first-order backward against ckpt_ext.mlp in float64 on the CPU
+    (the CPU kernels are the tests' concern); incoming gradient random, and broadcast (strides
+    (0, 0), as out.mean() gives it)."""
+    g = torch.Generator().manual_seed(2)
+    for act in ckpt_ext.ACTIVATIONS:
+        tol = RELU_HALF_TOL if act == "relu" and dtype.itemsize == 2 else MLP_TOL[dtype]
+        for width in (1, 8):
+            sizes = [5, width, width]
+            x = torch.randn(37, sizes[0], generator=g).to(dtype)
+            ws = [(torch.randn(o, i, generator=g) / i ** 0.5).to(dtype)
+                  for i, o in zip(sizes, sizes[1:])]
+            bs = [torch.randn(width, generator=g).to(dtype) for _ in ws]
+            random = torch.randn(37, width, generator=g).to(dtype)
+            # made on the device: a copy of an expanded tensor is contiguous
+            grads = {"random": lambda device: random.to(device),
+                     "broadcast": lambda device: torch.full((), 1 / 37, dtype=dtype,
+                                                            device=device).expand(37, width)}
+            for last in (True, False):
+                for gname, grad_of in grads.items():
+                    name = f"mlp {act} {dtype} width {width} last={last} grad {gname}"
+                    leaves = [t.to(DEVICE).requires_grad_() for t in [x, *ws, *bs]]
+                    y = ckpt_ext.mlp(leaves[0], leaves[1:3], leaves[3:], activation=act,
+                                     last_activation=last)
+                    gy = grad_of(DEVICE)
+                    assert gname != "broadcast" or gy.stride() == (0, 0)
+                    got = torch.autograd.grad(y, leaves, gy)
+                    leaves64 = [t.double().requires_grad_() for t in [x, *ws, *bs]]
+                    y64 = ckpt_ext.mlp(leaves64[0], leaves64[1:3], leaves64[3:], activation=act,
+                                       last_activation=last)
+                    want = torch.autograd.grad(y64, leaves64, grad_of("cpu").double())
+                    check(f"{name}: out", y, y64, tol)
+                    for i, (o, r) in enumerate(zip(got, want)):
+                        check(f"{name}: grad {i}", o, r, tol, scale=r.abs() + r.abs().mean())
+
+
 def ops(dtype):
     tol = TOL[dtype]
     g = torch.Generator().manual_seed(1)
@@ -139,7 +191,8 @@ def cases(only=None):
     """(name, function, dtype) of every case, in the order they run: each group in every dtype
     before the next group, the kernels' own paths first (a run stopped at its time limit has
     covered the most)."""
-    groups = [combine_passes] if only == "combine" else [kernel_paths, combine_passes, ops]
+    groups = [combine_passes] if only == "combine" else [kernel_paths, activations, ops,
+                                                            combine_passes]
     return [(f"{fn.__name__} {dtype}", fn, dtype) for fn in groups for dtype in DTYPES]
 
 
@@ -148,9 +201,22 @@ def main(argv=None):
     ap.add_argument("--only", choices=["combine"], help="only the combine passes (racecheck)")
     ap.add_argument("--list", action="store_true",
                     help="print the cases and exit (no GPU needed: gpu_check.sh's dry run)")
+    ap.add_argument("--json", help="each case's seconds, written as it ends")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="start no case after this time (seconds since the epoch)")
     args = ap.parse_args(argv)
     todo = cases(args.only)
+    record = {"started_epoch": round(STARTED, 1), "cases": len(todo), "seconds": {},
+              "not_run": [], "activations": list(ckpt_ext.ACTIVATIONS)}
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=1)
+
     if args.list:
+        record["listed"] = True
+        save()
         print("\n".join(name for name, _, _ in todo))
         missing = [f"{ns}.{op}" for ns, op in OPS_USED
                    if not hasattr(getattr(torch.ops, ns), op)] if ckpt_ext.WITH_CUDA else []
@@ -162,12 +228,24 @@ def main(argv=None):
         print("gpu_sanitize_case: needs a GPU and a CUDA build of ckpt_ext (cuda available: "
               f"{torch.cuda.is_available()}, WITH_CUDA: {ckpt_ext.WITH_CUDA})", file=sys.stderr)
         return 2
+    record["first_case_epoch"] = round(time.time(), 1)
     t0 = time.perf_counter()
     for name, fn, dtype in todo:
+        if args.deadline is not None and time.time() > args.deadline:
+            record["not_run"].append(name)
+            continue
+        t = time.perf_counter()
         fn(dtype)
+        torch.cuda.synchronize()
+        record["seconds"][name] = round(time.perf_counter() - t, 2)
+        save()
         print(f"sanitize case: {name} done ({time.perf_counter() - t0:.1f} s)", flush=True)
-    torch.cuda.synchronize()
-    print("sanitize case: all paths ran, results finite and near float64")
+    save()
+    if record["not_run"]:
+        print(f"sanitize case: stopped at the deadline: {len(record['seconds'])} of {len(todo)} "
+              f"cases ran; not run: {', '.join(record['not_run'])}")
+    else:
+        print("sanitize case: all paths ran, results finite and near float64")
     return 0
 
 
