@@ -1,6 +1,7 @@
 """The models the fuse tests convert, each as a factory: ``MODELS[name]()`` returns
 ``(model, inputs, rows)``, a fresh model in train mode, the inputs of one call and the number of
-rows (samples, or tokens) its Linear layers see. tests/fuse/test_fuse_claims.py checks every
+rows (samples, or tokens) its Linear layers see; ``FUSE_KWARGS.get(name, {})`` are the arguments
+``fuse`` takes for it (``rewrite=True`` for forward code). tests/fuse/test_fuse_claims.py checks every
 report figure against the bytes autograd keeps on each of them; a model added here is checked
 there. Models of a library that is not installed are absent (``requires`` says which)."""
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 from typing import Callable, Dict, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from _ecosys import ActorCritic, Net, TinyBert
@@ -19,12 +21,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 Factory = Callable[[], Tuple[nn.Module, tuple, int]]
 MODELS: Dict[str, Factory] = {}
+FUSE_KWARGS: Dict[str, dict] = {}
 
 
-def model(name: str, requires: str = ""):
+def model(name: str, requires: str = "", **fuse_kwargs):
     def register(fn: Factory) -> Factory:
         if not requires or importlib.util.find_spec(requires) is not None:
             MODELS[name] = fn
+            if fuse_kwargs:
+                FUSE_KWARGS[name] = fuse_kwargs
         return fn
     return register
 
@@ -134,6 +139,50 @@ def _crossing():
             return self.down(self.up(x), x)
     torch.manual_seed(0)
     return Stack(), (_x(16, 8),), 16
+
+
+@model("crossing stack (test_fuse_crossing)")
+def _stack():
+    from test_fuse_crossing import Stack
+    torch.manual_seed(0)
+    return Stack(), (_x(16, 6),), 16
+
+
+@model("functional forward, rewritten", rewrite=True)
+def _functional():
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = nn.Parameter(torch.randn(32, 8)), nn.Parameter(torch.randn(4, 32))
+
+        def forward(self, x):
+            return F.linear(F.silu(F.linear(x, self.w1)), self.w2)
+    torch.manual_seed(0)
+    return Functional(), (_x(16, 8),), 16
+
+
+# -- real libraries ------------------------------------------------------------------------------
+
+@model("stable-baselines3 PPO policy", requires="stable_baselines3")
+def _ppo():
+    import stable_baselines3 as sb3
+    from stable_baselines3.common.logger import configure
+    torch.manual_seed(0)
+    ppo = sb3.PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, seed=0, device="cpu")
+    ppo.set_logger(configure(None, []))
+    return ppo.policy, (_x(16, 4),), 16
+
+
+@model("deepxde FNN (tanh), rewritten", requires="deepxde", rewrite=True)
+def _deepxde():
+    os.environ.setdefault("DDE_BACKEND", "pytorch")
+    device = torch.get_default_device()
+    try:  # deepxde makes a visible GPU torch's default device on import
+        import deepxde as dde
+    finally:
+        torch.set_default_device(device)
+    torch.manual_seed(0)
+    return dde.nn.FNN([1, 16, 16, 1], "tanh", "Glorot normal"), (_x(33, 1),), 33
 
 
 # -- transformers, from tiny configs (nothing downloaded) ----------------------------------------

@@ -13,7 +13,7 @@ from torch import nn
 
 from ckpt_ext import fuse
 from _ecosys import saved_activation_bytes
-from _fuse_models import MODELS
+from _fuse_models import FUSE_KWARGS, MODELS
 
 
 def _saved(model: nn.Module, inputs: tuple) -> int:
@@ -26,7 +26,7 @@ def _saved(model: nn.Module, inputs: tuple) -> int:
 def test_report_frees_what_it_claims(name, policy):
     plain, inputs, rows = MODELS[name]()
     fused = copy.deepcopy(plain)
-    _, report = fuse(fused, policy=policy)
+    _, report = fuse(fused, policy=policy, **FUSE_KWARGS.get(name, {}))
     measured = _saved(plain, inputs) - _saved(fused, inputs)
     claimed = report.bytes_per_row * rows
     message = f"{name}: the report claims {claimed:,} B freed, measured {measured:,} B\n{report}"
@@ -55,8 +55,9 @@ def test_near_miss_would_free_figure(name):
     claims test above measures that figure with policy='all'. A near miss claims bytes outright
     only where its consumer's fate is unknown, and says so."""
     plain, _, _ = MODELS[name]()
-    _, memory = fuse(copy.deepcopy(plain), dry_run=True)
-    _, every = fuse(copy.deepcopy(plain), dry_run=True, policy="all")
+    kwargs = FUSE_KWARGS.get(name, {})
+    _, memory = fuse(copy.deepcopy(plain), dry_run=True, **kwargs)
+    _, every = fuse(copy.deepcopy(plain), dry_run=True, policy="all", **kwargs)
     fused_all = {d.layers: d for d in every.fused}
     for d in memory.near_misses:
         if d.layers in fused_all and "free nothing" in d.why:
