@@ -99,27 +99,32 @@ _INDEX = re.compile(r"(?<=[A-Za-z_]\.)\d+(?=\.|\b)")
 
 
 def grouped(lines: List[str]) -> List[str]:
-    """Lines that differ only in the indices of module paths, with each line's indices all equal
-    (``layers.5.fc1 -> layers.5.fc2``), printed once: ``layers.{0..31}.fc1 -> ...``."""
-    groups: Dict[str, List[int]] = {}
-    order: List[str] = []
+    """Lines that differ only in the indices of module paths printed once, each index that varies
+    as the set it takes (``layers.{0..31}.fc1 -> layers.{0..31}.fc2``), where the lines are
+    exactly every combination of those sets (an index repeated in a line counts once)."""
+    groups: Dict[str, List[Tuple[int, ...]]] = {}
     for line in lines:
-        found = {int(i) for i in _INDEX.findall(line)}
-        key = _INDEX.sub("#", line) if len(found) == 1 else line
-        if key not in groups:
-            groups[key] = []
-            order.append(key)
-        if len(found) == 1:
-            groups[key].append(found.pop())
-    out = []
-    for key in order:
-        indices = groups[key]
-        if not indices:
-            out.append(key)
-        elif len(indices) == 1:
-            out.append(key.replace("#", str(indices[0])))
-        else:
-            out.append(key.replace("#", "{" + _spans(sorted(set(indices))) + "}"))
+        key = _INDEX.sub("#", line)
+        groups.setdefault(key, []).append(tuple(int(i) for i in _INDEX.findall(line)))
+    out, done = [], set()
+    for line in lines:
+        key = _INDEX.sub("#", line)
+        if key in done:
+            continue
+        done.add(key)
+        rows = sorted(set(groups[key]))
+        columns = list(zip(*rows)) if rows and rows[0] else []
+        distinct = {c for c in columns if len(set(c)) > 1}
+        combinations = 1
+        for c in distinct:
+            combinations *= len(set(c))
+        if len(rows) < 2 or combinations != len(rows):
+            out += [ln for ln in lines if _INDEX.sub("#", ln) == key]
+            continue
+        shown = [("{" + _spans(sorted(set(c))) + "}") if c in distinct else str(c[0])
+                 for c in columns]
+        parts = key.split("#")
+        out.append(parts[0] + "".join(v + rest for v, rest in zip(shown, parts[1:])))
     return out
 
 
