@@ -133,3 +133,13 @@ def test_report_of_32_layers_groups_identical_decisions():
     assert len(lines) <= 8, text
     assert "layers.{0..31}.fc1" in text, text
     assert re.search(r"heads\.\{0\.\.31\}", text), text
+
+
+def test_grouped_lines_say_exactly_the_lines_they_stand_for():
+    from ckpt_ext.convert.report import grouped
+    every = [f"x b.{i}.l.{j}.n: why" for i in range(2) for j in range(3)]
+    assert grouped(every) == ["x b.{0..1}.l.{0..2}.n: why"]
+    tied = [f"f layers.{i}.fc1 -> layers.{i}.fc2: y" for i in (0, 1, 2, 5)]
+    assert grouped(tied) == ["f layers.{0..2,5}.fc1 -> layers.{0..2,5}.fc2: y"]
+    partial = ["x b.0.l.0.n", "x b.1.l.1.n", "x b.1.l.0.n"]  # not every combination
+    assert grouped(partial) == partial
