@@ -28,9 +28,9 @@ TEST_TIMEOUT=45  # seconds per test (pytest-timeout), within the tests step's ca
 # dtypes, activations and layouts first (these files' functions first), the long sweeps last.
 TESTS_FIRST="tests/ops/test_ops_cuda.py tests/ops"
 REQUIRED=(
-  "probe 20 1 GPU visible to torch; driver, nvcc, torch, compute-sanitizer, pytest-timeout"
-  "build 150 1 setup.py build_ext --inplace, CKPT_EXT_CUDA=1, the visible GPU's arch, nproc jobs"
-  "import 15 1 import ckpt_ext with its CUDA kernels; one fused op forward+backward on the GPU"
+  "probe 25 1 GPU visible to torch; driver, nvcc, torch, compute-sanitizer, pytest-timeout"
+  "build 140 1 setup.py build_ext --inplace, CKPT_EXT_CUDA=1, the visible GPU's arch, nproc jobs"
+  "import 20 1 import ckpt_ext with its CUDA kernels; one fused op forward+backward on the GPU"
   "tests 105 2 pytest -m cuda by value, ${TEST_TIMEOUT} s a test, results kept as they end; + tier 1's spare"
   "memcheck 80 3 compute-sanitizer memcheck on gpu_sanitize_case.py: every kernel path, every activation"
   "kernel_bench 45 4 gpu_kernel_bench.py: GB/s vs a D2D copy; tanh primitives, every activation's kernels"
