@@ -4,8 +4,9 @@ which keep only their input and recompute activations in backward, without chang
 caller of any of its modules gets. Contract and design: docs/converter.md.
 
 Stages, one module each: tracing → consumers → discovery → policy → planning → rewriting →
-applying; ``api.fuse`` runs them, ``report`` says what was done, ``runtime`` holds what stays in
-the user's model (and its pickles).
+applying, then accounting (why each Linear no decision names is left alone); ``api.fuse`` runs
+them and ``api.unfuse`` undoes them, ``report`` says what was done, ``runtime`` holds what stays
+in the user's model (and its pickles).
 
 Glossary: a *layer call* (``LayerCall``) is one call of a Linear or activation module, of a
 ``LayerKind``; a *chain* (``Chain``) is calls ``Linear, Act, Linear, ...`` where each value goes

@@ -72,7 +72,8 @@ MUST_SAY = {
     "phi3": ("gated product",),
     "lora wrapper": ("LoRA wrapper",),
     "torch TransformerEncoderLayer": ("torch.nn.TransformerEncoderLayer",),
-    "relu, dropout p=0.1, linear": (),
+    "relu, dropout p=0.1, linear": ("dropout p>0 between",),
+    "relu, dropout p=0, linear": ("Dropout(p=0.0)), which returns its input with p=0",),
 }
 
 
