@@ -23,8 +23,18 @@ def _state(model: nn.Module):
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         tensors[name] = None if isinstance(t, nn.parameter.UninitializedParameter) else \
             t.detach().clone()
-    modules = {path: (type(m), sorted(vars(m))) for path, m in model.named_modules()}
+    modules = {path: (type(m), {k: _plain(v) for k, v in vars(m).items()})
+               for path, m in model.named_modules()}
     return tensors, modules
+
+
+def _plain(v):
+    """A value compared as is (numbers, strings, ...), else by identity."""
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return type(v)(_plain(x) for x in v)
+    return ("object", id(v))
 
 
 def _rng_states():
