@@ -196,25 +196,48 @@ class LastHidden(nn.Module):
         return self.model(input_ids=ids).last_hidden_state
 
 
+def bert(**overrides) -> nn.Module:
+    """A transformers BertModel from a tiny config (hidden 32, 2 layers of 2 heads, intermediate
+    64, no dropout), seeded; ``overrides`` change the config. The fuse tests build theirs here."""
+    import transformers
+    config = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+    config.update(overrides)
+    torch.manual_seed(0)
+    return transformers.BertModel(transformers.BertConfig(**config))
+
+
+def distilbert(**overrides) -> nn.Module:
+    """A transformers DistilBertModel from a tiny config (dim 32, 2 layers of 2 heads, hidden 64,
+    no dropout), seeded; ``overrides`` change the config."""
+    import transformers
+    config = dict(vocab_size=99, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                  max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+    config.update(overrides)
+    torch.manual_seed(0)
+    return transformers.DistilBertModel(transformers.DistilBertConfig(**config))
+
+
 @model("bert", requires="transformers")
 def _bert():
-    import transformers
-    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=64,
-                                     max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    return LastHidden(transformers.BertModel(config)), (torch.randint(0, 99, (3, 7)),), 21
+    return LastHidden(bert()), (torch.randint(0, 99, (3, 7)),), 21
+
+
+@model("bert, gelu_pytorch_tanh, feed-forward in chunks of 4", requires="transformers")
+def _bert_chunked():
+    return LastHidden(bert(hidden_act="gelu_pytorch_tanh", chunk_size_feed_forward=4)), \
+        (torch.randint(0, 99, (3, 8)),), 24
+
+
+@model("bert, intermediate 37 (test_libraries)", requires="transformers")
+def _bert_37():
+    return LastHidden(bert(intermediate_size=37)), (torch.randint(0, 99, (3, 7)),), 21
 
 
 @model("distilbert", requires="transformers")
 def _distilbert():
-    import transformers
-    config = transformers.DistilBertConfig(vocab_size=99, dim=32, n_layers=2, n_heads=2,
-                                           hidden_dim=64, max_position_embeddings=64,
-                                           dropout=0.0, attention_dropout=0.0)
-    torch.manual_seed(0)
-    return LastHidden(transformers.DistilBertModel(config)), (torch.randint(0, 99, (3, 7)),), 21
+    return LastHidden(distilbert()), (torch.randint(0, 99, (3, 7)),), 21
 
 
 @model("t5 encoder, dropout 0", requires="transformers")

@@ -22,6 +22,7 @@ from ckpt_ext.convert import RunActivation, RunLinear, member_class
 from ckpt_ext.convert.runtime import _OwnerForward
 from ckpt_ext.convert.activations import module_activation
 from _ecosys import kept_bytes, outputs_and_grads, rel_err, saved_activation_bytes
+from _fuse_models import bert, distilbert
 from reference import ACTIVATION_REF, measured
 
 # Before transformers is imported: it reads these at import time.
@@ -365,14 +366,8 @@ def test_member_classes_pickle_copy_and_undo():
 
 
 def _bert(hidden_act: str, chunk: int = 0):
-    transformers = _need("transformers")
-    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=64,
-                                     max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0, hidden_act=hidden_act,
-                                     chunk_size_feed_forward=chunk)
-    torch.manual_seed(0)
-    return transformers.BertModel(config).double()
+    _need("transformers")
+    return bert(hidden_act=hidden_act, chunk_size_feed_forward=chunk).double()
 
 
 class _BertOutputs(nn.Module):
@@ -493,12 +488,8 @@ def test_distilbert_ffn_fused():
     """DistilBERT's FFN.forward calls its layers only through ff_chunk, the method it hands to
     apply_chunking_to_forward: that method is analysed in its place and marks the region of the
     run lin1 -> GELU -> lin2."""
-    transformers = _need("transformers")
-    config = transformers.DistilBertConfig(vocab_size=99, dim=32, n_layers=2, n_heads=2,
-                                           hidden_dim=64, max_position_embeddings=64,
-                                           dropout=0.0, attention_dropout=0.0)
-    torch.manual_seed(0)
-    model = transformers.DistilBertModel(config).double()
+    _need("transformers")
+    model = distilbert().double()
     before = copy.deepcopy(model)
     _, report = fuse(model)
     runs = [tuple(f"transformer.layer.{i}.ffn.{n}" for n in ("lin1", "activation", "lin2"))

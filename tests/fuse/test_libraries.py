@@ -19,6 +19,7 @@ from torch import nn
 from ckpt_ext import fuse
 from ckpt_ext.convert import FusedSequential, RunLinear, RunTanh
 from _ecosys import rel_err, saved_activation_bytes
+from _fuse_models import bert
 
 # Before transformers is imported: it reads these at import time.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -96,12 +97,7 @@ def test_sb3_ppo_fused_trains_like_the_unfused_copy(tmp_path):
 
 def _bert():
     transformers = _need("transformers")
-    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=2, intermediate_size=37,
-                                     max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0)
-    torch.manual_seed(0)
-    return transformers, transformers.BertModel(config).double()
+    return transformers, bert(intermediate_size=37).double()
 
 
 def _bert_outputs_and_grads(model, ids, mask):
