@@ -40,7 +40,7 @@ SUMMARY_CAP=10
 # name minimum-to-start max-cap what. Run in this order after the required steps, each only
 # when the total cap still leaves it its minimum; each ends before the summary's reserve.
 OPTIONAL=(
-  "racecheck 40 45 compute-sanitizer racecheck on the combine passes (shared memory)"
+  "racecheck 40 45 compute-sanitizer racecheck on the bias sums' combine (shared memory)"
   "timing 35 45 gpu_timing.py: FusedLinearTanh/FusedTanhMLP vs Sequential and checkpoint"
   "bench_compile 120 600 python -m ckpt_ext.bench --networks chain, the torch.compile modes"
 )

@@ -1,5 +1,5 @@
 """Small cases that reach every path of the CUDA kernels once, for compute-sanitizer (run by
-scripts/gpu_check.sh: `--tool memcheck` on all of it, `--tool racecheck` on the combine passes).
+scripts/gpu_check.sh: `--tool memcheck` on all of it, `--tool racecheck` on the bias sums' combine).
 
     python scripts/gpu_sanitize_case.py [--only combine] [--list] [--json F] [--deadline EPOCH]
 
@@ -8,7 +8,7 @@ Paths, in every dtype: the forward tanh with 16-byte packs (and a scalar tail) a
 path (grad_out contiguous, and broadcast) and the scalar path (grad_out at a storage offset,
 column-major, broadcast with a width that is not a multiple of the pack, and a misaligned acc);
 bias_grad on both paths; partial last chunks; 130 and 16388 chunks, so the chunk sums take two and
-three combine passes; M = 0 and N = 0; and the ops themselves: linear_tanh, tanh_mlp at depth 3
+three combine levels; M = 0 and N = 0; and the ops themselves: linear_tanh, tanh_mlp at depth 3
 with last_tanh on and off and mixed biases (Holds::kTanhOutput, bias_grad), forward and backward;
 every activation of ckpt_ext.mlp (ckpt_ext.ACTIVATIONS), first order forward and backward, at widths
 1 (the scalar path) and 8 (whole packs in every dtype), with a random and a broadcast incoming
@@ -105,8 +105,9 @@ def kernel_paths(dtype):
                       scale=g64.abs().sum(0))
 
 
-def combine_passes(dtype):
-    """130 and 16388 chunks of 32 rows: two and three combine passes, on both paths."""
+def combine_levels(dtype):
+    """130 and 16388 chunks of 32 rows: the bias sums combined over two and three levels, on both
+    paths."""
     k = torch.ops.ckpt_ext_kernels
     for M, N in ((32 * 129 + 5, 4), (32 * (128 * 128 + 3) + 5, 3), (32 * 129 + 5, 1)):
         gy = torch.randn(M, N, device="cuda").to(dtype)
@@ -191,14 +192,14 @@ def cases(only=None):
     """(name, function, dtype) of every case, in the order they run: each group in every dtype
     before the next group, the kernels' own paths first (a run stopped at its time limit has
     covered the most)."""
-    groups = [combine_passes] if only == "combine" else [kernel_paths, activations, ops,
-                                                            combine_passes]
+    groups = [combine_levels] if only == "combine" else [kernel_paths, activations, ops,
+                                                            combine_levels]
     return [(f"{fn.__name__} {dtype}", fn, dtype) for fn in groups for dtype in DTYPES]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["combine"], help="only the combine passes (racecheck)")
+    ap.add_argument("--only", choices=["combine"], help="only the bias sums' combine (racecheck)")
     ap.add_argument("--list", action="store_true",
                     help="print the cases and exit (no GPU needed: gpu_check.sh's dry run)")
     ap.add_argument("--json", help="each case's seconds, written as it ends")
