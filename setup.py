@@ -240,21 +240,42 @@ def build_ext_cmd():
         """torch's BuildExtension (ninja) has one set of flags for every source. This compiles
         ISA_SOURCES once per ISA level with that level's flags, through the same (ninja-wrapped)
         compiler and the extension's own flags, each level in its own folder (its own
-        build.ninja, so rebuilds stay incremental), and hands the objects to the link after the
-        portable ones: where an inline function from a header is compiled into several objects,
-        the linker keeps the first copy, which is then a portable one."""
+        build.ninja, so rebuilds stay incremental). The levels compile in threads, alongside the
+        extension's own ninja run, and their objects join the link after the portable ones: where
+        an inline function from a header is compiled into several objects, the linker keeps the
+        first copy, which is then a portable one."""
 
         def build_extension(self, ext):
+            from concurrent.futures import ThreadPoolExecutor
+
             base = ext.extra_compile_args
             base_cxx = base["cxx"] if isinstance(base, dict) else list(base)
-            objects = []
-            for name, flags in isa_levels():
-                args = {"cxx": base_cxx + ISA_COMMON_FLAGS + flags, "nvcc": []}
-                objects += self.compiler.compile(
-                    ISA_SOURCES, output_dir=os.path.join(self.build_temp, f"isa_{name}"),
-                    include_dirs=ext.include_dirs, extra_postargs=args)
-            ext.extra_objects = [o for o in (ext.extra_objects or []) if o not in objects] + objects
-            super().build_extension(ext)
+            compile_main = self.compiler.compile
+            levels = isa_levels()
+            with ThreadPoolExecutor(len(levels)) as pool:
+                futures = [pool.submit(
+                    compile_main, ISA_SOURCES,
+                    output_dir=os.path.join(self.build_temp, f"isa_{name}"),
+                    include_dirs=ext.include_dirs,
+                    extra_postargs={"cxx": base_cxx + ISA_COMMON_FLAGS + flags, "nvcc": []})
+                    for name, flags in levels]
+
+                def isa_objects():
+                    return [o for f in futures for o in f.result()]
+
+                def compile_then_join(*args, **kwargs):
+                    # The extension's own sources; then the levels' objects, for the link.
+                    objects = compile_main(*args, **kwargs)
+                    isa = isa_objects()
+                    ext.extra_objects = [o for o in (ext.extra_objects or []) if o not in isa] + isa
+                    return objects
+
+                self.compiler.compile = compile_then_join
+                try:
+                    super().build_extension(ext)
+                finally:
+                    self.compiler.compile = compile_main
+                isa_objects()  # a level's compile error is raised even where nothing else ran
 
     return BuildWithISA.with_options(use_ninja=True)
 

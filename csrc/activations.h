@@ -17,8 +17,9 @@ namespace ckpt_ext {
 enum class Activation : int8_t { kTanh, kGelu, kGeluTanh, kSilu, kSigmoid, kSoftplus, kSin, kRelu };
 constexpr int kNumActivations = 8;
 
-// Math<V>: exp, erf, tanh, sin, cos, log1p of V, and where_gt(a, b, x, y) = (a > b ? x : y) per
-// element. The host/CUDA scalar ones here; the CPU kernels specialise it for Vectorized.
+// Math<V>: exp, erf, tanh, sin, cos, log1p of V, and where_gt(a, b, x, y) = (a > b ? x : y) and
+// where_le(a, b, x, y) = (a <= b ? x : y) per element (a NaN compares false in both). The
+// host/CUDA scalar ones here; the CPU kernels specialise it for Vectorized.
 template <typename V>
 struct Math {
   static CKPT_HD V exp(V v) { return ::exp(v); }
@@ -28,6 +29,7 @@ struct Math {
   static CKPT_HD V cos(V v) { return ::cos(v); }
   static CKPT_HD V log1p(V v) { return ::log1p(v); }
   static CKPT_HD V where_gt(V a, V b, V x, V y) { return a > b ? x : y; }
+  static CKPT_HD V where_le(V a, V b, V x, V y) { return a <= b ? x : y; }
 };
 template <>
 struct Math<float> {
@@ -38,6 +40,7 @@ struct Math<float> {
   static CKPT_HD float cos(float v) { return ::cosf(v); }
   static CKPT_HD float log1p(float v) { return ::log1pf(v); }
   static CKPT_HD float where_gt(float a, float b, float x, float y) { return a > b ? x : y; }
+  static CKPT_HD float where_le(float a, float b, float x, float y) { return a <= b ? x : y; }
 };
 
 // Constants of PyTorch's GELU kernels: 1/√2, 1/√(2π), √(2/π), and the cubic coefficient.
@@ -99,8 +102,8 @@ CKPT_HD V activation_grad(V gy, V z) {
     return M::where_gt(z, V(kSoftplusThreshold), gy, gy * e / (e + V(1)));
   } else if constexpr (A == Activation::kSin) {
     return gy * M::cos(z);
-  } else {  // kRelu
-    return M::where_gt(z, V(0), gy, V(0));
+  } else {  // kRelu: stock autograd's threshold_backward, relu(z) <= 0 ? 0 : gy, so gy at z = NaN
+    return M::where_le(z, V(0), V(0), gy);
   }
 }
 

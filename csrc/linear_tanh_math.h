@@ -1,5 +1,5 @@
 // linear_tanh_math.h — the arithmetic of the fused Linear+Tanh ops, written once, compiled by g++
-// (cpu/*.cpp) and nvcc (cuda/linear_tanh.cu): per-value formulas as templates over the value type
+// (cpu/*.cpp) and nvcc (cuda/passes.cuh): per-value formulas as templates over the value type
 // V (SIMD vectors on the CPU, registers on CUDA), and the bias gradient's summation order.
 // Shapes (M = rows of the flattened input, N = out_features):
 //   acc     : (M, N) contiguous, holds z = a·Wᵀ + b (or t = tanh(z)); overwritten in place by g

@@ -38,13 +38,16 @@ at::Tensor tanh_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Hol
 
 void activation_in_place(const at::Tensor& acc, Activation act) {
   if (act == Activation::kTanh) return tanh_in_place(acc);
-  CKPT_EXT_ON_DEVICE(acc, activation_cpu(acc, acc, act), activation_cuda_(acc, act));
+  CKPT_EXT_ON_DEVICE(acc, activation_cpu(acc, acc, act), activation_cuda(acc, acc, act));
 }
 
 void activation_to(const at::Tensor& src, const at::Tensor& dst, Activation act) {
-  if (act != Activation::kTanh && !dst.is_cuda()) return activation_cpu(src, dst, act);
-  dst.copy_(src);  // CUDA and tanh: the in-place kernels, after a copy
-  activation_in_place(dst, act);
+#ifdef CKPT_EXT_WITH_CUDA
+  if (dst.is_cuda()) return activation_cuda(src, dst, act);  // one pass, tanh's own included
+#endif
+  if (act != Activation::kTanh) return activation_cpu(src, dst, act);
+  dst.copy_(src);  // the CPU's tanh: its in-place kernel, after a copy
+  tanh_cpu_(dst);
 }
 
 at::Tensor activation_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Activation act,

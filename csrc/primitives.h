@@ -43,12 +43,12 @@ at::Tensor tanh_backward_cuda_(const at::Tensor& acc, const at::Tensor& grad_out
 
 // Any activation of activations.h (kTanh goes to the tanh primitives above). acc holds z and
 // becomes f(z), or g = grad_out·f'(z) with grad_b as tanh_backward_ returns it. activation_to
-// writes f(src) into dst (same shape, dtype and device; contiguous), leaving src as it is: on the
-// CPU one pass, the same kernel as in place.
+// writes f(src) into dst (same shape, dtype and device; contiguous), leaving src as it is: one
+// pass, the same kernel as in place (the CPU's tanh: a copy, then tanh_cpu_).
 void activation_in_place(const at::Tensor& acc, Activation act);
 void activation_to(const at::Tensor& src, const at::Tensor& dst, Activation act);
 void activation_cpu(const at::Tensor& src, const at::Tensor& dst, Activation act);
-void activation_cuda_(const at::Tensor& acc, Activation act);
+void activation_cuda(const at::Tensor& src, const at::Tensor& dst, Activation act);
 at::Tensor activation_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Activation act,
                                 bool want_bias_grad);
 at::Tensor activation_backward_cpu_(const at::Tensor& acc, const at::Tensor& grad_out,

@@ -282,3 +282,117 @@ def mlp_ref(x, weights, biases, activation, last_activation=True):
         if i + 1 < len(weights) or last_activation:
             h = ACTIVATION_REF[activation](h)
     return h
+
+
+# Relative error bound of the mlp op per dtype (every result: out, grad_x, each grad_W and grad_b)
+# on random runs (x ~ N(0, 1), W ~ N(0, 1/k)): ~5x the largest measured by test_mlp.py's
+# test_matches_reference over 30 seeds (pytest --seed-sweep=0:30, CKPT_EXT_MEASURE): float64
+# 7.6e-15, float32 2.6e-06, bfloat16 2.1e-02, float16 3.4e-03 (every activation but relu in the
+# half types).
+MLP_REL_TOL = {torch.float64: 4e-14, torch.float32: 1.5e-5, torch.bfloat16: 1e-1,
+               torch.float16: 1.5e-2}
+# relu in bfloat16/float16: a pre-activation within the GEMM's rounding of 0 takes the other side
+# of the kink, an O(1) change of that element's gradient; measured 6.6e-02 and 9.9e-02.
+MLP_RELU_HALF_TOL = 0.3
+
+
+def mlp_tol(activation, dtype):
+    return MLP_RELU_HALF_TOL if activation == "relu" and dtype.itemsize == 2 else MLP_REL_TOL[dtype]
+
+
+def mlp_inputs(lead, sizes, dtype, device="cpu", seed=0, bias=True):
+    """x (*lead, sizes[0]) ~ N(0, 1), weights (sizes[i+1], sizes[i]) ~ N(0, 1/k), biases ~
+    N(0, 1/4) (or None), grad_out (*lead, sizes[-1]) ~ N(0, 1); drawn in float32 on the CPU, then
+    cast."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, sizes[0], generator=g)
+    ws = [torch.randn(n, k, generator=g) / max(k, 1) ** 0.5 for k, n in zip(sizes, sizes[1:])]
+    bs = [torch.randn(n, generator=g) * 0.5 if bias else None for n in sizes[1:]]
+    gy = torch.randn(*lead, sizes[-1], generator=g)
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)
+    return cast(x), [cast(w) for w in ws], [cast(b) for b in bs], cast(gy)
+
+
+def _mlp_run(fn, x, ws, bs, gy):
+    """[out, grad_x, *grad_ws, *grad_bs] of fn(x, ws, bs) through autograd (None where no bias)."""
+    x = x.detach().requires_grad_()
+    ws = [w.detach().requires_grad_() for w in ws]
+    bs = [None if b is None else b.detach().requires_grad_() for b in bs]
+    out = fn(x, ws, bs)
+    leaves = [x, *ws, *[b for b in bs if b is not None]]
+    it = iter(torch.autograd.grad(out, leaves, gy))
+    gx, *gws = [next(it) for _ in range(1 + len(ws))]
+    return [out.detach(), gx, *gws, *[None if b is None else next(it) for b in bs]]
+
+
+def mlp_grads(x, ws, bs, gy, activation, last_activation=True):
+    """[out, grad_x, *grad_ws, *grad_bs] of ckpt_ext.mlp, on the inputs' device and dtype."""
+    import ckpt_ext
+    return _mlp_run(lambda x, ws, bs: ckpt_ext.mlp(x, ws, bs, activation=activation,
+                                                   last_activation=last_activation), x, ws, bs, gy)
+
+
+def mlp_ref_grads(x, ws, bs, gy, activation, last_activation=True):
+    """The same by stock PyTorch in float64 on the CPU."""
+    d = lambda t: None if t is None else t.detach().double().cpu()
+    return _mlp_run(lambda x, ws, bs: mlp_ref(x, ws, bs, activation, last_activation),
+                    d(x), [d(w) for w in ws], [d(b) for b in bs], d(gy))
+
+
+def assert_mlp_matches_reference(got, ref, activation, dtype, what=""):
+    names = ["out", "grad_x"] + [f"grad_{i}" for i in range(len(got) - 2)]
+    for name, o, r in zip(names, got, ref):
+        if r is None:
+            assert o is None, name
+            continue
+        assert o.dtype == dtype, (name, o.dtype)
+        e = rel_err(o.cpu(), r)
+        assert e <= mlp_tol(activation, dtype), f"{activation} {dtype} {what} {name}: {e:.3g}"
+
+
+def padded_rows(t, pad):
+    """t (*, rows, n) as a view of a (*, rows, n + pad) buffer, same values: row stride n + pad."""
+    buf = torch.full((*t.shape[:-1], t.shape[-1] + pad), float("nan"), dtype=t.dtype,
+                     device=t.device)
+    out = buf[..., :t.shape[-1]]
+    out.copy_(t)
+    return out
+
+
+def aligned_pad(n, dtype):
+    """The least pad > 0 that keeps rows of n + pad elements 16-byte aligned."""
+    per = 16 // dtype.itemsize
+    return per - n % per if n % per else per
+
+
+def check_relu_nan_gradient_is_stock_autograds(device, dtype, n):
+    """relu's backward at NaN and zero pre-activations, bitwise against stock autograd's
+    threshold_backward (relu(z) <= 0 ? 0 : grad: grad at NaN). x = I (M = K rows) and finite W, so
+    z = Wᵀ + b exactly (one nonzero product per dot product, in every dtype and GEMM; NaN where b
+    is) and grad_W = gᵀ·I = gᵀ is the kernel's own g to the bit; grad_b is its documented-order
+    sum."""
+    import ckpt_ext
+    M = 3 * ROWS_PER_CHUNK + 5  # three full chunks and a partial one
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, M, generator=g)
+    w[torch.rand(n, M, generator=g) < 0.2] = 0.0
+    b = torch.zeros(n)
+    b[[0, n // 2]] = float("nan")  # whole columns of NaN
+    gy = torch.randn(M, n, generator=g)
+    x = torch.eye(M)
+    x, w, b, gy = (t.to(device=device, dtype=dtype) for t in (x, w, b, gy))
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # exact products for the identity
+    try:
+        xs, ws, bs = (t.detach().requires_grad_() for t in (x, w, b))
+        out = ckpt_ext.mlp(xs, [ws], [bs], activation="relu")
+        gw, gb = torch.autograd.grad(out, [ws, bs], gy)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    z = (w.t() + b).detach().cpu()  # the same z, exact
+    assert torch.equal(out.detach().cpu().isnan(), z.isnan()) and (z == 0).any()
+    zs = z.clone().requires_grad_()
+    (g_stock,) = torch.autograd.grad(torch.relu(zs), zs, gy.cpu())
+    assert torch.equal(gw.t().cpu(), g_stock), "relu's g differs from stock autograd's"
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert torch.equal(gb.cpu(), bias_grad_documented_order(g_stock, acc, dtype))

@@ -33,6 +33,7 @@ struct Math<at::vec::Vectorized<T>> {
   static V cos(V v) { return v.cos(); }
   static V log1p(V v) { return v.log1p(); }
   static V where_gt(V a, V b, V x, V y) { return V::blendv(y, x, a > b); }
+  static V where_le(V a, V b, V x, V y) { return V::blendv(y, x, a <= b); }
 };
 
 }  // namespace ckpt_ext

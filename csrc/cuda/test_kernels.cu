@@ -1,7 +1,8 @@
 // cuda/test_kernels.cu — test-only: the CUDA primitives themselves as torch.ops.ckpt_ext_kernels.*
-// (tanh_, tanh_backward_, bias_grad), for the tests and the bandwidth microbenchmark. The ops of
-// ckpt_ext always hand the primitives fresh, aligned buffers; these take any acc the checks below
-// allow, so a test can reach every path. acc: (M, N) contiguous; grad_out: (M, N), any strides.
+// (tanh_, tanh_backward_, bias_grad; activation_, activation_backward_ for every activation), for
+// the tests and the bandwidth microbenchmark. The ops of ckpt_ext always hand the primitives fresh,
+// aligned buffers; these take any acc the checks below allow, so a test can reach every path.
+// acc, src, dst: (M, N) contiguous; grad_out: (M, N), any strides.
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -47,6 +48,32 @@ at::Tensor kernels_tanh_backward_(const at::Tensor& acc, const at::Tensor& grad_
                              want_bias_grad);
 }
 
+void kernels_activation_(const at::Tensor& src, const at::Tensor& dst, c10::string_view name) {
+  const Activation act = parse_activation("ckpt_ext_kernels.activation_", name);
+  check_kernel_args("activation_", dst, nullptr);
+  TORCH_CHECK_VALUE(src.sizes() == dst.sizes() && src.device() == dst.device() &&
+                    src.is_contiguous(), "ckpt_ext_kernels.activation_: src must be contiguous "
+                    "with dst's shape ", dst.sizes(), " and device ", dst.device(), ", got ",
+                    src.sizes(), " on ", src.device(),
+                    (src.is_contiguous() ? "" : ", not contiguous"));
+  TORCH_CHECK_TYPE(src.scalar_type() == dst.scalar_type(), "ckpt_ext_kernels.activation_: src "
+                   "must have dst's dtype ", dst.scalar_type(), ", got ", src.scalar_type());
+  // In place (the same elements) or apart: the kernel reads each element before writing it only
+  // where src and dst are the same element.
+  TORCH_CHECK_VALUE(src.data_ptr() == dst.data_ptr() || !src.is_alias_of(dst),
+                    "ckpt_ext_kernels.activation_: src must be dst or not share its storage");
+  const c10::cuda::CUDAGuard guard(dst.device());
+  activation_cuda(src, dst, act);
+}
+
+at::Tensor kernels_activation_backward_(const at::Tensor& acc, const at::Tensor& grad_out,
+                                        c10::string_view name, bool want_bias_grad) {
+  const Activation act = parse_activation("ckpt_ext_kernels.activation_backward_", name);
+  check_kernel_args("activation_backward_", acc, &grad_out);
+  const c10::cuda::CUDAGuard guard(acc.device());
+  return activation_backward_cuda_(acc, grad_out, act, want_bias_grad);
+}
+
 at::Tensor kernels_bias_grad(const at::Tensor& grad_out) {
   TORCH_CHECK_VALUE(grad_out.is_cuda() && grad_out.dim() == 2, "ckpt_ext_kernels.bias_grad: "
                     "grad_out must be a 2-D CUDA tensor, got ", grad_out.dim(), "-D on ",
@@ -68,12 +95,20 @@ TORCH_LIBRARY(ckpt_ext_kernels, m) {
         "bool want_bias_grad) -> Tensor");
   // The column sums of grad_out (M, N) in the documented order.
   m.def("bias_grad(Tensor grad_out) -> Tensor");
+  // dst = f(src) for an activation of ckpt_ext.ACTIVATIONS; dst may be src (in place).
+  m.def("activation_(Tensor src, Tensor(a!) dst, str activation) -> ()");
+  // acc holds z and becomes g = grad_out·f'(z); returns the column sums of g in the documented
+  // order when want_bias_grad, else None.
+  m.def("activation_backward_(Tensor(a!) acc, Tensor grad_out, str activation, "
+        "bool want_bias_grad) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ckpt_ext_kernels, CUDA, m) {
   m.impl("tanh_", &kernels_tanh_);
   m.impl("tanh_backward_", &kernels_tanh_backward_);
   m.impl("bias_grad", &kernels_bias_grad);
+  m.impl("activation_", &kernels_activation_);
+  m.impl("activation_backward_", &kernels_activation_backward_);
 }
 
 }  // namespace ckpt_ext

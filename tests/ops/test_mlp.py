@@ -12,20 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import ckpt_ext
-from reference import ACTIVATION_REF, measured, mlp_ref, rel_err
+from reference import (ACTIVATION_REF, MLP_REL_TOL, aligned_pad, assert_mlp_matches_reference,
+                       check_relu_nan_gradient_is_stock_autograds, measured, mlp_grads,
+                       mlp_inputs, mlp_ref, mlp_ref_grads, mlp_tol, padded_rows, rel_err)
 
 ACTS = list(ckpt_ext.ACTIVATIONS)
 OTHER_ACTS = [a for a in ACTS if a != "tanh"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-# Relative error bound per dtype (every result: out, grad_x, each grad_W and grad_b) on random runs
-# (x ~ N(0, 1), W ~ N(0, 1/k)): ~5x the largest measured by test_matches_reference over 30 seeds
-# (pytest --seed-sweep=0:30, CKPT_EXT_MEASURE): float64 7.6e-15, float32 2.6e-06, bfloat16 2.1e-02,
-# float16 3.4e-03 (every activation but relu in the half types).
-REL_TOL = {torch.float64: 4e-14, torch.float32: 1.5e-5, torch.bfloat16: 1e-1, torch.float16: 1.5e-2}
-# relu in bfloat16/float16: a pre-activation within the GEMM's rounding of 0 takes the other side
-# of the kink, an O(1) change of that element's gradient; measured 6.6e-02 and 9.9e-02.
-RELU_HALF_TOL = 0.3
-
 # (lead dims of x, sizes, biases present, last_activation): odd sizes, one row, a 3-D x, no bias,
 # a Linear on top, 33 rows (a partial chunk of the bias sums).
 SHAPES = [((7,), [5, 13, 3], (True, True), True),
@@ -82,7 +75,7 @@ def test_matches_reference(act, dtype, case, poison, seed):
             continue
         e = rel_err(o, r)
         measured(f"mlp/{str(dtype)[6:]}/{act}/{name}", e)
-        tol = RELU_HALF_TOL if act == "relu" and dtype.itemsize == 2 else REL_TOL[dtype]
+        tol = mlp_tol(act, dtype)
         assert e <= tol, f"{act} {dtype} {name}: rel err {e:.3g}"
 
 
@@ -247,7 +240,7 @@ def test_autocast_bfloat16(act):
         y = ckpt_ext.mlp(x, ws, bs, activation=act)
     assert y.dtype == torch.bfloat16
     ref = mlp_ref(*(_double([x]) + [_double(ws), _double(bs)]), act)
-    assert rel_err(y, ref) <= REL_TOL[torch.bfloat16]
+    assert rel_err(y, ref) <= MLP_REL_TOL[torch.bfloat16]
     y.float().backward(gy)
     assert ws[0].grad is not None and ws[0].grad.dtype == torch.float32
 
@@ -402,11 +395,53 @@ def test_every_level_matches_reference_and_recomputes_bitwise(level, act, dtype,
     x64, ws64, bs64 = _double([x]), _double(ws), _double(bs)
     y64 = mlp_ref(x64[0], ws64, bs64, act, False)
     want = _grads(y64, [*x64, *ws64, *bs64], gy.double())
-    tol = RELU_HALF_TOL if act == "relu" and dtype.itemsize == 2 else REL_TOL[dtype]
+    tol = mlp_tol(act, dtype)
     for o, r in zip([y, *got], [y64, *want]):
         assert rel_err(o, r) <= tol, (level, act, dtype)
     a1 = ckpt_ext.mlp(x.detach(), [ws[0].detach()], [bs[0].detach()], activation=act)
     assert torch.equal(got[2], gy.t() @ a1)
+
+
+# ---- grad_out and input layouts; relu at NaN (test_ops_cuda.py has the same on CUDA) -----------
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("last", [True, False], ids=["last_act", "no_last_act"])
+def test_broadcast_grad_of_mean_loss(act, dtype, last, poison):
+    # out.mean(): grad_out is one value at strides (0, 0). The top layer's bias gradient comes from
+    # the backward kernels alone (their broadcast read): the same bits as with the materialised
+    # grad_out; everything against the float64 reference.
+    for width in (16, 17):  # a whole number of every vector length, and a tail
+        x, ws, bs, _ = mlp_inputs((70,), [11, 24, width], dtype, seed=width)
+        gy = torch.full((), 1 / (70 * width), dtype=dtype).expand(70, width)
+        got = mlp_grads(x, ws, bs, gy, act, last)
+        dense = mlp_grads(x, ws, bs, gy.contiguous(), act, last)
+        assert torch.equal(got[-1], dense[-1]), "top bias gradient: broadcast vs dense"
+        assert_mlp_matches_reference(got, mlp_ref_grads(x, ws, bs, gy, act, last), act, dtype,
+                                     f"width {width}")
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_padded_row_stride_inputs_and_grads(act, dtype, poison):
+    # x and grad_out as (rows, n) views of (rows, n + pad) buffers, rows 16-byte aligned: read in
+    # place. The top layer's bias gradient (the backward kernels alone) has the same bits as with
+    # a contiguous grad_out; everything against the float64 reference.
+    x, ws, bs, gy = mlp_inputs((67,), [13, 24, 16], dtype, seed=5)
+    xp = padded_rows(x, aligned_pad(13, dtype))
+    gyp = padded_rows(gy, aligned_pad(16, dtype))
+    assert xp.stride(0) > 13 and gyp.stride(0) > 16 and xp.stride(0) * dtype.itemsize % 16 == 0
+    for last in (True, False):
+        got = mlp_grads(xp, ws, bs, gyp, act, last)
+        dense = mlp_grads(x, ws, bs, gy, act, last)
+        assert torch.equal(got[-1], dense[-1]), "top bias gradient: padded grad_out vs contiguous"
+        assert_mlp_matches_reference(got, mlp_ref_grads(x, ws, bs, gy, act, last), act, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [16, 19])
+def test_relu_nan_pre_activation_gradient_is_stock_autograds(dtype, n, poison):
+    check_relu_nan_gradient_is_stock_autograds("cpu", dtype, n)
 
 
 # ---- CUDA (scripts/gpu_check.sh runs the `cuda`-marked tests) ------------------------------------
@@ -432,7 +467,7 @@ def test_cuda_matches_reference_and_recomputes_bitwise(act, dtype, width, poison
     x64, ws64, bs64 = _double([x]), _double(ws), _double(bs)
     y64 = mlp_ref(x64[0], ws64, bs64, act, False)
     want = _grads(y64, [*x64, *ws64, *bs64], gy.double())
-    tol = RELU_HALF_TOL if act == "relu" and dtype.itemsize == 2 else REL_TOL[dtype]
+    tol = mlp_tol(act, dtype)
     for o, r in zip([y, *got], [y64, *want]):
         assert rel_err(o.cpu(), r) <= tol, (act, dtype, width)
     a1 = ckpt_ext.mlp(xc[0].detach(), [wc[0].detach()], [bc[0].detach()], activation=act)

@@ -72,10 +72,11 @@ def test_saturated_and_linear_regimes(device, poison, seed, lead, k, n, scale, d
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 33, 67])
 @pytest.mark.parametrize("n", range(1, 34))
-def test_widths_around_vector_lengths(device, poison, seed, dtype, rows, n):
-    # 1..33 columns: every vector length the CPU (4/8/16 lanes) and CUDA (16-byte packs) use, with
-    # every length of tail; odd row counts leave the last 32-row chunk of the bias sum partial.
-    x, w, b, gy = make_inputs((rows,), 5, n, dtype, device, bias=(n % 2 == 1), seed=seed)
+def test_widths_around_vector_lengths(poison, seed, dtype, rows, n):
+    # 1..33 columns: every vector length of the CPU (4/8/16 lanes), with every length of tail; odd
+    # row counts leave the last 32-row chunk of the bias sum partial. (On the CPU only: CUDA's
+    # 16-byte packs, the same sweep, are test_ops_cuda.py's test_widths_around_vector_packs.)
+    x, w, b, gy = make_inputs((rows,), 5, n, dtype, "cpu", bias=(n % 2 == 1), seed=seed)
     assert_matches_reference(x, w, b, gy)
 
 

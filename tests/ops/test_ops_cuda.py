@@ -1,5 +1,5 @@
-"""GPU-only tests of the CUDA kernels (csrc/cuda/linear_tanh.cu), beyond the device-parametrized
-suite of test_ops.py. Every test here carries the `cuda` marker (`pytest -m cuda` selects them;
+"""GPU-only tests of the CUDA kernels (csrc/cuda/), beyond the device-parametrized suite of
+test_ops.py. Every test here carries the `cuda` marker (`pytest -m cuda` selects them;
 scripts/gpu_check.sh does) and, where it needs a GPU, skips with the reason when none is visible.
 
 What is covered:
@@ -14,6 +14,12 @@ What is covered:
   identity (M = K rows): grad_W = gᵀ·I = gᵀ, a GEMM with one nonzero per dot product, so exact;
   row counts span many 32-row chunks plus a partial one, and enough chunks for the pairwise
   combination to take two and three passes; widths span several packs plus a tail;
+* every activation of ckpt_ext.ACTIVATIONS (mlp; "tanh" is tanh_mlp): bfloat16/float16 at depths
+  2-3 against float64; out.mean()'s broadcast grad_out and a padded, 16-byte-aligned row stride
+  of x and grad_out; relu at NaN pre-activations bitwise equal to stock autograd; the backward
+  kernel's paths giving the same bits; the bias sums the backward kernel combines itself (the
+  last block to finish a node of the tree) bitwise the documented order over one to three levels;
+  the out-of-place forward kernel (activation_to) bitwise the in-place one;
 * CPU-vs-CUDA agreement (bitwise where no tanh is involved: both follow the same order);
 * the current (non-default) stream, CUDA-graph capture, bitwise reproducibility, 64-bit indexing.
 
@@ -31,7 +37,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ckpt_ext
-from reference import TOL, linear_tanh_ref, rel_err, run_fused, scaled_err
+from reference import (ACTIVATION_REF, TOL, aligned_pad, assert_mlp_matches_reference,
+                       check_relu_nan_gradient_is_stock_autograds, linear_tanh_ref, mlp_grads,
+                       mlp_inputs, mlp_ref_grads, padded_rows, rel_err, run_fused, scaled_err)
 from reference import linear_tanh_ref_grads as ref_grads
 
 pytestmark = pytest.mark.cuda
@@ -48,11 +56,13 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 ALL_GRADS = [True, True, True]
 ROWS = ckpt_ext._C.ROWS_PER_CHUNK                 # 32 rows per chunk of the bias sums
 PACK = {torch.float32: 4, torch.float64: 2, torch.bfloat16: 8, torch.float16: 8}  # 16 bytes
-GROUP = 128  # chunk sums one block combines (kGroupChunks in linear_tanh.cu): > GROUP takes 2 passes
+GROUP = 128  # chunks one node of the combine tree sums (kGroupChunks in cuda/passes.cuh): > GROUP
+             # chunks take two levels
 
 
 def kernels():
-    """torch.ops.ckpt_ext_kernels: the raw CUDA primitives (tanh_, tanh_backward_, bias_grad)."""
+    """torch.ops.ckpt_ext_kernels: the raw CUDA primitives (tanh_, tanh_backward_, bias_grad,
+    activation_, activation_backward_)."""
     return torch.ops.ckpt_ext_kernels
 
 
@@ -153,13 +163,12 @@ def grad_out_layouts(gy):
     """grad_out (M, N) laid out every way the kernels distinguish, same values: name ->
     (tensor, pack path expected when acc is aligned and N is a multiple of the pack)."""
     M, N = gy.shape
-    wide = torch.empty(M, N + 1, dtype=gy.dtype, device=gy.device)[:, :N]  # row stride N + 1
-    wide.copy_(gy)
     return {
         "contiguous": (gy.contiguous(), True),
         "offset": (misaligned_copy(gy), False),                  # storage offset 1
         "column-major": (gy.t().contiguous().t(), False),        # strides (1, M)
-        "row stride N+1": (wide, False),
+        "row stride N+1": (padded_rows(gy, 1), False),
+        "row stride N+pad, aligned": (padded_rows(gy, aligned_pad(N, gy.dtype)), True),
     }
 
 
@@ -223,7 +232,7 @@ def test_cuda_build_when_expected():
     assert ckpt_ext.WITH_CUDA, (
         "CKPT_EXT_EXPECT_CUDA=1 but ckpt_ext was built CPU-only; see the 'ckpt_ext setup:' lines "
         "of the build log for why")
-    for op in ("tanh_", "tanh_backward_", "bias_grad"):
+    for op in ("tanh_", "tanh_backward_", "bias_grad", "activation_", "activation_backward_"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ckpt_ext_kernels::{op}", "CUDA")
 
 
@@ -421,8 +430,10 @@ def test_tanh_pack_and_scalar_paths_give_the_same_bits(dtype, extra):
     kernels().tanh_(t_scalar)
     assert torch.equal(t_pack, t_scalar)
     assert rel_err(t_pack, torch.tanh(z.double().cpu())) <= TOL[dtype]
-    assert pack_width(kernel_names(lambda: kernels().tanh_(z.clone())), "tanh_kernel") == {PACK[dtype]}
-    assert pack_width(kernel_names(lambda: kernels().tanh_(misaligned_copy(z))), "tanh_kernel") == {1}
+    names = kernel_names(lambda: kernels().tanh_(z.clone()))
+    assert pack_width(names, "activation_kernel") == {PACK[dtype]}
+    names = kernel_names(lambda: kernels().tanh_(misaligned_copy(z)))
+    assert pack_width(names, "activation_kernel") == {1}
 
 
 @requires_cuda
@@ -481,13 +492,13 @@ def test_backward_pack_and_scalar_paths_give_the_same_bits(poison, dtype, holds,
         assert torch.equal(g, g_ref), name
         assert (gb is None) if not bias else torch.equal(gb, gb_ref), name
         want = {PACK[dtype] if packed else 1}
-        got = pack_width(kernel_names(lambda: run(held, grad_out)), "tanh_backward_kernel")
+        got = pack_width(kernel_names(lambda: run(held, grad_out)), "activation_backward_kernel")
         assert got == want, f"{name}: pack width {got}, expected {want}"
     # acc misaligned: scalar path, same bits
     g, gb = run(misaligned_copy(held), gy)
     assert torch.equal(g, g_ref) and (gb is None or torch.equal(gb, gb_ref))
     assert pack_width(kernel_names(lambda: run(misaligned_copy(held), gy)),
-                      "tanh_backward_kernel") == {1}
+                      "activation_backward_kernel") == {1}
 
 
 @requires_cuda
@@ -506,7 +517,7 @@ def test_broadcast_grad_out_is_read_once_and_gives_the_same_bits(poison, dtype, 
     gb_d = kernels().tanh_backward_(g_d, gy0.contiguous(), True, True)
     assert torch.equal(g_b, g_d) and torch.equal(gb_b, gb_d)
     names = kernel_names(lambda: kernels().tanh_backward_(z.clone(), gy0, True, True))
-    assert pack_width(names, "tanh_backward_kernel") == {1 if tail else PACK[dtype]}
+    assert pack_width(names, "activation_backward_kernel") == {1 if tail else PACK[dtype]}
     reads = {m.group(1) for n in names for m in [re.search(r"GradRead\)(\d)", n)] if m}
     assert reads in (set(), {"0"}), f"broadcast grad_out read as {reads}, expected kBroadcast (0)"
 
@@ -708,3 +719,165 @@ def test_mixed_devices_name_both():
         torch.ops.ckpt_ext.linear_tanh(x, w.cpu(), b)
     with pytest.raises(ValueError, match=r"bias must be on the device of x \(cpu\), got cuda:0"):
         torch.ops.ckpt_ext.linear_tanh(x.cpu(), w.cpu(), b)
+
+
+# ------------------------------------------------------------------------------------------------
+# every activation of ckpt_ext.ACTIVATIONS (mlp; "tanh" is tanh_mlp): half types at depth, the
+# broadcast and padded grad_out, relu at NaN, the kernels' paths, the bias sums' combine tree and
+# the out-of-place forward kernel
+
+ACTS = list(ckpt_ext.ACTIVATIONS)
+
+
+@requires_cuda
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("depth", [2, 3])
+def test_half_types_mlp_and_tanh_mlp_match_float64(poison, act, dtype, depth):
+    # 67 rows (two full 32-row chunks and a partial one), odd widths and one of a whole number of
+    # packs; the top layer with and without its activation (bias_grad on top).
+    sizes = [13, 24, 17, 9][:depth + 1]
+    for last in (True, False):
+        x, ws, bs, gy = mlp_inputs((67,), sizes, dtype, "cuda", seed=depth)
+        assert_mlp_matches_reference(mlp_grads(x, ws, bs, gy, act, last),
+                                     mlp_ref_grads(x, ws, bs, gy, act, last), act, dtype,
+                                     f"depth {depth} last {last}")
+    if act == "tanh":  # the named form, the same engine
+        y = ckpt_ext.tanh_mlp(x, ws, bs, last_tanh=True)
+        assert torch.equal(y, ckpt_ext.mlp(x, ws, bs, activation="tanh"))
+
+
+@requires_cuda
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("last", [True, False], ids=["last_act", "no_last_act"])
+def test_broadcast_grad_of_mean_loss_every_activation(poison, act, dtype, last):
+    # out.mean(): grad_out one value at strides (0, 0), read once per thread (GradRead::kBroadcast)
+    # by the top layer's backward kernel (the activation's, or bias_grad's without it). Its bias
+    # gradient comes from the kernels alone: the same bits as with the materialised grad_out.
+    for width in (PACK[dtype] * 2, 17):  # the pack path and the scalar path
+        x, ws, bs, _ = mlp_inputs((70,), [11, 24, width], dtype, "cuda", seed=width)
+        gy = torch.full((), 1 / (70 * width), dtype=dtype, device="cuda").expand(70, width)
+        got = mlp_grads(x, ws, bs, gy, act, last)
+        dense = mlp_grads(x, ws, bs, gy.contiguous(), act, last)
+        assert torch.equal(got[-1], dense[-1]), f"width {width}: top bias gradient"
+        assert_mlp_matches_reference(got, mlp_ref_grads(x, ws, bs, gy, act, last), act, dtype,
+                                     f"width {width}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_padded_row_stride_inputs_and_grads(poison, act, dtype):
+    # x and grad_out as (rows, n) views of (rows, n + pad) buffers whose rows stay 16-byte aligned:
+    # grad_out takes the pack path at row stride n + pad. Same top bias gradient bits as a
+    # contiguous grad_out; everything against the float64 reference.
+    x, ws, bs, gy = mlp_inputs((67,), [13, 24, 16], dtype, "cuda", seed=5)
+    xp = padded_rows(x, aligned_pad(13, dtype))
+    gyp = padded_rows(gy, aligned_pad(16, dtype))
+    assert xp.stride(0) > 13 and gyp.stride(0) > 16 and gyp.stride(0) * dtype.itemsize % 16 == 0
+    for last in (True, False):
+        got = mlp_grads(xp, ws, bs, gyp, act, last)
+        dense = mlp_grads(x, ws, bs, gy, act, last)
+        assert torch.equal(got[-1], dense[-1]), "top bias gradient: padded grad_out vs contiguous"
+        assert_mlp_matches_reference(got, mlp_ref_grads(x, ws, bs, gy, act, last), act, dtype)
+    z = torch.randn(67, 16, generator=torch.Generator().manual_seed(6)).to("cuda", dtype)
+    names = kernel_names(lambda: kernels().activation_backward_(z.clone(), gyp, act, True))
+    assert pack_width(names, "activation_backward_kernel") == {PACK[dtype]}
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [PACK[torch.bfloat16] * 2, 19], ids=["packs", "tail"])
+def test_relu_nan_pre_activation_gradient_is_stock_autograds(poison, dtype, n):
+    check_relu_nan_gradient_is_stock_autograds("cuda", dtype, n)
+
+
+@requires_cuda
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_activation_backward_paths_give_the_same_bits(poison, act, dtype):
+    # The backward kernel of every activation on every grad_out layout, acc aligned and not, the
+    # broadcast grad_out: one g and one bias gradient, to the bit; g against float64 autograd; the
+    # bias gradient the documented order of g (float32/float64: g stored = g summed).
+    M, N = ROWS * 4 + 5, PACK[dtype] * 5
+    gen = torch.Generator().manual_seed(ACTS.index(act))
+    z = (torch.randn(M, N, generator=gen) * 2).to("cuda", dtype)
+    gy = torch.randn(M, N, generator=gen).to("cuda", dtype)
+
+    def run(acc, grad_out):
+        acc = acc.clone() if acc.data_ptr() % 16 == 0 else misaligned_copy(acc)
+        return acc, kernels().activation_backward_(acc, grad_out, act, True)
+
+    g_ref, gb_ref = run(z, gy)
+    z64 = z.double().cpu().requires_grad_()
+    (g64,) = torch.autograd.grad(ACTIVATION_REF[act](z64), z64, gy.double().cpu())
+    assert scaled_err(g_ref, g64, gy.double().cpu()) <= TOL[dtype]
+    if dtype in (torch.float32, torch.float64):
+        assert torch.equal(gb_ref.cpu(), documented_column_sums(g_ref, dtype))
+    for name, (grad_out, _) in grad_out_layouts(gy).items():
+        g, gb = run(z, grad_out)
+        assert torch.equal(g, g_ref) and torch.equal(gb, gb_ref), name
+    g, gb = run(misaligned_copy(z), gy)
+    assert torch.equal(g, g_ref) and torch.equal(gb, gb_ref), "acc misaligned"
+    gy0 = gy[:1, :1].expand(M, N)
+    g_b, gb_b = run(z, gy0)
+    g_d, gb_d = run(z, gy0.contiguous())
+    assert torch.equal(g_b, g_d) and torch.equal(gb_b, gb_d), "broadcast"
+
+
+@requires_cuda
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("M,N", [(ROWS * (GROUP + 3) + 5, 37), (ROWS * (GROUP + 3) + 5, 1000),
+                                 (ROWS * 300 + 17, 8)],
+                         ids=["132chunks-tail", "132chunks-wide", "301chunks-packs"])
+def test_bias_sums_combined_in_the_kernel_are_the_documented_order(poison, act, M, N):
+    # The last block to finish a group of 128 chunks (per 32 columns) combines it, and the last
+    # group of a column combines the groups: the documented tree, bitwise, whichever block ends
+    # last; many column tiles (N = 1000), partial ones (N = 37), every activation.
+    gen = torch.Generator().manual_seed(N)
+    z = torch.randn(M, N, generator=gen).cuda()
+    gy = torch.randn(M, N, generator=gen).cuda()
+    g = z.clone()
+    gb = kernels().activation_backward_(g, gy, act, True)
+    assert torch.equal(gb.cpu(), documented_column_sums(g, torch.float32))
+    for _ in range(2):  # bitwise the same on reruns, whatever the blocks' order
+        again = kernels().activation_backward_(z.clone(), gy, act, True)
+        assert torch.equal(again, gb)
+    assert torch.equal(kernels().bias_grad(gy).cpu(), documented_column_sums(gy, torch.float32))
+
+
+@requires_cuda
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_activation_out_of_place_is_the_in_place_bits(act, dtype):
+    # activation_to on CUDA is one pass of activation_kernel from src into dst: the same bits as
+    # the in-place pass (which the forward runs), src untouched; packs only when both are aligned.
+    n = PACK[dtype] * 5 + 3  # a scalar tail after the last whole pack
+    z = (torch.randn(97, n, generator=torch.Generator().manual_seed(n)) * 3).to("cuda", dtype)
+    z_before = z.clone()
+    in_place = z.clone()
+    kernels().activation_(in_place, in_place, act)
+    dst = torch.empty_like(z)
+    kernels().activation_(z, dst, act)
+    assert torch.equal(z, z_before) and torch.equal(dst, in_place)
+    z64 = z.double().cpu()
+    assert scaled_err(dst, ACTIVATION_REF[act](z64), z64.abs() + 1) <= TOL[dtype]
+    for src, out in ((misaligned_copy(z), torch.empty_like(z)), (z, misaligned_copy(z))):
+        kernels().activation_(src, out, act)
+        assert torch.equal(out, in_place)
+    run = lambda s, d: lambda: kernels().activation_(s, d, act)
+    assert pack_width(kernel_names(run(z, dst)), "activation_kernel") == {PACK[dtype]}
+    assert pack_width(kernel_names(run(misaligned_copy(z), dst)), "activation_kernel") == {1}
+
+
+@requires_cuda
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_recomputed_activation_is_the_forward_bitwise(act, dtype):
+    # The backward recomputes a_1 = f(z_0) out of place (activation_to, one pass); grad_W of the
+    # second layer = gᵀ·a_1 must equal the same GEMM on the forward's own a_1.
+    x, ws, bs, gy = mlp_inputs((37,), [11, 24, 5], dtype, "cuda", seed=3)
+    got = mlp_grads(x, ws, bs, gy, act, last_activation=False)
+    a1 = ckpt_ext.mlp(x, ws[:1], bs[:1], activation=act)
+    assert torch.equal(got[3], gy.t() @ a1)

@@ -1,0 +1,32 @@
+// cuda/passes.h — the CUDA passes that the entry points (linear_tanh.cu) call, one function per
+// job, templates over the storage type. Bodies in passes.cuh, instantiated once per dtype in
+// passes_<dtype>.cu so that nvcc compiles the dtypes in parallel. Shapes (M rows, N columns):
+//   activation_pass_cuda<T>(src, dst, act)   src, dst (M, N) contiguous: dst = f(src); dst may be
+//                                            src (in place)
+//   backward_pass_cuda<T>(acc, grad_out, pass, act, want_bias_grad)
+//                                            acc (M, N) contiguous (undefined for kSumOnly) -> g in
+//                                            place; grad_out (M, N) any strides; -> grad_b (N) or
+//                                            undefined
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "../activations.h"
+
+namespace ckpt_ext {
+
+// What the backward pass reads from acc and writes back.
+enum class BackwardPass {
+  kFromPreActivation,  // acc holds z: f'(z) (tanh: t = tanh(z) first), then acc = g
+  kFromTanhOutput,     // acc holds t = tanh(z): acc = g = grad_out·(1 − t²)
+  kSumOnly,            // no acc: only the column sums of grad_out (bias_grad_cuda)
+};
+
+template <typename scalar_t>
+void activation_pass_cuda(const at::Tensor& src, const at::Tensor& dst, Activation act);
+
+template <typename scalar_t>
+at::Tensor backward_pass_cuda(const at::Tensor& acc, const at::Tensor& grad_out, BackwardPass pass,
+                              Activation act, bool want_bias_grad);
+
+}  // namespace ckpt_ext
