@@ -13,9 +13,25 @@
 
 namespace ckpt_ext {
 
-// The order is the schema's spelling order (activation_names in activations.cpp).
-enum class Activation : int8_t { kTanh, kGelu, kGeluTanh, kSilu, kSigmoid, kSoftplus, kSin, kRelu };
-constexpr int kNumActivations = 8;
+// The activations: X(enumerator, name) in the schema's spelling order. The enum, the names the ops
+// take (checks.cpp) and the dispatch below are made from this one list; a row's formulas are its
+// branches of activate and activation_grad.
+#define CKPT_EXT_ACTIVATIONS(X) \
+  X(kTanh, "tanh")              \
+  X(kGelu, "gelu")              \
+  X(kGeluTanh, "gelu_tanh")     \
+  X(kSilu, "silu")              \
+  X(kSigmoid, "sigmoid")        \
+  X(kSoftplus, "softplus")      \
+  X(kSin, "sin")                \
+  X(kRelu, "relu")
+
+#define CKPT_EXT_ENUMERATOR(e, name) e,
+enum class Activation : int8_t { CKPT_EXT_ACTIVATIONS(CKPT_EXT_ENUMERATOR) };
+#undef CKPT_EXT_ENUMERATOR
+#define CKPT_EXT_COUNT(e, name) +1
+constexpr int kNumActivations = 0 CKPT_EXT_ACTIVATIONS(CKPT_EXT_COUNT);
+#undef CKPT_EXT_COUNT
 
 // Math<V>: exp, erf, tanh, sin, cos, log1p of V, and where_gt(a, b, x, y) = (a > b ? x : y) per
 // element. The host/CUDA scalar ones here; the CPU kernels specialise it for Vectorized.
@@ -108,16 +124,13 @@ CKPT_HD V activation_grad(V gy, V z) {
 // activation, so each kernel loop is compiled for its formula.
 template <typename Fn>
 inline auto with_activation(Activation a, Fn&& fn) {
+#define CKPT_EXT_CASE(e, name) \
+  case Activation::e: return fn(std::integral_constant<Activation, Activation::e>{});
   switch (a) {
-    case Activation::kGelu: return fn(std::integral_constant<Activation, Activation::kGelu>{});
-    case Activation::kGeluTanh: return fn(std::integral_constant<Activation, Activation::kGeluTanh>{});
-    case Activation::kSilu: return fn(std::integral_constant<Activation, Activation::kSilu>{});
-    case Activation::kSigmoid: return fn(std::integral_constant<Activation, Activation::kSigmoid>{});
-    case Activation::kSoftplus: return fn(std::integral_constant<Activation, Activation::kSoftplus>{});
-    case Activation::kSin: return fn(std::integral_constant<Activation, Activation::kSin>{});
-    case Activation::kRelu: return fn(std::integral_constant<Activation, Activation::kRelu>{});
-    case Activation::kTanh: default: return fn(std::integral_constant<Activation, Activation::kTanh>{});
+    CKPT_EXT_ACTIVATIONS(CKPT_EXT_CASE)
+    default: return fn(std::integral_constant<Activation, Activation::kTanh>{});
   }
+#undef CKPT_EXT_CASE
 }
 
 }  // namespace ckpt_ext
