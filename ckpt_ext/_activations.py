@@ -31,6 +31,14 @@ class Sin(nn.Module):
         return torch.sin(x)
 
 
+class QuickGELU(nn.Module):
+    """``x·sigmoid(1.702·x)`` as a module: transformers' ``QuickGELUActivation`` (CLIP's MLP),
+    for models without transformers."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
 class ModuleForm(NamedTuple):
     """A module class that computes the activation when ``accepts(module)``; ``cls`` is a class,
     or the name of a class of ``transformers.activations`` (read only when transformers is already
@@ -112,6 +120,22 @@ def _silu_backward(gy: Tensor, z: Tensor) -> Tensor:
     # aten.silu_backward's own formula, spelled in ops autograd can differentiate again (it cannot
     # differentiate silu_backward itself).
     return gy * _silu_derivative(z)
+
+
+_QUICK = 1.702  # QuickGELU's sigmoid scale: f(z) = z·σ(1.702·z) = silu(1.702·z)/1.702
+
+
+def _quick_gelu(z: Tensor) -> Tensor:
+    return z * torch.sigmoid(_QUICK * z)  # transformers' QuickGELUActivation, op for op
+
+
+def _quick_gelu_derivative(z: Tensor) -> Tensor:
+    return _silu_derivative(_QUICK * z)
+
+
+def _quick_gelu_d(z: Tensor, third: bool) -> Tensor:
+    # f^(n)(z) = a^(n-1)·silu^(n)(a·z)
+    return (_QUICK ** 2 if third else _QUICK) * _silu_d(_QUICK * z, third)
 
 
 def _silu_d(z: Tensor, third: bool) -> Tensor:
@@ -245,6 +269,11 @@ _ROWS = (
         modules=(ModuleForm(nn.ReLU),),
         calls=(CallForm(torch.relu, "torch.relu"), CallForm(F.relu, "F.relu", _INPLACE)),
         methods=("relu",)),
+    Activation(
+        "quick_gelu", "QuickGELU", _quick_gelu,
+        backward=lambda gy, z: gy * _quick_gelu_derivative(z), from_output=None,
+        d1=_quick_gelu_derivative, **_orders(_quick_gelu_d), module=QuickGELU,
+        modules=(ModuleForm(QuickGELU), ModuleForm("QuickGELUActivation"))),
 )
 
 #: The activation names the fused ops take, in the C++ library's order (csrc/activations.h).
@@ -276,7 +305,6 @@ def _stock_keeps(name: str) -> Tuple[bool, int]:
 NEAR_MISSES: Dict[str, str] = {
     "FastGELUActivation": "it computes GELU's tanh form with the rounded constant 0.7978845608, "
                           "not gelu_tanh exactly",
-    "QuickGELUActivation": "it computes x*sigmoid(1.702*x), which the fused op does not",
 }
 
 #: The module of each activation, as FusedMLP's equivalent nn.Sequential holds it.

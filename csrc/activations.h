@@ -24,7 +24,8 @@ namespace ckpt_ext {
   X(kSigmoid, "sigmoid")        \
   X(kSoftplus, "softplus")      \
   X(kSin, "sin")                \
-  X(kRelu, "relu")
+  X(kRelu, "relu")              \
+  X(kQuickGelu, "quick_gelu")
 
 #define CKPT_EXT_ENUMERATOR(e, name) e,
 enum class Activation : int8_t { CKPT_EXT_ACTIVATIONS(CKPT_EXT_ENUMERATOR) };
@@ -61,6 +62,8 @@ constexpr double kSqrtHalf = 0.70710678118654752440;
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;
 constexpr double kSqrt2OverPi = 0.79788456080286535588;
 constexpr double kGeluCubic = 0.044715;
+// QuickGELU's (CLIP's) sigmoid scale: z·σ(1.702·z).
+constexpr double kQuickGeluScale = 1.702;
 // nn.Softplus's defaults (beta = 1): above the threshold softplus(z) = z.
 constexpr double kSoftplusThreshold = 20.0;
 
@@ -82,6 +85,8 @@ CKPT_HD V activate(V z) {
     return M::where_gt(z, V(kSoftplusThreshold), z, M::log1p(M::exp(z)));
   } else if constexpr (A == Activation::kSin) {
     return M::sin(z);
+  } else if constexpr (A == Activation::kQuickGelu) {  // z·σ(a·z), as transformers spells it
+    return z * (V(1) / (V(1) + M::exp(V(0) - V(kQuickGeluScale) * z)));
   } else {  // kRelu: 0 below zero, z (NaN included) otherwise
     return M::where_gt(V(0), z, V(0), z);
   }
@@ -115,6 +120,10 @@ CKPT_HD V activation_grad(V gy, V z) {
     return M::where_gt(z, V(kSoftplusThreshold), gy, gy * e / (e + V(1)));
   } else if constexpr (A == Activation::kSin) {
     return gy * M::cos(z);
+  } else if constexpr (A == Activation::kQuickGelu) {  // σ(az)·(1 + a·z·(1 − σ(az)))
+    const V az = V(kQuickGeluScale) * z;
+    const V s = V(1) / (V(1) + M::exp(V(0) - az));
+    return gy * s * (V(1) + az * (V(1) - s));
   } else {  // kRelu
     return M::where_gt(z, V(0), gy, V(0));
   }
