@@ -1,20 +1,21 @@
-"""Which ``nn`` modules compute an activation of the fused ops (``ckpt_ext.ACTIVATIONS``), and
-exactly which one: :func:`module_activation` (torch's ``nn.GELU`` ..., ``Sin``, transformers'
-``GELUActivation`` ...), with the reason where a module is close but not fusable. Used by the
+"""Which ``nn`` modules compute an activation of the fused ops, and exactly which one:
+:func:`module_activation`, read from the registry's module forms (ckpt_ext/_activations.py) —
+torch's ``nn.GELU`` ..., ``Sin``, transformers' ``GELUActivation`` ... — and from a module of the
+user's own whose ``forward`` only returns one activation call of its input (``class Sin(nn.Module):
+def forward(self, x): return torch.sin(x)``, read from its source, never run). Used by the
 modules' ``from_modules`` and by the converter; tests/fuse/test_fuse_activations.py checks every
-entry numerically against the reference formulas."""
+form numerically against the reference formulas."""
 from __future__ import annotations
 
-import functools
+import ast
 import inspect
-import math
 import sys
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+import textwrap
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-import torch.nn.functional as F
 from torch import nn
 
-from ._activations import Sin
+from ._activations import NEAR_MISSES, REGISTRY, ModuleForm
 
 
 class Recognised(NamedTuple):
@@ -24,95 +25,35 @@ class Recognised(NamedTuple):
     problem: Optional[str] = None
 
 
-
-def _gelu(m: nn.GELU) -> Recognised:
-    name = {"none": "gelu", "tanh": "gelu_tanh"}.get(m.approximate)
-    return Recognised(name, None if name else f"nn.GELU(approximate={m.approximate!r}) is not "
-                                              f"an approximation the fused op computes")
-
-
-def _softplus(m: nn.Softplus) -> Recognised:
-    if m.beta == 1 and m.threshold == 20:
-        return Recognised("softplus")
-    return Recognised(None, f"nn.Softplus(beta={m.beta}, threshold={m.threshold}): the fused op "
-                            f"computes softplus with beta=1, threshold=20 only")
-
-
-def _bound(m: nn.Module, attr: str, method: str) -> bool:
-    """Whether ``m.<attr>`` is ``m``'s own method ``method`` of its class."""
-    f = vars(m).get(attr)
-    return inspect.ismethod(f) and f.__self__ is m and \
-        f.__func__ is getattr(type(m), method, None)
-
-
-def _transformers_gelu(m: nn.Module) -> Recognised:
-    # act = F.gelu, or the Python erf formula x·(1 + erf(x/√2))/2 (use_gelu_python=True)
-    if vars(m).get("act") is F.gelu or _bound(m, "act", "_gelu_python"):
-        return Recognised("gelu")
-    return Recognised(None, f"its act {vars(m).get('act')!r} is not one fuse recognises")
-
-
-def _transformers_gelu_tanh(m: nn.Module) -> Recognised:
-    # act = partial(F.gelu, approximate="tanh"), or the Python tanh formula
-    act = vars(m).get("act")
-    if isinstance(act, functools.partial) and act.func is F.gelu and not act.args and \
-            act.keywords == {"approximate": "tanh"}:
-        return Recognised("gelu_tanh")
-    if _bound(m, "act", "_gelu_tanh_python"):
-        return Recognised("gelu_tanh")
-    return Recognised(None, f"its act {act!r} is not one fuse recognises")
-
-
-def _transformers_accurate_gelu(m: nn.Module) -> Recognised:
-    if getattr(m, "precomputed_constant", None) == math.sqrt(2 / math.pi):
-        return Recognised("gelu_tanh")  # GELU's tanh form, with sqrt(2/pi) computed once
-    return Recognised(None, "its precomputed_constant is not sqrt(2/pi)")
-
-
-def _never(why: str) -> Callable[[nn.Module], Recognised]:
-    return lambda m: Recognised(None, why)
-
-
-_TORCH: List[Tuple[type, Callable[[nn.Module], Recognised]]] = [
-    (nn.Tanh, lambda m: Recognised("tanh")),
-    (nn.GELU, _gelu),
-    (nn.SiLU, lambda m: Recognised("silu")),
-    (nn.Sigmoid, lambda m: Recognised("sigmoid")),
-    (nn.Softplus, _softplus),
-    (nn.ReLU, lambda m: Recognised("relu")),
-    (Sin, lambda m: Recognised("sin")),  # ckpt_ext's module of torch.sin
-]
-
-# transformers.activations, by class name: read only when transformers is already imported (a
-# model holding its modules imported it). Each maps to the function it computes, exactly.
-_TRANSFORMERS: Dict[str, Callable[[nn.Module], Recognised]] = {
-    "GELUActivation": _transformers_gelu,
-    "GELUTanh": _transformers_gelu_tanh,
-    "PytorchGELUTanh": _transformers_gelu_tanh,
-    "NewGELUActivation": lambda m: Recognised("gelu_tanh"),
-    "AccurateGELUActivation": _transformers_accurate_gelu,
-    "SiLUActivation": lambda m: Recognised("silu"),
-    "FastGELUActivation": _never("it computes GELU's tanh form with the rounded constant "
-                                 "0.7978845608, not gelu_tanh exactly"),
-    "QuickGELUActivation": _never("it computes x*sigmoid(1.702*x), which the fused op does not"),
-}
-
-
-def _table() -> List[Tuple[type, str, Callable[[nn.Module], Recognised]]]:
-    rows = [(cls, f"nn.{cls.__name__}", read) for cls, read in _TORCH]
+def _forms() -> List[Tuple[type, str, List[Tuple[str, ModuleForm]]]]:
+    """(class, label, [(activation, form), ...]) for every module class of the registry;
+    transformers' classes only when transformers.activations is already imported."""
     acts = sys.modules.get("transformers.activations")
+    by_class: Dict[type, Tuple[str, List[Tuple[str, ModuleForm]]]] = {}
+    for row in REGISTRY.values():
+        for form in row.modules:
+            if isinstance(form.cls, str):
+                cls = getattr(acts, form.cls, None) if acts is not None else None
+                if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                    continue
+                label = form.cls
+            else:
+                cls, label = form.cls, (f"nn.{form.cls.__name__}" if form.cls.__module__
+                                        .startswith("torch.nn") else form.cls.__name__)
+            by_class.setdefault(cls, (label, []))[1].append((row.name, form))
     if acts is not None:
-        for name, read in _TRANSFORMERS.items():
+        for name, why in NEAR_MISSES.items():
             cls = getattr(acts, name, None)
-            if isinstance(cls, type) and issubclass(cls, nn.Module):
-                rows.append((cls, name, read))
-    return rows
+            if isinstance(cls, type) and issubclass(cls, nn.Module) and cls not in by_class:
+                by_class[cls] = (name, [("", ModuleForm(cls, lambda m: False,
+                                                        lambda m, why=why: why))])
+    return [(cls, label, forms) for cls, (label, forms) in by_class.items()]
 
 
 def module_activation(m: Any) -> Optional[Recognised]:
     """What activation module ``m`` computes; None when it is no activation module fuse knows.
     Exactly the class (or the member class fuse gives it): a subclass may have its own forward."""
-    for cls, label, read in _table():
+    for cls, label, forms in _forms():
         if isinstance(m, cls):
             t = type(m)
             if t is not cls and getattr(t, "_ckpt_ext_base", None) is not cls:
@@ -120,5 +61,80 @@ def module_activation(m: Any) -> Optional[Recognised]:
                                         f"be the activation")
             if "forward" in vars(m):
                 return Recognised(None, "its forward is set on the instance")
-            return read(m)
+            for name, form in forms:
+                if form.accepts(m):
+                    return Recognised(name)
+            explain = next((f.explain for _, f in forms if f.explain is not None), None)
+            return Recognised(None, explain(m) if explain else f"{label} is not computed exactly")
+    if isinstance(m, nn.Module):
+        return _own_module(m)
     return None
+
+
+# ------------------------------------------------------------------------------------------------
+# a user's own activation module, read from its forward's source
+
+def _calls() -> Dict[Any, Tuple[str, str]]:
+    """function -> (activation, label) for the registry's calls that take the input alone."""
+    return {c.fn: (row.name, c.label) for row in REGISTRY.values() for c in row.calls
+            if all(c.want.get(p, d) == d for p, d in c.params)}
+
+
+def _methods() -> Dict[str, str]:
+    return {meth: row.name for row in REGISTRY.values() for meth in row.methods}
+
+
+def _resolve(node: ast.expr, namespace: Dict[str, Any]) -> Any:
+    """The object a dotted name (``torch.sin``, ``F.silu``) names in ``namespace``; None when it
+    is anything else. Reads module attributes only, so nothing of the user's runs."""
+    if isinstance(node, ast.Name):
+        return namespace.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _resolve(node.value, namespace)
+        if inspect.ismodule(base):
+            return vars(base).get(node.attr)
+    return None
+
+
+def _own_module(m: nn.Module) -> Optional[Recognised]:
+    """The activation a module of the user's own computes when its class's forward is exactly
+    ``return <activation>(<input>)`` (a registry call with no other argument, or
+    ``<input>.<method>()``), it holds no parameters, buffers, children or hooks of its own and its
+    instance does not replace forward; else None."""
+    cls = type(m)
+    fwd = vars(cls).get("forward")
+    if fwd is None or "forward" in vars(m) or m._parameters or m._buffers or m._modules:
+        return None
+    if cls.__module__.startswith("torch.") or cls.__module__.startswith("transformers."):
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fwd)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, ast.FunctionDef) or func.decorator_list:
+        return None
+    args = func.args
+    if (len(args.args) != 2 or args.vararg or args.kwarg or args.kwonlyargs or args.defaults
+            or args.posonlyargs):
+        return None
+    x = args.args[1].arg
+    body = [s for s in func.body if not (isinstance(s, ast.Expr) and
+                                         isinstance(s.value, ast.Constant))]  # a docstring
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or \
+            not isinstance(body[0].value, ast.Call):
+        return None
+    call = body[0].value
+    if call.keywords:
+        return None
+    if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and \
+            call.func.value.id == x and not call.args:
+        name = _methods().get(call.func.attr)
+    elif len(call.args) == 1 and isinstance(call.args[0], ast.Name) and call.args[0].id == x:
+        closure = inspect.getclosurevars(fwd)
+        found = _calls().get(_resolve(call.func, {**closure.builtins, **closure.globals,
+                                                  **closure.nonlocals}))
+        name = found[0] if found else None
+    else:
+        name = None
+    return None if name is None else Recognised(name)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ._activations import MODULE_OF, Sin  # noqa: F401  (Sin: the module of sin)
+from ._activations import MODULE_OF, QuickGELU, Sin  # noqa: F401  (the modules of sin, quick_gelu)
 from .modules import FusedLinearTanh, FusedMLP, FusedTanhMLP
 from .ops import tanh_mlp
 

@@ -13,9 +13,26 @@
 
 namespace ckpt_ext {
 
-// The order is the schema's spelling order (activation_names in activations.cpp).
-enum class Activation : int8_t { kTanh, kGelu, kGeluTanh, kSilu, kSigmoid, kSoftplus, kSin, kRelu };
-constexpr int kNumActivations = 8;
+// The activations: X(enumerator, name) in the schema's spelling order. The enum, the names the ops
+// take (checks.cpp) and the dispatch below are made from this one list; a row's formulas are its
+// branches of activate and activation_grad.
+#define CKPT_EXT_ACTIVATIONS(X) \
+  X(kTanh, "tanh")              \
+  X(kGelu, "gelu")              \
+  X(kGeluTanh, "gelu_tanh")     \
+  X(kSilu, "silu")              \
+  X(kSigmoid, "sigmoid")        \
+  X(kSoftplus, "softplus")      \
+  X(kSin, "sin")                \
+  X(kRelu, "relu")              \
+  X(kQuickGelu, "quick_gelu")
+
+#define CKPT_EXT_ENUMERATOR(e, name) e,
+enum class Activation : int8_t { CKPT_EXT_ACTIVATIONS(CKPT_EXT_ENUMERATOR) };
+#undef CKPT_EXT_ENUMERATOR
+#define CKPT_EXT_COUNT(e, name) +1
+constexpr int kNumActivations = 0 CKPT_EXT_ACTIVATIONS(CKPT_EXT_COUNT);
+#undef CKPT_EXT_COUNT
 
 // Math<V>: exp, erf, tanh, sin, cos, log1p of V, and where_gt(a, b, x, y) = (a > b ? x : y) and
 // where_le(a, b, x, y) = (a <= b ? x : y) per element (a NaN compares false in both). The
@@ -48,6 +65,8 @@ constexpr double kSqrtHalf = 0.70710678118654752440;
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;
 constexpr double kSqrt2OverPi = 0.79788456080286535588;
 constexpr double kGeluCubic = 0.044715;
+// QuickGELU's (CLIP's) sigmoid scale: z·σ(1.702·z).
+constexpr double kQuickGeluScale = 1.702;
 // nn.Softplus's defaults (beta = 1): above the threshold softplus(z) = z.
 constexpr double kSoftplusThreshold = 20.0;
 
@@ -69,6 +88,8 @@ CKPT_HD V activate(V z) {
     return M::where_gt(z, V(kSoftplusThreshold), z, M::log1p(M::exp(z)));
   } else if constexpr (A == Activation::kSin) {
     return M::sin(z);
+  } else if constexpr (A == Activation::kQuickGelu) {  // z·σ(a·z), as transformers spells it
+    return z * (V(1) / (V(1) + M::exp(V(0) - V(kQuickGeluScale) * z)));
   } else {  // kRelu: 0 below zero, z (NaN included) otherwise
     return M::where_gt(V(0), z, V(0), z);
   }
@@ -102,6 +123,10 @@ CKPT_HD V activation_grad(V gy, V z) {
     return M::where_gt(z, V(kSoftplusThreshold), gy, gy * e / (e + V(1)));
   } else if constexpr (A == Activation::kSin) {
     return gy * M::cos(z);
+  } else if constexpr (A == Activation::kQuickGelu) {  // σ(az)·(1 + a·z·(1 − σ(az)))
+    const V az = V(kQuickGeluScale) * z;
+    const V s = V(1) / (V(1) + M::exp(V(0) - az));
+    return gy * s * (V(1) + az * (V(1) - s));
   } else {  // kRelu: stock autograd's threshold_backward, relu(z) <= 0 ? 0 : gy, so gy at z = NaN
     return M::where_le(z, V(0), V(0), gy);
   }
@@ -111,16 +136,13 @@ CKPT_HD V activation_grad(V gy, V z) {
 // activation, so each kernel loop is compiled for its formula.
 template <typename Fn>
 inline auto with_activation(Activation a, Fn&& fn) {
+#define CKPT_EXT_CASE(e, name) \
+  case Activation::e: return fn(std::integral_constant<Activation, Activation::e>{});
   switch (a) {
-    case Activation::kGelu: return fn(std::integral_constant<Activation, Activation::kGelu>{});
-    case Activation::kGeluTanh: return fn(std::integral_constant<Activation, Activation::kGeluTanh>{});
-    case Activation::kSilu: return fn(std::integral_constant<Activation, Activation::kSilu>{});
-    case Activation::kSigmoid: return fn(std::integral_constant<Activation, Activation::kSigmoid>{});
-    case Activation::kSoftplus: return fn(std::integral_constant<Activation, Activation::kSoftplus>{});
-    case Activation::kSin: return fn(std::integral_constant<Activation, Activation::kSin>{});
-    case Activation::kRelu: return fn(std::integral_constant<Activation, Activation::kRelu>{});
-    case Activation::kTanh: default: return fn(std::integral_constant<Activation, Activation::kTanh>{});
+    CKPT_EXT_ACTIVATIONS(CKPT_EXT_CASE)
+    default: return fn(std::integral_constant<Activation, Activation::kTanh>{});
   }
+#undef CKPT_EXT_CASE
 }
 
 }  // namespace ckpt_ext

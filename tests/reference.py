@@ -266,12 +266,15 @@ def bias_grad_chunks_left_to_right(g: Tensor, acc_dtype, out_dtype=None) -> Tens
 # ------------------------------------------------------------------------------------------------
 # the mlp op: any activation
 
-#: Stock PyTorch's form of each activation of ckpt_ext.ACTIVATIONS.
-ACTIVATION_REF = {
-    "tanh": torch.tanh, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
-    "silu": F.silu, "sigmoid": torch.sigmoid, "softplus": F.softplus, "sin": torch.sin,
-    "relu": torch.relu,
-}
+#: Stock PyTorch's form of each activation of ckpt_ext.ACTIVATIONS: the registry row's own op
+#: (torch.tanh, F.gelu, ...); tests/ops/test_activation_registry.py checks each row's forms
+#: against it.
+def _activation_ref():
+    from ckpt_ext._activations import REGISTRY
+    return {name: row.f for name, row in REGISTRY.items()}
+
+
+ACTIVATION_REF = _activation_ref()
 
 
 def mlp_ref(x, weights, biases, activation, last_activation=True):

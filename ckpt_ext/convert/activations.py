@@ -1,35 +1,31 @@
 """Which calls compute an activation of the fused ops (``ckpt_ext.ACTIVATIONS``), and exactly which
 one: :func:`node_activation` (``F.gelu``, ``torch.sin``, ``.relu()`` in an fx graph; modules:
-``ckpt_ext._activation_modules.module_activation``). Also what stock autograd keeps for each
-(:data:`SAVES_INPUT`), which sets what fusing frees. The tests check every entry numerically
-against the reference formulas (tests/fuse/test_fuse_activations.py)."""
+``ckpt_ext._activation_modules.module_activation``), and what stock autograd keeps for each
+(:data:`SAVES_INPUT`), which sets what fusing frees: both read from the registry's rows
+(ckpt_ext/_activations.py). The tests check every form numerically against the reference formulas
+(tests/fuse/test_fuse_activations.py)."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
-import torch.nn.functional as F
 from torch import fx
 
 from .._activation_modules import Recognised, module_activation  # noqa: F401  (re-exported)
+from .._activations import REGISTRY, CallForm
 
-
-# What PyTorch's autograd saves for each activation (tools/autograd/derivatives.yaml): tanh,
-# sigmoid and relu their output — the next Linear's input, kept by that Linear too — and the others
-# their input z. So a run's inner layer keeps one tensor unfused for the first kind, two (z and
-# act(z)) for the second; a trailing activation one (its output or its input).
-SAVES_INPUT = {"tanh": False, "sigmoid": False, "relu": False, "gelu": True, "gelu_tanh": True,
-               "silu": True, "softplus": True, "sin": True}
+# Whether stock autograd keeps z for each activation (its backward reads z, not the output): a
+# run's inner layer then keeps two tensors unfused (z and act(z)), else one (act(z), the next
+# Linear's input, kept by that Linear too); a trailing activation one (its output or its input).
+SAVES_INPUT = {name: row.saves_input for name, row in REGISTRY.items()}
 
 # How messages name each activation.
-DISPLAY = {"tanh": "Tanh", "sigmoid": "Sigmoid", "relu": "ReLU", "gelu": "GELU",
-           "gelu_tanh": "GELU(tanh)", "silu": "SiLU", "softplus": "Softplus", "sin": "sin"}
+DISPLAY = {name: row.display for name, row in REGISTRY.items()}
 
 
 def tensors_per_layer(name: str) -> int:
     """Distinct tensors stock autograd keeps per inner layer of a run that the fused op does not."""
-    return 2 if SAVES_INPUT[name] else 1
+    return REGISTRY[name].tensors_per_layer
 
 
 # ------------------------------------------------------------------------------------------------
@@ -44,39 +40,32 @@ _NO_DEFAULT = inspect.Parameter.empty
 _INPUT = ("input", _NO_DEFAULT)
 
 
-def _fixed(name: str, **want: Any) -> Callable[[Dict[str, Any]], Recognised]:
-    """The activation ``name`` when the call's other arguments are these values."""
+def _reader(forms: List[Tuple[str, CallForm]]) -> Callable[[Dict[str, Any]], Recognised]:
+    """The activation whose form's wanted values the call's other arguments have, else why not."""
     def read(args: Dict[str, Any]) -> Recognised:
-        for k, v in want.items():
-            if args[k] != v:
-                shown = ", ".join(f"{a}={args[a]!r}" for a in want)
-                return Recognised(None, f"called with {shown}: the fused op computes {name} with "
-                                        + ", ".join(f"{a}={b!r}" for a, b in want.items()))
-        return Recognised(name)
+        for name, form in forms:
+            if all(args[k] == v for k, v in form.want.items()):
+                return Recognised(name)
+        shown = ", ".join(f"{a}={args[a]!r}" for a in forms[0][1].want)
+        wanted = " or ".join(f"{name} with " + ", ".join(f"{a}={b!r}" for a, b in f.want.items())
+                             for name, f in forms)
+        return Recognised(None, f"called with {shown}: the fused op computes {wanted}")
     return read
 
 
-def _gelu_call(args: Dict[str, Any]) -> Recognised:
-    name = {"none": "gelu", "tanh": "gelu_tanh"}.get(args["approximate"])
-    return Recognised(name, None if name else f"approximate={args['approximate']!r} is not an "
-                                              f"approximation the fused op computes")
+def _call_table() -> Dict[Any, Tuple[str, inspect.Signature, Callable[[Dict[str, Any]],
+                                                                       Recognised]]]:
+    """function -> (label, signature, reader of the bound arguments), from the registry's calls."""
+    forms: Dict[Any, List[Tuple[str, CallForm]]] = {}
+    for row in REGISTRY.values():
+        for form in row.calls:
+            forms.setdefault(form.fn, []).append((row.name, form))
+    return {fn: (fs[0][1].label, _sig(_INPUT, *fs[0][1].params), _reader(fs))
+            for fn, fs in forms.items()}
 
 
-# function -> (label, signature, reader of the bound arguments)
-_FUNCTIONS: Dict[Any, Tuple[str, inspect.Signature, Callable[[Dict[str, Any]], Recognised]]] = {
-    torch.tanh: ("torch.tanh", _sig(_INPUT), _fixed("tanh")),
-    F.tanh: ("F.tanh", _sig(_INPUT), _fixed("tanh")),
-    F.gelu: ("F.gelu", _sig(_INPUT, ("approximate", "none")), _gelu_call),
-    F.silu: ("F.silu", _sig(_INPUT, ("inplace", False)), _fixed("silu")),
-    torch.sigmoid: ("torch.sigmoid", _sig(_INPUT), _fixed("sigmoid")),
-    F.sigmoid: ("F.sigmoid", _sig(_INPUT), _fixed("sigmoid")),
-    F.softplus: ("F.softplus", _sig(_INPUT, ("beta", 1), ("threshold", 20)),
-                 _fixed("softplus", beta=1, threshold=20)),
-    torch.relu: ("torch.relu", _sig(_INPUT), _fixed("relu")),
-    F.relu: ("F.relu", _sig(_INPUT, ("inplace", False)), _fixed("relu")),
-    torch.sin: ("torch.sin", _sig(_INPUT), _fixed("sin")),
-}
-_METHODS = {"tanh": "tanh", "sigmoid": "sigmoid", "relu": "relu", "sin": "sin"}
+_FUNCTIONS = _call_table()
+_METHODS = {meth: row.name for row in REGISTRY.values() for meth in row.methods}
 
 
 def _bind(node: fx.Node, sig: inspect.Signature) -> Optional[Dict[str, Any]]:
@@ -97,7 +86,7 @@ def node_activation(node: fx.Node) -> Optional[Tuple[Recognised, Any, str]]:
     elif node.op == "call_method" and node.target in _METHODS:
         label = f".{node.target}()"
         args = _bind(node, _sig(_INPUT))
-        read = _fixed(_METHODS[node.target])
+        read = _reader([(_METHODS[node.target], CallForm(None, label))])
     else:
         return None
     if args is None:
