@@ -17,6 +17,7 @@ from torch import fx, nn
 from .. import ops
 from ..modules import FusedLinearTanh, FusedTanhMLP
 from ..ops import linear_tanh, tanh_mlp
+from .._activations import REGISTRY
 from .activations import SAVES_INPUT, module_activation
 from .runtime import is_sequential, join_path
 from .tracing import ModelAnalysis, Trace
@@ -38,28 +39,43 @@ _VIEW_METHODS = {"view", "reshape", "flatten", "unsqueeze", "squeeze", "permute"
                  "bfloat16", "type_as", "detach"}
 _META_FUNCTIONS = {getattr, len}
 _META_METHODS = {"size", "dim", "numel", "stride", "ndimension"}
+# The activations' calls, methods and module classes, by what the registry's row says stock
+# autograd keeps: the output (tanh, sigmoid, relu) or z too.
+_ACT_ROWS = list(REGISTRY.values())
+
+
+def _act_calls(keeps_input: bool) -> set:
+    return {c.fn for r in _ACT_ROWS if r.saves_input == keeps_input for c in r.calls}
+
+
+def _act_methods(keeps_input: bool) -> set:
+    return {m for r in _ACT_ROWS if r.saves_input == keeps_input for m in r.methods}
+
+
+def _act_modules(keeps_input: bool) -> tuple:
+    return tuple({f.cls for r in _ACT_ROWS if r.saves_input == keeps_input for f in r.modules
+                  if isinstance(f.cls, type)})
+
+
 _FREEING_FUNCTIONS = {operator.add, operator.sub, operator.iadd, operator.isub, operator.neg,
                       torch.add, torch.sub, torch.neg, torch.cat, torch.concat, torch.stack,
-                      torch.sum, torch.mean, torch.clone, torch.tanh, torch.sigmoid, torch.relu,
-                      F.relu, F.tanh, F.sigmoid, F.softmax, F.log_softmax,
-                      torch.softmax}
-_FREEING_METHODS = {"add", "sub", "add_", "sub_", "neg", "sum", "mean", "clone", "tanh",
-                    "sigmoid", "relu", "softmax", "log_softmax"}
+                      torch.sum, torch.mean, torch.clone, F.softmax, F.log_softmax,
+                      torch.softmax} | _act_calls(False)
+_FREEING_METHODS = {"add", "sub", "add_", "sub_", "neg", "sum", "mean", "clone", "softmax",
+                    "log_softmax"} | _act_methods(False)
 _SCALING_FUNCTIONS = {operator.mul, operator.truediv, operator.imul, operator.itruediv,
                       torch.mul, torch.div}
 _SCALING_METHODS = {"mul", "div", "mul_", "div_"}
 _KEEPING_FUNCTIONS = {F.linear, torch._C._nn.linear, torch.matmul, torch.mm, torch.bmm,
-                      operator.matmul, torch.einsum, F.layer_norm, F.gelu, F.silu, F.softplus,
-                      torch.sin, F.mse_loss, torch.pow, operator.pow, linear_tanh, tanh_mlp,
-                      ops.mlp}
-_KEEPING_METHODS = {"matmul", "mm", "bmm", "pow", "sin"}
+                      operator.matmul, torch.einsum, F.layer_norm, F.mse_loss, torch.pow,
+                      operator.pow, linear_tanh, tanh_mlp, ops.mlp} | _act_calls(True)
+_KEEPING_METHODS = {"matmul", "mm", "bmm", "pow"} | _act_methods(True)
 _PASS_THROUGH_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten)
 # These save their output or a mask for backward, never their input.
-_FREEING_MODULES = (nn.Tanh, nn.Sigmoid, nn.ReLU, nn.Softmax, nn.LogSoftmax)
-_KEEPING_MODULES = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.GroupNorm, nn.GELU, nn.SiLU,
-                    nn.Softplus, nn.MultiheadAttention, nn.modules.conv._ConvNd,
-                    nn.modules.batchnorm._BatchNorm, FusedLinearTanh, FusedTanhMLP)
-
+_FREEING_MODULES = (nn.Softmax, nn.LogSoftmax) + _act_modules(False)
+_KEEPING_MODULES = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.GroupNorm, nn.MultiheadAttention,
+                    nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, FusedLinearTanh,
+                    FusedTanhMLP) + _act_modules(True)
 
 def _fn_name(target: Any) -> str:
     if isinstance(target, str):

@@ -139,9 +139,8 @@ def test_recognised_module_computes_its_activation(spelling, name, make):
 def test_transformers_near_matches_are_left_alone_with_the_reason():
     ta = _need("transformers.activations")
     z = torch.linspace(-6, 6, 1001, dtype=F64)
-    fast, quick = ta.FastGELUActivation(), ta.QuickGELUActivation()
+    fast = ta.FastGELUActivation()
     assert "rounded constant" in module_activation(fast).problem
-    assert module_activation(quick).problem.startswith("it computes x*sigmoid(1.702*x)")
     # Why "exactly" matters: FastGELU is gelu_tanh only to 1.7e-13, 1e5x the formulas above.
     assert rel_err(fast(z), ACTIVATION_REF["gelu_tanh"](z)) > 1e-14
     model = nn.Sequential(nn.Linear(4, 8), fast, nn.Linear(8, 2)).double()

@@ -88,6 +88,10 @@ def test_pip_install_dry_run_keeps_the_installed_torch(tmp_path):
     build env installs torch for real; the metadata of ckpt_ext comes from setup.py under it)."""
     if not os.path.exists(os.path.join(ROOT, "pyproject.toml")):
         pytest.skip("pyproject.toml is not beside these tests (tests copied out of the tree)")
+    if os.environ.get("CKPT_EXT_TEST_PIP_INSTALL", "1") == "0":
+        pytest.skip("CKPT_EXT_TEST_PIP_INSTALL=0: .ci/run runs this 2-5 minute check in the "
+                    "newest-torch leg only, where a build requirement not following the installed "
+                    "torch would downgrade it")
     probe = _pip("install", "--dry-run", "--ignore-installed", "--no-deps", "--quiet",
                  f"torch=={TORCH}", timeout=600)
     if probe.returncode != 0:
