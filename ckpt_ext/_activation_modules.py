@@ -102,6 +102,7 @@ def _own_module(m: nn.Module) -> Optional[Recognised]:
     ``<input>.<method>()``), it holds no parameters, buffers, children or hooks of its own and its
     instance does not replace forward; else None."""
     cls = type(m)
+    cls = getattr(cls, "_ckpt_ext_base", cls)  # a run member: the class fuse gave it stands for
     fwd = vars(cls).get("forward")
     if fwd is None or "forward" in vars(m) or m._parameters or m._buffers or m._modules:
         return None

@@ -85,8 +85,12 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
 
     def figures(a: int, b: int, last_act: bool, last_freed: bool) -> Tuple[int, int, int]:
         freed = sum(per_layer * L[j].out_features * L[j].itemsize for j in range(a, b))
-        if last_act and last_freed:
-            freed += L[b].out_features * L[b].itemsize
+        if last_act:
+            # what the trailing activation's backward keeps besides its output (z, and any
+            # intermediate: per_layer counts its output too), and its output where the
+            # activation keeps that and its consumer does not
+            kept = per_layer - 1 + (0 if keeps_z else int(last_freed))
+            freed += kept * L[b].out_features * L[b].itemsize
         extra = sum(_gemm(L[j]) for j in range(a, b)) + (_gemm(L[b]) if last_act else 0)
         plain = sum(3 * _gemm(L[j]) for j in range(a, b + 1))
         return freed, extra, plain

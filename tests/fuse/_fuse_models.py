@@ -305,16 +305,33 @@ class OwnSin(nn.Module):
         return torch.sin(x)
 
 
-# Not registered: quick_gelu's lone pairs (policy="all") and trailing activation claim its input
-# only, where QuickGELU keeps z and sigmoid(1.702·z); a run of OwnSin children is reported fused
-# and frees nothing measured.
-_MODULE_SPELLINGS = {f"{row.display} module": row.module for row in REGISTRY.values()
-                     if row.name != "quick_gelu"}
+_MODULE_SPELLINGS = {f"{row.display} module": row.module for row in REGISTRY.values()}
 _MODULE_SPELLINGS["nn.ReLU(inplace) module"] = lambda: nn.ReLU(inplace=True)
+_MODULE_SPELLINGS["own Sin module"] = OwnSin
 for _spelling, _make in _MODULE_SPELLINGS.items():
     model(f"{_spelling}, sequential run")(_act_sequential(_make))
     model(f"{_spelling}, children with a trailing activation")(_act_children(_make))
-model("own Sin module, sequential run")(_act_sequential(OwnSin))
+
+
+@model("CLIP vision (quick_gelu)", requires="transformers")
+def _clip_vision():
+    import transformers
+    config = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=2, num_attention_heads=2,
+                                           image_size=16, patch_size=8, hidden_act="quick_gelu",
+                                           attention_dropout=0.0)
+    torch.manual_seed(0)
+    return _PixelsLastHidden(transformers.CLIPVisionModel(config)), \
+        (torch.randn(3, 3, 16, 16),), 15  # 3 images: the class token and 4 patches each
+
+
+class _PixelsLastHidden(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.model = inner
+
+    def forward(self, pixels):
+        return self.model(pixel_values=pixels).last_hidden_state
 
 
 def _call(form):
