@@ -76,15 +76,17 @@ class Activation(NamedTuple):
 
     @property
     def saves_input(self) -> bool:
-        """Whether stock autograd keeps z for this activation's backward."""
-        return _stock_keeps(self.name)[0]
+        """Whether stock autograd keeps z for this activation's backward: where PyTorch's
+        backward does not read the output (tests/ops/test_activation_registry.py holds this to
+        what saved_tensors_hooks sees)."""
+        return self.from_output is None
 
     @property
     def tensors_per_layer(self) -> int:
         """Distinct (rows, width) tensors stock autograd keeps per inner layer of a run that the
         fused op does not: f(z), the next Linear's input, and whatever else f's own ops save (z,
         an intermediate)."""
-        return _stock_keeps(self.name)[1]
+        return _stock_tensors(self.name)
 
     def derivative(self, z: Tensor) -> Tensor:
         """f'(z), from ATen ops."""
@@ -286,18 +288,20 @@ assert set(REGISTRY) == set(ACTIVATIONS) and len(REGISTRY) == len(_ROWS), \
     f"one row per activation of the C++ library: {sorted(REGISTRY)} vs {sorted(ACTIVATIONS)}"
 
 @functools.lru_cache(maxsize=None)
-def _stock_keeps(name: str) -> Tuple[bool, int]:
-    """(whether autograd keeps z, the tensors it keeps per layer) for the row's f, as
-    saved_tensors_hooks sees them on a small non-leaf input (a Linear's output is one); no random
-    draw."""
+def _stock_tensors(name: str) -> int:
+    """The (rows, width) tensors stock autograd keeps per layer for the row's f, as
+    saved_tensors_hooks sees them on a small non-leaf input (a Linear's output is one), its output
+    counted (the next Linear keeps it); no random draw, whatever grad mode the caller is in."""
     row = REGISTRY[name]
-    z = torch.linspace(-3, 3, 8, dtype=torch.float64, requires_grad=True) * 1.0
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = row.f(z)
-    storages = {t.untyped_storage().data_ptr() for t in saved}
-    storages.add(out.untyped_storage().data_ptr())  # kept by the next Linear either way
-    return z.untyped_storage().data_ptr() in storages, len(storages)
+    with torch.inference_mode(False), torch.enable_grad():
+        z = torch.linspace(-3, 3, 8, dtype=torch.float64, requires_grad=True) * 1.0
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                      lambda t: t):
+            out = row.f(z)
+    storages = {t.untyped_storage().data_ptr() for t in saved if t.dim() > 0}
+    storages.add(out.untyped_storage().data_ptr())
+    return len(storages)
 
 
 #: Module classes close to an activation that the fused ops do not compute exactly, and why:

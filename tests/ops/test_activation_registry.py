@@ -166,3 +166,14 @@ def test_sequential_of_own_sin_fuses_as_a_run():
     g_ref = torch.autograd.grad(out_ref.square().sum(), [x, *ref.parameters()])
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_what_autograd_keeps_is_asked_whatever_the_callers_grad_mode(mode):
+    from ckpt_ext._activations import _stock_tensors
+    want = {name: _stock_tensors.__wrapped__(name) for name in ACTS}
+    rng = torch.get_rng_state()
+    with mode():
+        assert {name: _stock_tensors.__wrapped__(name) for name in ACTS} == want
+    assert torch.equal(torch.get_rng_state(), rng)  # asked without a random draw
+    assert want["quick_gelu"] == 3 and want["gelu"] == 2 and want["tanh"] == 1
