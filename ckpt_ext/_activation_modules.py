@@ -8,6 +8,7 @@ form numerically against the reference formulas."""
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import sys
 import textwrap
@@ -28,7 +29,13 @@ class Recognised(NamedTuple):
 def _forms() -> List[Tuple[type, str, List[Tuple[str, ModuleForm]]]]:
     """(class, label, [(activation, form), ...]) for every module class of the registry;
     transformers' classes only when transformers.activations is already imported."""
-    acts = sys.modules.get("transformers.activations")
+    return _forms_with(sys.modules.get("transformers.activations"))
+
+
+@functools.lru_cache(maxsize=4)
+def _forms_with(acts: Any) -> List[Tuple[type, str, List[Tuple[str, ModuleForm]]]]:
+    """_forms, made once per transformers.activations module (or None): a fused run asks at
+    each call."""
     by_class: Dict[type, Tuple[str, List[Tuple[str, ModuleForm]]]] = {}
     for row in REGISTRY.values():
         for form in row.modules:
@@ -108,6 +115,14 @@ def _own_module(m: nn.Module) -> Optional[Recognised]:
         return None
     if cls.__module__.startswith("torch.") or cls.__module__.startswith("transformers."):
         return None
+    name = _forward_activation(fwd)
+    return None if name is None else Recognised(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_activation(fwd: Any) -> Optional[str]:
+    """The activation ``fwd``'s source returns, else None: read once per function (a fused run
+    asks at each call)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fwd)))
     except (OSError, TypeError, SyntaxError, IndentationError):
@@ -138,4 +153,4 @@ def _own_module(m: nn.Module) -> Optional[Recognised]:
         name = found[0] if found else None
     else:
         name = None
-    return None if name is None else Recognised(name)
+    return name

@@ -21,7 +21,7 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
     ``(model, report)`` with ``model`` the very object passed in.
 
     ``policy="memory"`` (default) fuses maximal runs, and lone pairs only where that frees memory
-    (a tanh, sigmoid or ReLU output kept anyway does not); ``policy="all"`` fuses every pair on
+    (an activation output its backward reads, kept anyway, does not); ``policy="all"`` fuses every pair on
     its own. ``rewrite=True`` also rewrites forward code (``F.linear``, ``torch.tanh``,
     ``F.gelu``, ...) of modules whose forward is safe to rewrite. ``dry_run=True`` changes
     nothing and reports what would be done. ``trace=False`` skips the fx analysis: only the

@@ -2,7 +2,7 @@
 keep it (an add, a Tanh, a ``.mean()``), or unknown. The tables name what ops do with their input;
 the functions follow a value through an analysed forward's graph, into and out of Sequentials
 and modules, up to the model's output. fuse asks this of the last output of a run or a pair: a
-trailing activation that keeps its output (tanh, sigmoid) is fused only where that output is not
+trailing activation that keeps its output (a row whose backward reads it) is fused only where that output is not
 kept anyway."""
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ _VIEW_METHODS = {"view", "reshape", "flatten", "unsqueeze", "squeeze", "permute"
 _META_FUNCTIONS = {getattr, len}
 _META_METHODS = {"size", "dim", "numel", "stride", "ndimension"}
 # The activations' calls, methods and module classes, by what the registry's row says stock
-# autograd keeps: the output (tanh, sigmoid, relu) or z too.
+# autograd keeps: the output (a backward from the output) or z too.
 _ACT_ROWS = list(REGISTRY.values())
 
 
