@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -320,6 +320,38 @@ def check_activation(name, where: str) -> str:
         raise ValueError(f"{where}: activation must be one of "
                          f"{', '.join(repr(a) for a in ACTIVATIONS)}; got {name!r}")
     return name
+
+
+def activation_spec(activation, layers: int, last_activation: bool, where: str) -> str:
+    """The mlp op's activation argument for ``activation``: one name, or a sequence with one name
+    per layer with an activation (``layers``, or ``layers - 1`` when not ``last_activation``),
+    joined by commas; a sequence of one name throughout is that name. ValueError naming expected
+    and given otherwise."""
+    if isinstance(activation, str):
+        return check_activation(activation, where)
+    try:
+        names = list(activation)
+    except TypeError:
+        names = None
+    activated = layers if last_activation else layers - 1
+    if names is None or (layers > 0 and len(names) != activated) or not names:
+        given = f"{len(names)} names" if names is not None else repr(activation)
+        raise ValueError(f"{where}: activation must be one name or {activated} (one per layer "
+                         f"with an activation: {layers} layers, "
+                         f"{'the last one included' if last_activation else 'none after the last'})"
+                         f"; got {given}")
+    for name in names:
+        check_activation(name, where)
+    return names[0] if len(set(names)) == 1 else ",".join(names)
+
+
+def layer_activations(spec: str, layers: int) -> List[str]:
+    """One activation name per layer from the op's argument (the top one repeated when the
+    spec has one name less: it is never applied)."""
+    names = spec.split(",")
+    if len(names) == 1:
+        return names * layers
+    return names + names[-1:] * (layers - len(names))
 
 
 def activate(name: str, z: Tensor) -> Tensor:

@@ -1,5 +1,5 @@
 """The Python side of the C++ autograd node (csrc/autograd_node.cpp) that plain eager autograd
-records for linear_tanh and tanh_mlp: its Python path, and its node types as autograd Nodes.
+records for linear_tanh, tanh_mlp and mlp: its Python path, and its node types as autograd Nodes.
 
 The node is an optimisation of the first-order backward's peak (docs/design.md, "Autograd (first
 order)": one (batch, out_features) buffer less than the Functions of ``_autograd``); every
@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from . import _C, _autograd
+from . import _C, _autograd, _mlp_autograd
 from ._derivatives import _OPS
 
 
@@ -17,9 +17,12 @@ from ._derivatives import _OPS
 # tensor subclasses) it calls _node_backward: the Functions' backward (_autograd), with a per-node
 # state object as ctx (it keeps the create_graph path's recomputed outputs across passes).
 
-def _node_backward(one_layer, state, grad_out, x, weights, biases, has_bias, last_tanh, need_x,
-                   need_w, need_b):
+def _node_backward(one_layer, state, grad_out, x, weights, biases, has_bias, activation, last,
+                   need_x, need_w, need_b):
     """The C++ node's Python path: (grad_x?, [grad_W_i?], [grad_b_j?], keep_state)."""
+    if activation != "tanh":  # mlp's: its Function's first order (no state across passes)
+        return (*_mlp_autograd.mlp_first_order(grad_out, x, weights, biases, has_bias,
+                                               activation, last, need_x, need_w, need_b), False)
     if one_layer:
         bias = biases[0] if biases else None
         mask = [need_x, need_w[0], bool(need_b) and need_b[0]]
@@ -30,7 +33,7 @@ def _node_backward(one_layer, state, grad_out, x, weights, biases, has_bias, las
         grads = (gx, [gw], [gb] if bias is not None else [])
     else:
         grads = _autograd._tanh_mlp_first_order(state, grad_out, x, weights, biases, has_bias,
-                                                last_tanh, need_x, need_w, need_b)
+                                                last, need_x, need_w, need_b)
     # The node keeps its state only while it holds recomputed outputs for a later pass.
     return (*grads, bool(vars(state)))
 
@@ -39,3 +42,4 @@ _C._set_node_python_backward(_node_backward, types.SimpleNamespace)
 # isinstance(y.grad_fn, torch.autograd.graph.Node) holds, as for a Function's node.
 torch.autograd.graph.Node.register(_C.LinearTanhBackward)
 torch.autograd.graph.Node.register(_C.TanhMlpBackward)
+torch.autograd.graph.Node.register(_C.MlpBackward)

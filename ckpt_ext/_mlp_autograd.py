@@ -6,13 +6,13 @@ Design: docs/design.md, "Other activations".
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import _SingleLevelFunction
 
-from ._activations import activate, activation_backward
+from . import _C
+from ._activations import activate, activation_backward, layer_activations
 from ._autograd import (_below_autograd, _needed, _note_tensor_inputs, _plain_autograd,
                         _register_autograd_kernel)
 from ._derivatives import _OPS, _add, _flat, _layer_biases
@@ -25,45 +25,37 @@ def _applies(i: int, L: int, last_activation: bool) -> bool:
     return i + 1 < L or last_activation
 
 
-def mlp_backward_composite(grad_out, x, weights, layer_b, act, last_activation, need_x,
+def mlp_backward_composite(grad_out, x, weights, layer_b, acts, last_activation, need_x,
                            need_w, need_b):
     """(grad_x?, [grad_W_i?], [grad_b_i?] per layer) of the run, recomputed with ATen ops:
-    z_i = a_i·W_iᵀ + b_i, a_{i+1} = f(z_i); from the top, g_i = gy_i·f'(z_i) (gy_i itself above a
-    top layer without activation), grad_W_i = g_iᵀ·a_i, grad_b_i = Σ g_i, gy_{i−1} = g_i·W_i."""
-    return _walk(grad_out, x, weights, layer_b, last_activation, need_x, need_w, need_b,
-                 functools.partial(_layer_forward, act),
-                 lambda mask, gy, a, z, out, w: _layer_backward(act, mask, gy, a, z, w, out))
-
-
-def _walk(grad_out, x, weights, layer_b, last_activation, need_x, need_w, need_b, forward,
-          backward):
-    """The run's first-order backward from per-layer steps: ``forward(a, W, b) -> (z, f(z))`` for
-    every layer with an activation, then from the top ``backward(mask, gy, a, z, f(z), W) ->
-    (grad_a, grad_W, grad_b)``, each asked by mask; a top layer without one is a plain Linear."""
+    z_i = a_i·W_iᵀ + b_i, a_{i+1} = f_i(z_i); from the top, g_i = gy_i·f_i'(z_i) (gy_i itself above
+    a top layer without activation), grad_W_i = g_iᵀ·a_i, grad_b_i = Σ g_i, gy_{i−1} = g_i·W_i.
+    ``acts``: one activation name per layer; a top layer without one is a plain Linear."""
     need_b, lowest, gws, gbs = asked_layers(need_x, need_w, need_b, layer_b)
     L = len(weights)
     if lowest == L:
         return None, gws, gbs
-    acts, zs = [x], []
+    ins, zs = [x], []
     for i in range(L):
         if not _applies(i, L, last_activation):
             break
-        z, h = forward(acts[i], weights[i], layer_b[i])
+        z, h = _layer_forward(acts[i], ins[i], weights[i], layer_b[i])
         zs.append(z)
-        acts.append(h)
+        ins.append(h)
     grad = grad_out
     for i in reversed(range(lowest, L)):
         mask = (i > lowest or need_x, bool(need_w[i]), need_b[i])
         if _applies(i, L, last_activation):
-            gx, gws[i], gbs[i] = backward(mask, grad, acts[i], zs[i], acts[i + 1], weights[i])
+            gx, gws[i], gbs[i] = _layer_backward(acts[i], mask, grad, ins[i], zs[i], weights[i],
+                                                 ins[i + 1])
         else:
-            gx, gws[i], gbs[i] = _linear_backward(mask, grad, acts[i], weights[i])
+            gx, gws[i], gbs[i] = _linear_backward(mask, grad, ins[i], weights[i])
         grad = gx
     return (grad if need_x else None), gws, gbs
 
 
-def _mlp_jvp(x, weights, layer_b, act, last_activation, x_t, w_t, b_t):
-    """The tangent of the run's output: ż_i = ȧ_i·W_iᵀ + a_i·Ẇ_iᵀ + ḃ_i, ȧ_{i+1} = ż_i·f'(z_i)."""
+def _mlp_jvp(x, weights, layer_b, acts, last_activation, x_t, w_t, b_t):
+    """The tangent of the run's output: ż_i = ȧ_i·W_iᵀ + a_i·Ẇ_iᵀ + ḃ_i, ȧ_{i+1} = ż_i·f_i'(z_i)."""
     L = len(weights)
     a, a_t = x, x_t
     for i in range(L):
@@ -78,10 +70,38 @@ def _mlp_jvp(x, weights, layer_b, act, last_activation, x_t, w_t, b_t):
             z_t = torch.zeros_like(z)
         z_t = z_t.expand(z.shape)
         if _applies(i, L, last_activation):
-            a, a_t = activate(act, z), activation_backward(act, z_t, z)
+            a, a_t = activate(acts[i], z), activation_backward(acts[i], z_t, z)
         else:
             a, a_t = z, z_t
     return a_t
+
+
+# ---- the first order ---------------------------------------------------------------------------
+
+def mlp_first_order(grad_out, x, weights, biases, has_bias, act, last_activation, need_x, need_w,
+                    need_b):
+    """(grad_x?, [grad_W_i?] per layer, [grad_b_j?] per bias) of mlp, each None where not asked:
+    the C++ mlp_backward, or where that does not apply the composite (torch.func) or per-layer
+    nodes (create_graph). ``act``: the op's activation argument; ``biases``: the compact list."""
+    weights, L = list(weights), len(weights)
+    acts, layer_b = layer_activations(act, L), _layer_biases(list(biases), has_bias)
+    # torch.func: the composite, which the transforms see through. relu with create_graph too:
+    # its derivative is piecewise constant, so what stock autograd keeps for the orders above
+    # is already less than what per-layer nodes keep.
+    if not _plain_autograd() or (act == "relu" and torch.is_grad_enabled()):
+        backward = mlp_backward_composite
+    elif torch.is_grad_enabled():  # create_graph: per-layer nodes, for the orders above
+        backward = create_graph_backward
+    else:
+        gx, gw_asked, gb_asked = _OPS.mlp_backward.default(
+            grad_out, x, weights, list(biases), list(has_bias), act, last_activation, need_x,
+            list(need_w), list(need_b))
+        it_w, it_b = iter(gw_asked), iter(gb_asked)
+        return ((gx if need_x else None), [next(it_w) if n else None for n in need_w],
+                [next(it_b) if n else None for n in need_b])
+    gx, gw, gb = backward(grad_out, x, weights, layer_b, acts, last_activation, need_x, need_w,
+                          _layer_biases(list(need_b), has_bias))
+    return gx, gw, [g for g, hb in zip(gb, has_bias) if hb]
 
 
 # ---- the Functions -----------------------------------------------------------------------------
@@ -110,32 +130,16 @@ class _Mlp(_SingleLevelFunction):
         ctx.save_for_backward(x, *params)
         ctx.save_for_forward(x, *params)
         ctx.has_bias, ctx.act, ctx.last = tuple(has_bias), act, bool(last_activation)
+        ctx.acts = layer_activations(act, len(has_bias))
 
     @staticmethod
     def backward(ctx, grad_out):
         x, *params = ctx.saved_tensors
         L = len(ctx.has_bias)
         need = _needed(ctx, 1 + len(params))
-        need_x, need_w, need_b = need[0], need[1:1 + L], need[1 + L:]
-        weights, layer_b = _split(ctx, params)
-        # torch.func: the composite, which the transforms see through. relu with create_graph too:
-        # its derivative is piecewise constant, so what stock autograd keeps for the orders above
-        # is already less than what per-layer nodes keep.
-        if not _plain_autograd() or (ctx.act == "relu" and torch.is_grad_enabled()):
-            gx, gw, gb = mlp_backward_composite(grad_out, x, weights, layer_b, ctx.act, ctx.last,
-                                                need_x, need_w, _layer_biases(need_b, ctx.has_bias))
-            return (gx, *gw, *[g for g, hb in zip(gb, ctx.has_bias) if hb], None, None, None)
-        if torch.is_grad_enabled():  # create_graph: per-layer nodes, for the orders above
-            gx, gw, gb = create_graph_backward(grad_out, x, weights, layer_b, ctx.act, ctx.last,
-                                               need_x, need_w, _layer_biases(need_b, ctx.has_bias))
-            return (gx, *gw, *[g for g, hb in zip(gb, ctx.has_bias) if hb], None, None, None)
-        gx, gw_asked, gb_asked = _OPS.mlp_backward.default(
-            grad_out, x, weights, params[L:], list(ctx.has_bias), ctx.act, ctx.last, need_x,
-            need_w, need_b)
-        it_w, it_b = iter(gw_asked), iter(gb_asked)
-        gw = [next(it_w) if n else None for n in need_w]
-        gb = [next(it_b) if n else None for n in need_b]
-        return (gx if need_x else None, *gw, *gb, None, None, None)
+        gx, gw, gb = mlp_first_order(grad_out, x, params[:L], params[L:], ctx.has_bias, ctx.act,
+                                     ctx.last, need[0], need[1:1 + L], need[1 + L:])
+        return (gx, *gw, *gb, None, None, None)
 
     @staticmethod
     def jvp(ctx, x_t, *rest):
@@ -143,7 +147,7 @@ class _Mlp(_SingleLevelFunction):
         x, *params = ctx.saved_tensors
         weights, layer_b = _split(ctx, params)
         L = len(weights)
-        return _mlp_jvp(x, weights, layer_b, ctx.act, ctx.last, x_t, list(param_t[:L]),
+        return _mlp_jvp(x, weights, layer_b, ctx.acts, ctx.last, x_t, list(param_t[:L]),
                         _layer_biases(param_t[L:], ctx.has_bias))
 
 
@@ -171,5 +175,6 @@ def _apply_mlp(x, weights, biases, has_bias, act, last_activation):
     return _Mlp.apply(x, *weights, *biases, tuple(has_bias), act, bool(last_activation))
 
 
-_register_autograd_kernel("mlp", _apply_mlp)
+# record_node: the C++ node (csrc/autograd_node.cpp), as for tanh_mlp.
+_register_autograd_kernel("mlp", _apply_mlp, _C._mlp_with_node)
 

@@ -241,18 +241,18 @@ def asked_layers(need_x, need_w, need_b, layer_b):
     return need_b, lowest, gws, gbs
 
 
-def create_graph_backward(grad_out, x, weights, layer_b, act, last_activation, need_x, need_w,
+def create_graph_backward(grad_out, x, weights, layer_b, acts, last_activation, need_x, need_w,
                           need_b):
     """The first-order backward of the run (grad_x?, [grad_W_i?], [grad_b_i?]), recorded as
     per-layer nodes: one forward node per pre-activation z_i (from z_{i−1}, W_i, b_i), one
-    backward node per layer (and one for the activation on top)."""
+    backward node per layer (and one for the activation on top). ``acts``: one name per layer."""
     need_b, lowest, gws, gbs = asked_layers(need_x, need_w, need_b, layer_b)
     L = len(weights)
     if lowest == L:
         return None, gws, gbs
 
-    def act_in(i):
-        return act if i > 0 else None
+    def act_in(i):  # the activation layer i applies to its input z_{i−1}
+        return acts[i - 1] if i > 0 else None
 
     ps = [x]  # the layers' inputs: x, z_0, z_1, ...
     for i in range(L if last_activation else L - 1):
@@ -263,7 +263,7 @@ def create_graph_backward(grad_out, x, weights, layer_b, act, last_activation, n
             ps[i], weights[i], layer_b[i])[0])
     grad = grad_out
     if last_activation:
-        grad = _backward_node(act, (True, False, False), grad, ps[L], None)[0]
+        grad = _backward_node(acts[L - 1], (True, False, False), grad, ps[L], None)[0]
     for i in reversed(range(lowest, L)):
         mask = (i > lowest or need_x, bool(need_w[i]), need_b[i])
         grad, gws[i], gbs[i] = _backward_node(act_in(i), mask, grad, ps[i], weights[i])

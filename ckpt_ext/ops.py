@@ -8,14 +8,14 @@ design and the math: docs/design.md.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from . import _C  # loading the library registers torch.ops.ckpt_ext.*
 from . import _autograd, _autograd_node, _flops, _higher_order, _mlp_autograd, _vmap  # noqa: F401
-from ._activations import ACTIVATIONS, check_activation
+from ._activations import ACTIVATIONS, activation_spec
 
 #: The dtypes the ops accept, read from the C++ library (one list, csrc/checks.cpp).
 SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in _C.SUPPORTED_DTYPES)
@@ -56,20 +56,24 @@ def tanh_mlp(x: Tensor, weights: Sequence[Tensor],
 
 
 def mlp(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Optional[Tensor]]] = None,
-        activation: str = "tanh", last_activation: bool = True) -> Tensor:
-    """:func:`tanh_mlp` with any activation of ``ACTIVATIONS``: ``h = act(h @ weights[i].T +
+        activation: Union[str, Sequence[str]] = "tanh", last_activation: bool = True) -> Tensor:
+    """:func:`tanh_mlp` with any activations of ``ACTIVATIONS``: ``h = act_i(h @ weights[i].T +
     biases[i])`` per layer (none after the last when ``last_activation`` is False), kept for
-    backward as ``x`` only. ``"tanh"`` is :func:`tanh_mlp` itself; the others are ``nn.GELU()``
-    ("gelu"), ``nn.GELU(approximate="tanh")`` ("gelu_tanh"), ``nn.SiLU``, ``nn.Sigmoid``,
-    ``nn.Softplus()`` (beta 1, threshold 20), ``torch.sin`` and ``nn.ReLU``."""
-    check_activation(activation, "ckpt_ext.mlp")
-    if activation == "tanh":
-        return tanh_mlp(x, weights, biases, last_activation)
+    backward as ``x`` only. ``activation`` is one name for every layer or one name per layer with
+    an activation (``len(weights)``, or one less without the last), so a run may mix them
+    (``["relu", "relu", "tanh"]``); one name throughout is that name, to the bit. ``"tanh"``
+    alone is :func:`tanh_mlp` itself; the others are ``nn.GELU()`` ("gelu"),
+    ``nn.GELU(approximate="tanh")`` ("gelu_tanh"), ``nn.SiLU``, ``nn.Sigmoid``, ``nn.Softplus()``
+    (beta 1, threshold 20), ``torch.sin``, ``nn.ReLU`` and transformers' ``QuickGELUActivation``
+    ("quick_gelu")."""
     weights = list(weights)
+    spec = activation_spec(activation, len(weights), bool(last_activation), "ckpt_ext.mlp")
+    if spec == "tanh":
+        return tanh_mlp(x, weights, biases, last_activation)
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
         raise ValueError(f"ckpt_ext.mlp: biases must have one entry (a tensor or None) per "
                          f"layer ({len(weights)}), got {len(biases)}")
     return torch.ops.ckpt_ext.mlp.default(
         x, weights, [b for b in biases if b is not None], [b is not None for b in biases],
-        activation, bool(last_activation))
+        spec, bool(last_activation))

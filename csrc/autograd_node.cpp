@@ -1,7 +1,8 @@
-// autograd_node.cpp — the autograd node that eager tanh_mlp and linear_tanh record: a C++
+// autograd_node.cpp — the autograd node that eager linear_tanh, tanh_mlp and mlp record: a C++
 // torch::autograd::Node that owns the incoming gradient (why, with the figure: docs/design.md,
 // "Autograd (first order)").
-//   _tanh_mlp_with_node(x, weights, biases, has_bias, last_tanh) / _linear_tanh_with_node(x, W, b)
+//   _tanh_mlp_with_node(x, weights, biases, has_bias, last_tanh), _linear_tanh_with_node(x, W, b),
+//   _mlp_with_node(x, weights, biases, has_bias, activation, last_activation)
 //       -> y (..., N_{L-1}) with a StackBackward node as grad_fn (saves x, weights, biases as
 //       SavedVariables), or None where the node cannot be used (not plain dense tensors, a Python
 //       mode active): ckpt_ext/_autograd.py then applies its autograd.Function.
@@ -82,12 +83,19 @@ bool python_mode_active() {
 // ------------------------------------------------------------------------------------------------
 // the node
 
-// The node of both ops; LinearTanhBackward and TanhMlpBackward below only name it (and give it
-// its own Python type).
+// The node of the three ops; LinearTanhBackward, TanhMlpBackward and MlpBackward below only name
+// it (and give it its own Python type). `activation` is the op's (one name, or one per activated
+// layer, comma-separated: checks.h, parse_activations).
+enum class StackOp { kLinearTanh, kTanhMlp, kMlp };
+
 class StackBackward : public Node {
  public:
-  StackBackward(bool one_layer, std::vector<bool> has_bias, bool last_tanh)
-      : one_layer_(one_layer), has_bias_(std::move(has_bias)), last_tanh_(last_tanh) {}
+  StackBackward(StackOp op, std::vector<bool> has_bias, std::string activation, bool last_act)
+      : op_(op),
+        has_bias_(std::move(has_bias)),
+        activation_(std::move(activation)),
+        acts_(parse_activations(op_name(), activation_, has_bias_.size(), last_act)),
+        last_act_(last_act) {}
 
   ~StackBackward() override {
     // The state is a Python object: let it go under the GIL (the engine may destroy the graph on
@@ -189,7 +197,11 @@ class StackBackward : public Node {
   }
 
  private:
-  const char* op_name() const { return one_layer_ ? "linear_tanh_backward" : "tanh_mlp_backward"; }
+  const char* op_name() const {
+    return op_ == StackOp::kLinearTanh ? "linear_tanh_backward"
+           : op_ == StackOp::kTanhMlp  ? "tanh_mlp_backward"
+                                       : "mlp_backward";
+  }
 
   StackGrads native_backward(at::Tensor grad, const Saved& s, bool need_x,
                              const std::vector<bool>& need_w, const std::vector<bool>& need_b) {
@@ -200,7 +212,7 @@ class StackBackward : public Node {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     // The op's checks, with its messages: a saved tensor can change shape behind the version
     // counter (`x.data = ...`).
-    if (one_layer_) {
+    if (op_ == StackOp::kLinearTanh) {
       check_linear_tanh_inputs(op, s.x, s.weights[0],
                                s.biases.empty() ? std::nullopt
                                                 : std::optional<at::Tensor>(s.biases[0]));
@@ -216,8 +228,7 @@ class StackBackward : public Node {
     std::vector<c10::IValue> record_inputs;
     at::RecordFunction record(at::RecordScope::FUNCTION);
     if (record.isActive()) {
-      const char* qualified =
-          one_layer_ ? "ckpt_ext::linear_tanh_backward" : "ckpt_ext::tanh_mlp_backward";
+      const std::string qualified = std::string("ckpt_ext::") + op;
       if (record.needsInputs()) {
         record_inputs.reserve(4);
         record_inputs.emplace_back(grad);
@@ -231,8 +242,8 @@ class StackBackward : public Node {
         record.before(qualified);
       }
     }
-    return stack_backward(std::move(grad), s.x, s.weights, s.biases, has_bias_, last_tanh_,
-                          need_x, need_w, need_b);
+    return stack_backward(std::move(grad), s.x, s.weights, s.biases, has_bias_, last_act_,
+                          need_x, need_w, need_b, acts_);
   }
 
   StackGrads python_backward(at::Tensor grad, const Saved& s, bool need_x,
@@ -246,8 +257,8 @@ class StackBackward : public Node {
       py::object grad_obj = py::cast(grad);
       grad = at::Tensor();  // from here the Python objects hold it, as a Function's would
       py::tuple r = py::reinterpret_borrow<py::object>(g_python_backward)(
-          one_layer_, state, grad_obj, s.x, s.weights, s.biases, has_bias_, last_tanh_, need_x,
-          need_w, need_b);
+          op_ == StackOp::kLinearTanh, state, grad_obj, s.x, s.weights, s.biases, has_bias_,
+          activation_, last_act_, need_x, need_w, need_b);
       // (grad_x, [grad_W_i or None per layer], [grad_b_j or None per bias], keep_state)
       TORCH_CHECK(r.size() == 4, "ckpt_ext: the node's Python backward returned ", r.size(),
                   " values, expected 4");
@@ -276,9 +287,11 @@ class StackBackward : public Node {
     return g;
   }
 
-  const bool one_layer_;
+  const StackOp op_;
   const std::vector<bool> has_bias_;  // per layer
-  const bool last_tanh_;
+  const std::string activation_;      // the op's argument
+  const std::vector<Activation> acts_;  // one per layer
+  const bool last_act_;
   SavedVariable x_;
   std::vector<SavedVariable> weights_, biases_;  // biases_: only the layers that have one
   std::mutex state_mutex_;                       // guards state_ (never held into Python)
@@ -288,14 +301,23 @@ class StackBackward : public Node {
 class LinearTanhBackward final : public StackBackward {
  public:
   LinearTanhBackward(bool has_bias)
-      : StackBackward(/*one_layer=*/true, {has_bias}, /*last_tanh=*/true) {}
+      : StackBackward(StackOp::kLinearTanh, {has_bias}, "tanh", /*last_act=*/true) {}
   std::string name() const override { return "LinearTanhBackward"; }
 };
 
 class TanhMlpBackward final : public StackBackward {
  public:
-  using StackBackward::StackBackward;
+  TanhMlpBackward(std::vector<bool> has_bias, bool last_tanh)
+      : StackBackward(StackOp::kTanhMlp, std::move(has_bias), "tanh", last_tanh) {}
   std::string name() const override { return "TanhMlpBackward"; }
+};
+
+class MlpBackward final : public StackBackward {
+ public:
+  MlpBackward(std::vector<bool> has_bias, std::string activation, bool last_activation)
+      : StackBackward(StackOp::kMlp, std::move(has_bias), std::move(activation),
+                      last_activation) {}
+  std::string name() const override { return "MlpBackward"; }
 };
 
 // Their Python types, as ATen's nodes have (python_functions.cpp): y.grad_fn prints as
@@ -303,6 +325,7 @@ class TanhMlpBackward final : public StackBackward {
 // torch.autograd.graph.Node (a Python Function's node is one too).
 PyTypeObject linear_tanh_backward_type;
 PyTypeObject tanh_mlp_backward_type;
+PyTypeObject mlp_backward_type;
 
 template <typename T>
 void add_node_type(py::module_& m, PyTypeObject& type, const char* qualified_name,
@@ -349,14 +372,8 @@ void fire_creation_hooks(const NodeRef<Node>&) {}
 
 // y's grad_fn becomes a StackBackward saving (x, weights, biases). Called after the forward ran,
 // as a Function saves after its forward (a rejected input packs nothing).
-void record_node(at::Tensor& y, bool one_layer, const at::Tensor& x, at::TensorList weights,
-                 at::TensorList biases, std::vector<bool> has_bias, bool last_tanh) {
-  NodeRef<StackBackward> node;
-  if (one_layer) {
-    node = make_node<LinearTanhBackward>(has_bias[0]);
-  } else {
-    node = make_node<TanhMlpBackward>(/*one_layer=*/false, std::move(has_bias), last_tanh);
-  }
+void record_node(at::Tensor& y, NodeRef<StackBackward> node, const at::Tensor& x,
+                 at::TensorList weights, at::TensorList biases) {
   node->set_next_edges(torch::autograd::collect_next_edges(x, weights, biases));
   node->save(x, weights, biases);
   torch::autograd::set_history(y, node);
@@ -380,7 +397,24 @@ std::optional<at::Tensor> tanh_mlp_with_node(const at::Tensor& x,
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     y = call_tanh_mlp(x, weights, biases, has_bias_list, last_tanh);
   }
-  record_node(y, /*one_layer=*/false, x, weights, biases, has_bias, last_tanh);
+  record_node(y, make_node<TanhMlpBackward>(has_bias, last_tanh), x, weights, biases);
+  return y;
+}
+
+std::optional<at::Tensor> mlp_with_node(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                        const std::vector<at::Tensor>& biases,
+                                        const std::vector<bool>& has_bias,
+                                        const std::string& activation, bool last_activation) {
+  if (!node_usable(x, weights, biases)) return std::nullopt;
+  c10::List<bool> has_bias_list;
+  for (bool b : has_bias) has_bias_list.push_back(b);
+  at::Tensor y;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    y = call_mlp(x, weights, biases, has_bias_list, activation, last_activation);
+  }
+  record_node(y, make_node<MlpBackward>(has_bias, activation, last_activation), x, weights,
+              biases);
   return y;
 }
 
@@ -394,7 +428,7 @@ std::optional<at::Tensor> linear_tanh_with_node(const at::Tensor& x, const at::T
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     y = call_linear_tanh(x, weight, bias);
   }
-  record_node(y, /*one_layer=*/true, x, weight, biases, {bias.has_value()}, /*last_tanh=*/true);
+  record_node(y, make_node<LinearTanhBackward>(bias.has_value()), x, weight, biases);
   return y;
 }
 
@@ -433,20 +467,23 @@ void bind_autograd_node(pybind11::module_& m) {
                                     "LinearTanhBackward");
   add_node_type<TanhMlpBackward>(m, tanh_mlp_backward_type, "ckpt_ext._C.TanhMlpBackward",
                                  "TanhMlpBackward");
+  add_node_type<MlpBackward>(m, mlp_backward_type, "ckpt_ext._C.MlpBackward", "MlpBackward");
   // The forward releases the GIL: the op runs as it would through torch.ops.
   m.def("_tanh_mlp_with_node", &tanh_mlp_with_node, py::call_guard<py::gil_scoped_release>(),
         "tanh_mlp recorded with the C++ autograd node; None where it cannot be used.");
   m.def("_linear_tanh_with_node", &linear_tanh_with_node,
         py::call_guard<py::gil_scoped_release>(),
         "linear_tanh recorded with the C++ autograd node; None where it cannot be used.");
+  m.def("_mlp_with_node", &mlp_with_node, py::call_guard<py::gil_scoped_release>(),
+        "mlp recorded with the C++ autograd node; None where it cannot be used.");
   m.def("_linear_tanh_node_state", &linear_tanh_node_state);
   // Which of the release-dependent paths above this build compiled.
   m.attr("AUTOGRAD_NODE_OWNERSHIP") = kIntrusiveNodes ? "intrusive_ptr" : "shared_ptr";
   m.attr("AUTOGRAD_NODE_CREATION_HOOKS") = kNodeCreationHooks;
   m.def("_set_node_python_backward", &set_node_python_backward,
         "Register the node's Python path: backward(one_layer, state, grad_out, x, weights, "
-        "biases, has_bias, last_tanh, need_x, need_w, need_b) -> (grad_x, grad_ws, grad_bs, "
-        "keep_state), and the type of the per-node state.");
+        "biases, has_bias, activation, last_activation, need_x, need_w, need_b) -> (grad_x, "
+        "grad_ws, grad_bs, keep_state), and the type of the per-node state.");
 }
 
 }  // namespace ckpt_ext

@@ -48,6 +48,28 @@ Activation parse_activation(const char* op, c10::string_view name) {
                     "; got \"", std::string(name.data(), name.size()), "\"");
 }
 
+std::vector<Activation> parse_activations(const char* op, c10::string_view spec, size_t layers,
+                                          bool last_activation) {
+  std::vector<Activation> acts;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = spec.find(',', start);
+    acts.push_back(parse_activation(
+        op, spec.substr(start, comma == c10::string_view::npos ? c10::string_view::npos
+                                                                 : comma - start)));
+    if (comma == c10::string_view::npos) break;
+    start = comma + 1;
+  }
+  const size_t activated = last_activation ? layers : layers - 1;
+  if (acts.size() == 1) return std::vector<Activation>(layers, acts[0]);
+  TORCH_CHECK_VALUE(acts.size() == activated, "ckpt_ext.", op, ": activation must be one name or ",
+                    activated, " (one per layer with an activation: ", layers, " layers, ",
+                    last_activation ? "the last one included" : "none after the last",
+                    "); got ", acts.size(), " names");
+  if (!last_activation) acts.push_back(acts.back());  // the top layer's entry, never applied
+  return acts;
+}
+
 namespace {
 
 std::string shape_str(const at::Tensor& t) {

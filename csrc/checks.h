@@ -26,6 +26,11 @@ std::string supported_dtypes_text();
 // `name` names: a ValueError listing them all for any other name.
 const std::vector<std::string>& activation_names();
 Activation parse_activation(const char* op, c10::string_view name);
+// The op's activation argument: one name for every layer, or comma-separated names, one per layer
+// with an activation (`layers`, or layers − 1 without the last). One entry per layer (layers ≥ 1);
+// without the last activation the top entry is a copy, never applied.
+std::vector<Activation> parse_activations(const char* op, c10::string_view spec, size_t layers,
+                                          bool last_activation);
 
 // One layer: x at least 1-D, weight 2-D with weight.shape[1] == x.shape[-1], bias (N) or None;
 // x of a supported dtype, the others of x's dtype and on x's device.

@@ -1,8 +1,9 @@
-// ops.cpp — the kernels of linear_tanh, linear_tanh_backward, tanh_mlp and tanh_mlp_backward
-// (schemas in schemas.cpp): checks (checks.cpp), device guard, then the stack engine (stack.cpp),
+// ops.cpp — the kernels of linear_tanh, tanh_mlp, mlp and their backward ops (schemas in
+// schemas.cpp): checks (checks.cpp), device guard, then the stack engine (stack.cpp),
 // one function for CPU and CUDA; and their Meta kernels, the same checks then fresh outputs.
 //   linear_tanh(x (..., K), weight (N, K), bias (N)?) -> y (..., N) = tanh(x·Wᵀ + b)
 //   tanh_mlp(x (..., K_0), weights[i] (N_i, K_i), biases, has_bias, last_tanh) -> y (..., N_{L-1})
+//   mlp(x, weights, biases, has_bias, activation, last_activation): tanh_mlp with any activations
 // Each backward recomputes the activations and returns only the gradients asked for.
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -24,7 +25,7 @@ at::Tensor linear_tanh(const at::Tensor& x, const at::Tensor& weight,
   const c10::OptionalDeviceGuard guard(at::device_of(x));
   const bool has_bias = bias.has_value();
   return stack_forward(x, {weight}, has_bias ? at::TensorList(*bias) : at::TensorList(),
-                       std::vector<bool>{has_bias}, /*last_tanh=*/true);
+                       std::vector<bool>{has_bias}, /*last_act=*/true, {Activation::kTanh});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward(
@@ -37,9 +38,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward(
   const bool has_bias = bias.has_value();
   StackGrads g = stack_backward(grad_out, x, {weight},
                                 has_bias ? at::TensorList(*bias) : at::TensorList(),
-                                std::vector<bool>{has_bias}, /*last_tanh=*/true, output_mask[0],
+                                std::vector<bool>{has_bias}, /*last_act=*/true, output_mask[0],
                                 std::vector<bool>{output_mask[1]},
-                                has_bias ? std::vector<bool>{output_mask[2]} : std::vector<bool>{});
+                                has_bias ? std::vector<bool>{output_mask[2]} : std::vector<bool>{},
+                                {Activation::kTanh});
   return {g.grad_x, g.grad_weights[0], has_bias ? g.grad_biases[0] : at::Tensor()};
 }
 
@@ -73,19 +75,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_meta(
 
 // The registered kernels take bool[] as c10::List<bool> (what the dispatcher passes); the engine
 // and the checks read std::vector<bool>.
-// tanh_mlp and mlp: the checks, then the engine, with the op's activation.
+// tanh_mlp and mlp: the checks, then the engine, with the op's activations (`spec`: one name or
+// one per activated layer, comma-separated; see parse_activations).
 at::Tensor run_forward(const char* op, const at::Tensor& x, at::TensorList weights,
                        at::TensorList biases, const c10::List<bool>& has_bias_list, bool last,
-                       Activation act) {
+                       c10::string_view spec) {
   const std::vector<bool> has_bias = has_bias_list.vec();
   check_tanh_mlp_inputs(op, x, weights, biases, has_bias);
+  const std::vector<Activation> acts = parse_activations(op, spec, weights.size(), last);
   const c10::OptionalDeviceGuard guard(at::device_of(x));
-  return stack_forward(x, weights, biases, has_bias, last, act);
+  return stack_forward(x, weights, biases, has_bias, last, acts);
 }
 
 at::Tensor tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                     const c10::List<bool>& has_bias, bool last_tanh) {
-  return run_forward("tanh_mlp", x, weights, biases, has_bias, last_tanh, Activation::kTanh);
+  return run_forward("tanh_mlp", x, weights, biases, has_bias, last_tanh, "tanh");
 }
 
 // Only the gradients asked for, in order (the schema's compact lists).
@@ -104,15 +108,16 @@ StackBackwardResult run_backward(const char* op, const at::Tensor& grad_out, con
                                  at::TensorList weights, at::TensorList biases,
                                  const c10::List<bool>& has_bias_list, bool last, bool need_x,
                                  const c10::List<bool>& need_weights_list,
-                                 const c10::List<bool>& need_biases_list, Activation act) {
+                                 const c10::List<bool>& need_biases_list, c10::string_view spec) {
   const std::vector<bool> has_bias = has_bias_list.vec(), need_weights = need_weights_list.vec(),
                           need_biases = need_biases_list.vec();
   check_tanh_mlp_inputs(op, x, weights, biases, has_bias);
   check_tanh_mlp_masks(op, weights, biases, need_weights, need_biases);
   check_grad_out(op, grad_out, x, weights.back().sym_size(0));
+  const std::vector<Activation> acts = parse_activations(op, spec, weights.size(), last);
   const c10::OptionalDeviceGuard guard(at::device_of(x));
   StackGrads g = stack_backward(grad_out, x, weights, biases, has_bias, last, need_x,
-                                need_weights, need_biases, act);
+                                need_weights, need_biases, acts);
   return {g.grad_x, asked(std::move(g.grad_weights), need_weights),
           asked(std::move(g.grad_biases), need_biases)};
 }
@@ -123,7 +128,7 @@ StackBackwardResult tanh_mlp_backward(const at::Tensor& grad_out, const at::Tens
                                       const c10::List<bool>& need_weights,
                                       const c10::List<bool>& need_biases) {
   return run_backward("tanh_mlp_backward", grad_out, x, weights, biases, has_bias, last_tanh,
-                      need_x, need_weights, need_biases, Activation::kTanh);
+                      need_x, need_weights, need_biases, "tanh");
 }
 
 at::Tensor tanh_mlp_meta(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
@@ -158,8 +163,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> tanh_ml
 at::Tensor mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                const c10::List<bool>& has_bias, c10::string_view activation,
                bool last_activation) {
-  return run_forward("mlp", x, weights, biases, has_bias, last_activation,
-                     parse_activation("mlp", activation));
+  return run_forward("mlp", x, weights, biases, has_bias, last_activation, activation);
 }
 
 StackBackwardResult mlp_backward(const at::Tensor& grad_out, const at::Tensor& x,
@@ -169,15 +173,15 @@ StackBackwardResult mlp_backward(const at::Tensor& grad_out, const at::Tensor& x
                                  const c10::List<bool>& need_weights,
                                  const c10::List<bool>& need_biases) {
   return run_backward("mlp_backward", grad_out, x, weights, biases, has_bias, last_activation,
-                      need_x, need_weights, need_biases,
-                      parse_activation("mlp_backward", activation));
+                      need_x, need_weights, need_biases, activation);
 }
 
 at::Tensor mlp_meta(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                     const c10::List<bool>& has_bias, c10::string_view activation,
                     bool last_activation) {
-  parse_activation("mlp", activation);
-  return tanh_mlp_meta(x, weights, biases, has_bias, last_activation);
+  at::Tensor out = tanh_mlp_meta(x, weights, biases, has_bias, last_activation);
+  parse_activations("mlp", activation, weights.size(), last_activation);
+  return out;
 }
 
 StackBackwardResult mlp_backward_meta(
@@ -185,9 +189,11 @@ StackBackwardResult mlp_backward_meta(
     at::TensorList biases, const c10::List<bool>& has_bias, c10::string_view activation,
     bool last_activation, bool need_x, const c10::List<bool>& need_weights,
     const c10::List<bool>& need_biases) {
-  parse_activation("mlp_backward", activation);
-  return tanh_mlp_backward_meta(grad_out, x, weights, biases, has_bias, last_activation, need_x,
-                                need_weights, need_biases);
+  StackBackwardResult out = tanh_mlp_backward_meta(grad_out, x, weights, biases, has_bias,
+                                                   last_activation, need_x, need_weights,
+                                                   need_biases);
+  parse_activations("mlp_backward", activation, weights.size(), last_activation);
+  return out;
 }
 
 }  // namespace

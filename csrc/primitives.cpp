@@ -59,6 +59,14 @@ at::Tensor activation_backward_(const at::Tensor& acc, const at::Tensor& grad_ou
                             activation_backward_cuda_(acc, grad_out, act, want_bias_grad));
 }
 
+bool backward_from_output(Activation act) { return act == Activation::kTanh; }
+
+at::Tensor activation_backward_from_output_(const at::Tensor& acc, const at::Tensor& grad_out,
+                                            Activation act, bool want_bias_grad) {
+  TORCH_INTERNAL_ASSERT(backward_from_output(act));
+  return tanh_backward_(acc, grad_out, Holds::kTanhOutput, want_bias_grad);
+}
+
 at::Tensor bias_grad(const at::Tensor& grad_out) {
   return CKPT_EXT_ON_DEVICE(grad_out, bias_grad_cpu(grad_out), bias_grad_cuda(grad_out));
 }

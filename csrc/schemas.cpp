@@ -25,7 +25,8 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "tanh_mlp_backward(Tensor grad_out, Tensor x, Tensor[] weights, Tensor[] biases, "
       "bool[] has_bias, bool last_tanh, bool need_x, bool[] need_weights, bool[] need_biases) "
       "-> (Tensor grad_x, Tensor[] grad_weights, Tensor[] grad_biases)");
-  // The same stack with any activation of activations.h, by name ("tanh" is tanh_mlp's).
+  // The same stack with any activations of activations.h: `activation` is one name for every
+  // layer, or one name per layer with an activation, comma-separated ("relu,relu,tanh").
   m.def("mlp(Tensor x, Tensor[] weights, Tensor[] biases, bool[] has_bias, str activation, "
         "bool last_activation) -> Tensor");
   m.def(

@@ -45,13 +45,14 @@ std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t out_features) {
 }  // namespace
 
 at::Tensor stack_forward(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                         const std::vector<bool>& has_bias, bool last_tanh, Activation act) {
+                         const std::vector<bool>& has_bias, bool last_act,
+                         const std::vector<Activation>& acts) {
   const auto b = layer_biases(biases, has_bias);
   const int64_t L = static_cast<int64_t>(weights.size());
   at::Tensor a = flatten_rows(x);
   for (int64_t i = 0; i < L; ++i) {
     at::Tensor z = pre_activation(a, weights[i], b[i]);  // (M, N_i), the only new buffer
-    if (i + 1 < L || last_tanh) activation_in_place(z, act);
+    if (i + 1 < L || last_act) activation_in_place(z, acts[i]);
     a = std::move(z);  // the previous layer's output is freed here
   }
   // _unsafe_view: the result must not be an autograd view of an internal buffer, or in-place ops
@@ -83,105 +84,56 @@ Asked asked_of(int64_t L, const std::vector<bool>& has_bias, bool need_x,
   return a;
 }
 
-// The backward of an activation whose derivative needs z (every one but tanh): the recompute
-// keeps z_i of the layers from lo up and the input a_lo; a_i = f(z_{i−1}) is made again, into a
-// buffer of its own, only for the GEMM of grad_W_i (docs/design.md, "Other activations"). The top
-// layer's input is made only where its z is recomputed (last_act): else the loop makes it.
-StackGrads stack_backward_from_z(at::Tensor grad_out, const at::Tensor& x,
-                                 at::TensorList weights, const std::vector<std::optional<at::Tensor>>& b,
-                                 int64_t n_biases, bool last_act, bool need_x,
-                                 const std::vector<bool>& need_weights, const Asked& asked,
-                                 Activation act) {
-  const int64_t L = static_cast<int64_t>(weights.size());
-  const int64_t lo = asked.lo;
-  StackGrads out;
-  out.grad_weights.resize(L);
-  out.grad_biases.resize(n_biases);
-  // Recompute: zs[i] for i >= lo (the top one only with last_act); a_lo kept.
-  std::vector<at::Tensor> zs(L);
-  at::Tensor a = flatten_rows(x);
-  const int64_t M = a.size(0);
-  at::Tensor a_lo = lo == 0 ? a : at::Tensor();
-  const int64_t top = last_act ? L : L - 1;  // the layers whose z is recomputed
-  for (int64_t i = 0; i < top; ++i) {
-    at::Tensor z = pre_activation(a, weights[i], b[i]);
-    if (i + 1 < top || i + 1 == lo) {  // a_{i+1} = f(z_i), an input the recompute reads
-      at::Tensor next = z;
-      if (i >= lo) {
-        next = new_buffer(z.sizes(), z.options());
-        activation_to(z, next, act);
-      } else {
-        activation_in_place(next, act);
-      }
-      if (i + 1 == lo) a_lo = next;
-      a = std::move(next);
-    }
-    if (i >= lo) zs[i] = std::move(z);
-  }
-  a = at::Tensor();
-
-  at::Tensor grad = grad_out.reshape({M, weights[L - 1].size(0)});
-  grad_out = at::Tensor();
-  for (int64_t i = L - 1; i >= lo; --i) {
-    at::Tensor g;  // the gradient w.r.t. z_i
-    at::Tensor grad_b;
-    if (i == L - 1 && !last_act) {
-      g = std::move(grad);
-      if (asked.need_bias[i]) grad_b = bias_grad(g);
-    } else {
-      g = std::move(zs[i]);  // z_i becomes g in place
-      grad_b = activation_backward_(g, grad, act, asked.need_bias[i]);
-      grad = at::Tensor();
-    }
-    if (asked.need_bias[i]) out.grad_biases[asked.bias_slot[i]] = std::move(grad_b);
-    if (need_weights[i]) {
-      at::Tensor a_i = a_lo;
-      if (i > lo) {  // f(z_{i−1}), as the forward made it
-        a_i = new_buffer(zs[i - 1].sizes(), zs[i - 1].options());
-        activation_to(zs[i - 1], a_i, act);
-      }
-      out.grad_weights[i] = at::mm(g.t(), a_i);
-    }
-    if (i > lo || need_x) grad = at::mm(g, weights[i]);  // (M, K_i)
-  }
-  if (need_x) out.grad_x = grad.view(x.sizes());
-  return out;
-}
-
 }  // namespace
 
 StackGrads stack_backward(at::Tensor grad_out, const at::Tensor& x, at::TensorList weights,
-                          at::TensorList biases, const std::vector<bool>& has_bias, bool last_tanh,
+                          at::TensorList biases, const std::vector<bool>& has_bias, bool last_act,
                           bool need_x, const std::vector<bool>& need_weights,
-                          const std::vector<bool>& need_biases, Activation act) {
+                          const std::vector<bool>& need_biases,
+                          const std::vector<Activation>& acts) {
   const auto b = layer_biases(biases, has_bias);
   const int64_t L = static_cast<int64_t>(weights.size());
   const Asked asked = asked_of(L, has_bias, need_x, need_weights, need_biases);
-  const std::vector<bool>& need_bias = asked.need_bias;
-  const std::vector<int64_t>& bias_slot = asked.bias_slot;
   const int64_t lo = asked.lo;
   StackGrads out;
   out.grad_weights.resize(L);
   out.grad_biases.resize(biases.size());
   if (lo == L) return out;  // nothing asked for
-  if (act != Activation::kTanh) {
-    return stack_backward_from_z(std::move(grad_out), x, weights, b,
-                                 static_cast<int64_t>(biases.size()), last_tanh, need_x,
-                                 need_weights, asked, act);
-  }
 
-  // Recompute. acts[i] = a_i, the input of layer i, (M, K_i); kept for i >= lo only.
-  std::vector<at::Tensor> acts(L);
-  acts[0] = flatten_rows(x);
-  const int64_t M = acts[0].size(0);
-  for (int64_t i = 0; i + 1 < L; ++i) {
-    at::Tensor z = pre_activation(acts[i], weights[i], b[i]);
-    tanh_in_place(z);
-    acts[i + 1] = std::move(z);
-    if (i < lo) acts[i] = at::Tensor();
+  // Recompute the layers with an activation (all, or all but the top without last_act). held[i],
+  // for i >= lo, is what layer i's backward pass starts from: t_i = f(z_i) where the primitives
+  // take the derivative from the output and t_i is also the next layer's input (it is kept
+  // anyway); z_i otherwise, and a_{i+1} = f(z_i) is made again, into a buffer of its own, where a
+  // GEMM reads it. a_lo, the input of the lowest layer asked for, is kept.
+  const int64_t top = last_act ? L : L - 1;
+  std::vector<at::Tensor> held(L);
+  std::vector<bool> holds_output(L, false);  // held[i] is t_i (else z_i)
+  at::Tensor a = flatten_rows(x);
+  const int64_t M = a.size(0);
+  at::Tensor a_lo = lo == 0 ? a : at::Tensor();
+  for (int64_t i = 0; i < top; ++i) {
+    at::Tensor z = pre_activation(a, weights[i], b[i]);
+    // a_{i+1} is read by the recompute (layer i+1's input) or kept as a_lo.
+    const bool makes_input = i + 1 < top || i + 1 == lo;
+    if (i < lo) {  // below the layers asked for: only its output matters (makes_input holds)
+      activation_in_place(z, acts[i]);
+      if (i + 1 == lo) a_lo = z;
+      a = std::move(z);
+    } else if (i + 1 < L && backward_from_output(acts[i])) {
+      activation_in_place(z, acts[i]);
+      holds_output[i] = true;
+      held[i] = z;
+      a = std::move(z);
+    } else {
+      if (makes_input) {
+        at::Tensor next = new_buffer(z.sizes(), z.options());
+        activation_to(z, next, acts[i]);
+        a = std::move(next);
+      }
+      held[i] = std::move(z);
+    }
   }
-  at::Tensor top_z;  // the top layer's pre-activation, with last_tanh
-  if (last_tanh) top_z = pre_activation(acts[L - 1], weights[L - 1], b[L - 1]);
+  a = at::Tensor();
 
   // grad: the gradient w.r.t. the current layer's output, (M, N_i); starts as grad_out (a view
   // where possible: out.mean() gives strides (0, 0), which the primitives read as they are).
@@ -192,19 +144,27 @@ StackGrads stack_backward(at::Tensor grad_out, const at::Tensor& x, at::TensorLi
   for (int64_t i = L - 1; i >= lo; --i) {
     at::Tensor g;  // the gradient w.r.t. z_i
     at::Tensor grad_b;
-    if (i == L - 1 && !last_tanh) {
+    const bool need_bias = asked.need_bias[i];
+    if (i == top) {  // the top layer without an activation
       g = std::move(grad);
-      if (need_bias[i]) grad_b = bias_grad(g);
+      if (need_bias) grad_b = bias_grad(g);
     } else {
-      // z (top, last_tanh) or t = a_{i+1} becomes g in place.
-      const bool top = i == L - 1;
-      g = top ? std::move(top_z) : std::move(acts[i + 1]);
-      grad_b = tanh_backward_(g, grad, top ? Holds::kPreActivation : Holds::kTanhOutput,
-                              need_bias[i]);
+      g = std::move(held[i]);  // z_i or t_i becomes g in place
+      grad_b = holds_output[i] ? activation_backward_from_output_(g, grad, acts[i], need_bias)
+                               : activation_backward_(g, grad, acts[i], need_bias);
       grad = at::Tensor();  // freed before the GEMMs allocate (if nobody else holds it)
     }
-    if (need_bias[i]) out.grad_biases[bias_slot[i]] = std::move(grad_b);
-    if (need_weights[i]) out.grad_weights[i] = at::mm(g.t(), acts[i]);
+    if (need_bias) out.grad_biases[asked.bias_slot[i]] = std::move(grad_b);
+    if (need_weights[i]) {
+      at::Tensor a_i = a_lo;  // the layer's input, as the forward made it
+      if (i > lo && holds_output[i - 1]) {
+        a_i = held[i - 1];
+      } else if (i > lo) {
+        a_i = new_buffer(held[i - 1].sizes(), held[i - 1].options());
+        activation_to(held[i - 1], a_i, acts[i - 1]);
+      }
+      out.grad_weights[i] = at::mm(g.t(), a_i);
+    }
     if (i > lo || need_x) grad = at::mm(g, weights[i]);  // (M, K_i)
   }
   if (need_x) out.grad_x = grad.view(x.sizes());

@@ -26,11 +26,10 @@ at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias);
 
 // Returns the output, (..., N_{L-1}), a fresh tensor (not a view of an internal buffer).
-// `act` after every layer (after the last only when last_tanh; the name is tanh's, the meaning
-// "last activation" for every act).
+// acts[i] after layer i (one per layer; after the last only when last_act).
 at::Tensor stack_forward(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                         const std::vector<bool>& has_bias, bool last_tanh,
-                         Activation act = Activation::kTanh);
+                         const std::vector<bool>& has_bias, bool last_act,
+                         const std::vector<Activation>& acts);
 
 struct StackGrads {
   at::Tensor grad_x;                     // undefined when not asked for
@@ -42,8 +41,9 @@ struct StackGrads {
 // autograd node, autograd_node.cpp) lets the incoming gradient be freed there, as plain autograd
 // frees it after the top TanhBackward. The ops pass a copy: their caller's tensor lives on.
 StackGrads stack_backward(at::Tensor grad_out, const at::Tensor& x, at::TensorList weights,
-                          at::TensorList biases, const std::vector<bool>& has_bias, bool last_tanh,
+                          at::TensorList biases, const std::vector<bool>& has_bias, bool last_act,
                           bool need_x, const std::vector<bool>& need_weights,
-                          const std::vector<bool>& need_biases, Activation act = Activation::kTanh);
+                          const std::vector<bool>& need_biases,
+                          const std::vector<Activation>& acts);
 
 }  // namespace ckpt_ext

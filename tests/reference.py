@@ -278,12 +278,13 @@ ACTIVATION_REF = _activation_ref()
 
 
 def mlp_ref(x, weights, biases, activation, last_activation=True):
-    """The run by stock PyTorch, in the inputs' dtype (call it with float64 tensors)."""
+    """The run by stock PyTorch, in the inputs' dtype (call it with float64 tensors);
+    ``activation``: one name, or one per layer with an activation."""
     h = x
     for i, (w, b) in enumerate(zip(weights, biases)):
         h = F.linear(h, w, b)
         if i + 1 < len(weights) or last_activation:
-            h = ACTIVATION_REF[activation](h)
+            h = ACTIVATION_REF[activation if isinstance(activation, str) else activation[i]](h)
     return h
 
 

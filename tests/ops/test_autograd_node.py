@@ -1,4 +1,5 @@
-"""The C++ autograd node that eager tanh_mlp and linear_tanh record (csrc/autograd_node.cpp).
+"""The C++ autograd node that eager tanh_mlp, linear_tanh and mlp (every activation, mixed runs
+included) record (csrc/autograd_node.cpp).
 
 Covers: where it is recorded and where the autograd Functions still are (torch.func, forward-mode
 AD, dispatch modes, tensor subclasses, torch.compile's tracing); that its gradients equal the
@@ -15,11 +16,13 @@ import contextlib
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckpt_ext
 from ckpt_ext import FusedLinearTanh, FusedTanhMLP, linear_tanh, tanh_mlp
+from ckpt_ext._activations import REGISTRY
 from ckpt_ext.memory import MemoryMeter, clear_grads, measured_step
 from ckpt_ext.models import Net
 
@@ -490,7 +493,8 @@ def test_the_node_peaks_one_gradient_below_the_function(fused_as, sizes):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_node_gradients_equal_the_functions():
+@pytest.mark.parametrize("act", ["tanh", "gelu", ["relu", "tanh"]], ids=["tanh", "gelu", "mixed"])
+def test_cuda_node_gradients_equal_the_functions(act):
     def grads(mode):
         ws, bs = _params([7, 9, 3], dtype=torch.float32)
         ws = [w.detach().cuda().requires_grad_() for w in ws]
@@ -498,12 +502,105 @@ def test_cuda_node_gradients_equal_the_functions():
         torch.manual_seed(0)
         x = torch.randn(5, 7, device="cuda", requires_grad=True)
         with mode:
-            y = tanh_mlp(x, ws, bs)
+            y = ckpt_ext.mlp(x, ws, bs, activation=act)
         y.mean().backward()
         return y.grad_fn.name(), [t.grad for t in [x, *ws, *bs]]
 
     name_n, node = grads(contextlib.nullcontext())
     name_f, function = grads(Passthrough())
-    assert (name_n, name_f) == ("TanhMlpBackward", "_TanhMlpBackward")
+    assert (name_n, name_f) == (("TanhMlpBackward", "_TanhMlpBackward") if act == "tanh" else
+                                ("MlpBackward", "_MlpBackward"))
     for a, b in zip(node, function):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# every activation: mlp records the node too
+
+ACTS = list(ckpt_ext.ACTIVATIONS)
+MLP_NODE = {a: ("TanhMlpBackward", "_TanhMlpBackward") if a == "tanh" else
+            ("MlpBackward", "_MlpBackward") for a in ACTS}
+MIXED = ["relu", "sin", "tanh"]
+
+
+@pytest.mark.parametrize("act", ACTS + [MIXED], ids=ACTS + ["mixed"])
+@pytest.mark.parametrize("grad_kind", ["mean", "tensor"])
+def test_mlp_node_gradients_equal_the_functions_bitwise(act, grad_kind):
+    def grads(mode):
+        ws, bs = _params([5, 8, 7, 3], bias=(True, False), dtype=torch.float32)
+        torch.manual_seed(0)
+        x = torch.randn(6, 5, requires_grad=True)
+        with mode:
+            y = ckpt_ext.mlp(x, ws, bs, activation=act)
+        if grad_kind == "mean":
+            y.mean().backward()
+        else:
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+        return y.grad_fn.name(), [t.grad for t in [x, *ws, *bs] if t is not None]
+
+    name_n, node = grads(contextlib.nullcontext())
+    name_f, function = grads(Passthrough())
+    key = "mixed" if isinstance(act, list) else act
+    assert (name_n, name_f) == MLP_NODE.get(key, ("MlpBackward", "_MlpBackward"))
+    for a, b in zip(node, function):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("act", ACTS + [MIXED], ids=ACTS + ["mixed"])
+def test_mlp_node_create_graph_and_saved_tensor_hooks(act):
+    ws, bs = _params([3, 6, 2], dtype=torch.float64)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    acts = act if isinstance(act, str) else act[:2]
+    y = ckpt_ext.mlp(x, ws, bs, activation=acts)
+    (gx,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+    ref_y = x
+    for i, (w, b) in enumerate(zip(ws, bs)):
+        ref_y = REGISTRY[acts if isinstance(acts, str) else acts[i]].f(F.linear(ref_y, w, b))
+    (ref_gx,) = torch.autograd.grad(ref_y.pow(2).sum(), x, create_graph=True)
+    assert torch.allclose(gx, ref_gx, rtol=1e-12, atol=1e-14)
+    (g2,) = torch.autograd.grad(gx.sum(), ws[0])
+    (ref_g2,) = torch.autograd.grad(ref_gx.sum(), ws[0])
+    assert torch.allclose(g2, ref_g2, rtol=1e-11, atol=1e-13)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        ckpt_ext.mlp(x, ws, bs, activation=acts).sum().backward()
+    assert {id(t) for t in packed} <= {id(t) for t in [x, *ws, *bs]}
+
+
+@pytest.mark.parametrize("act", ACTS + [MIXED], ids=ACTS + ["mixed"])
+@pytest.mark.parametrize("layers", [1, 3])
+def test_mlp_node_peaks_below_the_function(act, layers):
+    # A Linear, then the run; loss out.mean(). The Function's backward holds the incoming gradient
+    # to its end, the C++ node frees it after the top layer's elementwise pass: one (batch, width)
+    # buffer apart wherever the step peaks after that pass (one layer, every activation; a tanh
+    # stack). A stack of activations whose backward reads z peaks in the recompute instead (z_0,
+    # z_1, the top input made again and z_2 beside the gradient, which both hold there): lower
+    # with the node all the same, by the weight gradient then alive (docs/design.md).
+    batch, width = 256, 64
+    acts = act if isinstance(act, str) else act[-layers:]
+    torch.manual_seed(0)
+    first = nn.Linear(16, width)
+    ws, bs = _params([width] * (layers + 1), dtype=torch.float32)
+
+    def model(x):
+        return ckpt_ext.mlp(first(x), ws, bs, activation=acts)
+
+    def peak(forward_mode=None):
+        x = torch.randn(batch, 16)
+        with MemoryMeter("cpu") as meter:
+            for t in [*first.parameters(), *ws, *bs]:
+                t.grad = None
+            if forward_mode is None:
+                return measured_step(model, x, meter)["peak_above_before_forward"]
+
+            def under_mode(inp):
+                with forward_mode:
+                    return model(inp)
+
+            return measured_step(under_mode, x, meter)["peak_above_before_forward"]
+
+    node, function = peak(), peak(Passthrough())
+    if layers == 1 or acts == "tanh":
+        assert function - node == batch * width * 4, (node, function)
+    else:
+        assert function - node >= width * (width + 1) * 4, (node, function)
