@@ -233,3 +233,19 @@ def test_cuda_matches_reference_and_recomputes_bitwise(mix, dtype, last, poison)
         a2 = ckpt_ext.mlp(to(x), [to(w) for w in ws[:2]], [to(b) for b in bs[:2]],
                           activation=acts[:2])
         assert torch.equal(got[4], to(gy).t() @ a2)
+
+
+@pytest.mark.parametrize("mix", [("tanh", "gelu", "tanh", "relu"), ("silu", "tanh", "tanh", "sin")],
+                         ids="-".join)
+@pytest.mark.parametrize("last", [True, False], ids=["last_act", "no_last_act"])
+def test_gradient_of_one_parameter_alone(mix, last):
+    # Asked for one weight or bias only, the walk starts at that layer (below it only its input is
+    # made): the same bits as from a call that asks for every input.
+    acts = list(mix if last else mix[:-1])
+    x, ws, bs, gy = mlp_inputs((6,), [3, 5, 4, 6, 2], torch.float64, seed=11)
+    x, ws, bs = _leaves(x, ws, bs)
+    run = lambda: ckpt_ext.mlp(x, ws, bs, activation=acts, last_activation=last)
+    want = torch.autograd.grad(run(), [x, *ws, *bs], gy)
+    for i, t in enumerate([*ws, *bs]):
+        (got,) = torch.autograd.grad(run(), t, gy)
+        assert torch.equal(got, want[1 + i]), i
