@@ -1,6 +1,6 @@
 """Drop-in modules built on the fused ops: :class:`FusedLinearTanh` (one Linear+Tanh),
 :class:`FusedTanhMLP` (a whole run of Linear layers with tanh between them, recomputed as one) and
-:class:`FusedMLP` (the same with any activation of ``ckpt_ext.ACTIVATIONS``)."""
+:class:`FusedMLP` (the same with any activation of ``ckpt_ext.ACTIVATIONS``, or one per layer)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ._activation_modules import module_activation as recognise
-from ._activations import MODULE_OF, check_activation
+from ._activations import MODULE_OF, activation_spec
 from .ops import linear_tanh, mlp, tanh_mlp
 
 
@@ -188,45 +188,90 @@ def _named(modules) -> List[Tuple[str, nn.Module]]:
     return [(str(i), m) for i, m in enumerate(modules)]
 
 
+#: What a fused module or run computes after its layers: one name of ``ckpt_ext.ACTIVATIONS``
+#: (every activated layer the same), or one name per activated layer (a mixed run).
+LayerActivations = Union[str, Tuple[str, ...]]
+
+
+def collapse_activations(names: Sequence[str]) -> LayerActivations:
+    """Valid per-layer names as a fused module or run keeps them: the name when they are all the
+    same (``mlp`` computes that as the name, to the bit), else their tuple."""
+    names = tuple(names)
+    return names[0] if names and len(set(names)) == 1 else names
+
+
+def checked_activations(activation, layers: int, last_activation: bool,
+                        where: str) -> LayerActivations:
+    """``activation`` (one name, or one per layer with an activation) checked as ``mlp`` checks
+    it, and collapsed; ValueError naming what was expected and given."""
+    return collapse_activations(activation_spec(activation, layers, last_activation,
+                                                where).split(","))
+
+
+def each_layer(activation: LayerActivations, count: int) -> Tuple[str, ...]:
+    """The name of each of ``count`` activated layers."""
+    return (activation,) * count if isinstance(activation, str) else tuple(activation)
+
+
+def as_mlp_argument(activation: LayerActivations) -> Union[str, List[str]]:
+    """``activation`` as :func:`ckpt_ext.mlp` takes it: the name, or the list of names."""
+    return activation if isinstance(activation, str) else list(activation)
+
+
 class FusedMLP(_LinearRun):
     """``nn.Sequential(Linear(s0, s1), Act(), Linear(s1, s2), Act(), ..., Linear(s_{L-1}, s_L))``
     (and a final ``Act()`` when ``last_activation``) as one module whose autograd keeps only its
     input, for any ``activation`` of ``ckpt_ext.ACTIVATIONS`` (:func:`ckpt_ext.mlp`).
 
+    ``activation`` is one name, or one name per activated layer (``len(sizes) - 1`` names with
+    ``last_activation``, one fewer without): an RL actor ``Linear, ReLU, Linear, ReLU, Linear,
+    Tanh`` is ``FusedMLP([obs, 64, 64, act], ["relu", "relu", "tanh"])``. The ``activation``
+    attribute is the name (a str) when every layer has the same one, a list of equal names
+    included, else the tuple of names.
+
     As :class:`FusedTanhMLP`: the Linears are registered under their ``nn.Sequential`` indices
     ("0", "2", ...), so ``state_dict`` keys and seeded initial values are the Sequential's.
     """
 
-    def __init__(self, sizes: Sequence[int], activation: str = "tanh", bias: bool = True,
-                 last_activation: bool = True, device=None, dtype=None) -> None:
+    def __init__(self, sizes: Sequence[int], activation: Union[str, Sequence[str]] = "tanh",
+                 bias: bool = True, last_activation: bool = True, device=None,
+                 dtype=None) -> None:
         super().__init__()
-        self.activation = check_activation(activation, "FusedMLP")
         self.last_activation = bool(last_activation)
         self._make_layers("FusedMLP", sizes, bias, device, dtype)
+        self.activation = checked_activations(activation, len(self._layer_names),
+                                              self.last_activation, "FusedMLP")
+
+    def _activated(self) -> int:
+        """How many layers an activation follows."""
+        return len(self._layer_names) - (not self.last_activation)
 
     @classmethod
     def from_modules(cls, modules: Union[Sequence[nn.Module], Mapping[str, nn.Module],
                                          nn.Sequential]) -> "FusedMLP":
-        """A FusedMLP over an existing run ``Linear, Act, Linear, ..., Linear[, Act]`` (one
-        activation module class throughout, see :func:`run_problem`), sharing its Linears."""
+        """A FusedMLP over an existing run ``Linear, Act, Linear, ..., Linear[, Act]`` (each
+        activation module one that :func:`module_activation` names, the same or differing from
+        layer to layer, see :func:`run_problem`), sharing its Linears."""
         self, named = cls._adopt(modules, "FusedMLP.from_modules", None)
-        self.activation = module_activation(named[1][1]) if len(named) > 1 else "tanh"
         self.last_activation = type(named[-1][1]) is not nn.Linear
+        names = [module_activation(m) for _, m in named[1::2]]
+        self.activation = collapse_activations(names) if names else "tanh"
         return self
 
     def to_sequential(self) -> nn.Sequential:
         """The equivalent nn.Sequential over the same Linears (sin as ``ckpt_ext.models.Sin``)."""
         mods = {}
         layers = self.layers()
+        names = each_layer(self.activation, self._activated())
         for i, (name, lin) in enumerate(zip(self._layer_names, layers)):
             mods[name] = lin
-            if i + 1 < len(layers) or self.last_activation:
-                mods[str(int(name) + 1)] = MODULE_OF[self.activation]()
+            if i < len(names):
+                mods[str(int(name) + 1)] = MODULE_OF[names[i]]()
         return nn.Sequential(OrderedDict(mods))
 
     def forward(self, x: Tensor) -> Tensor:
         weights, biases = _layer_params(self)
-        return mlp(x, weights, biases, self.activation, self.last_activation)
+        return mlp(x, weights, biases, as_mlp_argument(self.activation), self.last_activation)
 
     def extra_repr(self) -> str:
         return (f"sizes={self.sizes}, activation={self.activation!r}, "
@@ -237,26 +282,24 @@ def run_problem(modules: Iterable[nn.Module], activation: Optional[str] = "tanh"
                 ) -> Union[str, None]:
     """None when ``modules`` is a run a fused module can take over — ``Linear, Act, Linear, ...``,
     starting with a Linear, Linears and activations alternating, each exactly ``nn.Linear`` or an
-    activation module of one kind (``activation``'s, or, with None, any one that
-    :func:`module_activation` names), without hooks, widths chaining, one
-    dtype and device — else why not."""
+    activation module (``activation``'s throughout, or, with None, any that
+    :func:`module_activation` names, one per layer), without hooks, widths chaining, one dtype and
+    device — else why not."""
     modules = list(modules)
     if not modules:
         return "the run is empty"
     prev_out, ref = None, None
-    act_name = "Tanh" if activation == "tanh" else "an activation module"
+    act_name = ("Tanh" if activation == "tanh" else f"an activation module computing {activation}"
+                if activation is not None else "an activation module of ckpt_ext.ACTIVATIONS")
     for i, m in enumerate(modules):
         if i % 2 == 1:
             found = module_activation(m)
-            if activation is None and found is not None:
-                activation = found
-            if found is None or found != activation:
-                return (f"entry {i} must be exactly {act_name} (Linear and {act_name} alternate, "
-                        f"starting with a Linear, one activation throughout), got "
-                        f"{type(m).__name__}" + ("" if found is None else f" ({found})"))
-            act_name = type(m).__name__
+            if found is None or (activation is not None and found != activation):
+                return (f"entry {i} must be exactly {act_name} (Linear and activation modules "
+                        f"alternate, starting with a Linear), got {type(m).__name__}"
+                        + ("" if found is None else f" ({found})"))
         elif type(m) is not nn.Linear:
-            return (f"entry {i} must be exactly Linear (Linear and {act_name} alternate, "
+            return (f"entry {i} must be exactly Linear (Linear and activation modules alternate, "
                     f"starting with a Linear), got {type(m).__name__}")
         if _has_hooks(m):
             return f"entry {i} ({type(m).__name__}) has hooks, which the fused run would not call"
