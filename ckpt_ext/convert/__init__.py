@@ -1,7 +1,7 @@
-"""``ckpt_ext.fuse(model)``: in place, make a model's runs of Linear/activation layers (one
-activation per run: tanh, GELU, SiLU, ...; see ``activations``) compute through the fused ops,
-which keep only their input and recompute activations in backward, without changing what any
-caller of any of its modules gets. Contract and design: docs/converter.md.
+"""``ckpt_ext.fuse(model)``: in place, make a model's runs of Linear/activation layers (tanh,
+GELU, SiLU, ..., see ``activations``; one per layer, a run may mix them) compute through the
+fused ops, which keep only their input and recompute activations in backward, without changing
+what any caller of any of its modules gets. Contract and design: docs/converter.md.
 
 Stages, one module each: tracing → consumers → discovery → policy → planning → rewriting →
 applying, then accounting (why each Linear no decision names is left alone); ``api.fuse`` runs

@@ -9,6 +9,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from ..modules import LayerActivations, collapse_activations
+from .discovery import LayerCall
 from .planning import PlannedRun, RunPlan
 from .report import Decision
 from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, _Guard, _OwnerForward,
@@ -44,13 +46,18 @@ def _apply_run(analysis: ModelAnalysis, plan: RunPlan, decision: Decision,
             part.alone = _RunPart(_Run(
                 labels=[s.label for s in alone], members=[s.module for s in alone],
                 layers=[s.module for s in alone[0::2]], last_activation=False,
-                activation=plan.activation,
+                activation=_activations_of(alone),
                 sequences=[(seq, analysis.path_of(seq))], slots=(),
                 unhooked=[(s.module, s.label) for s in alone], owner=None, calls=(),
                 elements=[(seq, s.name) for s in alone]), [s.name for s in alone], PartRole.WHOLE,
                 0, (), ())
         parts.append((seq, part))
     return run, parts
+
+
+def _activations_of(layer_calls: Sequence[LayerCall]) -> LayerActivations:
+    """What a stretch of a run's calls computes after its layers (their activation calls')."""
+    return collapse_activations([s.activation for s in layer_calls[1::2]])
 
 
 def _set_parts(seq: nn.Module, parts: List[_RunPart]) -> None:

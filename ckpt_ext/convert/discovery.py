@@ -1,7 +1,7 @@
 """Discovery: where values go from one Linear/activation call to the next. :class:`RunDiscovery`
 finds the runs of module calls (:class:`LayerCall`: an element of a Sequential, or a child an
 analysed forward calls), across Sequentials and through the calls of one forward, and why each run
-stops where it does (a run has one activation: :func:`split_by_activation`); :func:`graph_chains`
+stops where it does (a run may mix activations: each layer's is its own); :func:`graph_chains`
 finds the chains in forward code (``F.linear``, ``torch.tanh``, ``F.gelu``, a Linear held in a
 list) that only a rewrite fuses."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -61,28 +61,6 @@ def activation_problem(act: nn.Module) -> Optional[str]:
     if _has_hooks(act):
         return f"the {name} has hooks, which the fused op would not call"
     return None
-
-
-def split_by_activation(items: Sequence[Any], name_of: Callable[[Any], Optional[str]],
-                        label_of: Callable[[Any], str]) -> List[Tuple[int, int, Optional[str]]]:
-    """The stretches [s, e) of a chain ``Linear, Act, Linear, ...`` with one activation each
-    (activations fuse cannot name, which have a problem, do not split it), each with why it stops
-    there when another activation follows. That activation belongs to neither stretch: the first
-    ends at the Linear before it, the next starts at the Linear after it."""
-    bounds: List[Tuple[int, int, Optional[str]]] = []
-    s, current = 0, None
-    for k in range(1, len(items), 2):
-        name = name_of(items[k])
-        if name is None or name == current:
-            continue
-        if current is None:
-            current = name
-            continue
-        bounds.append((s, k, f"{label_of(items[k])} computes {name}, not {current} (a run has "
-                             f"one activation)"))
-        s, current = k + 1, None
-    bounds.append((s, len(items), None))
-    return [(s, e, why) for s, e, why in bounds if e - s >= 2]
 
 
 def getattr_path(root: Any, target: str) -> Any:
@@ -377,8 +355,8 @@ class RunDiscovery:
 
     # -- the runs ---------------------------------------------------------------------------------
     def runs(self) -> Tuple[List[List[LayerCall]], Dict[LayerCall, str]]:
-        """Maximal alternating paths Linear, Act, Linear, ... (from a Linear) with one activation,
-        and for a call whose next call would have continued the run, why that step was not
+        """Maximal alternating paths Linear, Act, Linear, ... (from a Linear; each activation its
+        own), and for a call whose next call would have continued the run, why that step was not
         taken."""
         links: Dict[LayerCall, LayerCall] = {}
         stops: Dict[LayerCall, str] = {}
@@ -401,11 +379,8 @@ class RunDiscovery:
                 seen.add(path[-1])
             while path and path[0].kind is not LayerKind.LINEAR:
                 path.pop(0)
-            for s, e, why in split_by_activation(path, lambda c: c.activation,
-                                                 lambda c: c.label):
-                paths.append(path[s:e])
-                if why is not None:
-                    stops[path[e - 1]] = why
+            if len(path) >= 2:
+                paths.append(path)
         return paths, stops
 
     def problem(self, s: LayerCall) -> Optional[str]:
@@ -504,17 +479,16 @@ def graph_chains(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace,
         whole = [n]
         while nxt(whole[-1]) is not None:
             whole.append(nxt(whole[-1]))
-        for s, e, _ in split_by_activation(whole, name_of, lambda x: node_label(x, path)):
-            _graph_chain(whole[s:e], path, rewrite, graph_only, rewrite_problem, member_problem,
-                         layer_of, name_of, lambda last: node_fate(analysis, owner, t, last),
-                         misses, taken, chains)
+        _graph_chain(whole, path, rewrite, graph_only, rewrite_problem, member_problem,
+                     layer_of, name_of, lambda last: node_fate(analysis, owner, t, last),
+                     misses, taken, chains)
     return chains
 
 
 def _graph_chain(items: List[fx.Node], path: str, rewrite: bool, graph_only, rewrite_problem,
                  member_problem, layer_of, name_of, fate_of, misses: List[Decision],
                  taken: set, chains: List[Chain]) -> None:
-    """One stretch of a graph's chain with one activation: a chain to rewrite, or its misses."""
+    """One chain of a graph: a chain to rewrite, or its misses."""
     only = [graph_only(x) for x in items]
     if not any(only):
         return
@@ -523,8 +497,9 @@ def _graph_chain(items: List[fx.Node], path: str, rewrite: bool, graph_only, rew
     layers = [layer_of(x) for x in items[0::2]]
     if rewrite and all(p is None for p in rw) and all(lay is not None for lay in layers):
         last = items[-1]
-        chains.append(Chain(path, "rewrite", labels, items, layers, name_of(items[1]),
-                            len(items) % 2 == 0, lambda last=last: fate_of(last)))
+        chains.append(Chain(path, "rewrite", labels, items, layers,
+                            tuple(name_of(x) for x in items[1::2]), len(items) % 2 == 0,
+                            lambda last=last: fate_of(last)))
         taken.update(x for x in items if x.op == "call_module")
         return
     # Not rewritten: report the pairs that hold a function call or a Linear held in a list

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
+from ..modules import LayerActivations
 from .consumers import Fate
 from .discovery import LayerCall, LayerKind, RunDiscovery, graph_chains
 from .policy import (Chain, Unit, chain_problem, decide, item_misses, layer_shape,
@@ -49,7 +50,7 @@ class RunPlan:
     how: str                          # "sequential", "children" or "across"
     where: str                        # the module holding every layer of the unit ("" = model)
     layer_calls: List[LayerCall]
-    activation: str
+    activation: LayerActivations      # the name, or one per activated layer (a mixed run)
     last_act: bool
     parts: List[PartPlan] = field(default_factory=list)
     members: List[MemberPlan] = field(default_factory=list)
@@ -118,8 +119,8 @@ def _descent(analysis: ModelAnalysis, call: LayerCall, chain: List[nn.Module], l
     return steps + [(call.container, call.name)]
 
 
-def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall], activation: str,
-             last_act: bool, policy: str) -> Optional[RunPlan]:
+def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall],
+             activation: LayerActivations, last_act: bool, policy: str) -> Optional[RunPlan]:
     """Where the unit of these calls is computed: by the Sequential holding them all, or inside
     the forward of their lowest common caller (the owner), whose calls become members; None when
     no module calls them all."""
@@ -368,8 +369,8 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
     found: List[Decision] = []
     item_misses(at, labels, problems, found)
     shapes = [layer_shape(s.label, s.module) for s in layer_calls[0::2]]
-    activation = next((s.activation for s in layer_calls if s.activation), "")
-    full = Chain(at, "", labels, layer_calls, shapes, activation, len(layer_calls) % 2 == 0,
+    full = Chain(at, "", labels, layer_calls, shapes,
+                 tuple(s.activation for s in layer_calls[1::2]), len(layer_calls) % 2 == 0,
                  lambda: Fate(None, ""))
     for s, e in split_at_problems(problems, len(layer_calls)):
         last = layer_calls[e - 1]
@@ -384,7 +385,7 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
         found += misses
         for u in units:
             a, b = sub.span(u.first, u.last, u.last_act)
-            run_plan = plan_run(analysis, sub.items[a:b], sub.activation, u.last_act, policy)
+            run_plan = plan_run(analysis, sub.items[a:b], u.activation, u.last_act, policy)
             d = u.decision
             if run_plan is None:  # no module calls them all: no region to compute it in
                 found.append(dataclasses.replace(

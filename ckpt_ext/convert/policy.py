@@ -2,7 +2,8 @@
 with its trailing activation and as a lone pair where that frees memory — always for an activation
 whose backward keeps its input, only where the consumer does not keep the output for one that keeps
 its output; ``policy="all"``: every pair), the near misses, and the report's figures for each
-(activation bytes freed and FLOPs added per row)."""
+(activation bytes freed and FLOPs added per row, each layer's from its own activation's row: a
+run may mix activations)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from torch import nn
 
+from ..modules import LayerActivations, collapse_activations
 from .activations import DISPLAY, SAVES_INPUT, tensors_per_layer
 from .consumers import Fate
 from .report import Decision
@@ -29,9 +31,13 @@ def _gemm(layer: LayerShape) -> int:
     return 2 * layer.in_features * layer.out_features
 
 
-def _unit_name(layers: Sequence[LayerShape], activation: str, last_act: bool) -> str:
+def _unit_name(layers: Sequence[LayerShape], activations: Sequence[str], last_act: bool) -> str:
     sizes = "->".join(str(s) for s in [layers[0].in_features] + [lay.out_features
                                                                   for lay in layers])
+    if len(set(activations)) > 1:
+        return f"mlp mixed ({', '.join(activations)}), {len(layers)} layers {sizes}" + \
+            (f", last {activations[-1]}" if last_act else "")
+    activation = activations[0]
     if activation != "tanh":
         return f"mlp {activation}, {len(layers)} layer{'s' if len(layers) > 1 else ''} " \
                f"{sizes}" + (f", last {activation}" if last_act else "")
@@ -42,15 +48,15 @@ def _unit_name(layers: Sequence[LayerShape], activation: str, last_act: bool) ->
 
 @dataclass
 class Chain:
-    """Calls ``Linear, Act, Linear, ...`` (one activation throughout) in which each value goes only
-    to the next call: the candidates the policy makes units of. Item ``2j`` is Linear ``j``, item
-    ``2j + 1`` its activation."""
+    """Calls ``Linear, Act, Linear, ...`` in which each value goes only to the next call: the
+    candidates the policy makes units of. Item ``2j`` is Linear ``j``, item ``2j + 1`` its
+    activation, which ``activations[j]`` names (each layer its own: a run may mix them)."""
     where: str                    # the module holding its items
     how: str                      # "rewrite", or "" for module calls (the plan says how)
     labels: List[str]             # one per item, in call order
     items: List[Any]              # LayerCall (module calls) or fx nodes (rewrite)
     layers: List[LayerShape]      # one per Linear item
-    activation: str               # one of ckpt_ext.ACTIVATIONS
+    activations: Tuple[Optional[str], ...]  # per activation item: ckpt_ext.ACTIVATIONS' name
     ends_with_act: bool
     fate: Callable[[], Fate]      # what the consumer does with the chain's last output
 
@@ -58,6 +64,10 @@ class Chain:
         """Item indices [start, stop) of layers first..last, with last's activation if
         last_act."""
         return 2 * first, 2 * last + (2 if last_act else 1)
+
+    def unit_activations(self, first: int, last: int, last_act: bool) -> Tuple[str, ...]:
+        """The activations of layers first..last that the unit computes (last's if last_act)."""
+        return tuple(self.activations[first:last + (1 if last_act else 0)])
 
 
 class Unit(NamedTuple):
@@ -69,27 +79,32 @@ class Unit(NamedTuple):
     last_act: bool
     decision: Decision
 
+    @property
+    def activation(self) -> LayerActivations:
+        """What the fused op computes after its layers: the name, or each layer's (mixed)."""
+        return collapse_activations(self.chain.unit_activations(self.first, self.last,
+                                                                self.last_act))
+
 
 def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
     """The units to fuse in a chain and the near misses, with their figures."""
     L = chain.layers
     m = len(L)
-    act = chain.activation
-    shown = DISPLAY[act]
-    # Whether the activation's own backward keeps its input z (GELU, SiLU, ...): then fusing it
-    # frees z whatever the consumer does with its output.
-    keeps_z = SAVES_INPUT[act]
-    per_layer = tensors_per_layer(act)
+    acts = chain.activations
+    # Whether layer j's activation's own backward keeps its input z (GELU, SiLU, ...): then
+    # fusing it frees z whatever the consumer does with its output.
+    keeps_z = [SAVES_INPUT[a] for a in acts]
     units: List[Unit] = []
     misses: List[Decision] = []
 
     def figures(a: int, b: int, last_act: bool, last_freed: bool) -> Tuple[int, int, int]:
-        freed = sum(per_layer * L[j].out_features * L[j].itemsize for j in range(a, b))
+        freed = sum(tensors_per_layer(acts[j]) * L[j].out_features * L[j].itemsize
+                    for j in range(a, b))
         if last_act:
             # what the trailing activation's backward keeps besides its output (z, and any
-            # intermediate: per_layer counts its output too), and its output where the
+            # intermediate: tensors_per_layer counts its output too), and its output where the
             # activation keeps that and its consumer does not
-            kept = per_layer - 1 + (0 if keeps_z else int(last_freed))
+            kept = tensors_per_layer(acts[b]) - 1 + (0 if keeps_z[b] else int(last_freed))
             freed += kept * L[b].out_features * L[b].itemsize
         extra = sum(_gemm(L[j]) for j in range(a, b)) + (_gemm(L[b]) if last_act else 0)
         plain = sum(3 * _gemm(L[j]) for j in range(a, b + 1))
@@ -101,9 +116,10 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
 
     def unit(a: int, b: int, last_act: bool, last_freed: bool, why: str) -> None:
         freed, extra, plain = figures(a, b, last_act, last_freed)
+        names = chain.unit_activations(a, b, last_act)
         d = Decision(chain.where, labels(a, b, last_act), "fused",
-                     _unit_name(L[a:b + 1], act, last_act), chain.how, freed, extra, plain, why,
-                     activation=act)
+                     _unit_name(L[a:b + 1], names, last_act), chain.how, freed, extra, plain, why,
+                     activation=names[0] if len(set(names)) == 1 else ", ".join(names))
         units.append(Unit(chain, a, b, last_act, d))
 
     def miss(a: int, b: int, kept: Optional[bool], why: str, what: str,
@@ -114,15 +130,17 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
         misses.append(Decision(chain.where, layers or labels(a, b, True), "left alone", "", "",
                                freed if kept is None else 0, extra, plain,
                                f"{what}: {why}; fusing it would {pot} and cost "
-                               f"+{extra:,} FLOPs/row", activation=act))
+                               f"+{extra:,} FLOPs/row", activation=acts[b]))
 
-    own_input = f"{shown}'s backward keeps its input, the fused op does not"
+    def own_input(j: int) -> str:
+        return f"{DISPLAY[acts[j]]}'s backward keeps its input, the fused op does not"
+
     if policy == "all":
         for j in range(m):
             if 2 * j + 1 >= len(chain.items):
                 break  # the last Linear, without an activation
-            if keeps_z:
-                unit(j, j, True, True, f"policy='all' fuses every pair; {own_input}")
+            if keeps_z[j]:
+                unit(j, j, True, True, f"policy='all' fuses every pair; {own_input(j)}")
                 continue
             if j < m - 1:
                 fate = Fate(True, f"kept by {chain.labels[2 * j + 2]} (nn.Linear keeps its "
@@ -137,22 +155,24 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
     if m >= 2:
         last_act = False
         last_why = ""
-        if chain.ends_with_act and keeps_z:
-            last_act, last_why = True, f"; its last {act} too ({own_input})"
+        if chain.ends_with_act and keeps_z[m - 1]:
+            last_act, last_why = True, f"; its last {acts[m - 1]} too ({own_input(m - 1)})"
         elif chain.ends_with_act:
             kept, why = chain.fate()
             if kept is False:
                 last_act, last_why = True, f"; its last output too ({why})"
             else:
-                miss(m - 1, m - 1, kept, why, f"the trailing {shown} is left out of the run "
-                     + ("(its output is kept anyway)" if kept else "(its output may be kept)"),
+                miss(m - 1, m - 1, kept, why, f"the trailing {DISPLAY[acts[m - 1]]} is left out "
+                     "of the run " + ("(its output is kept anyway)" if kept
+                                      else "(its output may be kept)"),
                      (chain.labels[2 * m - 1],))
-        inner = m - 1
-        what = f"{act} input(s) and output(s)" if keeps_z else f"{act} output(s)"
+        names = chain.unit_activations(0, m - 1, last_act)
+        mixed = f" of mixed activations ({', '.join(names)})" if len(set(names)) > 1 else ""
         unit(0, m - 1, last_act, True,
-             f"a run: {inner} inner {what} are no longer kept, only the run's input" + last_why)
-    elif chain.ends_with_act and keeps_z:
-        unit(0, 0, True, True, f"a lone pair: {own_input}")
+             f"a run{mixed}: {m - 1} inner {_inner_kept(acts[:m - 1])} are no longer kept, only "
+             f"the run's input" + last_why)
+    elif chain.ends_with_act and keeps_z[0]:
+        unit(0, 0, True, True, f"a lone pair: {own_input(0)}")
     elif chain.ends_with_act:
         kept, why = chain.fate()
         if kept is False:
@@ -161,6 +181,18 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
             miss(0, 0, kept, why, "a lone pair whose output is " +
                  ("kept anyway" if kept else "maybe kept"))
     return units, misses
+
+
+def _inner_kept(inner: Sequence[str]) -> str:
+    """What stock autograd keeps of a run's inner activations that the fused op does not: each
+    one's output, and its input where its backward reads that ("tanh output(s)", "gelu input(s)
+    and output(s)", "relu, gelu output(s) and gelu input(s)")."""
+    names = list(dict.fromkeys(inner))
+    with_z = [a for a in names if SAVES_INPUT[a]]
+    if len(with_z) == len(names):
+        return f"{', '.join(names)} input(s) and output(s)"
+    return f"{', '.join(names)} output(s)" + (f" and {', '.join(with_z)} input(s)" if with_z
+                                             else "")
 
 
 def _pair_labels(labels: List[str], k: int) -> Tuple[str, ...]:
@@ -196,7 +228,8 @@ def split_at_problems(items_ok: List[Optional[str]], n: int) -> List[Tuple[int, 
 
 def sub_chain(chain: Chain, s: int, e: int, fate: Callable[[], Fate]) -> Chain:
     return Chain(chain.where, chain.how, chain.labels[s:e], chain.items[s:e],
-                 chain.layers[s // 2:(e + 1) // 2], chain.activation, (e - s) % 2 == 0, fate)
+                 chain.layers[s // 2:(e + 1) // 2], chain.activations[s // 2:e // 2],
+                 (e - s) % 2 == 0, fate)
 
 
 def layer_shape(label: str, lin: nn.Linear) -> LayerShape:

@@ -22,13 +22,16 @@ class Decision:
     layers: Tuple[str, ...]   # the layers in call order: paths, or "F.linear" / "torch.tanh" / ...
     action: str               # "fused", "already fused" or "left alone"
     unit: str                 # what runs them ("tanh_mlp, 3 layers 4->64->64->2", "linear_tanh",
-    #                           "mlp gelu, 2 layers 32->64->32")
+    #                           "mlp gelu, 2 layers 32->64->32",
+    #                           "mlp mixed (relu, relu, tanh), 3 layers 17->64->64->6, last tanh")
     how: str                  # "sequential", "children", "rewrite" ("" when left alone)
     bytes_per_row: int        # activation bytes per row no longer kept for backward
     flops_per_row: int        # extra FLOPs per row: the forward GEMMs that backward recomputes
     plain_flops_per_row: int  # these layers' forward + backward GEMM FLOPs per row, unfused
     why: str
-    activation: str = ""      # the layers' activation (ckpt_ext.ACTIVATIONS), "" if not known
+    # the layers' activation (ckpt_ext.ACTIVATIONS), "" if not known; a unit mixing them names
+    # each layer's, joined by ", " ("relu, relu, tanh")
+    activation: str = ""
 
     @property
     def extra_cost(self) -> float:

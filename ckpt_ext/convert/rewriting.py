@@ -1,6 +1,6 @@
 """Code generation for ``rewrite=True``: the graph of a forward with each planned unit's nodes
-replaced by one ``tanh_mlp`` / ``linear_tanh`` call (``mlp`` for the other activations), as Python
-source that the owner's :class:`_OwnerForward` compiles (and pickles by)."""
+replaced by one ``tanh_mlp`` / ``linear_tanh`` call (``mlp`` for the other activations and mixed
+runs), as Python source that the owner's :class:`_OwnerForward` compiles (and pickles by)."""
 from __future__ import annotations
 
 from typing import Dict, Sequence
@@ -8,6 +8,7 @@ from typing import Dict, Sequence
 from torch import fx, nn
 
 from .. import ops
+from ..modules import as_mlp_argument
 from ..ops import linear_tanh, tanh_mlp
 from .discovery import data_input, getattr_path, linear_args
 from .planning import ModelPlan
@@ -47,9 +48,9 @@ def _rewrite_source(owner: nn.Module, graph: fx.Graph, units: Sequence[Unit]) ->
                     _, w, b = linear_args(n)
                     ws.append(w)
                     bs.append(b)
-            if u.chain.activation != "tanh":
+            if u.activation != "tanh":  # another name, or one per layer
                 new = graph.call_function(ops.mlp, (x, ws, bs), {
-                    "activation": u.chain.activation, "last_activation": u.last_act})
+                    "activation": as_mlp_argument(u.activation), "last_activation": u.last_act})
             elif len(lins) == 1 and u.last_act:
                 new = graph.call_function(linear_tanh, (x, ws[0], bs[0]))
             else:

@@ -22,7 +22,7 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 from .. import _C, ops
-from ..modules import _has_hooks
+from ..modules import LayerActivations, _has_hooks, as_mlp_argument, each_layer
 from ..ops import SUPPORTED_DTYPES, linear_tanh, tanh_mlp
 from .activations import module_activation
 
@@ -63,11 +63,13 @@ class _Run:
                  slots: Sequence[Slot],
                  unhooked: Sequence[Tuple[nn.Module, str]], owner: Optional[nn.Module],
                  calls: Sequence[str], elements: Sequence[Tuple[nn.Module, str]],
-                 decision: Optional[Decision] = None, activation: str = "tanh") -> None:
+                 decision: Optional[Decision] = None,
+                 activation: LayerActivations = "tanh") -> None:
         self.labels = tuple(labels)        # the layers' paths in call order, for messages
         self.key = (tuple(members), bool(last_activation))  # the modules fused (identity)
         self.layers = tuple(layers)        # its Linear modules, in order
-        self.activation = activation       # one of ckpt_ext.ACTIVATIONS, for every layer
+        # one of ckpt_ext.ACTIVATIONS for every layer, or a tuple of one per activated layer
+        self.activation = activation
         self.last_activation = bool(last_activation)  # the last Linear's activation included
         # Sequentials whose elements must stay exactly these (name, module) pairs
         self.sequences = tuple((seq, label, tuple(seq._modules), tuple(seq._modules.values()))
@@ -97,6 +99,11 @@ class _Run:
         """Whether the run ends with a tanh."""
         return self.last_activation and self.activation == "tanh"
 
+    @property
+    def activations(self) -> Tuple[str, ...]:
+        """The activation of each activated layer, in order."""
+        return each_layer(self.activation, len(self.layers) - (not self.last_activation))
+
     def __deepcopy__(self, memo):
         new = _Run.__new__(_Run)
         memo[id(self)] = new
@@ -125,10 +132,10 @@ class _Run:
         for m, label in self.unhooked:
             if _has_hooks(m):
                 return f"{label or '<model>'} has hooks, which the fused run would not call"
-        for m, label in zip(self.key[0][1::2], self.labels[1::2]):
+        for m, label, name in zip(self.key[0][1::2], self.labels[1::2], self.activations):
             found = module_activation(m)
-            if found is None or found.name != self.activation:
-                return f"{label} no longer computes {self.activation}"
+            if found is None or found.name != name:
+                return f"{label} no longer computes {name}"
         if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks or \
                 _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks:
             return "hooks registered for every module, which the fused run would not call"
@@ -145,8 +152,8 @@ class _Run:
         weights = [layer.weight for layer in self.layers]
         biases = [layer.bias for layer in self.layers]
         _as_linear_would(x, weights[0], biases[0])
-        if self.activation != "tanh":
-            return ops.mlp(x, weights, biases, activation=self.activation,
+        if self.activation != "tanh":  # another name, or one per layer
+            return ops.mlp(x, weights, biases, activation=as_mlp_argument(self.activation),
                            last_activation=self.last_activation)
         if len(weights) == 1 and self.last_activation:
             return linear_tanh(x, weights[0], biases[0])  # a lone pair: the op a pair is
@@ -265,7 +272,7 @@ class _RunPart:
         if self.role == PartRole.WHOLE:
             if not self.before and not self.after and run.elements and \
                     all(seq is run.elements[0][0] for seq, _ in run.elements):
-                return span + (f" (last {run.activation})" if self.last_activation else "")
+                return span + (f" (last {run.activations[-1]})" if self.last_activation else "")
             return f"{span} (computes the run {run.labels[0]}..{run.labels[-1]})"
         where = f"inside {run.decision.where or '<model>'}.forward" if run.decision else \
             "inside its caller's forward"
@@ -286,7 +293,7 @@ def _elements(steps: Sequence[Tuple[nn.Module, Tuple[str, ...]]], x: torch.Tenso
 class FusedSequential(nn.Sequential):
     """An ``nn.Sequential`` whose planned runs of ``Linear, Act, Linear, ...`` elements each run
     through one fused op (``tanh_mlp``, or ``linear_tanh`` for a single pair; ``mlp`` for the other
-    activations).
+    activations and for a run mixing them).
 
     ``fuse`` sets this class on the user's own ``nn.Sequential`` objects: same object, same
     elements, same ``state_dict`` keys, same parameters. Only ``forward`` differs, and only for the

@@ -82,6 +82,20 @@ def _silu():
         (_x(16, 8),), 16
 
 
+@model("rl actor: relu, relu, tanh (one mixed run)")
+def _rl_actor():
+    from test_fuse_mixed import actor
+    torch.manual_seed(0)
+    return actor(), (_x(16, 11),), 16
+
+
+@model("tanh, gelu (one mixed run)")
+def _tanh_gelu():
+    from test_fuse_mixed import tanh_gelu
+    torch.manual_seed(0)
+    return tanh_gelu(), (_x(16, 6),), 16
+
+
 @model("relu, dropout p=0, linear")
 def _dropout0():
     torch.manual_seed(0)
@@ -174,6 +188,15 @@ def _ppo():
     ppo = sb3.PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, seed=0, device="cpu")
     ppo.set_logger(configure(None, []))
     return ppo.policy, (_x(16, 4),), 16
+
+
+@model("stable-baselines3 TD3 actor", requires="stable_baselines3")
+def _td3_actor():
+    import stable_baselines3 as sb3
+    torch.manual_seed(0)
+    td3 = sb3.TD3("MlpPolicy", "Pendulum-v1", policy_kwargs={"net_arch": [32, 32]}, seed=0,
+                  device="cpu")
+    return td3.actor, (_x(16, 3),), 16
 
 
 @model("deepxde FNN (tanh), rewritten", requires="deepxde", rewrite=True)
@@ -432,6 +455,10 @@ _rk4("test_fuse_callers", "Dynamics", 16)
 _rk4("test_fuse_callers", "SequentialDynamics", 16)
 _from("test_fuse_callers", "Outer", d=4)
 _from("test_fuse_callers", "ClassFlag", d=4, rewrite=True)
+
+# test_fuse_mixed
+_from("test_fuse_mixed", "Children")
+_from("test_fuse_mixed", "Functional", rewrite=True)
 
 # test_fuse_crossing
 _from("test_fuse_crossing", "Twice")

@@ -1496,9 +1496,10 @@ def _nested():
 
 
 @pytest.mark.parametrize("make,width,layers,kinds_after", [
-    (_nested, 4, ("0.1", "0.2", "1", "2", "3.0", "3.1", "3.2"),
+    (_nested, 4, ("0.1", "0.2", "1", "2", "3.0", "3.1", "3.2", "4"),  # tanh x3, relu: mixed
      {"": FusedSequential, "0": nn.Sequential, "3": nn.Sequential}),
-    (BodyThenChildren, 4, ("body.1", "body.2", "body.3", "act", "out", "tail.0", "tail.1"),
+    (BodyThenChildren, 4, ("body.1", "body.2", "body.3", "act", "out", "tail.0", "tail.1",
+                           "tail.2"),
      {"body": FusedSequential, "act": RunTanh, "out": RunLinear, "tail": FusedSequential}),
     (PairThenSequential, 3, ("fc", "act", "seq.0", "seq.1", "seq.2"),
      {"fc": RunLinear, "act": RunTanh, "seq": FusedSequential}),

@@ -166,7 +166,7 @@ def test_nested_sequentials_and_child_runs_called_on_their_own():
     _, report = fuse(model)
     assert [d.layers for d in report.fused] == [
         ("fc", "act", "out.0", "out.1", "out.2"),
-        ("seq.0.1", "seq.0.2", "seq.1", "seq.2", "seq.3.0", "seq.3.1", "seq.3.2")]
+        ("seq.0.1", "seq.0.2", "seq.1", "seq.2", "seq.3.0", "seq.3.1", "seq.3.2", "seq.3.3")]
     assert type(model.seq) is FusedSequential and type(model.seq[0]) is nn.Sequential
     x = torch.randn(5, 4, dtype=F64)
     same_as_unfused(ref, model, x)
