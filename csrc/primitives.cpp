@@ -59,11 +59,16 @@ at::Tensor activation_backward_(const at::Tensor& acc, const at::Tensor& grad_ou
                             activation_backward_cuda_(acc, grad_out, act, want_bias_grad));
 }
 
-bool backward_from_output(Activation act) { return act == Activation::kTanh; }
+// relu: its pass from z is its pass from t = relu(z), to the bit: relu(z) <= 0 exactly where
+// z <= 0 (−0 included), and t is NaN where z is.
+bool backward_from_output(Activation act) {
+  return act == Activation::kTanh || act == Activation::kRelu;
+}
 
 at::Tensor activation_backward_from_output_(const at::Tensor& acc, const at::Tensor& grad_out,
                                             Activation act, bool want_bias_grad) {
   TORCH_INTERNAL_ASSERT(backward_from_output(act));
+  if (act == Activation::kRelu) return activation_backward_(acc, grad_out, act, want_bias_grad);
   return tanh_backward_(acc, grad_out, Holds::kTanhOutput, want_bias_grad);
 }
 

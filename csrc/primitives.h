@@ -51,9 +51,9 @@ void activation_cpu(const at::Tensor& src, const at::Tensor& dst, Activation act
 void activation_cuda(const at::Tensor& src, const at::Tensor& dst, Activation act);
 at::Tensor activation_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Activation act,
                                 bool want_bias_grad);
-// The activations whose backward pass also reads the output t = f(z) (tanh: g = gy·(1 − t²)), so
-// that a stack keeping t as the next layer's input needs no z; activation_backward_from_output_
-// is that pass, acc holding t.
+// The activations whose backward pass can read the output t = f(z) (tanh: g = gy·(1 − t²); relu:
+// t <= 0 ? 0 : gy), so that a stack keeping t as the next layer's input needs no z;
+// activation_backward_from_output_ is that pass, acc holding t.
 bool backward_from_output(Activation act);
 at::Tensor activation_backward_from_output_(const at::Tensor& acc, const at::Tensor& grad_out,
                                             Activation act, bool want_bias_grad);
