@@ -72,7 +72,7 @@ def bench_case(name, shape, dtype, warmup, repeats):
     out = torch.empty_like(z)
     acc = torch.empty_like(z)
     numel = z.numel()
-    inner = max(1, (1 << 22) // numel)  # ~4M elements a sample
+    inner = max(1, min(256, (1 << 22) // numel))  # ~4M elements a sample, 256 calls at most
 
     ours_fwd = lambda: _C._activation_(z, out, name)  # noqa: E731
     aten_fwd = lambda: row.f(z)  # noqa: E731
@@ -169,7 +169,7 @@ def main(argv=None):
     print()
     print(f"Benchmark conditions: {conditions['cpu']} ({conditions['machine']}, "
           f"{conditions['cores']} cores), torch {conditions['torch']}, median of {a.repeats} "
-          f"samples of ~4M elements after {a.warmup} warm-up, ours and ATen's interleaved at the "
+          f"samples of ~4M elements (256 calls at most) after {a.warmup} warm-up, ours and ATen's interleaved at the "
           f"row's ISA level (ATEN_CPU_CAPABILITY and CKPT_EXT_CPU_CAPABILITY); fwd: dst = f(z) "
           f"into a buffer (ours) vs the registry's f(z) (ATen); bwd: z -> gy·f'(z) in place, "
           f"recomputing f, less a copy's time (ours) vs the registry's backward(gy, z) (ATen). "

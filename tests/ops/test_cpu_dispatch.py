@@ -325,3 +325,21 @@ def test_bench_script_runs(tmp_path):
     assert [(r["dtype"], r["shape"]) for r in out["results"]] == [
         ("bfloat16", "33x5->17"), ("float16", "33x5->17")]
     assert all(0 < r["fwd_ours_ms"] < 1e4 and 0 < r["bwd_stock_ms"] < 1e4 for r in out["results"])
+
+
+def test_activation_pass_bench_runs(tmp_path):
+    """scripts/bench_activation_pass.py (timing is its business): it runs, at this level, and
+    reports every activation of the registry with finite times."""
+    script = os.path.join(ROOT, "scripts", "bench_activation_pass.py")
+    if not os.path.exists(script):
+        pytest.skip("scripts/ is not beside these tests")
+    import runpy
+    bench = runpy.run_path(script, run_name="bench_under_test")
+    out = bench["main"](["--shapes", "3x17", "--dtypes", "float32,bfloat16", "--threads", "1",
+                         "--levels", _C._cpu_capability(), "--warmup", "0", "--repeats", "1",
+                         "--json", str(tmp_path / "a.json")])
+    names = list(ckpt_ext.ACTIVATIONS)
+    assert [(r["dtype"], r["activation"]) for r in out["results"]] == \
+        [(d, n) for d in ("float32", "bfloat16") for n in names]
+    assert all(0 < r["fwd_ours_ns"] < 1e6 and 0 < r["fwd_aten_ns"] < 1e6 and
+               0 <= r["bwd_ours_ns"] < 1e6 and 0 < r["bwd_aten_ns"] < 1e6 for r in out["results"])
