@@ -25,6 +25,39 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_poison_buffers", &ckpt_ext::set_poison_buffers,
         "Test hook: fill every buffer the ops allocate with NaN before the kernels write it.");
   m.def("_poison_buffers", &ckpt_ext::poison_buffers);
+  // Benchmark hooks: one activation pass alone, the primitive the ops run on their buffers
+  // (scripts/bench_activation_pass.py times it against ATen's op). dst = f(src), in place when dst
+  // is src; acc (M, N) holding z becomes g = grad_out·f'(z), returning the bias sums if asked.
+  m.def("_activation_", [](const at::Tensor& src, const at::Tensor& dst, const std::string& name) {
+    const ckpt_ext::Activation act = ckpt_ext::parse_activation("_C._activation_", name);
+    TORCH_CHECK_VALUE(src.is_contiguous() && dst.is_contiguous() && src.sizes() == dst.sizes() &&
+                      src.scalar_type() == dst.scalar_type() && src.device() == dst.device() &&
+                      ckpt_ext::is_supported_dtype(dst.scalar_type()),
+                      "_C._activation_: src and dst must be contiguous, of one shape, dtype (",
+                      ckpt_ext::supported_dtypes_text(), ") and device; got ", src.sizes(), " ",
+                      src.scalar_type(), " ", src.device(), " and ", dst.sizes(), " ",
+                      dst.scalar_type(), " ", dst.device());
+    if (src.data_ptr() == dst.data_ptr()) {
+      ckpt_ext::activation_in_place(dst, act);
+    } else {
+      TORCH_CHECK_VALUE(!src.is_alias_of(dst), "_C._activation_: src must be dst or apart from it");
+      ckpt_ext::activation_to(src, dst, act);
+    }
+  }, pybind11::arg("src"), pybind11::arg("dst"), pybind11::arg("activation"));
+  m.def("_activation_backward_", [](const at::Tensor& acc, const at::Tensor& grad_out,
+                                    const std::string& name, bool want_bias_grad) {
+    const ckpt_ext::Activation act = ckpt_ext::parse_activation("_C._activation_backward_", name);
+    TORCH_CHECK_VALUE(acc.dim() == 2 && acc.is_contiguous() && grad_out.sizes() == acc.sizes() &&
+                      grad_out.scalar_type() == acc.scalar_type() &&
+                      grad_out.device() == acc.device() && !grad_out.is_alias_of(acc) &&
+                      ckpt_ext::is_supported_dtype(acc.scalar_type()),
+                      "_C._activation_backward_: acc must be 2-D contiguous of a supported dtype ",
+                      "and grad_out apart from it with its shape, dtype and device; got ",
+                      acc.sizes(), " ", acc.scalar_type(), " and ", grad_out.sizes(), " ",
+                      grad_out.scalar_type());
+    return ckpt_ext::activation_backward_(acc, grad_out, act, want_bias_grad);
+  }, pybind11::arg("acc"), pybind11::arg("grad_out"), pybind11::arg("activation"),
+     pybind11::arg("want_bias_grad") = false);
   ckpt_ext::bind_cpu_meter(m);
   ckpt_ext::bind_build_info(m);  // TORCH_BUILD_VERSION, CPU level hooks (build_info.cpp)
   ckpt_ext::bind_autograd_node(m);  // the C++ first-order autograd node (autograd_node.cpp)

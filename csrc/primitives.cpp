@@ -45,9 +45,8 @@ void activation_to(const at::Tensor& src, const at::Tensor& dst, Activation act)
 #ifdef CKPT_EXT_WITH_CUDA
   if (dst.is_cuda()) return activation_cuda(src, dst, act);  // one pass, tanh's own included
 #endif
-  if (act != Activation::kTanh) return activation_cpu(src, dst, act);
-  dst.copy_(src);  // the CPU's tanh: its in-place kernel, after a copy
-  tanh_cpu_(dst);
+  // tanh included: the activate kernel's tanh is tanh_cpu_'s, element for element
+  activation_cpu(src, dst, act);
 }
 
 at::Tensor activation_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Activation act,

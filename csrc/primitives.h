@@ -41,10 +41,10 @@ at::Tensor tanh_backward_cpu_(const at::Tensor& acc, const at::Tensor& grad_out,
 at::Tensor tanh_backward_cuda_(const at::Tensor& acc, const at::Tensor& grad_out, Holds holds,
                                bool want_bias_grad);
 
-// Any activation of activations.h (kTanh goes to the tanh primitives above). acc holds z and
-// becomes f(z), or g = grad_out·f'(z) with grad_b as tanh_backward_ returns it. activation_to
-// writes f(src) into dst (same shape, dtype and device; contiguous), leaving src as it is: one
-// pass, the same kernel as in place (the CPU's tanh: a copy, then tanh_cpu_).
+// Any activation of activations.h (in place and backward, kTanh goes to the tanh primitives
+// above). acc holds z and becomes f(z), or g = grad_out·f'(z) with grad_b as tanh_backward_
+// returns it. activation_to writes f(src) into dst (same shape, dtype and device; contiguous),
+// leaving src as it is: one pass, each element's arithmetic that of the in-place kernel.
 void activation_in_place(const at::Tensor& acc, Activation act);
 void activation_to(const at::Tensor& src, const at::Tensor& dst, Activation act);
 void activation_cpu(const at::Tensor& src, const at::Tensor& dst, Activation act);
