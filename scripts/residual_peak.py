@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Optional
 
 import torch
 from torch._C._profiler import _EventType
@@ -78,61 +79,70 @@ def alive_at_peak(allocs) -> tuple[int, list[tuple[int, str, int]]]:
     return peak, at_peak
 
 
-def main() -> None:
+def step_at_peak(net, x: torch.Tensor, plain: ResidualNet, meter: MemoryMeter) -> dict:
+    """One measured step of ``net`` (exact figures), then one profiled step: the allocations
+    alive at its peak as (bytes, allocating op, saved by autograd), and the saved activations'
+    shapes."""
+    for _ in range(2):  # compiles, lazy initialisation
+        net(x).mean().backward()
+        clear_grads(plain)
+    exact = measured_step(net, x, meter)
+    clear_grads(plain)
+    not_activations = {q.untyped_storage().data_ptr() for q in plain.parameters()}
+    not_activations.add(x.untyped_storage().data_ptr())
+    saved: dict[int, tuple] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in not_activations:
+            saved.setdefault(ptr, tuple(t.shape))
+        return t
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = net(x)
+        loss = out.mean()
+        del out
+        loss.backward()
+    del loss
+    clear_grads(plain)
+    allocs = allocations(prof)
+    peak, alive = alive_at_peak(allocs)
+    return {"kept": exact["kept_for_backward"], "peak": exact["peak_above_before_forward"],
+            "profiled_peak": peak, "saved": list(saved.values()),
+            "alive": [(nbytes, op, allocs[i][1] in saved) for nbytes, op, i in alive]}
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="cpu-default", choices=("tiny", "small", "cpu-default"))
     ap.add_argument("--modes", default="plain,checkpoint,compile,compile-checkpoint,fused,"
                     "compile-fused")
     ap.add_argument("--time", type=int, default=0, metavar="ROUNDS",
                     help="then time fused against compile-checkpoint, ROUNDS blocks of 5 steps each")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     p = PRESETS[args.preset]
     torch.manual_seed(0)
     modes = args.modes.split(",")
+    results = {}
     with MemoryMeter("cpu") as meter:
         plain, nets = build(modes, p["in_features"], p["hidden"], p["depth"])
         x = torch.randn(p["batch"], p["in_features"])
-        params = {q.untyped_storage().data_ptr() for q in plain.parameters()}
         print(f"residual, preset {args.preset}: batch {p['batch']}, {p['in_features']} -> "
               f"{p['hidden']}, depth {p['depth']}; torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads")
         for mode in modes:
-            net = nets[mode]
-            for _ in range(2):  # compiles, lazy initialisation
-                net(x).mean().backward()
-                clear_grads(plain)
-            exact = measured_step(net, x, meter)
-            clear_grads(plain)
-            saved: dict[int, tuple] = {}
-
-            def pack(t):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in params and ptr != x.untyped_storage().data_ptr():
-                    saved.setdefault(ptr, tuple(t.shape))
-                return t
-
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = net(x)
-                loss = out.mean()
-                del out
-                loss.backward()
-            del loss
-            clear_grads(plain)
-            allocs = allocations(prof)
-            peak, alive = alive_at_peak(allocs)
-            print(f"\n{mode}: kept {exact['kept_for_backward'] / MIB:.2f} MiB, peak "
-                  f"{exact['peak_above_before_forward'] / MIB:.2f} MiB above before forward "
-                  f"(profiler: {peak / MIB:.2f}); saved activations: "
-                  f"{', '.join(str(s) for s in saved.values()) or 'none'}")
-            ptr_of = {i: a[1] for i, a in enumerate(allocs)}
-            for nbytes, op, i in alive:
+            r = results[mode] = step_at_peak(nets[mode], x, plain, meter)
+            print(f"\n{mode}: kept {r['kept'] / MIB:.2f} MiB, peak {r['peak'] / MIB:.2f} MiB above "
+                  f"before forward (profiler: {r['profiled_peak'] / MIB:.2f}); saved "
+                  f"activations: {', '.join(str(s) for s in r['saved']) or 'none'}")
+            for nbytes, op, is_saved in r["alive"]:
                 if nbytes >= 1024:
-                    tag = "saved " if ptr_of[i] in saved else ""
-                    print(f"  {nbytes / MIB:7.3f} MiB  {tag}{op}")
+                    print(f"  {nbytes / MIB:7.3f} MiB  {'saved ' if is_saved else ''}{op}")
     if args.time:  # fresh models, built without the meter
         time_pair(*build(["fused", "compile-checkpoint"], p["in_features"], p["hidden"],
                          p["depth"]), x, args.time)
+    return results
 
 
 def time_pair(plain, nets: dict, x: torch.Tensor, rounds: int, block: int = 5) -> None:
