@@ -15,7 +15,7 @@ CUDA or not (environment, all optional):
                       anything newer), whatever GPU the build machine has or lacks. CI sets 9.0
                       to stay fast (.ci/run).
 
-CPU kernels: built for every ISA level, chosen at run time. cpu/linear_tanh_kernels.cpp is
+CPU kernels: built for every ISA level, chosen at run time. cpu/kernels.cpp is
 compiled once per level with its own flags (DEFAULT: none; AVX2: -mavx2 -mfma -mf16c; AVX512:
 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma; AVX levels on x86-64 only) and linked in
 after the portable objects; every other source is compiled with no -m flag, so the module loads
@@ -144,7 +144,7 @@ def want_cuda(torch_mod):
 # CPU_CAPABILITY values, which also select ATen's Vectorized<T> implementation inside that copy.
 # Per-file flags rather than `#pragma GCC target`: under the pragma GCC does not define __AVX2__,
 # which ATen's vector headers (and sleef.h) test.
-ISA_SOURCES = [os.path.join("csrc", "cpu", "linear_tanh_kernels.cpp")]
+ISA_SOURCES = [os.path.join("csrc", "cpu", "kernels.cpp")]
 # No FMA contraction: g = grad_out·(1 − t²) rounds the same at every level (csrc/cpu/kernels.h).
 ISA_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-Wno-unknown-pragmas"]  # (ATen's #pragma unroll)
 

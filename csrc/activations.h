@@ -2,14 +2,14 @@
 // derivative times the incoming gradient, gy·f'(z), as templates over the value type V (float or
 // double registers on CUDA and the host, at::vec::Vectorized on the CPU), compiled by g++ and nvcc.
 // Math<V> gives each V the functions the formulas use. PyTorch's own formulas and constants
-// (aten/src/ATen/native/cpu/Activation.cpp); tanh keeps its own kernels (linear_tanh_math.h).
+// (aten/src/ATen/native/cpu/Activation.cpp); tanh keeps its own kernels (device_math.h).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
-#include "linear_tanh_math.h"  // CKPT_HD
+#include "device_math.h"  // CKPT_HD
 
 namespace ckpt_ext {
 

@@ -173,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output(
   at::Tensor x2 = flatten_rows(x);
   const int64_t M = x2.size(0), N = weight.size(0);
   // g = grad_out·(1 − t²), t left as it is; the bias gradient as the column sums of g in the
-  // documented order (linear_tanh_math.h), as linear_tanh_backward sums it.
+  // documented order (device_math.h), as linear_tanh_backward sums it.
   at::Tensor g = at::tanh_backward(grad_out.reshape({M, N}), output.reshape({M, N}));
   at::Tensor grad_b = output_mask[2] && bias.has_value() ? bias_grad(g) : at::Tensor();
   at::Tensor grad_x = output_mask[0] ? at::mm(g, weight).view(x.sizes()) : at::Tensor();

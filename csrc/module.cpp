@@ -7,7 +7,7 @@
 #include "autograd_node.h"
 #include "build_info.h"
 #include "checks.h"
-#include "linear_tanh_math.h"
+#include "device_math.h"
 #include "memory.h"
 #include "primitives.h"
 

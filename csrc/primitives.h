@@ -1,9 +1,9 @@
 // primitives.h — the buffers and the three elementwise/reduction primitives the stack engine runs
-// between its GEMMs: CPU ones in cpu/linear_tanh.cpp, CUDA ones in cuda/linear_tanh.cu; the
+// between its GEMMs: CPU ones in cpu/primitives.cpp, CUDA ones in cuda/primitives.cu; the
 // generic ones (no device suffix, primitives.cpp) pick one by the buffer's device.
 // Shapes: acc (M, N) contiguous (M rows of the flattened input, N = out_features); grad_out
 // (M, N), any strides (out.mean() gives strides (0, 0)); bias sums (N), in the order of
-// linear_tanh_math.h (docs/design.md, "Bias sums").
+// device_math.h (docs/design.md, "Bias sums").
 #pragma once
 
 #include <ATen/ATen.h>

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-ROWS_PER_CHUNK = 32   # csrc/linear_tanh_math.h kRowsPerChunk
+ROWS_PER_CHUNK = 32   # csrc/device_math.h kRowsPerChunk
 GROUP_CHUNKS = 128    # csrc/cuda/passes.cuh kGroupChunks
 WORKING_SET = 256 << 20
 TARGET = 0.80

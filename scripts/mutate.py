@@ -51,8 +51,8 @@ class Mutant:
     breaks: str  # what is wrong, in words
 
 
-CPU = "csrc/cpu/linear_tanh.cpp"              # the CPU primitives: threads, bias sums
-CPU_KERNELS = "csrc/cpu/linear_tanh_kernels.cpp"  # the per-ISA element kernels
+CPU = "csrc/cpu/primitives.cpp"              # the CPU primitives: threads, bias sums
+CPU_KERNELS = "csrc/cpu/kernels.cpp"  # the per-ISA element kernels
 ENGINE = "csrc/stack.cpp"  # the stack engine: recompute, GEMMs, buffers
 
 _COMBINE = "      out[col] = static_cast<scalar_t>(combine_chunks_pairwise(partial, C, N, col));\n"

@@ -218,7 +218,7 @@ def assert_matches_reference(x, w, b, gy, got=None):
 # ------------------------------------------------------------------------------------------------
 # the documented bias-gradient summation order (docs/design.md, "Bias sums"), rebuilt in Python
 
-ROWS_PER_CHUNK = 32  # kRowsPerChunk in csrc/linear_tanh_math.h (tests check it against _C)
+ROWS_PER_CHUNK = 32  # kRowsPerChunk in csrc/device_math.h (tests check it against _C)
 
 
 def _chunk_sums(g: Tensor, acc_dtype) -> list:

@@ -3,7 +3,7 @@
 // was built with, and CKPT_EXT_CPU_CAPABILITY (default | avx2 | avx512) when set; a value outside
 // those is an error raised at import. set_level() (ckpt_ext._C._set_cpu_capability) switches at
 // run time; the tests use it to run every level in one process. Built portably, like everything
-// outside cpu/linear_tanh_kernels.cpp (docs/design.md, "CPU primitives").
+// outside cpu/kernels.cpp (docs/design.md, "CPU primitives").
 #include "dispatch.h"
 
 #include <ATen/Version.h>

@@ -1,5 +1,5 @@
 // cpu/kernels.h — the vectorised CPU kernels, compiled once per ISA level (setup.py), and how the
-// portable code (cpu/linear_tanh.cpp, cpu/dispatch.cpp) reaches them: one table of function
+// portable code (cpu/primitives.cpp, cpu/dispatch.cpp) reaches them: one table of function
 // pointers per copy, kernels(). Included by both sides, so only types that mean the same under
 // every set of flags: no Vectorized, no Tensor. Kernels work on raw pointers over rows r0..r1-1:
 //   tanh(p, n)                    p: n contiguous values; z -> tanh(z) in place
@@ -54,7 +54,7 @@ struct Kernels {
   }
 };
 
-// One per compiled copy of cpu/linear_tanh_kernels.cpp. Only the ones setup.py built exist
+// One per compiled copy of cpu/kernels.cpp. Only the ones setup.py built exist
 // (CKPT_EXT_CPU_AVX2 / CKPT_EXT_CPU_AVX512 say so to cpu/dispatch.cpp).
 namespace DEFAULT { const Kernels& kernels(); }
 namespace AVX2 { const Kernels& kernels(); }

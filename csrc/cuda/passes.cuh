@@ -19,7 +19,7 @@
 #include <cstdint>
 
 #include "../activations.h"
-#include "../linear_tanh_math.h"
+#include "../device_math.h"
 #include "../primitives.h"
 #include "passes.h"
 
@@ -83,7 +83,7 @@ __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, 
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
 // A value whose every operation is rounded on its own (the _rn intrinsics are never contracted
-// into an FMA). The shared formulas of linear_tanh_math.h are instantiated with it, so that their
+// into an FMA). The shared formulas of device_math.h are instantiated with it, so that their
 // bits do not depend on where the compiler chose to contract: the vector and the scalar path, and
 // every kernel that uses a formula, give the same bits.
 template <typename T>

@@ -1,4 +1,4 @@
-// cuda/passes.h — the CUDA passes that the entry points (linear_tanh.cu) call, one function per
+// cuda/passes.h — the CUDA passes that the entry points (primitives.cu) call, one function per
 // job, templates over the storage type. Bodies in passes.cuh, instantiated once per dtype in
 // passes_<dtype>.cu so that nvcc compiles the dtypes in parallel. Shapes (M rows, N columns):
 //   activation_pass_cuda<T>(src, dst, act)   src, dst (M, N) contiguous: dst = f(src); dst may be

@@ -1,5 +1,5 @@
 """The CPU kernels at every ISA level this machine can run (csrc/cpu/dispatch.cpp,
-csrc/cpu/linear_tanh_kernels.cpp): each against the float64 reference, the levels against each
+csrc/cpu/kernels.cpp): each against the float64 reference, the levels against each
 other, and the backward's recomputed tanh against the forward's, bit for bit, on every element.
 
 ckpt_ext._C._set_cpu_capability switches the level inside this process; the fixture puts the

@@ -1,4 +1,4 @@
-// cpu/linear_tanh_kernels.cpp — the vectorised CPU kernels of the fused Linear+Tanh ops, written
+// cpu/kernels.cpp — the vectorised CPU kernels of the fused ops, written
 // once and compiled by setup.py once per ISA level (DEFAULT, AVX2, AVX512) with that level's
 // flags and -DCPU_CAPABILITY=<level>; see cpu/kernels.h for the kernels and their shapes, and
 // cpu/dispatch.cpp for the choice at run time. Everything sits in namespace
@@ -12,11 +12,11 @@
 #include <type_traits>
 
 #include "../activations.h"
-#include "../linear_tanh_math.h"
+#include "../device_math.h"
 #include "kernels.h"
 
 #ifndef CPU_CAPABILITY
-#error "cpu/linear_tanh_kernels.cpp is compiled once per ISA level with -DCPU_CAPABILITY=<level> (setup.py)"
+#error "cpu/kernels.cpp is compiled once per ISA level with -DCPU_CAPABILITY=<level> (setup.py)"
 #endif
 
 namespace ckpt_ext {

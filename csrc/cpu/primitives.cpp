@@ -1,5 +1,5 @@
-// cpu/linear_tanh.cpp — the CPU primitives of the fused Linear+Tanh ops (declared in
-// ../primitives.h; the CUDA ones are in ../cuda/linear_tanh.cu; the stack engine that calls them,
+// cpu/primitives.cpp — the CPU primitives of the fused ops (declared in
+// ../primitives.h; the CUDA ones are in ../cuda/primitives.cu; the stack engine that calls them,
 // with the GEMMs, in ../stack.cpp).
 //
 //   tanh_cpu_(acc)                                 acc (M, N) contiguous: z -> tanh(z) in place
@@ -8,7 +8,7 @@
 //   bias_grad_cpu(grad_out)                        grad_out (M, N) any strides -> column sums (N)
 //   activation_cpu(src, dst, act)                  dst = f(src) (in place when dst is src)
 //   activation_backward_cpu_                       tanh_backward_cpu_ for any activation
-// Built portably: threads and bias partial sums here, element arithmetic in cpu/linear_tanh_kernels.cpp.
+// Built portably: threads and bias partial sums here, element arithmetic in cpu/kernels.cpp.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -16,7 +16,7 @@
 #include <algorithm>
 
 #include "../primitives.h"
-#include "../linear_tanh_math.h"
+#include "../device_math.h"
 #include "kernels.h"
 
 namespace ckpt_ext {

@@ -1,4 +1,4 @@
-// linear_tanh_math.h — the arithmetic of the fused Linear+Tanh ops, written once, compiled by g++
+// device_math.h — the arithmetic the CPU and CUDA passes share, written once, compiled by g++
 // (cpu/*.cpp) and nvcc (cuda/passes.cuh): per-value formulas as templates over the value type
 // V (SIMD vectors on the CPU, registers on CUDA), and the bias gradient's summation order.
 // Shapes (M = rows of the flattened input, N = out_features):

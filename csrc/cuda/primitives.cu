@@ -1,5 +1,5 @@
-// cuda/linear_tanh.cu — the CUDA primitives of the fused ops (declared in ../primitives.h; the CPU
-// ones are in ../cpu/linear_tanh.cpp; the stack engine in ../stack.cpp): checks and the dtype
+// cuda/primitives.cu — the CUDA primitives of the fused ops (declared in ../primitives.h; the CPU
+// ones are in ../cpu/primitives.cpp; the stack engine in ../stack.cpp): checks and the dtype
 // dispatch to the passes of passes.h (kernels in passes.cuh, compiled per dtype).
 //
 //   tanh_cuda_(acc)                               acc (M, N) contiguous: z -> t = tanh(z) in place
