@@ -23,6 +23,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/version.h>
@@ -189,7 +190,7 @@ class StackBackward : public Node {
       python = state_ != nullptr;
     }
     StackGrads g = python ? python_backward(std::move(grad), s, need_x, need_w, need_b)
-                          : native_backward(std::move(grad), s, need_x, need_w, need_b);
+                          : native_backward(std::move(grad), std::move(s), need_x, need_w, need_b);
     out[0] = std::move(g.grad_x);
     for (size_t i = 0; i < L; ++i) out[1 + i] = std::move(g.grad_weights[i]);
     for (size_t j = 0; j < n_b; ++j) out[1 + L + j] = std::move(g.grad_biases[j]);
@@ -203,7 +204,7 @@ class StackBackward : public Node {
                                        : "mlp_backward";
   }
 
-  StackGrads native_backward(at::Tensor grad, const Saved& s, bool need_x,
+  StackGrads native_backward(at::Tensor grad, Saved s, bool need_x,
                              const std::vector<bool>& need_w, const std::vector<bool>& need_b) {
     const char* op = op_name();
     const c10::OptionalDeviceGuard device_guard(at::device_of(s.x));
@@ -242,8 +243,15 @@ class StackBackward : public Node {
         record.before(qualified);
       }
     }
-    return stack_backward(std::move(grad), s.x, s.weights, s.biases, has_bias_, last_act_,
-                          need_x, need_w, need_b, acts_);
+    // Without retain_graph the node lets its saved input go now rather than after apply, and
+    // hands the engine the only reference it holds: the walk then frees x after the last GEMM
+    // that reads it, before it allocates grad_x, as ATen's own backward frees a block's input.
+    if (!torch::autograd::get_current_graph_task_keep_graph()) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      x_.reset_data();
+    }
+    return stack_backward(std::move(grad), std::move(s.x), s.weights, s.biases, has_bias_,
+                          last_act_, need_x, need_w, need_b, acts_);
   }
 
   StackGrads python_backward(at::Tensor grad, const Saved& s, bool need_x,

@@ -86,7 +86,7 @@ Asked asked_of(int64_t L, const std::vector<bool>& has_bias, bool need_x,
 
 }  // namespace
 
-StackGrads stack_backward(at::Tensor grad_out, const at::Tensor& x, at::TensorList weights,
+StackGrads stack_backward(at::Tensor grad_out, at::Tensor x, at::TensorList weights,
                           at::TensorList biases, const std::vector<bool>& has_bias, bool last_act,
                           bool need_x, const std::vector<bool>& need_weights,
                           const std::vector<bool>& need_biases,
@@ -110,6 +110,8 @@ StackGrads stack_backward(at::Tensor grad_out, const at::Tensor& x, at::TensorLi
   std::vector<bool> holds_output(L, false);  // held[i] is t_i (else z_i)
   at::Tensor a = flatten_rows(x);
   const int64_t M = a.size(0);
+  const std::vector<int64_t> x_sizes = x.sizes().vec();
+  x = at::Tensor();  // from here `a` (then a_lo, if it is x) is this function's reference to x
   at::Tensor a_lo = lo == 0 ? a : at::Tensor();
   for (int64_t i = 0; i < top; ++i) {
     at::Tensor z = pre_activation(a, weights[i], b[i]);
@@ -165,9 +167,10 @@ StackGrads stack_backward(at::Tensor grad_out, const at::Tensor& x, at::TensorLi
       }
       out.grad_weights[i] = at::mm(g.t(), a_i);
     }
+    if (i == lo) a_lo = at::Tensor();  // its last reader is done: freed before grad_x exists
     if (i > lo || need_x) grad = at::mm(g, weights[i]);  // (M, K_i)
   }
-  if (need_x) out.grad_x = grad.view(x.sizes());
+  if (need_x) out.grad_x = grad.view(x_sizes);
   return out;
 }
 

@@ -36,11 +36,13 @@ struct StackGrads {
   std::vector<at::Tensor> grad_weights;  // one per weight; undefined where not asked for
   std::vector<at::Tensor> grad_biases;   // one per entry of `biases`; undefined where not asked
 };
-// grad_out is taken by value, and this function drops its reference right after the top layer's
-// elementwise pass (before any GEMM allocates): a caller that moves its only reference in (the
-// autograd node, autograd_node.cpp) lets the incoming gradient be freed there, as plain autograd
-// frees it after the top TanhBackward. The ops pass a copy: their caller's tensor lives on.
-StackGrads stack_backward(at::Tensor grad_out, const at::Tensor& x, at::TensorList weights,
+// grad_out and x are taken by value: this function drops its reference to grad_out right after
+// the top layer's elementwise pass (before any GEMM allocates), and to x right after the last GEMM
+// that reads it (before grad_x is allocated). A caller that moves its only references in (the
+// autograd node, autograd_node.cpp) lets them be freed there, as plain autograd frees the
+// gradient after the top activation's backward. The ops pass copies: their caller's tensors live
+// on.
+StackGrads stack_backward(at::Tensor grad_out, at::Tensor x, at::TensorList weights,
                           at::TensorList biases, const std::vector<bool>& has_bias, bool last_act,
                           bool need_x, const std::vector<bool>& need_weights,
                           const std::vector<bool>& need_biases,

@@ -33,3 +33,14 @@ def test_saved_activations_are_what_each_mode_keeps(tiny):
     assert tiny["fused"]["saved"] == [(16, 64)] * 3  # each block's input only
     assert tiny["fused"]["kept"] == 3 * act
     assert tiny["plain"]["kept"] == 6 * act
+
+
+def test_fused_peaks_an_activation_below_eager_checkpoint():
+    # small: batch 2048, hidden 64. Fused keeps each block's input only and, without
+    # retain_graph, lets the last block's input go before it allocates that block's input
+    # gradient (as compiled checkpoint's backward does); eager checkpoint holds it there.
+    if not os.path.exists(SCRIPT):
+        pytest.skip("scripts/ is not beside these tests")
+    main = runpy.run_path(SCRIPT, run_name="residual_peak_under_test")["main"]
+    r = main(["--preset", "small", "--modes", "checkpoint,fused"])
+    assert r["checkpoint"]["peak"] - r["fused"]["peak"] >= 2048 * 64 * 4

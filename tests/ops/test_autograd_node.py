@@ -483,12 +483,39 @@ def test_mean_loss_chain_peak_not_above_plain(fused_as, sizes):
 @pytest.mark.parametrize("fused_as", ["stack", "pairs"])
 def test_the_node_peaks_one_gradient_below_the_function(fused_as, sizes):
     # The same step with the Python Function's node (the forward under a dispatch mode): its
-    # backward holds the incoming (batch, hidden) gradient to the end, the C++ node frees it after
-    # the top layer's elementwise pass. Exactly that one buffer apart.
+    # backward holds the incoming (batch, hidden) gradient and the saved input to the end; the
+    # C++ node frees the gradient after the top layer's elementwise pass and, without
+    # retain_graph, the input after the last GEMM that reads it. At least that one buffer apart.
     model = _chain(fused_as, sizes)
     node = _peak(model, sizes)
     function = _peak(model, sizes, forward_mode=Passthrough())
-    assert function - node == sizes["batch"] * sizes["hidden"] * 4
+    assert function - node >= sizes["batch"] * sizes["hidden"] * 4, (node, function)
+
+
+@pytest.mark.parametrize("act", ["tanh", "gelu"])
+def test_without_retain_graph_the_node_frees_its_input_before_grad_x(act):
+    # One layer after a Linear, the layer's input held by nothing but the node: without
+    # retain_graph the node lets it go before the walk allocates grad_x, so the step peaks lower
+    # than with retain_graph (where the node must keep it); the gradients are the same bits.
+    batch, width = 256, 64
+    torch.manual_seed(0)
+    first = nn.Linear(16, width)
+    ws, bs = _params([width, width], dtype=torch.float32)
+    peaks, grads = [], []
+    for retain in (False, True):
+        x = torch.randn(batch, 16, generator=torch.Generator().manual_seed(1))
+        with MemoryMeter("cpu") as meter:
+            for t in [*first.parameters(), *ws, *bs]:
+                t.grad = None
+            base = meter.current()
+            meter.reset_peak()
+            loss = ckpt_ext.mlp(first(x), ws, bs, activation=act).mean()
+            loss.backward(retain_graph=retain)
+            peaks.append(meter.peak() - base)
+            del loss
+        grads.append([t.grad.clone() for t in [*first.parameters(), *ws, *bs]])
+    assert peaks[0] < peaks[1], peaks
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 @pytest.mark.cuda
@@ -572,8 +599,8 @@ def test_mlp_node_create_graph_and_saved_tensor_hooks(act):
 def test_mlp_node_peaks_below_the_function(act, layers):
     # A Linear, then the run; loss out.mean(). The Function's backward holds the incoming gradient
     # to its end, the C++ node frees it after the top layer's elementwise pass: one (batch, width)
-    # buffer apart wherever the step peaks after that pass (one layer, every activation; a tanh
-    # or relu stack). A stack of activations whose backward reads z peaks in the recompute
+    # buffer apart at least wherever the step peaks after that pass (one layer, every activation;
+    # a tanh or relu stack). A stack of activations whose backward reads z peaks in the recompute
     # instead (z_0, z_1, the top input made again and z_2 beside the gradient, which both hold
     # there): lower with the node all the same, by the weight gradient then alive
     # (docs/design.md).
@@ -602,6 +629,6 @@ def test_mlp_node_peaks_below_the_function(act, layers):
 
     node, function = peak(), peak(Passthrough())
     if layers == 1 or acts in ("tanh", "relu"):  # (relu's stack holds its outputs, as tanh's)
-        assert function - node == batch * width * 4, (node, function)
+        assert function - node >= batch * width * 4, (node, function)
     else:
         assert function - node >= width * (width + 1) * 4, (node, function)
