@@ -99,9 +99,9 @@ def test_cli_exact_memory_figures(tiny_run):
     assert bert["fused"]["kept_for_backward"] == common
     assert bert["checkpoint"]["kept_for_backward"] == common + b["depth"] * RNG
     assert bert["plain"]["kept_for_backward"] == common + b["depth"] * 2 * 4 * bert_unit
-    # 16 tokens: the weight gradients make the peak, and FusedMLP(gelu)'s backward holds its
-    # incoming (tokens, 768) gradient while the first layer's is allocated (measured: exactly
-    # one such buffer above checkpoint; FusedTanhMLP's C++ node frees it earlier)
+    # 16 tokens: the weight gradients make the peak; FusedMLP(gelu)'s C++ node frees its
+    # incoming (tokens, 768) gradient after the top layer's pass (measured below checkpoint with
+    # torch 2.14; at most one such buffer above it on every supported torch)
     assert bert["fused"]["peak_above_before_forward"] <= \
         bert["checkpoint"]["peak_above_before_forward"] + bert_unit
     for name in ("pinn-sin", "pinn-silu"):
@@ -110,13 +110,16 @@ def test_cli_exact_memory_figures(tiny_run):
     for name in ("chain", "residual", "mlp", "bert-mlp"):
         fused, compiled = nets[name]["fused"], nets[name]["compile-fused"]
         # compiling the fused model must not make it keep more (a partitioner re-deciding what
-        # to save) nor peak higher, but for one thing: the compiled region's backward node is
+        # to save) nor peak higher, but for two buffers: the compiled region's backward node is
         # AOTAutograd's Python autograd.Function, which holds the incoming (batch, hidden)
-        # gradient to its end, while eager's C++ node (csrc/autograd_node.cpp) frees it after the
-        # top layer's elementwise pass
+        # gradient and its saved input to its end, while eager's C++ node
+        # (csrc/autograd_node.cpp) frees the gradient after the top layer's elementwise pass and,
+        # without retain_graph, the input before it allocates grad_x (measured with torch 2.11:
+        # residual 7,936 B above fused, 2 units less 256 B)
         assert compiled["kept_for_backward"] == fused["kept_for_backward"], name
-        assert compiled["peak_above_before_forward"] <= \
-            fused["peak_above_before_forward"] + (bert_unit if name == "bert-mlp" else unit), name
+        two = 2 * (bert_unit if name == "bert-mlp" else unit)
+        assert compiled["peak_above_before_forward"] <= fused["peak_above_before_forward"] + two, \
+            name
     for name, modes in nets.items():
         for mode, r in modes.items():
             if "readings" not in r:
