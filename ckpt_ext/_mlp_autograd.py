@@ -83,8 +83,7 @@ def mlp_first_order(grad_out, x, weights, biases, has_bias, act, last_activation
     """(grad_x?, [grad_W_i?] per layer, [grad_b_j?] per bias) of mlp, each None where not asked:
     the C++ mlp_backward, or where that does not apply the composite (torch.func) or per-layer
     nodes (create_graph). ``act``: the op's activation argument; ``biases``: the compact list."""
-    weights, L = list(weights), len(weights)
-    acts, layer_b = layer_activations(act, L), _layer_biases(list(biases), has_bias)
+    weights = list(weights)
     # torch.func: the composite, which the transforms see through. relu with create_graph too:
     # its derivative is piecewise constant, so what stock autograd keeps for the orders above
     # is already less than what per-layer nodes keep.
@@ -99,7 +98,8 @@ def mlp_first_order(grad_out, x, weights, biases, has_bias, act, last_activation
         it_w, it_b = iter(gw_asked), iter(gb_asked)
         return ((gx if need_x else None), [next(it_w) if n else None for n in need_w],
                 [next(it_b) if n else None for n in need_b])
-    gx, gw, gb = backward(grad_out, x, weights, layer_b, acts, last_activation, need_x, need_w,
+    gx, gw, gb = backward(grad_out, x, weights, _layer_biases(list(biases), has_bias),
+                          layer_activations(act, len(weights)), last_activation, need_x, need_w,
                           _layer_biases(list(need_b), has_bias))
     return gx, gw, [g for g, hb in zip(gb, has_bias) if hb]
 

@@ -400,3 +400,24 @@ def check_relu_nan_gradient_is_stock_autograds(device, dtype, n):
     assert torch.equal(gw.t().cpu(), g_stock), "relu's g differs from stock autograd's"
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     assert torch.equal(gb.cpu(), bias_grad_documented_order(g_stock, acc, dtype))
+
+
+def kept_and_peak(runs, leaves, gy):
+    """{name: bytes kept for backward beyond the output} and {name: peak of its backward above
+    the start}, exact CPU meter, for each ``(name, fn)`` of ``runs`` (fn() -> the output, backward
+    with ``gy``); the leaves' gradients cleared after each."""
+    from ckpt_ext.memory import MemoryMeter
+    kept, peak = {}, {}
+    with MemoryMeter("cpu") as meter:
+        for name, fn in runs:
+            base = meter.current()
+            y = fn()
+            kept[name] = meter.current() - base - y.numel() * y.element_size()
+            meter.reset_peak()
+            y.backward(gy)
+            peak[name] = meter.peak() - base
+            del y
+            for t in leaves:
+                if t is not None:
+                    t.grad = None
+    return kept, peak

@@ -594,6 +594,21 @@ def test_mlp_node_create_graph_and_saved_tensor_hooks(act):
     assert {id(t) for t in packed} <= {id(t) for t in [x, *ws, *bs]}
 
 
+class _LinearThenMlp(nn.Module):
+    """A Linear, then ``mlp`` over ``layers`` (width, width) layers with ``acts``."""
+
+    def __init__(self, in_features, width, layers, acts):
+        super().__init__()
+        self.first = nn.Linear(in_features, width)
+        ws, bs = _params([width] * (layers + 1), dtype=torch.float32)
+        self.ws = nn.ParameterList([nn.Parameter(w.detach()) for w in ws])
+        self.bs = nn.ParameterList([nn.Parameter(b.detach()) for b in bs])
+        self.acts = acts
+
+    def forward(self, x):
+        return ckpt_ext.mlp(self.first(x), list(self.ws), list(self.bs), activation=self.acts)
+
+
 @pytest.mark.parametrize("act", ACTS + [MIXED], ids=ACTS + ["mixed"])
 @pytest.mark.parametrize("layers", [1, 3])
 def test_mlp_node_peaks_below_the_function(act, layers):
@@ -607,27 +622,9 @@ def test_mlp_node_peaks_below_the_function(act, layers):
     batch, width = 256, 64
     acts = act if isinstance(act, str) else act[-layers:]
     torch.manual_seed(0)
-    first = nn.Linear(16, width)
-    ws, bs = _params([width] * (layers + 1), dtype=torch.float32)
-
-    def model(x):
-        return ckpt_ext.mlp(first(x), ws, bs, activation=acts)
-
-    def peak(forward_mode=None):
-        x = torch.randn(batch, 16)
-        with MemoryMeter("cpu") as meter:
-            for t in [*first.parameters(), *ws, *bs]:
-                t.grad = None
-            if forward_mode is None:
-                return measured_step(model, x, meter)["peak_above_before_forward"]
-
-            def under_mode(inp):
-                with forward_mode:
-                    return model(inp)
-
-            return measured_step(under_mode, x, meter)["peak_above_before_forward"]
-
-    node, function = peak(), peak(Passthrough())
+    model = _LinearThenMlp(16, width, layers, acts)
+    sizes = dict(batch=batch, in_features=16)
+    node, function = _peak(model, sizes), _peak(model, sizes, forward_mode=Passthrough())
     if layers == 1 or acts in ("tanh", "relu"):  # (relu's stack holds its outputs, as tanh's)
         assert function - node >= batch * width * 4, (node, function)
     else:

@@ -14,6 +14,7 @@ from torch import nn
 import ckpt_ext
 from ckpt_ext._activations import REGISTRY
 from reference import (ACTIVATION_REF, MLP_REL_TOL, aligned_pad, assert_mlp_matches_reference,
+                       kept_and_peak,
                        check_relu_nan_gradient_is_stock_autograds, measured, mlp_grads,
                        mlp_inputs, mlp_ref, mlp_ref_grads, mlp_tol, padded_rows, rel_err)
 
@@ -281,26 +282,13 @@ def test_memory_kept_and_peak_in_bytes(act):
     # relu: also the next Linear's input), or z and its output, or z, an intermediate and its
     # output (quick_gelu): docs/design.md's table. The
     # fused backward's peak stays at or below plain's.
-    from ckpt_ext.memory import MemoryMeter
     B, widths = 64, [32, 32, 8]
     x, ws, bs, gy = _inputs((B,), [8, *widths], (True, True, True), torch.float32)
     per_layer = REGISTRY[act].tensors_per_layer
     # the top layer's output is the run's output (not counted): its z alone, if kept
     expected = (sum(per_layer * n for n in widths[:-1]) + (per_layer - 1) * widths[-1]) * B * 4
-    out_bytes = B * widths[-1] * 4
-    kept, peak = {}, {}
-    with MemoryMeter("cpu") as meter:
-        for name, fn in (("fused", lambda: ckpt_ext.mlp(x, ws, bs, activation=act)),
-                         ("plain", lambda: mlp_ref(x, ws, bs, act))):
-            base = meter.current()
-            y = fn()
-            kept[name] = meter.current() - base - out_bytes
-            meter.reset_peak()
-            y.backward(gy)
-            peak[name] = meter.peak() - base
-            del y
-            for t in [x, *ws, *bs]:
-                t.grad = None
+    kept, peak = kept_and_peak((("fused", lambda: ckpt_ext.mlp(x, ws, bs, activation=act)),
+                                ("plain", lambda: mlp_ref(x, ws, bs, act))), [x, *ws, *bs], gy)
     assert kept["fused"] == 0
     # (quick_gelu's 1.702·z also keeps its 0-dim scalar, 8 B a layer)
     assert expected <= kept["plain"] <= expected + 8 * len(widths)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckpt_ext
-from reference import mlp_inputs, mlp_ref, mlp_tol, rel_err, requires_gpu
+from reference import kept_and_peak, mlp_inputs, mlp_ref, mlp_tol, rel_err, requires_gpu
 
 ACTS = list(ckpt_ext.ACTIVATIONS)
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -165,24 +165,11 @@ def test_opcheck_mixed():
 
 
 def test_memory_kept_is_nothing_and_the_peak_not_above_plain():
-    from ckpt_ext.memory import MemoryMeter
     acts = ["relu", "relu", "tanh"]
     x, ws, bs, gy = mlp_inputs((64,), [8, 32, 32, 8], torch.float32, seed=1)
     x, ws, bs = _leaves(x, ws, bs)
-    out_bytes = 64 * 8 * 4
-    kept, peak = {}, {}
-    with MemoryMeter("cpu") as meter:
-        for name, fn in (("fused", lambda: ckpt_ext.mlp(x, ws, bs, activation=acts)),
-                         ("plain", lambda: mlp_ref(x, ws, bs, acts))):
-            base = meter.current()
-            y = fn()
-            kept[name] = meter.current() - base - out_bytes
-            meter.reset_peak()
-            y.backward(gy)
-            peak[name] = meter.peak() - base
-            del y
-            for t in [x, *ws, *bs]:
-                t.grad = None
+    kept, peak = kept_and_peak((("fused", lambda: ckpt_ext.mlp(x, ws, bs, activation=acts)),
+                                ("plain", lambda: mlp_ref(x, ws, bs, acts))), [x, *ws, *bs], gy)
     assert kept["fused"] == 0
     # plain keeps relu's output twice over two layers and tanh's output (the run's): 2·(64·32)
     assert kept["plain"] == 2 * 64 * 32 * 4
