@@ -12,9 +12,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _C
 from ._activations import activate, derivative, second_derivative, third_derivative
 from ._autograd import _needed, _note_tensor_inputs
 from ._derivatives import _flat
+
+_NATIVE_DTYPES = frozenset(getattr(torch, name) for name in _C.SUPPORTED_DTYPES)
+_ATEN_ORDERS = (activate, derivative, second_derivative, third_derivative)
+
+
+def _native(p: Tensor) -> bool:
+    """Whether f and its derivatives at p come from the activation's own kernel
+    (_C._activation_derivative: one pass, f as the forward computes it): where no graph is recorded
+    (a formula's derivative is the next formula, or autograd through the ATen spelling past the
+    last) and p is a plain CPU or CUDA tensor of a dtype the ops take."""
+    return (not torch.is_grad_enabled() and type(p) is Tensor and p.dtype in _NATIVE_DTYPES
+            and (p.device.type == "cpu" or (p.device.type == "cuda" and _C.WITH_CUDA)))
 
 
 # ---- one layer, written on its pre-activation input --------------------------------------------
@@ -30,6 +43,13 @@ class _Input:
 
     def __init__(self, act: Optional[str], p: Tensor) -> None:
         self.act, self.p, self._made = act, p, {}
+        self._native = act is not None and _native(p)
+
+    def _order(self, k: int) -> Tensor:
+        """f^(k)(p), a new tensor."""
+        if self._native:
+            return _C._activation_derivative(self.p, self.act, k)
+        return _ATEN_ORDERS[k](self.act, self.p)
 
     def _get(self, key, make):
         if key not in self._made:
@@ -41,21 +61,21 @@ class _Input:
             self._made.pop(k, None)
 
     def f(self) -> Tensor:
-        return self.p if self.act is None else self._get("f", lambda: activate(self.act, self.p))
+        return self.p if self.act is None else self._get("f", lambda: self._order(0))
 
     def d1(self, v: Tensor) -> Tensor:
         """v·f'(p), f'(p) made for this product alone (no buffer outlives it); v itself for the
         identity."""
         if self.act is None:
             return v
-        return _times(derivative(self.act, self.p), v)
+        return _times(self._order(1), v)
 
     def d2(self) -> Tensor:
         """f''(p) (never asked for the identity, whose f'' is zero)."""
-        return self._get("d2", lambda: second_derivative(self.act, self.p))
+        return self._get("d2", lambda: self._order(2))
 
     def d3(self) -> Tensor:
-        return self._get("d3", lambda: third_derivative(self.act, self.p))
+        return self._get("d3", lambda: self._order(3))
 
 
 # Where no graph is recorded, a formula updates its own temporaries in place (one buffer fewer

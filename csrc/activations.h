@@ -132,6 +132,81 @@ CKPT_HD V activation_grad(V gy, V z) {
   }
 }
 
+// f^(K)(z) for K = 0 (f itself), 1, 2, 3: the values the create_graph path of the higher orders
+// multiplies by (ckpt_ext/_mlp_higher_order.py; its ATen spelling, for the orders it records,
+// is the registry's d1, d2, d3 in ckpt_ext/_activations.py). s = σ(z), φ = exp(−z²/2)/√(2π);
+// gelu_tanh with u = k(z + c·z³), th = tanh(u), S = 1 − th², P = u' + z·(u'' − 2·th·u'²)/2.
+template <Activation A, int K, typename V>
+CKPT_HD V activation_derivative(V z) {
+  static_assert(K >= 0 && K <= 3, "the orders 0 to 3");
+  using M = Math<V>;
+  if constexpr (K == 0) {
+    return activate<A>(z);
+  } else if constexpr (K == 1) {
+    return activation_grad<A>(V(1), z);
+  } else if constexpr (A == Activation::kTanh) {
+    const V t = M::tanh(z);
+    const V s = V(1) - t * t;
+    return K == 2 ? s * (V(-2) * t) : s * (V(6) * t * t - V(2));
+  } else if constexpr (A == Activation::kGelu) {
+    const V z2 = z * z;
+    const V phi = M::exp(V(-0.5) * z2) * V(kInvSqrt2Pi);
+    return K == 2 ? phi * (V(2) - z2) : phi * z * (z2 - V(4));
+  } else if constexpr (A == Activation::kGeluTanh) {
+    const V z2 = z * z;
+    const V th = M::tanh(V(kSqrt2OverPi) * (z + V(kGeluCubic) * z2 * z));
+    const V du = V(kSqrt2OverPi) * (V(1) + V(3 * kGeluCubic) * z2);
+    const V d2u = V(6 * kSqrt2OverPi * kGeluCubic) * z;
+    const V s = V(1) - th * th;
+    const V p = du + V(0.5) * z * (d2u - V(2) * th * du * du);
+    if constexpr (K == 2) {
+      return s * p;
+    } else {
+      const V dp = V(1.5) * d2u - th * du * du +
+                   V(0.5) * z * (V(6 * kSqrt2OverPi * kGeluCubic) - V(2) * s * du * du * du -
+                                 V(4) * th * du * d2u);
+      return s * (dp - V(2) * th * du * p);
+    }
+  } else if constexpr (A == Activation::kSilu || A == Activation::kQuickGelu) {
+    // quick_gelu(z) = silu(a·z)/a, so its K-th derivative is a^(K−1)·silu^(K)(a·z)
+    constexpr double kScale = A == Activation::kSilu ? 1.0 : kQuickGeluScale;
+    const V x = A == Activation::kSilu ? z : V(kScale) * z;
+    const V s = V(1) / (V(1) + M::exp(V(0) - x));
+    const V ds = s * (V(1) - s);
+    const V q = V(1) - V(2) * s;
+    if constexpr (K == 2) {
+      const V r = ds * (V(2) + x * q);
+      return A == Activation::kSilu ? r : V(kScale) * r;
+    } else {
+      const V r = ds * (q * (V(3) + x * q) - V(2) * x * ds);
+      return A == Activation::kSilu ? r : V(kScale * kScale) * r;
+    }
+  } else if constexpr (A == Activation::kSigmoid) {
+    const V s = V(1) / (V(1) + M::exp(V(0) - z));
+    const V ds = s * (V(1) - s);
+    return K == 2 ? ds * (V(1) - V(2) * s) : ds * (V(1) - V(6) * s + V(6) * s * s);
+  } else if constexpr (A == Activation::kSoftplus) {  // f(z) = z above the threshold
+    const V s = V(1) / (V(1) + M::exp(V(0) - z));
+    const V ds = s * (V(1) - s);
+    return M::where_gt(z, V(kSoftplusThreshold), V(0), K == 2 ? ds : ds * (V(1) - V(2) * s));
+  } else if constexpr (A == Activation::kSin) {
+    return V(0) - (K == 2 ? M::sin(z) : M::cos(z));
+  } else {  // kRelu: piecewise linear
+    return V(0);
+  }
+}
+
+// Calls fn(std::integral_constant<int, K>{}) for the runtime order k (0 to 3), as with_activation.
+template <typename Fn>
+inline auto with_order(int k, Fn&& fn) {
+  switch (k) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    default: return fn(std::integral_constant<int, 0>{});
+  }
+}
+
 // Calls fn(std::integral_constant<Activation, A>{}) for the runtime value a: one instantiation per
 // activation, so each kernel loop is compiled for its formula.
 template <typename Fn>

@@ -58,6 +58,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return ckpt_ext::activation_backward_(acc, grad_out, act, want_bias_grad);
   }, pybind11::arg("acc"), pybind11::arg("grad_out"), pybind11::arg("activation"),
      pybind11::arg("want_bias_grad") = false);
+  // f^(order)(src) (order 0 to 3) in a new contiguous buffer, one pass of the activation's kernel:
+  // the values the create_graph formulas of the higher orders multiply by, where they record no
+  // graph (ckpt_ext/_mlp_higher_order.py).
+  m.def("_activation_derivative", [](const at::Tensor& src, const std::string& name, int order) {
+    const ckpt_ext::Activation act =
+        ckpt_ext::parse_activation("_C._activation_derivative", name);
+    TORCH_CHECK_VALUE(order >= 0 && order <= 3,
+                      "_C._activation_derivative: order must be 0, 1, 2 or 3; got ", order);
+    TORCH_CHECK_VALUE(ckpt_ext::is_supported_dtype(src.scalar_type()) &&
+                      (src.is_cpu() || src.is_cuda()),
+                      "_C._activation_derivative: src must be a CPU or CUDA tensor of ",
+                      ckpt_ext::supported_dtypes_text(), "; got ", src.scalar_type(), " on ",
+                      src.device());
+#ifndef CKPT_EXT_WITH_CUDA
+    TORCH_CHECK(!src.is_cuda(), "_C._activation_derivative: got a CUDA tensor, but this build of "
+                "ckpt_ext has no CUDA kernels");
+#endif
+    const at::Tensor in = src.contiguous();
+    at::Tensor out = ckpt_ext::new_buffer(in.sizes(), in.options());
+    if (in.numel() > 0) ckpt_ext::activation_to(in, out, act, order);
+    return out;
+  }, pybind11::arg("src"), pybind11::arg("activation"), pybind11::arg("order"));
   ckpt_ext::bind_cpu_meter(m);
   ckpt_ext::bind_build_info(m);  // TORCH_BUILD_VERSION, CPU level hooks (build_info.cpp)
   ckpt_ext::bind_autograd_node(m);  // the C++ first-order autograd node (autograd_node.cpp)

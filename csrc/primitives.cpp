@@ -41,12 +41,12 @@ void activation_in_place(const at::Tensor& acc, Activation act) {
   CKPT_EXT_ON_DEVICE(acc, activation_cpu(acc, acc, act), activation_cuda(acc, acc, act));
 }
 
-void activation_to(const at::Tensor& src, const at::Tensor& dst, Activation act) {
+void activation_to(const at::Tensor& src, const at::Tensor& dst, Activation act, int order) {
 #ifdef CKPT_EXT_WITH_CUDA
-  if (dst.is_cuda()) return activation_cuda(src, dst, act);  // one pass, tanh's own included
+  if (dst.is_cuda()) return activation_cuda(src, dst, act, order);  // one pass, tanh's included
 #endif
   // tanh included: the activate kernel's tanh is tanh_cpu_'s, element for element
-  activation_cpu(src, dst, act);
+  activation_cpu(src, dst, act, order);
 }
 
 at::Tensor activation_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Activation act,

@@ -44,11 +44,12 @@ at::Tensor tanh_backward_cuda_(const at::Tensor& acc, const at::Tensor& grad_out
 // Any activation of activations.h (in place and backward, kTanh goes to the tanh primitives
 // above). acc holds z and becomes f(z), or g = grad_out·f'(z) with grad_b as tanh_backward_
 // returns it. activation_to writes f(src) into dst (same shape, dtype and device; contiguous),
-// leaving src as it is: one pass, each element's arithmetic that of the in-place kernel.
+// leaving src as it is: one pass, each element's arithmetic that of the in-place kernel; with
+// order k = 1, 2, 3 it writes the k-th derivative f^(k)(src) instead (activations.h).
 void activation_in_place(const at::Tensor& acc, Activation act);
-void activation_to(const at::Tensor& src, const at::Tensor& dst, Activation act);
-void activation_cpu(const at::Tensor& src, const at::Tensor& dst, Activation act);
-void activation_cuda(const at::Tensor& src, const at::Tensor& dst, Activation act);
+void activation_to(const at::Tensor& src, const at::Tensor& dst, Activation act, int order = 0);
+void activation_cpu(const at::Tensor& src, const at::Tensor& dst, Activation act, int order = 0);
+void activation_cuda(const at::Tensor& src, const at::Tensor& dst, Activation act, int order = 0);
 at::Tensor activation_backward_(const at::Tensor& acc, const at::Tensor& grad_out, Activation act,
                                 bool want_bias_grad);
 // The activations whose backward pass can read the output t = f(z) (tanh: g = gy·(1 − t²); relu:

@@ -205,18 +205,20 @@ void column_sums_kernel(const scalar_t* grad_out, int64_t sr, int64_t sc, int64_
   }
 }
 
-// The activations of activations.h: dst = f(src) (in place when dst == src), and z -> g =
-// gy·f'(z) in place.
+// The activations of activations.h: dst = f^(order)(src) (f itself for order 0; in place when
+// dst == src), and z -> g = gy·f'(z) in place.
 template <typename scalar_t>
-void activate_kernel(const scalar_t* src, scalar_t* dst, int64_t n, Activation act) {
+void activate_kernel(const scalar_t* src, scalar_t* dst, int64_t n, Activation act, int order) {
   constexpr int64_t W = kStep<scalar_t>;
   with_activation(act, [&](auto a) {
-    for (int64_t i = 0; i < n; i += W) {
-      const int64_t k = std::min(W, n - i);
-      Step<scalar_t> s = Step<scalar_t>::load(src + i, k);
-      for (auto& v : s.v) v = activate<decltype(a)::value>(v);
-      s.store(dst + i, k);
-    }
+    with_order(order, [&](auto o) {
+      for (int64_t i = 0; i < n; i += W) {
+        const int64_t k = std::min(W, n - i);
+        Step<scalar_t> s = Step<scalar_t>::load(src + i, k);
+        for (auto& v : s.v) v = activation_derivative<decltype(a)::value, decltype(o)::value>(v);
+        s.store(dst + i, k);
+      }
+    });
   });
 }
 

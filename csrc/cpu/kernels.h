@@ -6,7 +6,8 @@
 //   backward_rows(acc, gy, sr, sc, r0, r1, N, pre, sums)   acc (M, N) contiguous: z (pre) or t ->
 //       g in place; gy (M, N) strides (sr, sc), sc == 0 = one value per row; sums (N) += g or null
 //   column_sums(gy, sr, sc, r0, r1, N, sums)               sums (N) += rows of gy
-//   activate(src, dst, n, act)    dst = f(src), n contiguous values (dst == src: in place)
+//   activate(src, dst, n, act, k) dst = f^(k)(src) (k = 0: f), n contiguous values (dst == src:
+//                                 in place)
 //   activation_backward_rows: backward_rows for any activation (activations.h), acc holding z
 // Sums in increasing row order, in acc_t (half types compute in float): docs/design.md.
 #pragma once
@@ -32,7 +33,7 @@ struct KernelsFor {
                         int64_t r0, int64_t r1, int64_t N, bool pre_activation, acc_t* sums);
   void (*column_sums)(const scalar_t* grad_out, int64_t sr, int64_t sc, int64_t r0, int64_t r1,
                       int64_t N, acc_t* sums);
-  void (*activate)(const scalar_t* src, scalar_t* dst, int64_t n, Activation act);
+  void (*activate)(const scalar_t* src, scalar_t* dst, int64_t n, Activation act, int order);
   void (*activation_backward_rows)(scalar_t* acc, const scalar_t* grad_out, int64_t sr,
                                    int64_t sc, int64_t r0, int64_t r1, int64_t N, Activation act,
                                    acc_t* sums);

@@ -6,7 +6,8 @@
 //   tanh_backward_cpu_(acc, grad_out, holds, b)    acc (M, N): z or t -> g = grad_out·(1 − t²) in
 //                                                  place; grad_out (M, N) any strides; -> grad_b (N)?
 //   bias_grad_cpu(grad_out)                        grad_out (M, N) any strides -> column sums (N)
-//   activation_cpu(src, dst, act)                  dst = f(src) (in place when dst is src)
+//   activation_cpu(src, dst, act, k)               dst = f^(k)(src), f for k = 0 (in place when
+//                                                  dst is src)
 //   activation_backward_cpu_                       tanh_backward_cpu_ for any activation
 // Built portably: threads and bias partial sums here, element arithmetic in cpu/kernels.cpp.
 #include <ATen/Dispatch.h>
@@ -98,7 +99,7 @@ at::Tensor tanh_backward_cpu_(const at::Tensor& acc, const at::Tensor& grad_out,
   });
 }
 
-void activation_cpu(const at::Tensor& src, const at::Tensor& dst, Activation act) {
+void activation_cpu(const at::Tensor& src, const at::Tensor& dst, Activation act, int order) {
   TORCH_INTERNAL_ASSERT(src.is_contiguous() && dst.is_contiguous() &&
                         src.numel() == dst.numel() && src.scalar_type() == dst.scalar_type());
   const cpu::Kernels& kern = cpu::kernels();
@@ -109,7 +110,7 @@ void activation_cpu(const at::Tensor& src, const at::Tensor& dst, Activation act
     const auto activate = kern.of<scalar_t>().activate;
     // Elementwise, as tanh_cpu_: where a grain ends does not change a value.
     at::parallel_for(0, dst.numel(), 32768,
-                     [&](int64_t i0, int64_t i1) { activate(s + i0, d + i0, i1 - i0, act); });
+                     [&](int64_t i0, int64_t i1) { activate(s + i0, d + i0, i1 - i0, act, order); });
   });
 }
 

@@ -1,7 +1,8 @@
 // cuda/passes.cuh — the CUDA kernels of the elementwise passes and the bias sums, and their
 // launchers (declared in passes.h; instantiated per dtype in passes_<dtype>.cu):
 //
-//   activation_kernel           src (M, N) -> dst = f(src), flat, in place when dst == src
+//   activation_kernel           src (M, N) -> dst = f^(K)(src) (f for K = 0), flat, in place when
+//                               dst == src
 //   activation_backward_kernel  acc (M, N) contiguous holds z or t -> g = grad_out·f'(z) in place;
 //                               grad_out (M, N), any strides; the column sums of g per 32-row
 //                               chunk, and the last block to finish a group of chunks combines
@@ -132,6 +133,16 @@ __device__ __forceinline__ at::opmath_type<scalar_t> activate_value(at::opmath_t
   }
 }
 
+// f^(K)(z): f's own (activate_value) for K = 0.
+template <Activation kAct, int K, typename scalar_t>
+__device__ __forceinline__ at::opmath_type<scalar_t> derivative_value(at::opmath_type<scalar_t> z) {
+  if constexpr (K == 0) {
+    return activate_value<kAct, scalar_t>(z);
+  } else {
+    return activation_derivative<kAct, K>(z);
+  }
+}
+
 // src and dst are (M, N) contiguous, numel = M·N, read as flat arrays of packs of V elements
 // (V = 1 unless both are 16-byte aligned); dst may be src (in place: every element is read and
 // written by the same thread, read first). The packs are cut into tiles of kThreads·kTanhUnroll;
@@ -139,7 +150,7 @@ __device__ __forceinline__ at::opmath_type<scalar_t> activate_value(at::opmath_t
 // (each of its kTanhUnroll accesses is coalesced across the warp) and issues all its loads before
 // its first store. The numel % V elements after the last whole pack (the tail, < V) are done by
 // the first threads of block 0.
-template <typename scalar_t, int V, Activation kAct>
+template <typename scalar_t, int V, Activation kAct, int K>
 __global__ void __launch_bounds__(kThreads)
     activation_kernel(const scalar_t* src, scalar_t* dst, int64_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -163,7 +174,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           z[j].v[e] = static_cast<scalar_t>(
-              activate_value<kAct, scalar_t>(static_cast<acc_t>(z[j].v[e])));
+              derivative_value<kAct, K, scalar_t>(static_cast<acc_t>(z[j].v[e])));
         }
         out[p] = z[j];
       }
@@ -172,7 +183,7 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (V > 1) {
     const int64_t i = n_packs * V + threadIdx.x;  // tail: fewer than V <= kThreads elements
     if (blockIdx.x == 0 && i < numel) {
-      dst[i] = static_cast<scalar_t>(activate_value<kAct, scalar_t>(static_cast<acc_t>(src[i])));
+      dst[i] = static_cast<scalar_t>(derivative_value<kAct, K, scalar_t>(static_cast<acc_t>(src[i])));
     }
   }
 }
@@ -494,7 +505,8 @@ void launch_backward(scalar_t* acc, const at::Tensor& grad_out, int64_t M, int64
 }  // namespace
 
 template <typename scalar_t>
-void activation_pass_cuda(const at::Tensor& src, const at::Tensor& dst, Activation act) {
+void activation_pass_cuda(const at::Tensor& src, const at::Tensor& dst, Activation act,
+                          int order) {
   const int64_t numel = dst.numel();
   if (numel == 0) return;
   constexpr int V = kPackBytes / sizeof(scalar_t);
@@ -503,14 +515,17 @@ void activation_pass_cuda(const at::Tensor& src, const at::Tensor& dst, Activati
   const scalar_t* s = src.const_data_ptr<scalar_t>();
   scalar_t* d = dst.data_ptr<scalar_t>();
   with_activation(act, [&](auto a) {
-    constexpr Activation kAct = decltype(a)::value;
-    if (aligned_to(s, kPackBytes) && aligned_to(d, kPackBytes)) {
-      activation_kernel<scalar_t, V, kAct><<<grid_for(numel / V, kTile), kThreads, 0, stream>>>(
-          s, d, numel);
-    } else {
-      activation_kernel<scalar_t, 1, kAct><<<grid_for(numel, kTile), kThreads, 0, stream>>>(
-          s, d, numel);
-    }
+    with_order(order, [&](auto o) {
+      constexpr Activation kAct = decltype(a)::value;
+      constexpr int K = decltype(o)::value;
+      if (aligned_to(s, kPackBytes) && aligned_to(d, kPackBytes)) {
+        activation_kernel<scalar_t, V, kAct, K>
+            <<<grid_for(numel / V, kTile), kThreads, 0, stream>>>(s, d, numel);
+      } else {
+        activation_kernel<scalar_t, 1, kAct, K><<<grid_for(numel, kTile), kThreads, 0, stream>>>(
+            s, d, numel);
+      }
+    });
   });
   check_launch("activation_kernel");
 }

@@ -1,8 +1,8 @@
 // cuda/passes.h — the CUDA passes that the entry points (primitives.cu) call, one function per
 // job, templates over the storage type. Bodies in passes.cuh, instantiated once per dtype in
 // passes_<dtype>.cu so that nvcc compiles the dtypes in parallel. Shapes (M rows, N columns):
-//   activation_pass_cuda<T>(src, dst, act)   src, dst (M, N) contiguous: dst = f(src); dst may be
-//                                            src (in place)
+//   activation_pass_cuda<T>(src, dst, act, k)  src, dst (M, N) contiguous: dst = f^(k)(src), f
+//                                            for k = 0; dst may be src (in place)
 //   backward_pass_cuda<T>(acc, grad_out, pass, act, want_bias_grad)
 //                                            acc (M, N) contiguous (undefined for kSumOnly) -> g in
 //                                            place; grad_out (M, N) any strides; -> grad_b (N) or
@@ -23,7 +23,8 @@ enum class BackwardPass {
 };
 
 template <typename scalar_t>
-void activation_pass_cuda(const at::Tensor& src, const at::Tensor& dst, Activation act);
+void activation_pass_cuda(const at::Tensor& src, const at::Tensor& dst, Activation act,
+                          int order);
 
 template <typename scalar_t>
 at::Tensor backward_pass_cuda(const at::Tensor& acc, const at::Tensor& grad_out, BackwardPass pass,

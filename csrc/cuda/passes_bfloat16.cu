@@ -5,7 +5,7 @@
 namespace ckpt_ext {
 
 template void activation_pass_cuda<c10::BFloat16>(const at::Tensor&, const at::Tensor&,
-                                        Activation);
+                                        Activation, int);
 template at::Tensor backward_pass_cuda<c10::BFloat16>(const at::Tensor&, const at::Tensor&,
                                             BackwardPass, Activation, bool);
 

@@ -7,7 +7,8 @@
 //                                                 grad_out·(1 − t²) in place; grad_out (M, N), any
 //                                                 strides; -> grad_b (N) = column sums of g, if b
 //   bias_grad_cuda(grad_out)                      grad_out (M, N), any strides -> column sums (N)
-//   activation_cuda(src, dst, act)                dst = f(src), one pass (in place when dst is src)
+//   activation_cuda(src, dst, act, k)             dst = f^(k)(src), f for k = 0, one pass (in place
+//                                                 when dst is src)
 //   activation_backward_cuda_                     tanh_backward_cuda_ for any activation, from z
 #include <ATen/Dispatch.h>
 
@@ -30,12 +31,12 @@ at::Tensor backward(const at::Tensor& acc, const at::Tensor& grad_out, BackwardP
 
 }  // namespace
 
-void activation_cuda(const at::Tensor& src, const at::Tensor& dst, Activation act) {
+void activation_cuda(const at::Tensor& src, const at::Tensor& dst, Activation act, int order) {
   TORCH_INTERNAL_ASSERT(src.is_cuda() && dst.is_cuda() && src.is_contiguous() &&
                         dst.is_contiguous() && src.numel() == dst.numel() &&
                         src.scalar_type() == dst.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "activation_cuda",
-                                  [&] { activation_pass_cuda<scalar_t>(src, dst, act); });
+                                  [&] { activation_pass_cuda<scalar_t>(src, dst, act, order); });
 }
 
 void tanh_cuda_(const at::Tensor& acc) { activation_cuda(acc, acc, Activation::kTanh); }
