@@ -157,6 +157,25 @@ def activations(dtype):
                         check(f"{name}: grad {i}", o, r, tol, scale=r.abs() + r.abs().mean())
 
 
+def derivatives(dtype):
+    """The derivative pass (_C._activation_derivative, orders 0 to 3) of every activation on 37
+    rows of width 9, from an aligned and a misaligned input (the pack and one-element paths),
+    against the registry's float64 spelling on the CPU."""
+    from ckpt_ext import _C
+    from ckpt_ext._activations import REGISTRY
+    g = torch.Generator().manual_seed(3)
+    z = (torch.randn(37, 9, generator=g) * 4).to(dtype)
+    z64 = z.double()
+    for act in ckpt_ext.ACTIVATIONS:
+        row = REGISTRY[act]
+        refs = (row.f(z64), row.derivative(z64), row.d2(z64), row.d3(z64))
+        for k, ref in enumerate(refs):
+            for layout, src in (("aligned", z.to(DEVICE)), ("misaligned", misaligned(z.to(DEVICE)))):
+                got = _C._activation_derivative(src, act, k)
+                check(f"derivative {act} order {k} {dtype} {layout}", got, ref, TOL[dtype],
+                      scale=ref.abs() + ref.abs().mean() + 1e-30)
+
+
 def ops(dtype):
     tol = TOL[dtype]
     g = torch.Generator().manual_seed(1)
@@ -192,8 +211,8 @@ def cases(only=None):
     """(name, function, dtype) of every case, in the order they run: each group in every dtype
     before the next group, the kernels' own paths first (a run stopped at its time limit has
     covered the most)."""
-    groups = [combine_levels] if only == "combine" else [kernel_paths, activations, ops,
-                                                            combine_levels]
+    groups = [combine_levels] if only == "combine" else [kernel_paths, activations, derivatives,
+                                                            ops, combine_levels]
     return [(f"{fn.__name__} {dtype}", fn, dtype) for fn in groups for dtype in DTYPES]
 
 

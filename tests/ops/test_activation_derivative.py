@@ -11,7 +11,7 @@ import torch
 import ckpt_ext
 from ckpt_ext import _C
 from ckpt_ext._activations import REGISTRY
-from reference import cuda_skip_reason, measured, rel_err
+from reference import measured, rel_err, requires_gpu
 
 ACTS = list(ckpt_ext.ACTIVATIONS)
 LEVELS = list(_C._cpu_capabilities())
@@ -128,7 +128,8 @@ def test_errors_name_expected_and_given():
         _C._activation_derivative(torch.ones(3, dtype=torch.int32), "tanh", 1)
 
 
-@pytest.mark.skipif(cuda_skip_reason() is not None, reason=str(cuda_skip_reason()))
+@pytest.mark.cuda
+@requires_gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_every_order_against_autograd_of_f(dtype):
     for name in ACTS:
