@@ -40,9 +40,12 @@ def tanh_mlp(x: Tensor, weights: Sequence[Tensor],
     and ``in_i = out_{i-1}``; ``biases`` is None (no bias anywhere) or one entry per layer, a
     (out_i,) tensor or None. Backward recomputes the stack's activations once and walks the layers
     back, freeing each as soon as it is used; with one layer and ``last_tanh`` it is exactly
-    :func:`linear_tanh`.
+    :func:`linear_tanh`. It is :func:`mlp` with ``activation="tanh"``.
     """
     weights = list(weights)
+    if not weights:
+        raise ValueError("ckpt_ext.tanh_mlp: weights must hold at least one layer's weight, got "
+                         "an empty list")
     if biases is None:
         biases = [None] * len(weights)
     else:
@@ -50,9 +53,9 @@ def tanh_mlp(x: Tensor, weights: Sequence[Tensor],
         if len(biases) != len(weights):
             raise ValueError(f"ckpt_ext.tanh_mlp: biases must have one entry (a tensor or None) per "
                              f"layer ({len(weights)}), got {len(biases)}")
-    has_bias = [b is not None for b in biases]
-    return torch.ops.ckpt_ext.tanh_mlp.default(
-        x, weights, [b for b in biases if b is not None], has_bias, bool(last_tanh))
+    return torch.ops.ckpt_ext.mlp.default(
+        x, weights, [b for b in biases if b is not None], [b is not None for b in biases], "tanh",
+        bool(last_tanh))
 
 
 def mlp(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Optional[Tensor]]] = None,
@@ -62,14 +65,12 @@ def mlp(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Optional
     backward as ``x`` only. ``activation`` is one name for every layer or one name per layer with
     an activation (``len(weights)``, or one less without the last), so a run may mix them
     (``["relu", "relu", "tanh"]``); one name throughout is that name, to the bit. ``"tanh"``
-    alone is :func:`tanh_mlp` itself; the others are ``nn.GELU()`` ("gelu"),
+    is what :func:`tanh_mlp` runs; the others are ``nn.GELU()`` ("gelu"),
     ``nn.GELU(approximate="tanh")`` ("gelu_tanh"), ``nn.SiLU``, ``nn.Sigmoid``, ``nn.Softplus()``
     (beta 1, threshold 20), ``torch.sin``, ``nn.ReLU`` and transformers' ``QuickGELUActivation``
     ("quick_gelu")."""
     weights = list(weights)
     spec = activation_spec(activation, len(weights), bool(last_activation), "ckpt_ext.mlp")
-    if spec == "tanh":
-        return tanh_mlp(x, weights, biases, last_activation)
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
         raise ValueError(f"ckpt_ext.mlp: biases must have one entry (a tensor or None) per "

@@ -120,7 +120,7 @@ def _launch(kind: str, policy: str, tmp_path):
 TOL_GRADS = 2e-15
 
 
-@pytest.mark.parametrize("policy,op", [("memory", "ckpt_ext::tanh_mlp"),
+@pytest.mark.parametrize("policy,op", [("memory", "ckpt_ext::mlp"),
                                        ("all", "ckpt_ext::linear_tanh")])
 def test_ddp_gloo_two_ranks(tmp_path, policy, op):
     results = _launch("ddp", policy, tmp_path)
