@@ -1,11 +1,12 @@
-"""First-order autograd of linear_tanh and tanh_mlp: they keep only x (and references to the
-parameters); backward recomputes the activations.
+"""First-order autograd of linear_tanh, and of a tanh stack's create_graph path (the mlp op's
+other paths: ``_mlp_autograd``): they keep only x (and references to the parameters); backward
+recomputes the activations.
 
 Two recorders, one per situation (docs/design.md, "Autograd (first order)"): the single-level
 Functions below, the public-API path (torch.func, modes, subclasses, compile), applied by the
 op's Autograd kernel; and in plain eager autograd the C++ node of csrc/autograd_node.cpp, whose
 native path frees the incoming gradient as early as plain autograd does (its Python side:
-``_autograd_node``). Both run the same backward (_first_order_from, _tanh_mlp_first_order). The
+``_autograd_node``). Both run the same backward (_first_order_from, _tanh_stack_first_order). The
 higher-order ops are in ``_higher_order``.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import Tensor
 from torch.autograd.function import _SingleLevelFunction
 
 from . import _C
-from ._derivatives import (_OPS, _add, _layer_biases, _linear_tanh_jvp,
+from ._derivatives import (_OPS, _layer_biases, _linear_tanh_jvp,
                            _stack_backward_composite)
 
 def _below_autograd(op, *args):
@@ -187,7 +188,7 @@ class _LinearTanhKeep(_SingleLevelFunction):
 
 def _stack_outputs_kept(x, weights, layer_b, last_tanh) -> List[Optional[Tensor]]:
     """The layers' outputs t_0 .. t_{L−1}, recomputed by nodes that keep them (_LinearTanhKeep);
-    None for a top layer without tanh. The create_graph path of the stack (_TanhMlp.backward)."""
+    None for a top layer without tanh. The create_graph path of a tanh stack."""
     outs: List[Optional[Tensor]] = []
     h = x
     for i, (w, b) in enumerate(zip(weights, layer_b)):
@@ -199,91 +200,27 @@ def _stack_outputs_kept(x, weights, layer_b, last_tanh) -> List[Optional[Tensor]
     return outs
 
 
-def _tanh_mlp_first_order(ctx, grad_out, x, weights, biases, has_bias, last_tanh, need_x, need_w,
-                          need_b):
-    """The first-order backward of a tanh_mlp node (ctx: the Function's ctx, or the C++ node's
-    state object): (grad_x?, [grad_W_i?] per layer, [grad_b_j?] per bias), None where not asked."""
-    if _plain_autograd():
-        # As for one layer (_first_order_from): with create_graph=True, the layers' outputs are
-        # recomputed once by nodes that keep them and the first-order backward is built from
-        # the output-based one-layer ops on them; ctx keeps the outputs for later passes.
-        outs = getattr(ctx, "recomputed_outputs", None)
-        layer_b = _layer_biases(biases, has_bias)
-        if torch.is_grad_enabled() and outs is None:
-            outs = ctx.recomputed_outputs = _stack_outputs_kept(x, weights, layer_b, last_tanh)
-        elif outs is not None and not torch.is_grad_enabled():
-            del ctx.recomputed_outputs  # the last pass (no graph is built)
-            outs = [None if o is None else o.detach() for o in outs]
-        if outs is not None:
-            gx, gw, gb = _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh,
-                                                   need_x, need_w,
-                                                   _layer_biases(need_b, has_bias), outs)
-            return gx, gw, [g for g, hb in zip(gb, has_bias) if hb]
-    # With create_graph=True this call is recorded (_TanhMlpBackward): its node keeps only
-    # (grad_out, x) for the whole stack.
-    gx, gw_asked, gb_asked = _OPS.tanh_mlp_backward.default(
-        grad_out, x, weights, biases, has_bias, last_tanh, need_x, need_w, need_b)
-    it_w, it_b = iter(gw_asked), iter(gb_asked)
-    gw = [next(it_w) if n else None for n in need_w]
-    gb = [next(it_b) if n else None for n in need_b]
-    return (gx if need_x else None), gw, gb
-
-
-class _TanhMlp(_SingleLevelFunction):
-    """tanh_mlp; keeps (x, weights, biases); backward = the recomputing tanh_mlp_backward op.
-    Called as apply(x, has_bias, last_tanh, *weights, *biases): autograd.Function tracks only
-    tensors passed directly."""
-
-    @staticmethod
-    def forward(x, has_bias, last_tanh, *params):
-        weights, biases = params[:len(has_bias)], params[len(has_bias):]
-        return _below_autograd(_OPS.tanh_mlp.default, x, weights, biases, list(has_bias),
-                               last_tanh)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _note_tensor_inputs(ctx, inputs)
-        x, has_bias, last_tanh, *params = inputs
-        ctx.save_for_backward(x, *params)
-        ctx.save_for_forward(x, *params)
-        ctx.has_bias, ctx.last_tanh = tuple(has_bias), bool(last_tanh)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        L = len(ctx.has_bias)
-        x, *params = ctx.saved_tensors
-        need = _needed(ctx, 3 + len(params))
-        gx, gw, gb = _tanh_mlp_first_order(ctx, grad_out, x, params[:L], params[L:],
-                                           list(ctx.has_bias), ctx.last_tanh, need[0],
-                                           need[3:3 + L], need[3 + L:])
-        return gx, None, None, *gw, *gb
-
-    @staticmethod
-    def jvp(ctx, x_t, _hb_t, _lt_t, *param_t):
-        # Tangents layer by layer: ȧ_{i+1} = (1 − a_{i+1}²)·(ȧ_i·W_iᵀ + a_i·Ẇ_iᵀ + ḃ_i), by the
-        # one-layer rule, with the activations recomputed.
-        L, has_bias = len(ctx.has_bias), ctx.has_bias
-        x, *params = ctx.saved_tensors
-        weights, layer_b = params[:L], _layer_biases(params[L:], has_bias)
-        w_t, b_t = param_t[:L], _layer_biases(param_t[L:], has_bias)
-        a, a_t = x, x_t
-        for i in range(L):
-            w, b = weights[i], layer_b[i]
-            if i == L - 1 and not ctx.last_tanh:
-                terms = [a_t @ w.t() if a_t is not None else None,
-                         a @ w_t[i].t() if w_t[i] is not None else None,
-                         b_t[i] if b_t[i] is not None else None]
-                a_t = None
-                for term in terms:
-                    a_t = _add(a_t, term)
-                if a_t is None:
-                    a_t = a.new_zeros(*a.shape[:-1], w.shape[0])
-                a_t = a_t.expand(*a.shape[:-1], w.shape[0])
-            else:
-                a_t = _linear_tanh_jvp(a, w, b, a_t, w_t[i], b_t[i])
-                if i + 1 < L:
-                    a = _OPS.linear_tanh.default(a, w, b)
-        return a_t
+def _tanh_stack_first_order(state, grad_out, x, weights, biases, has_bias, last_tanh, need_x,
+                            need_w, need_b):
+    """The first-order backward of a tanh stack's mlp node in plain autograd (state: the C++
+    node's per-node state object): (grad_x?, [grad_W_i?] per layer, [grad_b_j?] per bias), None
+    where not asked; None where there is nothing to build it from (no create_graph pass: the
+    recomputing op then runs). As for one layer (_first_order_from): with create_graph=True the
+    layers' outputs are recomputed once by nodes that keep them and the first-order backward is
+    built from the output-based one-layer ops on them; the state keeps the outputs for later
+    passes."""
+    outs = getattr(state, "recomputed_outputs", None)
+    layer_b = _layer_biases(biases, has_bias)
+    if torch.is_grad_enabled() and outs is None:
+        outs = state.recomputed_outputs = _stack_outputs_kept(x, weights, layer_b, last_tanh)
+    elif outs is not None and not torch.is_grad_enabled():
+        del state.recomputed_outputs  # the last pass (no graph is built)
+        outs = [None if o is None else o.detach() for o in outs]
+    if outs is None:
+        return None
+    gx, gw, gb = _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh, need_x, need_w,
+                                           _layer_biases(need_b, has_bias), outs)
+    return gx, gw, [g for g, hb in zip(gb, has_bias) if hb]
 
 
 # ---- the Autograd kernels ----------------------------------------------------------------------
@@ -320,10 +257,5 @@ def _register_autograd_kernel(name: str, apply, record_node=None) -> None:
     _AUTOGRAD_LIB.impl(name, kernel, "Autograd", with_keyset=True)
 
 
-def _apply_tanh_mlp(x, weights, biases, has_bias, last_tanh):
-    return _TanhMlp.apply(x, tuple(has_bias), bool(last_tanh), *weights, *biases)
-
-
 # record_node: the C++ node (csrc/autograd_node.cpp; its Python side in _autograd_node.py).
 _register_autograd_kernel("linear_tanh", _LinearTanh.apply, _C._linear_tanh_with_node)
-_register_autograd_kernel("tanh_mlp", _apply_tanh_mlp, _C._tanh_mlp_with_node)

@@ -1,5 +1,5 @@
 """The Python side of the C++ autograd node (csrc/autograd_node.cpp) that plain eager autograd
-records for linear_tanh, tanh_mlp and mlp: its Python path, and its node types as autograd Nodes.
+records for linear_tanh and mlp: its Python path, and its node types as autograd Nodes.
 
 The node is an optimisation of the first-order backward's peak (docs/design.md, "Autograd (first
 order)": one (batch, out_features) buffer less than the Functions of ``_autograd``); every
@@ -20,10 +20,8 @@ from ._derivatives import _OPS
 def _node_backward(one_layer, state, grad_out, x, weights, biases, has_bias, activation, last,
                    need_x, need_w, need_b):
     """The C++ node's Python path: (grad_x?, [grad_W_i?], [grad_b_j?], keep_state)."""
-    if activation != "tanh":  # mlp's: its Function's first order (no state across passes)
-        return (*_mlp_autograd.mlp_first_order(grad_out, x, weights, biases, has_bias,
-                                               activation, last, need_x, need_w, need_b), False)
-    if one_layer:
+    grads = None
+    if one_layer:  # linear_tanh's
         bias = biases[0] if biases else None
         mask = [need_x, need_w[0], bool(need_b) and need_b[0]]
         if _autograd._plain_autograd():
@@ -31,9 +29,12 @@ def _node_backward(one_layer, state, grad_out, x, weights, biases, has_bias, act
         else:
             gx, gw, gb = _OPS.linear_tanh_backward.default(grad_out, x, weights[0], bias, mask)
         grads = (gx, [gw], [gb] if bias is not None else [])
-    else:
-        grads = _autograd._tanh_mlp_first_order(state, grad_out, x, weights, biases, has_bias,
-                                                last, need_x, need_w, need_b)
+    elif activation == "tanh" and _autograd._plain_autograd():  # a tanh stack: tanh's engine
+        grads = _autograd._tanh_stack_first_order(state, grad_out, x, weights, biases, has_bias,
+                                                  last, need_x, need_w, need_b)
+    if grads is None:  # mlp's Function's first order
+        grads = _mlp_autograd.mlp_first_order(grad_out, x, weights, biases, has_bias, activation,
+                                              last, need_x, need_w, need_b)
     # The node keeps its state only while it holds recomputed outputs for a later pass.
     return (*grads, bool(vars(state)))
 
@@ -41,5 +42,4 @@ def _node_backward(one_layer, state, grad_out, x, weights, biases, has_bias, act
 _C._set_node_python_backward(_node_backward, types.SimpleNamespace)
 # isinstance(y.grad_fn, torch.autograd.graph.Node) holds, as for a Function's node.
 torch.autograd.graph.Node.register(_C.LinearTanhBackward)
-torch.autograd.graph.Node.register(_C.TanhMlpBackward)
 torch.autograd.graph.Node.register(_C.MlpBackward)

@@ -1,5 +1,5 @@
-"""The derivative formulas of linear_tanh and tanh_mlp, each written once, from ATen ops and the
-ckpt_ext ops so autograd can differentiate them again (the notation of docs/design.md).
+"""The derivative formulas of linear_tanh and of a tanh stack, each written once, from ATen ops
+and the ckpt_ext ops so autograd can differentiate them again (the notation of docs/design.md).
 
 Rows are flattened to (M, ·). ``_autograd`` and ``_higher_order`` record the ops whose backward or
 jvp these are; the vmap rules (``_vmap``) call the ops themselves.
@@ -237,20 +237,10 @@ def _layer_biases(biases: Sequence[Tensor], has_bias: Sequence[bool]) -> List[Op
     return [next(it) if hb else None for hb in has_bias]
 
 
-def _stack_activations(x, weights, layer_b, upto: int) -> List[Tensor]:
-    """[a_0 = x, a_1, ..., a_upto]: the inputs of layers 0..upto, recomputed with linear_tanh."""
-    acts = [x]
-    for i in range(upto):
-        acts.append(_OPS.linear_tanh.default(acts[i], weights[i], layer_b[i]))
-    return acts
-
-
 def _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh, need_x, need_w, need_b,
-                              outputs: Optional[Sequence[Optional[Tensor]]] = None):
-    """tanh_mlp_backward from the one-layer ops: (grad_x?, [grad_W_i?], [grad_b_i?] per layer).
-    With ``outputs`` (the layers' outputs, _stack_outputs_kept) each layer runs the output-based
-    op on them; without, the activations are recomputed with linear_tanh and each layer runs the
-    recomputing linear_tanh_backward."""
+                              outputs: Sequence[Optional[Tensor]]):
+    """A tanh stack's first-order backward from the one-layer ops on its layers' outputs
+    (``outputs``: _stack_outputs_kept): (grad_x?, [grad_W_i?], [grad_b_i?] per layer)."""
     L = len(weights)
     need_b = [nb and b is not None for nb, b in zip(need_b, layer_b)]
     lowest = 0 if need_x else min([i for i in range(L) if need_w[i] or need_b[i]], default=L)
@@ -258,10 +248,7 @@ def _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh, need_x, 
     gbs: List[Optional[Tensor]] = [None] * L
     if lowest == L:
         return None, gws, gbs
-    if outputs is None:
-        acts = _stack_activations(x, weights, layer_b, L - 1)
-    else:
-        acts = [x, *outputs[:L - 1]]
+    acts = [x, *outputs[:L - 1]]
     grad = grad_out
     for i in reversed(range(lowest, L)):
         want_x = i > lowest or need_x
@@ -272,92 +259,11 @@ def _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh, need_x, 
             gws[i] = g2.t() @ a2 if need_w[i] else None
             gbs[i] = g2.sum(0) if need_b[i] else None
             gx = grad @ w if want_x else None
-        elif outputs is None:
-            gx, gws[i], gbs[i] = linear_tanh_backward(grad, a, w, layer_b[i], mask)
         else:
             gx, gws[i], gbs[i] = _OPS.linear_tanh_backward_from_output.default(
                 grad, a, outputs[i], w, layer_b[i], list(mask))
         grad = gx
     return (grad if need_x else None), gws, gbs
-
-
-def _stack_double_backward(q_x, q_w, q_b, grad_out, x, weights, layer_b, last_tanh,
-                           need_gy, need_x, need_w, need_b):
-    """The vjp of tanh_mlp_backward, from the one-layer ops (so it is differentiable again).
-
-    tanh_mlp_backward is the chain  a_{i+1} = linear_tanh(a_i) (i < L−1), then from the top
-    gy_{L−1} = grad_out, (gy_{i−1}, grad_W_i, grad_b_i) = linear_tanh_backward(gy_i, a_i).
-    q_x, q_w[i], q_b[i] are the cotangents of grad_x, grad_W_i, grad_b_i (None where none).
-    Walking the chain back: first up the backward chain — layer i's double backward takes the
-    cotangent of its grad_x (q_x at the bottom, the grad_grad_out result of the layer below
-    above it) and gives the cotangents of gy_i, a_i, W_i, b_i — then down the forward chain,
-    where each layer's linear_tanh_backward carries the cotangent of a_{i+1} to a_i, W_i, b_i.
-    Returns (grad_grad_out?, grad_x?, [grad_W_i?], [grad_b_i?])."""
-    L = len(weights)
-    need_b = [nb and b is not None for nb, b in zip(need_b, layer_b)]
-    q_b = [q if b is not None else None for q, b in zip(q_b, layer_b)]
-    gws: List[Optional[Tensor]] = [None] * L
-    gbs: List[Optional[Tensor]] = [None] * L
-    has_q = [q_w[i] is not None or q_b[i] is not None or (i == 0 and q_x is not None)
-             for i in range(L)]
-    lowest = min([i for i in range(L) if has_q[i]], default=L)
-    if lowest == L:
-        return None, None, gws, gbs
-    # need_a[i]: the cotangent of a_i is needed (for x, or for a parameter below layer i)
-    need_a = [need_x or any(need_w[j] or need_b[j] for j in range(i)) for i in range(L)]
-    acts = _stack_activations(x, weights, layer_b, L - 1)
-    # gys[i]: the gradient w.r.t. layer i's output, recomputed from the top down to `lowest`
-    gys: List[Optional[Tensor]] = [None] * L
-    gys[L - 1] = grad_out
-    for i in reversed(range(lowest + 1, L)):
-        if i == L - 1 and not last_tanh:
-            gys[i - 1] = gys[i] @ weights[i]
-        else:
-            gys[i - 1] = linear_tanh_backward(gys[i], acts[i], weights[i], layer_b[i],
-                                              (True, False, False))[0]
-    # up the backward chain
-    da: List[Optional[Tensor]] = [None] * L  # cotangent of a_i from the backward chain
-    carry = q_x if lowest == 0 else None  # cotangent of layer i's grad_x output
-    for i in range(lowest, L):
-        want_gy = i + 1 < L or need_gy
-        w, a, gy = weights[i], acts[i], gys[i]
-        if i == L - 1 and not last_tanh:
-            # plain Linear: grad_x = gy·W, grad_W = gyᵀ·a, grad_b = Σ gy
-            gy2, a2 = _flat(gy), _flat(a)
-            dgy = None
-            if want_gy:
-                if carry is not None:
-                    dgy = carry @ w.t()
-                if q_w[i] is not None:
-                    dgy = _add(dgy, a @ q_w[i].t())
-                if q_b[i] is not None:
-                    dgy = _add(dgy, q_b[i].expand(gy.shape))
-            if need_a[i] and q_w[i] is not None:
-                da[i] = gy @ q_w[i]
-            if need_w[i] and carry is not None:
-                gws[i] = gy2.t() @ _flat(carry)
-        else:
-            dgy, da[i], gws[i], gbs[i] = linear_tanh_double_backward(
-                carry, q_w[i], q_b[i], gy, a, w, layer_b[i],
-                (want_gy, need_a[i], need_w[i], need_b[i]))
-        carry = dgy
-    grad_gy = carry if need_gy else None
-    # down the forward chain
-    abar = da[L - 1]
-    for i in reversed(range(L - 1)):
-        if abar is not None and (need_a[i] or need_w[i] or need_b[i]):
-            gx, gw, gb = linear_tanh_backward(abar, acts[i], weights[i], layer_b[i],
-                                              (need_a[i], need_w[i], need_b[i]))
-            gws[i], gbs[i] = _add(gws[i], gw), _add(gbs[i], gb)
-            abar = _add(da[i], gx)
-        else:
-            abar = da[i]
-    grad_x = abar if need_x else None
-    if need_gy and grad_gy is None:
-        grad_gy = torch.zeros_like(grad_out)
-    if need_x and grad_x is None:
-        grad_x = torch.zeros_like(x)
-    return grad_gy, grad_x, gws, gbs
 
 
 def linear_tanh_backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor],

@@ -103,21 +103,9 @@ def _linear_tanh_backward_from_output_double_backward_flop(
     return n * _gemm_flops(x_shape, w_shape)
 
 
-@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.tanh_mlp)
-def _tanh_mlp_flop(x_shape, w_shapes, *args, **kwargs) -> int:
-    return sum(_gemm_flops(x_shape, w) for w in w_shapes)
-
-
-@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.tanh_mlp_backward)
-def _tanh_mlp_backward_flop(grad_out_shape, x_shape, w_shapes, b_shapes, has_bias, last_tanh,
-                            need_x, need_weights, need_biases, *args, **kwargs) -> int:
-    return _stack_backward_flops(x_shape, w_shapes, has_bias, last_tanh, need_x, need_weights,
-                                 need_biases)
-
-
 @torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.mlp)
 def _mlp_flop(x_shape, w_shapes, *args, **kwargs) -> int:
-    return _tanh_mlp_flop(x_shape, w_shapes)
+    return sum(_gemm_flops(x_shape, w) for w in w_shapes)
 
 
 @torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.mlp_backward)

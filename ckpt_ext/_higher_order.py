@@ -1,11 +1,11 @@
-"""The backward ops of linear_tanh and tanh_mlp as differentiable ops: every order above the first
+"""The backward ops of linear_tanh as differentiable ops: every order above the first
 is an op with its own backward, so a graph built with create_graph=True keeps op inputs, never
 intermediates (docs/design.md, "Higher orders"). Each op gets a single-level Function (forward,
 setup_context, backward, jvp) applied by its Autograd kernel; the formulas are in ``_derivatives``.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -14,8 +14,7 @@ from torch.autograd.function import _SingleLevelFunction
 from ._autograd import (_below_autograd, _needed, _note_tensor_inputs,
                         _register_autograd_kernel)
 from ._derivatives import (_OPS, _add, _double_backward_vjp, _first_order_jvp, _flat,
-                           _from_output_backward_vjp, _layer_biases, _result_like,
-                           _stack_backward_composite, _stack_double_backward)
+                           _from_output_backward_vjp, _result_like)
 
 class _LinearTanhBackward(_SingleLevelFunction):
     """(grad_x, grad_W, grad_b) = linear_tanh_backward(grad_out, x, W, b, mask); keeps
@@ -186,89 +185,6 @@ class _LinearTanhDoubleBackward(_SingleLevelFunction):
         return _result_like(out, mask, (grad_out, x, weight, bias))
 
 
-class _TanhMlpBackward(_SingleLevelFunction):
-    """tanh_mlp_backward; keeps (grad_out, x, weights, biases); backward =
-    _stack_double_backward. apply(grad_out, x, has_bias, last_tanh, need_x, need_w, need_b,
-    *weights, *biases) -> (grad_x, *grad_W asked for, *grad_b asked for)."""
-
-    @staticmethod
-    def forward(grad_out, x, has_bias, last_tanh, need_x, need_w, need_b, *params):
-        L = len(has_bias)
-        gx, gw, gb = _below_autograd(_OPS.tanh_mlp_backward.default, grad_out, x, params[:L],
-                                     params[L:], list(has_bias), last_tanh, need_x, list(need_w),
-                                     list(need_b))
-        return (gx, *gw, *gb)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _note_tensor_inputs(ctx, inputs)
-        grad_out, x, has_bias, last_tanh, need_x, need_w, need_b, *params = inputs
-        ctx.save_for_backward(grad_out, x, *params)
-        ctx.save_for_forward(grad_out, x, *params)
-        ctx.has_bias, ctx.last_tanh = tuple(has_bias), bool(last_tanh)
-        ctx.need_x, ctx.need_w, ctx.need_b = bool(need_x), tuple(need_w), tuple(need_b)
-        ctx.set_materialize_grads(False)
-
-    @staticmethod
-    def _unpack(ctx):
-        L, has_bias = len(ctx.has_bias), ctx.has_bias
-        grad_out, x, *params = ctx.saved_tensors
-        return grad_out, x, list(params[:L]), _layer_biases(params[L:], has_bias)
-
-    @staticmethod
-    def _per_layer(ctx, asked: Sequence[Optional[Tensor]]):
-        """(q_x, q_w per layer, q_b per layer) from the outputs' layout (grad_x, the asked W
-        gradients, the asked b gradients)."""
-        L, has_bias = len(ctx.has_bias), ctx.has_bias
-        rest = list(asked[1:])
-        n_w = sum(ctx.need_w)
-        it_w, it_b = iter(rest[:n_w]), iter(rest[n_w:])
-        q_w = [next(it_w) if n else None for n in ctx.need_w]
-        q_b_compact = [next(it_b) if n else None for n in ctx.need_b]
-        return asked[0], q_w, _layer_biases(q_b_compact, has_bias)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        grad_out, x, weights, layer_b = _TanhMlpBackward._unpack(ctx)
-        L, has_bias = len(weights), ctx.has_bias
-        n_params = L + sum(has_bias)
-        need = _needed(ctx, 7 + n_params)
-        q_x, q_w, q_b = _TanhMlpBackward._per_layer(ctx, grads)
-        ggy, gx, gw, gb = _stack_double_backward(
-            q_x, q_w, q_b, grad_out, x, weights, layer_b, ctx.last_tanh, need[0], need[1],
-            need[7:7 + L], _layer_biases(need[7 + L:], has_bias))
-        return (ggy, gx, None, None, None, None, None, *gw,
-                *[g for g, hb in zip(gb, has_bias) if hb])
-
-    @staticmethod
-    def jvp(ctx, grad_out_t, x_t, _hb, _lt, _nx, _nw, _nb, *param_t):
-        # As for one layer: linear in grad_out, plus the stack's Hessian-vector product.
-        grad_out, x, weights, layer_b = _TanhMlpBackward._unpack(ctx)
-        L, has_bias = len(weights), ctx.has_bias
-        w_t, b_t = list(param_t[:L]), _layer_biases(param_t[L:], has_bias)
-        need_b_layer = _layer_biases(list(ctx.need_b), has_bias)
-        need_b_layer = [bool(n) for n in need_b_layer]
-        gx = None
-        gw: List[Optional[Tensor]] = [None] * L
-        gb: List[Optional[Tensor]] = [None] * L
-        if grad_out_t is not None:
-            gx, gw, gb = _stack_backward_composite(grad_out_t, x, weights, layer_b, ctx.last_tanh,
-                                                   ctx.need_x, list(ctx.need_w), need_b_layer)
-        if x_t is not None or any(t is not None for t in w_t) or any(t is not None for t in b_t):
-            _, hx, hw, hb = _stack_double_backward(
-                x_t, w_t, b_t, grad_out, x, weights, layer_b, ctx.last_tanh, False, ctx.need_x,
-                list(ctx.need_w), need_b_layer)
-            gx = _add(gx, hx)
-            gw = [_add(a, b) for a, b in zip(gw, hw)]
-            gb = [_add(a, b) for a, b in zip(gb, hb)]
-        out = [None if not ctx.need_x else (gx if gx is not None else torch.zeros_like(x))]
-        out += [g if g is not None else torch.zeros_like(w)
-                for g, w, n in zip(gw, weights, ctx.need_w) if n]
-        out += [g if g is not None else torch.zeros_like(b)
-                for g, b, n in zip(gb, layer_b, need_b_layer) if b is not None and n]
-        return tuple(out)
-
-
 def _apply_linear_tanh_backward(grad_out, x, weight, bias, output_mask):
     return _LinearTanhBackward.apply(grad_out, x, weight, bias, tuple(output_mask))
 
@@ -288,14 +204,6 @@ def _apply_double_backward(ggx, ggw, ggb, grad_out, x, weight, bias, output_mask
                                            tuple(output_mask))
 
 
-def _apply_tanh_mlp_backward(grad_out, x, weights, biases, has_bias, last_tanh, need_x,
-                             need_weights, need_biases):
-    out = _TanhMlpBackward.apply(grad_out, x, tuple(has_bias), bool(last_tanh), bool(need_x),
-                                 tuple(need_weights), tuple(need_biases), *weights, *biases)
-    n_w = sum(bool(n) for n in need_weights)
-    return out[0], list(out[1:1 + n_w]), list(out[1 + n_w:])
-
-
 def _apply_from_output_triple(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, u_x, u_t, u_w,
                               output_mask):
     # The third-order CPU kernel, differentiated: by its ATen composition, which autograd (and
@@ -312,4 +220,3 @@ _register_autograd_kernel("linear_tanh_backward_from_output_backward", _apply_fr
 _register_autograd_kernel("linear_tanh_double_backward", _apply_double_backward)
 _register_autograd_kernel("linear_tanh_backward_from_output_double_backward",
                           _apply_from_output_triple)
-_register_autograd_kernel("tanh_mlp_backward", _apply_tanh_mlp_backward)

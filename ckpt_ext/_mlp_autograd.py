@@ -1,6 +1,6 @@
-"""Autograd of the mlp op (any activation; tanh_mlp keeps its own, ``_autograd``): it keeps x and
-the parameters only. First order: the recomputing C++ mlp_backward. With create_graph=True the
-first order is built from per-layer nodes that keep their inputs only and recompute (one layer)
+"""Autograd of the mlp op, every activation: it keeps x and the parameters only. First order: the
+recomputing C++ mlp_backward. With create_graph=True the first order is built (a tanh stack in
+plain autograd: from its kept outputs, ``_autograd``) from per-layer nodes that keep their inputs only and recompute (one layer)
 for every later order (``_mlp_higher_order``); under torch.func the composite below runs directly.
 Design: docs/design.md, "Other activations".
 """
@@ -175,6 +175,6 @@ def _apply_mlp(x, weights, biases, has_bias, act, last_activation):
     return _Mlp.apply(x, *weights, *biases, tuple(has_bias), act, bool(last_activation))
 
 
-# record_node: the C++ node (csrc/autograd_node.cpp), as for tanh_mlp.
+# record_node: the C++ node (csrc/autograd_node.cpp; its Python side in _autograd_node.py).
 _register_autograd_kernel("mlp", _apply_mlp, _C._mlp_with_node)
 

@@ -87,7 +87,7 @@ def _all_none(dims) -> bool:
 
 
 def _stack_vmap(op, info, in_dims, x, weights, biases, *rest):
-    """tanh_mlp / mlp (``rest``: their trailing non-tensor arguments) under vmap: unbatched
+    """mlp (``rest``: its trailing non-tensor arguments) under vmap: unbatched
     parameters fold the batch into the rows, one call; else one call per sample."""
     bx, bws, bbs = in_dims[:3]
     B = info.batch_size
@@ -98,7 +98,7 @@ def _stack_vmap(op, info, in_dims, x, weights, biases, *rest):
 
 
 def _stack_backward_vmap(op, info, in_dims, grad_out, x, weights, biases, *rest):
-    """tanh_mlp_backward / mlp_backward (``rest`` ends with need_x, need_weights, need_biases)
+    """mlp_backward (``rest`` ends with need_x, need_weights, need_biases)
     under vmap, likewise."""
     bgy, bx, bws, bbs = in_dims[:4]
     B = info.batch_size
@@ -116,9 +116,6 @@ def _stack_backward_vmap(op, info, in_dims, grad_out, x, weights, biases, *rest)
     return (gx, gw, gb), (0 if need_x else None, [0] * n_w, [0] * n_b)
 
 
-for _name in ("tanh_mlp", "mlp"):
-    _op = getattr(_OPS, _name).default
-    torch.library.register_vmap(f"ckpt_ext::{_name}", functools.partial(_stack_vmap, _op))
-    _op = getattr(_OPS, f"{_name}_backward").default
-    torch.library.register_vmap(f"ckpt_ext::{_name}_backward",
-                                functools.partial(_stack_backward_vmap, _op))
+torch.library.register_vmap("ckpt_ext::mlp", functools.partial(_stack_vmap, _OPS.mlp.default))
+torch.library.register_vmap("ckpt_ext::mlp_backward",
+                            functools.partial(_stack_backward_vmap, _OPS.mlp_backward.default))

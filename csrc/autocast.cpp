@@ -1,9 +1,9 @@
-// autocast.cpp — autocast kernels for ckpt_ext::linear_tanh, tanh_mlp and mlp (CPU and CUDA
+// autocast.cpp — autocast kernels for ckpt_ext::linear_tanh and mlp (CPU and CUDA
 // autocast keys).
 //
 //   linear_tanh(x, weight, bias) under torch.autocast(device, dtype=D):
 //       x (..., K), weight (N, K), bias (N)?  are cast to D  ->  y (..., N) in D
-//   tanh_mlp / mlp(x, weights, biases, ...): x and every weight and bias cast to D
+//   mlp(x, weights, biases, ...): x and every weight and bias cast to D
 //
 // The policy of nn.Linear (lower_precision_fp, the current context's dtype, cached casts); why C++
 // and not torch.library.register_autocast: docs/design.md, "Autocast". The backward ops need no
@@ -44,17 +44,6 @@ std::vector<at::Tensor> cast_all(at::ScalarType dtype, at::TensorList ts,
 }
 
 template <c10::DeviceType device_type>
-at::Tensor tanh_mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                             const c10::List<bool>& has_bias, bool last_tanh) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(
-      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
-  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
-  return call_tanh_mlp(at::autocast::cached_cast(dtype, x, device_type),
-                       cast_all(dtype, weights, device_type), cast_all(dtype, biases, device_type),
-                       has_bias, last_tanh);
-}
-
-template <c10::DeviceType device_type>
 at::Tensor mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                         const c10::List<bool>& has_bias, c10::string_view activation,
                         bool last_activation) {
@@ -74,13 +63,11 @@ at::Tensor mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorL
 
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCPU, m) {
   m.impl("linear_tanh", &linear_tanh_autocast<c10::DeviceType::CPU>);
-  m.impl("tanh_mlp", &tanh_mlp_autocast<c10::DeviceType::CPU>);
   m.impl("mlp", &mlp_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) {
   m.impl("linear_tanh", &linear_tanh_autocast<c10::DeviceType::CUDA>);
-  m.impl("tanh_mlp", &tanh_mlp_autocast<c10::DeviceType::CUDA>);
   m.impl("mlp", &mlp_autocast<c10::DeviceType::CUDA>);
 }
 

@@ -1,7 +1,7 @@
-// autograd_node.cpp — the autograd node that eager linear_tanh, tanh_mlp and mlp record: a C++
+// autograd_node.cpp — the autograd node that eager linear_tanh and mlp record: a C++
 // torch::autograd::Node that owns the incoming gradient (why, with the figure: docs/design.md,
 // "Autograd (first order)").
-//   _tanh_mlp_with_node(x, weights, biases, has_bias, last_tanh), _linear_tanh_with_node(x, W, b),
+//   _linear_tanh_with_node(x, W, b),
 //   _mlp_with_node(x, weights, biases, has_bias, activation, last_activation)
 //       -> y (..., N_{L-1}) with a StackBackward node as grad_fn (saves x, weights, biases as
 //       SavedVariables), or None where the node cannot be used (not plain dense tensors, a Python
@@ -84,10 +84,10 @@ bool python_mode_active() {
 // ------------------------------------------------------------------------------------------------
 // the node
 
-// The node of the three ops; LinearTanhBackward, TanhMlpBackward and MlpBackward below only name
-// it (and give it its own Python type). `activation` is the op's (one name, or one per activated
+// The node of the two ops; LinearTanhBackward and MlpBackward below only name it (and give it its
+// own Python type). `activation` is the op's (one name, or one per activated
 // layer, comma-separated: checks.h, parse_activations).
-enum class StackOp { kLinearTanh, kTanhMlp, kMlp };
+enum class StackOp { kLinearTanh, kMlp };
 
 class StackBackward : public Node {
  public:
@@ -199,9 +199,7 @@ class StackBackward : public Node {
 
  private:
   const char* op_name() const {
-    return op_ == StackOp::kLinearTanh ? "linear_tanh_backward"
-           : op_ == StackOp::kTanhMlp  ? "tanh_mlp_backward"
-                                       : "mlp_backward";
+    return op_ == StackOp::kLinearTanh ? "linear_tanh_backward" : "mlp_backward";
   }
 
   StackGrads native_backward(at::Tensor grad, Saved s, bool need_x,
@@ -218,7 +216,7 @@ class StackBackward : public Node {
                                s.biases.empty() ? std::nullopt
                                                 : std::optional<at::Tensor>(s.biases[0]));
     } else {
-      check_tanh_mlp_inputs(op, s.x, s.weights, s.biases, has_bias_);
+      check_stack_inputs(op, s.x, s.weights, s.biases, has_bias_);
     }
     check_grad_out(op, grad, s.x, s.weights.back().sym_size(0));
 
@@ -313,13 +311,6 @@ class LinearTanhBackward final : public StackBackward {
   std::string name() const override { return "LinearTanhBackward"; }
 };
 
-class TanhMlpBackward final : public StackBackward {
- public:
-  TanhMlpBackward(std::vector<bool> has_bias, bool last_tanh)
-      : StackBackward(StackOp::kTanhMlp, std::move(has_bias), "tanh", last_tanh) {}
-  std::string name() const override { return "TanhMlpBackward"; }
-};
-
 class MlpBackward final : public StackBackward {
  public:
   MlpBackward(std::vector<bool> has_bias, std::string activation, bool last_activation)
@@ -329,10 +320,9 @@ class MlpBackward final : public StackBackward {
 };
 
 // Their Python types, as ATen's nodes have (python_functions.cpp): y.grad_fn prints as
-// <ckpt_ext._C.TanhMlpBackward object ...>, and ckpt_ext/_autograd_node.py registers them as
+// <ckpt_ext._C.MlpBackward object ...>, and ckpt_ext/_autograd_node.py registers them as
 // torch.autograd.graph.Node (a Python Function's node is one too).
 PyTypeObject linear_tanh_backward_type;
-PyTypeObject tanh_mlp_backward_type;
 PyTypeObject mlp_backward_type;
 
 template <typename T>
@@ -391,22 +381,6 @@ void record_node(at::Tensor& y, NodeRef<StackBackward> node, const at::Tensor& x
 bool node_usable(const at::Tensor& x, at::TensorList weights, at::TensorList biases) {
   return torch::autograd::GradMode::is_enabled() && !python_mode_active() &&
          all_plain(x, weights, biases);
-}
-
-std::optional<at::Tensor> tanh_mlp_with_node(const at::Tensor& x,
-                                             const std::vector<at::Tensor>& weights,
-                                             const std::vector<at::Tensor>& biases,
-                                             const std::vector<bool>& has_bias, bool last_tanh) {
-  if (!node_usable(x, weights, biases)) return std::nullopt;
-  c10::List<bool> has_bias_list;  // (no c10::List from a std::vector<bool> bitfield)
-  for (bool b : has_bias) has_bias_list.push_back(b);
-  at::Tensor y;
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    y = call_tanh_mlp(x, weights, biases, has_bias_list, last_tanh);
-  }
-  record_node(y, make_node<TanhMlpBackward>(has_bias, last_tanh), x, weights, biases);
-  return y;
 }
 
 std::optional<at::Tensor> mlp_with_node(const at::Tensor& x, const std::vector<at::Tensor>& weights,
@@ -473,12 +447,8 @@ void set_node_python_backward(py::object backward, py::object state_type) {
 void bind_autograd_node(pybind11::module_& m) {
   add_node_type<LinearTanhBackward>(m, linear_tanh_backward_type, "ckpt_ext._C.LinearTanhBackward",
                                     "LinearTanhBackward");
-  add_node_type<TanhMlpBackward>(m, tanh_mlp_backward_type, "ckpt_ext._C.TanhMlpBackward",
-                                 "TanhMlpBackward");
   add_node_type<MlpBackward>(m, mlp_backward_type, "ckpt_ext._C.MlpBackward", "MlpBackward");
   // The forward releases the GIL: the op runs as it would through torch.ops.
-  m.def("_tanh_mlp_with_node", &tanh_mlp_with_node, py::call_guard<py::gil_scoped_release>(),
-        "tanh_mlp recorded with the C++ autograd node; None where it cannot be used.");
   m.def("_linear_tanh_with_node", &linear_tanh_with_node,
         py::call_guard<py::gil_scoped_release>(),
         "linear_tanh recorded with the C++ autograd node; None where it cannot be used.");

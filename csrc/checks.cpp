@@ -119,7 +119,7 @@ void check_linear_tanh_inputs(const char* op, const at::Tensor& x, const at::Ten
   if (bias.has_value()) check_dtype_and_device(op, "bias", *bias, x);
 }
 
-void check_tanh_mlp_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+void check_stack_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
                            at::TensorList biases, const std::vector<bool>& has_bias) {
   const int64_t L = static_cast<int64_t>(weights.size());
   TORCH_CHECK_VALUE(L >= 1, "ckpt_ext.", op,
@@ -173,7 +173,7 @@ void check_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor
   check_dtype_and_device(op, "grad_out", grad_out, x);
 }
 
-void check_tanh_mlp_masks(const char* op, at::TensorList weights, at::TensorList biases,
+void check_stack_masks(const char* op, at::TensorList weights, at::TensorList biases,
                           const std::vector<bool>& need_weights,
                           const std::vector<bool>& need_biases) {
   TORCH_CHECK_VALUE(need_weights.size() == weights.size(), "ckpt_ext.", op,

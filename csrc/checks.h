@@ -42,10 +42,10 @@ void check_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor
 // A stack: at least one weight; weights[i] 2-D with in_features = the previous layer's
 // out_features; biases[j] belongs to the j-th layer whose has_bias is true and has length N_i;
 // one dtype and one device. Messages name the layer index.
-void check_tanh_mlp_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+void check_stack_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
                            at::TensorList biases, const std::vector<bool>& has_bias);
 // need_weights: one entry per weight; need_biases: one per entry of biases.
-void check_tanh_mlp_masks(const char* op, at::TensorList weights, at::TensorList biases,
+void check_stack_masks(const char* op, at::TensorList weights, at::TensorList biases,
                           const std::vector<bool>& need_weights,
                           const std::vector<bool>& need_biases);
 

@@ -1,9 +1,9 @@
-// ops.cpp — the kernels of linear_tanh, tanh_mlp, mlp and their backward ops (schemas in
+// ops.cpp — the kernels of linear_tanh, mlp and their backward ops (schemas in
 // schemas.cpp): checks (checks.cpp), device guard, then the stack engine (stack.cpp),
 // one function for CPU and CUDA; and their Meta kernels, the same checks then fresh outputs.
 //   linear_tanh(x (..., K), weight (N, K), bias (N)?) -> y (..., N) = tanh(x·Wᵀ + b)
-//   tanh_mlp(x (..., K_0), weights[i] (N_i, K_i), biases, has_bias, last_tanh) -> y (..., N_{L-1})
-//   mlp(x, weights, biases, has_bias, activation, last_activation): tanh_mlp with any activations
+//   mlp(x (..., K_0), weights[i] (N_i, K_i), biases, has_bias, activation, last_activation)
+//       -> y (..., N_{L-1}): the stack, with one activation or one per layer
 // Each backward recomputes the activations and returns only the gradients asked for.
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -75,21 +75,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_meta(
 
 // The registered kernels take bool[] as c10::List<bool> (what the dispatcher passes); the engine
 // and the checks read std::vector<bool>.
-// tanh_mlp and mlp: the checks, then the engine, with the op's activations (`spec`: one name or
+// mlp: the checks, then the engine, with the op's activations (`spec`: one name or
 // one per activated layer, comma-separated; see parse_activations).
 at::Tensor run_forward(const char* op, const at::Tensor& x, at::TensorList weights,
                        at::TensorList biases, const c10::List<bool>& has_bias_list, bool last,
                        c10::string_view spec) {
   const std::vector<bool> has_bias = has_bias_list.vec();
-  check_tanh_mlp_inputs(op, x, weights, biases, has_bias);
+  check_stack_inputs(op, x, weights, biases, has_bias);
   const std::vector<Activation> acts = parse_activations(op, spec, weights.size(), last);
   const c10::OptionalDeviceGuard guard(at::device_of(x));
   return stack_forward(x, weights, biases, has_bias, last, acts);
-}
-
-at::Tensor tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                    const c10::List<bool>& has_bias, bool last_tanh) {
-  return run_forward("tanh_mlp", x, weights, biases, has_bias, last_tanh, "tanh");
 }
 
 // Only the gradients asked for, in order (the schema's compact lists).
@@ -111,8 +106,8 @@ StackBackwardResult run_backward(const char* op, const at::Tensor& grad_out, con
                                  const c10::List<bool>& need_biases_list, c10::string_view spec) {
   const std::vector<bool> has_bias = has_bias_list.vec(), need_weights = need_weights_list.vec(),
                           need_biases = need_biases_list.vec();
-  check_tanh_mlp_inputs(op, x, weights, biases, has_bias);
-  check_tanh_mlp_masks(op, weights, biases, need_weights, need_biases);
+  check_stack_inputs(op, x, weights, biases, has_bias);
+  check_stack_masks(op, weights, biases, need_weights, need_biases);
   check_grad_out(op, grad_out, x, weights.back().sym_size(0));
   const std::vector<Activation> acts = parse_activations(op, spec, weights.size(), last);
   const c10::OptionalDeviceGuard guard(at::device_of(x));
@@ -122,32 +117,23 @@ StackBackwardResult run_backward(const char* op, const at::Tensor& grad_out, con
           asked(std::move(g.grad_biases), need_biases)};
 }
 
-StackBackwardResult tanh_mlp_backward(const at::Tensor& grad_out, const at::Tensor& x,
-                                      at::TensorList weights, at::TensorList biases,
-                                      const c10::List<bool>& has_bias, bool last_tanh, bool need_x,
-                                      const c10::List<bool>& need_weights,
-                                      const c10::List<bool>& need_biases) {
-  return run_backward("tanh_mlp_backward", grad_out, x, weights, biases, has_bias, last_tanh,
-                      need_x, need_weights, need_biases, "tanh");
-}
-
-at::Tensor tanh_mlp_meta(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                         const c10::List<bool>& has_bias, bool last_tanh) {
-  check_tanh_mlp_inputs("tanh_mlp", x, weights, biases, has_bias.vec());
+at::Tensor stack_meta(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                      const c10::List<bool>& has_bias) {
+  check_stack_inputs("mlp", x, weights, biases, has_bias.vec());
   std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
   shape.push_back(weights.back().sym_size(0));
   return at::empty_symint(shape, x.options());
 }
 
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> tanh_mlp_backward_meta(
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> stack_backward_meta(
     const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
-    at::TensorList biases, const c10::List<bool>& has_bias, bool last_tanh, bool need_x,
+    at::TensorList biases, const c10::List<bool>& has_bias, bool need_x,
     const c10::List<bool>& need_weights_list, const c10::List<bool>& need_biases_list) {
-  constexpr const char* op = "tanh_mlp_backward";
+  constexpr const char* op = "mlp_backward";
   const std::vector<bool> need_weights = need_weights_list.vec(),
                           need_biases = need_biases_list.vec();
-  check_tanh_mlp_inputs(op, x, weights, biases, has_bias.vec());
-  check_tanh_mlp_masks(op, weights, biases, need_weights, need_biases);
+  check_stack_inputs(op, x, weights, biases, has_bias.vec());
+  check_stack_masks(op, weights, biases, need_weights, need_biases);
   check_grad_out(op, grad_out, x, weights.back().sym_size(0));
   std::vector<at::Tensor> gw, gb;
   for (size_t i = 0; i < weights.size(); ++i) {
@@ -159,7 +145,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> tanh_ml
   return {need_x ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(), gw, gb};
 }
 
-// mlp and mlp_backward: tanh_mlp's with the activation named (checked before anything runs).
+// mlp and mlp_backward, with the activation named (checked before anything runs).
 at::Tensor mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                const c10::List<bool>& has_bias, c10::string_view activation,
                bool last_activation) {
@@ -179,7 +165,7 @@ StackBackwardResult mlp_backward(const at::Tensor& grad_out, const at::Tensor& x
 at::Tensor mlp_meta(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                     const c10::List<bool>& has_bias, c10::string_view activation,
                     bool last_activation) {
-  at::Tensor out = tanh_mlp_meta(x, weights, biases, has_bias, last_activation);
+  at::Tensor out = stack_meta(x, weights, biases, has_bias);
   parse_activations("mlp", activation, weights.size(), last_activation);
   return out;
 }
@@ -189,9 +175,8 @@ StackBackwardResult mlp_backward_meta(
     at::TensorList biases, const c10::List<bool>& has_bias, c10::string_view activation,
     bool last_activation, bool need_x, const c10::List<bool>& need_weights,
     const c10::List<bool>& need_biases) {
-  StackBackwardResult out = tanh_mlp_backward_meta(grad_out, x, weights, biases, has_bias,
-                                                   last_activation, need_x, need_weights,
-                                                   need_biases);
+  StackBackwardResult out = stack_backward_meta(grad_out, x, weights, biases, has_bias, need_x,
+                                                need_weights, need_biases);
   parse_activations("mlp_backward", activation, weights.size(), last_activation);
   return out;
 }
@@ -201,8 +186,6 @@ StackBackwardResult mlp_backward_meta(
 TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
   m.impl("linear_tanh", &linear_tanh);
   m.impl("linear_tanh_backward", &linear_tanh_backward);
-  m.impl("tanh_mlp", &tanh_mlp);
-  m.impl("tanh_mlp_backward", &tanh_mlp_backward);
   m.impl("mlp", &mlp);
   m.impl("mlp_backward", &mlp_backward);
 }
@@ -211,8 +194,6 @@ TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   m.impl("linear_tanh", &linear_tanh);
   m.impl("linear_tanh_backward", &linear_tanh_backward);
-  m.impl("tanh_mlp", &tanh_mlp);
-  m.impl("tanh_mlp_backward", &tanh_mlp_backward);
   m.impl("mlp", &mlp);
   m.impl("mlp_backward", &mlp_backward);
 }
@@ -221,8 +202,6 @@ TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
 TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
   m.impl("linear_tanh", &linear_tanh_meta);
   m.impl("linear_tanh_backward", &linear_tanh_backward_meta);
-  m.impl("tanh_mlp", &tanh_mlp_meta);
-  m.impl("tanh_mlp_backward", &tanh_mlp_backward_meta);
   m.impl("mlp", &mlp_meta);
   m.impl("mlp_backward", &mlp_backward_meta);
 }

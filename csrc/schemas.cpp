@@ -1,6 +1,6 @@
 // schemas.cpp — every schema of the ckpt_ext op library, once; the CUDA kernel of a CPU-only
 // build (an error that names the problem); and typed handles to call the ops from C++.
-// The kernels: ops.cpp (linear_tanh, tanh_mlp and their backward), higher_order.cpp (the orders
+// The kernels: ops.cpp (linear_tanh, mlp and their backward), higher_order.cpp (the orders
 // above the first), cpu/third_order.cpp, autocast.cpp; autograd from Python (ckpt_ext/_autograd.py).
 #include "schemas.h"
 
@@ -14,19 +14,12 @@ TORCH_LIBRARY(ckpt_ext, m) {
   m.def(
       "linear_tanh_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor? bias, "
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
-  // A stack of Linear layers with tanh after each (after the last only when last_tanh).
-  // `biases` holds the biases of the layers whose has_bias is true, in layer order (a list of
-  // Tensor, not Tensor?, so that autograd sees every bias).
-  m.def("tanh_mlp(Tensor x, Tensor[] weights, Tensor[] biases, bool[] has_bias, bool last_tanh)"
-        " -> Tensor");
-  // grad_weights / grad_biases hold only the gradients asked for (need_weights[i] true,
-  // need_biases[j] true), in order; grad_x is undefined unless need_x.
-  m.def(
-      "tanh_mlp_backward(Tensor grad_out, Tensor x, Tensor[] weights, Tensor[] biases, "
-      "bool[] has_bias, bool last_tanh, bool need_x, bool[] need_weights, bool[] need_biases) "
-      "-> (Tensor grad_x, Tensor[] grad_weights, Tensor[] grad_biases)");
-  // The same stack with any activations of activations.h: `activation` is one name for every
-  // layer, or one name per layer with an activation, comma-separated ("relu,relu,tanh").
+  // A stack of Linear layers with an activation of activations.h after each (after the last only
+  // when last_activation): `activation` is one name for every layer, or one name per layer with
+  // an activation, comma-separated ("relu,relu,tanh"). `biases` holds the biases of the layers
+  // whose has_bias is true, in layer order (a list of Tensor, not Tensor?, so that autograd sees
+  // every bias). mlp_backward's grad_weights / grad_biases hold only the gradients asked for
+  // (need_weights[i] true, need_biases[j] true), in order; grad_x is undefined unless need_x.
   m.def("mlp(Tensor x, Tensor[] weights, Tensor[] biases, bool[] has_bias, str activation, "
         "bool last_activation) -> Tensor");
   m.def(
@@ -76,8 +69,7 @@ void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   for (const char* name :
-       {"linear_tanh", "linear_tanh_backward", "tanh_mlp", "tanh_mlp_backward", "mlp",
-        "mlp_backward",
+       {"linear_tanh", "linear_tanh_backward", "mlp", "mlp_backward",
         "linear_tanh_double_backward", "linear_tanh_backward_from_output",
         "linear_tanh_backward_from_output_backward"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
@@ -92,15 +84,6 @@ at::Tensor call_linear_tanh(const at::Tensor& x, const at::Tensor& weight,
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
                                          const std::optional<at::Tensor>&)>();
   return op.call(x, weight, bias);
-}
-
-at::Tensor call_tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                         const c10::List<bool>& has_bias, bool last_tanh) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ckpt_ext::tanh_mlp", "")
-                       .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
-                                         const c10::List<bool>&, bool)>();
-  return op.call(x, weights, biases, has_bias, last_tanh);
 }
 
 at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,

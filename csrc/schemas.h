@@ -12,8 +12,6 @@ namespace ckpt_ext {
 
 at::Tensor call_linear_tanh(const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias);
-at::Tensor call_tanh_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                         const c10::List<bool>& has_bias, bool last_tanh);
 at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                     const c10::List<bool>& has_bias, c10::string_view activation,
                     bool last_activation);

@@ -370,7 +370,7 @@ def test_an_error_in_the_python_path_reaches_the_caller(monkeypatch):
     ws, bs = _params([4, 6, 3])
     x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     y = tanh_mlp(x, ws, bs)
-    monkeypatch.setattr(_autograd, "_tanh_mlp_first_order", boom)
+    monkeypatch.setattr(_autograd, "_tanh_stack_first_order", boom)
     with pytest.raises(ValueError, match="boom from the node's Python path"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
 

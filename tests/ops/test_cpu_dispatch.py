@@ -168,7 +168,7 @@ def test_backward_recomputes_the_forward_tanh_bitwise(level, dtype):
 
 
 def test_stack_backward_recomputes_bitwise(level):
-    """tanh_mlp recomputes the inner layers with the forward's primitive and the top layer
+    """A tanh stack recomputes the inner layers with the forward's primitive and the top layer
     inside the backward pass: with weights = I and gy = 1, the input gradient is the product of
     the layers' 1 - t², which must equal the one computed from the forward's activations."""
     for N in (3, 9, 17, 31):
@@ -176,10 +176,11 @@ def test_stack_backward_recomputes_bitwise(level):
         x = x / 2  # keep the second layer's t = tanh(tanh(z)) away from 0 too
         t1 = torch.ops.ckpt_ext.linear_tanh(x, w, None)
         t2 = torch.ops.ckpt_ext.linear_tanh(t1, w, None)
-        y = torch.ops.ckpt_ext.tanh_mlp(x, [w, w], [], [False, False], True)
+        y = torch.ops.ckpt_ext.mlp(x, [w, w], [], [False, False], "tanh", True)
         assert torch.equal(y, t2)
-        gx, _, _ = torch.ops.ckpt_ext.tanh_mlp_backward(
-            torch.ones_like(y), x, [w, w], [], [False, False], True, True, [False, False], [])
+        gx, _, _ = torch.ops.ckpt_ext.mlp_backward(
+            torch.ones_like(y), x, [w, w], [], [False, False], "tanh", True, True, [False, False],
+            [])
         assert torch.equal(gx, (1 - t2 * t2) * (1 - t1 * t1)), f"N={N} at {level}"
 
 
@@ -206,10 +207,10 @@ def test_strided_and_broadcast_grad_out(level, dtype):
         assert torch.equal(a, c)
     # the layer without tanh sums grad_out itself (bias_grad): a stack with last_tanh = False.
     # (Only its bias gradient is compared: the GEMMs may sum a strided operand in another order.)
-    args = (x, [w], [b], [True], False, False, [False], [True])
+    args = (x, [w], [b], [True], "tanh", False, False, [False], [True])
     for strided in (gy, one):
-        want = torch.ops.ckpt_ext.tanh_mlp_backward(strided.contiguous(), *args)[2][0]
-        assert torch.equal(torch.ops.ckpt_ext.tanh_mlp_backward(strided, *args)[2][0], want)
+        want = torch.ops.ckpt_ext.mlp_backward(strided.contiguous(), *args)[2][0]
+        assert torch.equal(torch.ops.ckpt_ext.mlp_backward(strided, *args)[2][0], want)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,8 +250,8 @@ def test_bias_sums_are_the_documented_order_at_every_level(dtype):
         assert np.array_equal(gb.numpy(), ref), name
         # a plain sum(0) is another order, and differs somewhere (this test can fail)
         assert not np.array_equal(gx.numpy().sum(0), ref) or name != LEVELS[0]
-        _, _, gbs = at_level(name, lambda: torch.ops.ckpt_ext.tanh_mlp_backward(
-            gy, x, [w], [b], [True], False, False, [False], [True]))
+        _, _, gbs = at_level(name, lambda: torch.ops.ckpt_ext.mlp_backward(
+            gy, x, [w], [b], [True], "tanh", False, False, [False], [True]))
         sums[name] = gbs[0]
         assert np.array_equal(gbs[0].numpy(), _documented_bias_sum(gy.numpy(), _C.ROWS_PER_CHUNK))
     for name in LEVELS:

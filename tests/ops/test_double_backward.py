@@ -157,22 +157,6 @@ def test_gradgradcheck_linear_tanh_backward_from_output_backward(mask, given):
                                    (gy, x, t, w), mask)
 
 
-@pytest.mark.parametrize("last_tanh", [True, False])
-def test_gradgradcheck_tanh_mlp_backward(last_tanh):
-    gy, x = _randn(4, 2, seed=0), _randn(4, 3, seed=1)
-    ws = [_randn(5, 3, seed=2, scale=0.7), _randn(2, 5, seed=3, scale=0.7)]
-    bs = [_randn(5, seed=4)]
-
-    def f(gy, x, w0, w1, b0):
-        gx, gw, gb = OPS.tanh_mlp_backward(gy, x, [w0, w1], [b0], [True, False], last_tanh,
-                                           True, [True, True], [True])
-        return (gx, *gw, *gb)
-
-    inputs = (gy, x, *ws, *bs)
-    assert torch.autograd.gradcheck(f, inputs)
-    assert torch.autograd.gradgradcheck(f, inputs)
-
-
 # ------------------------------------------------------------------------------------------------
 # issue 12 item 6: the backward ops called directly, in grad mode, with inputs that require grad
 
@@ -192,23 +176,6 @@ def test_linear_tanh_backward_callable_in_grad_mode():
                                (xr, wr))
     for g_, w_ in zip(got, want):
         assert rel_err(g_, w_) <= 1e-13  # measured 2e-16
-
-
-def test_tanh_mlp_backward_callable_in_grad_mode():
-    gy, x = _randn(6, 2, seed=0), _randn(6, 3, seed=1)
-    w0, w1, b0 = _randn(4, 3, seed=2), _randn(2, 4, seed=3), _randn(4, seed=4)
-    gx, (gw0, gw1), (gb0,) = OPS.tanh_mlp_backward(gy, x, [w0, w1], [b0], [True, False], True,
-                                                   True, [True, True], [True])
-    assert gx.requires_grad
-    xr, w0r, w1r, b0r = (t.detach().requires_grad_() for t in (x, w0, w1, b0))
-    y = torch.tanh(F.linear(torch.tanh(F.linear(xr, w0r, b0r)), w1r))
-    ref = torch.autograd.grad(y, (xr, w0r, w1r, b0r), gy.detach(), create_graph=True)
-    for got, want in zip((gx, gw0, gw1, gb0), ref):
-        assert rel_err(got, want) <= 1e-14
-    got = torch.autograd.grad(gx.pow(2).sum() + gw1.sum(), (x, w0))
-    want = torch.autograd.grad(ref[0].pow(2).sum() + ref[2].sum(), (xr, w0r))
-    for g_, w_ in zip(got, want):
-        assert rel_err(g_, w_) <= 1e-13
 
 
 # ------------------------------------------------------------------------------------------------
@@ -493,7 +460,7 @@ def test_physics_informed_step_keeps_and_peaks_less_than_plain(fused_as):
 # which kernels run
 
 @pytest.mark.parametrize("policy,kernel,count", [("all", "linear_tanh_backward", 3),
-                                                  ("memory", "tanh_mlp_backward", 1)])
+                                                  ("memory", "mlp_backward", 1)])
 def test_first_order_backward_keeps_the_fused_kernel(policy, kernel, count):
     torch.manual_seed(0)
     model, _ = fuse(Net(d_in=12, d_hidden=16), policy=policy)
@@ -507,7 +474,7 @@ def test_first_order_backward_keeps_the_fused_kernel(policy, kernel, count):
     # calls are the 2 of the plain linear1 (grad_x, grad_W).
     assert calls.get(f"ckpt_ext.{kernel}") == count
     assert "aten.tanh" not in calls and "aten.tanh_backward" not in calls
-    assert "ckpt_ext.linear_tanh" not in calls and "ckpt_ext.tanh_mlp" not in calls
+    assert "ckpt_ext.linear_tanh" not in calls and "ckpt_ext.mlp" not in calls
     assert calls.get("aten.mm", 0) == 2
 
 

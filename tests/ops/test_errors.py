@@ -96,7 +96,7 @@ def test_checks_run_before_any_kernel():
 
 
 # ------------------------------------------------------------------------------------------------
-# The stack op's own list checks, reachable only through torch.ops (ckpt_ext.tanh_mlp builds
+# The stack op's own list checks, reachable only through torch.ops (ckpt_ext.mlp builds
 # has_bias and the masks itself); tests/ops/test_tanh_mlp.py covers the per-layer shape/dtype/device
 # messages.
 
@@ -108,10 +108,10 @@ def _stack():
 
 
 STACK_CASES = [
-    ("has_bias_length", lambda x, ws, bs: (x, ws, bs, [True], True),
-     r"ckpt_ext.tanh_mlp: has_bias must have one entry per layer \(2\), got 1"),
-    ("biases_count", lambda x, ws, bs: (x, ws, bs, [True, True], True),
-     r"ckpt_ext.tanh_mlp: biases must hold one tensor per layer whose has_bias is true \(2\), "
+    ("has_bias_length", lambda x, ws, bs: (x, ws, bs, [True], "tanh", True),
+     r"ckpt_ext.mlp: has_bias must have one entry per layer \(2\), got 1"),
+    ("biases_count", lambda x, ws, bs: (x, ws, bs, [True, True], "tanh", True),
+     r"ckpt_ext.mlp: biases must hold one tensor per layer whose has_bias is true \(2\), "
      r"got 1"),
 ]
 
@@ -120,13 +120,13 @@ STACK_CASES = [
                          ids=[c[0] for c in STACK_CASES])
 def test_stack_op_rejects_inconsistent_lists(args, pattern):
     with pytest.raises(ValueError, match=pattern):
-        torch.ops.ckpt_ext.tanh_mlp(*args(*_stack()))
+        torch.ops.ckpt_ext.mlp(*args(*_stack()))
     with FakeTensorMode() as mode:  # the Meta kernel runs the same check
         x, ws, bs = _stack()
         fake = (mode.from_tensor(x), [mode.from_tensor(w) for w in ws],
                 [mode.from_tensor(b) for b in bs])
         with pytest.raises(ValueError, match=pattern):
-            torch.ops.ckpt_ext.tanh_mlp(*args(*fake))
+            torch.ops.ckpt_ext.mlp(*args(*fake))
 
 
 @pytest.mark.parametrize("need_weights,need_biases,pattern", [
@@ -136,12 +136,12 @@ def test_stack_op_rejects_inconsistent_lists(args, pattern):
 def test_stack_backward_rejects_masks_of_the_wrong_length(need_weights, need_biases, pattern):
     x, ws, bs = _stack()
     gy = torch.randn(4, 2)
-    with pytest.raises(ValueError, match="ckpt_ext.tanh_mlp_backward: " + pattern):
-        torch.ops.ckpt_ext.tanh_mlp_backward(gy, x, ws, bs, [True, False], True, True,
-                                             need_weights, need_biases)
+    with pytest.raises(ValueError, match="ckpt_ext.mlp_backward: " + pattern):
+        torch.ops.ckpt_ext.mlp_backward(gy, x, ws, bs, [True, False], "tanh", True, True,
+                                        need_weights, need_biases)
     with FakeTensorMode() as mode:
         fx, fgy = mode.from_tensor(x), mode.from_tensor(gy)
         fws, fbs = [mode.from_tensor(w) for w in ws], [mode.from_tensor(b) for b in bs]
-        with pytest.raises(ValueError, match="ckpt_ext.tanh_mlp_backward: " + pattern):
-            torch.ops.ckpt_ext.tanh_mlp_backward(fgy, fx, fws, fbs, [True, False], True, True,
-                                                 need_weights, need_biases)
+        with pytest.raises(ValueError, match="ckpt_ext.mlp_backward: " + pattern):
+            torch.ops.ckpt_ext.mlp_backward(fgy, fx, fws, fbs, [True, False], "tanh", True, True,
+                                            need_weights, need_biases)

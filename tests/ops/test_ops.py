@@ -242,8 +242,8 @@ def test_bias_grad_without_tanh_follows_the_documented_order(device, seed, dtype
     # values would sum exactly in any order)
     gen = torch.Generator().manual_seed(seed)
     gy = torch.randn(M, N, dtype=torch.float64, generator=gen).to(device=device, dtype=dtype)
-    _, _, (gb,) = torch.ops.ckpt_ext.tanh_mlp_backward(gy, x, [w], [b], [True], False, False,
-                                                        [False], [True])
+    _, _, (gb,) = torch.ops.ckpt_ext.mlp_backward(gy, x, [w], [b], [True], "tanh", False, False,
+                                                   [False], [True])
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     expected = bias_grad_documented_order(gy, acc, out_dtype=dtype)
     assert torch.equal(gb.cpu(), expected), \

@@ -206,7 +206,7 @@ def pack_width(names, kernel):
 # ------------------------------------------------------------------------------------------------
 # build facts (any machine)
 
-OPS = ("linear_tanh", "linear_tanh_backward", "tanh_mlp", "tanh_mlp_backward")
+OPS = ("linear_tanh", "linear_tanh_backward", "mlp", "mlp_backward")
 
 
 def test_every_op_has_cpu_cuda_and_meta_kernels():
@@ -404,9 +404,9 @@ def test_stack_top_bias_grad_cpu_and_cuda_bitwise(dtype):
     got = {}
     for dev in ("cpu", "cuda"):
         args = [t.to(dev) for t in (gy, x)]
-        _, _, gb = torch.ops.ckpt_ext.tanh_mlp_backward(
+        _, _, gb = torch.ops.ckpt_ext.mlp_backward(
             args[0], args[1], [w.to(dev) for w in weights], [b.to(dev) for b in biases],
-            [True, True], False, False, [False, False], [False, True])
+            [True, True], "tanh", False, False, [False, False], [False, True])
         got[dev] = gb[0].cpu()
     ref = documented_column_sums(gy, dtype)
     assert torch.equal(got["cuda"], ref)
@@ -605,8 +605,8 @@ def test_bias_grad_is_the_documented_order_of_the_kernels_g(poison, dtype, M, N)
         # the lower layer of a stack: Holds::kTanhOutput (its g is in the buffer that held t)
         w2 = (torch.randn(23, N, generator=gen) / 4).to("cuda", dtype)
         gy2 = torch.randn(M, 23, generator=gen).to("cuda", dtype)
-        _, gws, gbs = torch.ops.ckpt_ext.tanh_mlp_backward(
-            gy2, x, [w1, w2], [b1], [True, False], True, False, [True, False], [True])
+        _, gws, gbs = torch.ops.ckpt_ext.mlp_backward(
+            gy2, x, [w1, w2], [b1], [True, False], "tanh", True, False, [True, False], [True])
         assert torch.equal(gbs[0].cpu(), documented_column_sums(gws[0].t(), dtype))
 
 

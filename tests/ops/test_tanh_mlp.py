@@ -159,26 +159,26 @@ def _op_args(bias=True, last_tanh=True, lead=(3, 5), sizes=(4, 6, 3)):
 
 @pytest.mark.parametrize("last_tanh", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-def test_opcheck_tanh_mlp(bias, last_tanh):
+def test_opcheck_tanh_stack(bias, last_tanh):
     x, ws, bs, has, lt = _op_args(bias, last_tanh)
-    torch.library.opcheck(torch.ops.ckpt_ext.tanh_mlp.default, (x, ws, bs, has, lt))
+    torch.library.opcheck(torch.ops.ckpt_ext.mlp.default, (x, ws, bs, has, "tanh", lt))
     for t in [x, *ws, *bs]:
         t.requires_grad_()
-    torch.library.opcheck(torch.ops.ckpt_ext.tanh_mlp.default, (x, ws, bs, has, lt))
+    torch.library.opcheck(torch.ops.ckpt_ext.mlp.default, (x, ws, bs, has, "tanh", lt))
 
 
 MASKS = list(itertools.product([True, False], repeat=5))  # need_x, need_w0..1, need_b0..1
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: "".join("1" if v else "0" for v in m))
-def test_opcheck_and_values_of_tanh_mlp_backward_for_every_mask(poison, mask):
+def test_opcheck_and_values_of_the_tanh_stack_backward_for_every_mask(poison, mask):
     x, ws, bs, has, lt = _op_args(True, False, lead=(37,), sizes=(5, 7, 3))
     x, ws, bs = x.double(), [w.double() for w in ws], [b.double() for b in bs]
     gy = torch.randn(37, 3, dtype=torch.float64)
     need_x, nw0, nw1, nb0, nb1 = mask
-    args = (gy, x, ws, bs, has, lt, need_x, [nw0, nw1], [nb0, nb1])
-    torch.library.opcheck(torch.ops.ckpt_ext.tanh_mlp_backward.default, args)
-    gx, gws, gbs = torch.ops.ckpt_ext.tanh_mlp_backward(*args)
+    args = (gy, x, ws, bs, has, "tanh", lt, need_x, [nw0, nw1], [nb0, nb1])
+    torch.library.opcheck(torch.ops.ckpt_ext.mlp_backward.default, args)
+    gx, gws, gbs = torch.ops.ckpt_ext.mlp_backward(*args)
     _, ref = _ref_outputs_and_grads(x, ws, bs, gy, lt)
     assert (gx is None) == (not need_x)
     if need_x:
@@ -455,10 +455,10 @@ def test_biases_list_length_checked_in_python():
 
 def test_backward_op_rejects_a_grad_out_of_the_wrong_shape():
     x, ws, bs, has, lt = _op_args()
-    with pytest.raises(ValueError, match=r"tanh_mlp_backward: grad_out must have shape \[3, 5, 3\], "
+    with pytest.raises(ValueError, match=r"mlp_backward: grad_out must have shape \[3, 5, 3\], "
                                          r"got \[3, 5, 4\]"):
-        torch.ops.ckpt_ext.tanh_mlp_backward(torch.randn(3, 5, 4), x, ws, bs, has, lt, True,
-                                             [True, True], [True, True])
+        torch.ops.ckpt_ext.mlp_backward(torch.randn(3, 5, 4), x, ws, bs, has, "tanh", lt, True,
+                                        [True, True], [True, True])
 
 
 # ------------------------------------------------------------------------------------------------
