@@ -1,4 +1,5 @@
-"""Suite-wide set-up: devices and the `cuda` marker, per-test seeds, poisoned buffers.
+"""Suite-wide set-up: devices and the `cuda` marker, CPU ISA levels (`level`), per-test seeds,
+poisoned buffers.
 
 Devices. Tests that take the `device` fixture run on the CPU always and on CUDA where a GPU is
 visible and ckpt_ext was built with CUDA kernels. Every GPU test carries the `cuda` marker (the
@@ -42,6 +43,18 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_gpu])]
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+@pytest.fixture(params=list(ckpt_ext._C._cpu_capabilities()))
+def level(request):
+    """Each CPU ISA level this machine can run (ckpt_ext._C._set_cpu_capability switches it in
+    this process), put back after the test."""
+    before = ckpt_ext._C._cpu_capability()
+    ckpt_ext._C._set_cpu_capability(request.param)
+    try:
+        yield request.param
+    finally:
+        ckpt_ext._C._set_cpu_capability(before)
 
 
 def pytest_configure(config):

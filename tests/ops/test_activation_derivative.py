@@ -14,7 +14,6 @@ from ckpt_ext._activations import REGISTRY
 from reference import measured, rel_err, requires_gpu
 
 ACTS = list(ckpt_ext.ACTIVATIONS)
-LEVELS = list(_C._cpu_capabilities())
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 # ‖ours − ref‖/‖ref‖ bounds per order 0..3, ~10× the largest measured over the activations and
 # the CPU levels. float32: 3.7e-8, 2.7e-7, 2.4e-6, 1.2e-5; float64: 2.3e-17, 5.2e-16, 2.1e-14,
@@ -40,16 +39,6 @@ def _reference(name, z):
     ref = [row.f(z64), row.derivative(z64), row.d2(z64), row.d3(z64)]
     assert all(torch.isfinite(r).all() for r in ref)
     return ref
-
-
-@pytest.fixture(params=LEVELS)
-def level(request):
-    before = _C._cpu_capability()
-    _C._set_cpu_capability(request.param)
-    try:
-        yield request.param
-    finally:
-        _C._set_cpu_capability(before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -2,8 +2,8 @@
 csrc/cpu/kernels.cpp): each against the float64 reference, the levels against each
 other, and the backward's recomputed tanh against the forward's, bit for bit, on every element.
 
-ckpt_ext._C._set_cpu_capability switches the level inside this process; the fixture puts the
-level back after each test. CKPT_EXT_CPU_CAPABILITY (read at import) is tested in subprocesses.
+ckpt_ext._C._set_cpu_capability switches the level inside this process; the `level` fixture
+(conftest.py) puts it back after each test. CKPT_EXT_CPU_CAPABILITY (read at import) is tested in subprocesses.
 """
 from __future__ import annotations
 
@@ -24,16 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LEVELS = list(_C._cpu_capabilities())
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-
-
-@pytest.fixture(params=LEVELS)
-def level(request):
-    before = _C._cpu_capability()
-    _C._set_cpu_capability(request.param)
-    try:
-        yield request.param
-    finally:
-        _C._set_cpu_capability(before)
 
 
 def at_level(name, fn):

@@ -359,20 +359,7 @@ def test_activation_modules_compute_what_the_names_say():
     assert F.gelu is ACTIVATION_REF["gelu"]
 
 
-# ---- every CPU ISA level -------------------------------------------------------------------------
-
-LEVELS = list(ckpt_ext._C._cpu_capabilities())
-
-
-@pytest.fixture(params=LEVELS)
-def level(request):
-    before = ckpt_ext._C._cpu_capability()
-    ckpt_ext._C._set_cpu_capability(request.param)
-    try:
-        yield request.param
-    finally:
-        ckpt_ext._C._set_cpu_capability(before)
-
+# ---- every CPU ISA level (the `level` fixture, conftest.py) --------------------------------------
 
 # widths that leave a tail at every vector width (8/16 floats, 4/8 doubles, 16/32 halves), rows
 # over several 32-row bias chunks and a partial one
