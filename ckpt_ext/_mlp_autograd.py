@@ -1,7 +1,8 @@
 """Autograd of the mlp op, every activation: it keeps x and the parameters only. First order: the
-recomputing C++ mlp_backward. With create_graph=True the first order is built (a tanh stack in
-plain autograd: from its kept outputs, ``_autograd``) from per-layer nodes that keep their inputs only and recompute (one layer)
-for every later order (``_mlp_higher_order``); under torch.func the composite below runs directly.
+recomputing C++ mlp_backward. With create_graph=True the first order is built from per-layer
+nodes that keep their inputs only and recompute (one layer) for every later order
+(``_mlp_higher_order``; a tanh stack in plain autograd: from its kept outputs, ``_autograd``);
+under torch.func the composite below runs directly.
 Design: docs/design.md, "Other activations".
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ design and the math: docs/design.md.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -42,20 +42,7 @@ def tanh_mlp(x: Tensor, weights: Sequence[Tensor],
     back, freeing each as soon as it is used; with one layer and ``last_tanh`` it is exactly
     :func:`linear_tanh`. It is :func:`mlp` with ``activation="tanh"``.
     """
-    weights = list(weights)
-    if not weights:
-        raise ValueError("ckpt_ext.tanh_mlp: weights must hold at least one layer's weight, got "
-                         "an empty list")
-    if biases is None:
-        biases = [None] * len(weights)
-    else:
-        biases = list(biases)
-        if len(biases) != len(weights):
-            raise ValueError(f"ckpt_ext.tanh_mlp: biases must have one entry (a tensor or None) per "
-                             f"layer ({len(weights)}), got {len(biases)}")
-    return torch.ops.ckpt_ext.mlp.default(
-        x, weights, [b for b in biases if b is not None], [b is not None for b in biases], "tanh",
-        bool(last_tanh))
+    return _stack("ckpt_ext.tanh_mlp", x, list(weights), biases, "tanh", last_tanh)
 
 
 def mlp(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Optional[Tensor]]] = None,
@@ -71,10 +58,20 @@ def mlp(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Optional
     ("quick_gelu")."""
     weights = list(weights)
     spec = activation_spec(activation, len(weights), bool(last_activation), "ckpt_ext.mlp")
+    return _stack("ckpt_ext.mlp", x, weights, biases, spec, last_activation)
+
+
+def _stack(where: str, x: Tensor, weights: List[Tensor],
+           biases: Optional[Sequence[Optional[Tensor]]], spec: str, last: bool) -> Tensor:
+    """The mlp op on ``biases`` given as None or one entry (a tensor or None) per layer; a list of
+    the wrong length is a ValueError naming ``where``, before any kernel runs."""
+    if not weights:
+        raise ValueError(f"{where}: weights must hold at least one layer's weight, got an empty "
+                         f"list")
     biases = [None] * len(weights) if biases is None else list(biases)
     if len(biases) != len(weights):
-        raise ValueError(f"ckpt_ext.mlp: biases must have one entry (a tensor or None) per "
-                         f"layer ({len(weights)}), got {len(biases)}")
+        raise ValueError(f"{where}: biases must have one entry (a tensor or None) per layer "
+                         f"({len(weights)}), got {len(biases)}")
     return torch.ops.ckpt_ext.mlp.default(
-        x, weights, [b for b in biases if b is not None], [b is not None for b in biases],
-        spec, bool(last_activation))
+        x, weights, [b for b in biases if b is not None], [b is not None for b in biases], spec,
+        bool(last))

@@ -166,11 +166,12 @@ def derivatives(dtype):
     g = torch.Generator().manual_seed(3)
     z = (torch.randn(37, 9, generator=g) * 4).to(dtype)
     z64 = z.double()
+    layouts = (("aligned", z.to(DEVICE)), ("misaligned", misaligned(z.to(DEVICE))))
     for act in ckpt_ext.ACTIVATIONS:
         row = REGISTRY[act]
         refs = (row.f(z64), row.derivative(z64), row.d2(z64), row.d3(z64))
         for k, ref in enumerate(refs):
-            for layout, src in (("aligned", z.to(DEVICE)), ("misaligned", misaligned(z.to(DEVICE)))):
+            for layout, src in layouts:
                 got = _C._activation_derivative(src, act, k)
                 check(f"derivative {act} order {k} {dtype} {layout}", got, ref, TOL[dtype],
                       scale=ref.abs() + ref.abs().mean() + 1e-30)

@@ -110,7 +110,9 @@ void activation_cpu(const at::Tensor& src, const at::Tensor& dst, Activation act
     const auto activate = kern.of<scalar_t>().activate;
     // Elementwise, as tanh_cpu_: where a grain ends does not change a value.
     at::parallel_for(0, dst.numel(), 32768,
-                     [&](int64_t i0, int64_t i1) { activate(s + i0, d + i0, i1 - i0, act, order); });
+                     [&](int64_t i0, int64_t i1) {
+                       activate(s + i0, d + i0, i1 - i0, act, order);
+                     });
   });
 }
 

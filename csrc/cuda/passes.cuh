@@ -183,7 +183,8 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (V > 1) {
     const int64_t i = n_packs * V + threadIdx.x;  // tail: fewer than V <= kThreads elements
     if (blockIdx.x == 0 && i < numel) {
-      dst[i] = static_cast<scalar_t>(derivative_value<kAct, K, scalar_t>(static_cast<acc_t>(src[i])));
+      dst[i] = static_cast<scalar_t>(
+          derivative_value<kAct, K, scalar_t>(static_cast<acc_t>(src[i])));
     }
   }
 }
