@@ -1,12 +1,14 @@
-"""First-order autograd of linear_tanh, and of a tanh stack's create_graph path (the mlp op's
-other paths: ``_mlp_autograd``): they keep only x (and references to the parameters); backward
-recomputes the activations.
+"""The create_graph path of tanh layers in plain autograd (one layer, _first_order_from; a stack,
+_tanh_stack_first_order): the first order built from the layers' outputs, recomputed once by
+nodes that keep them, so that every later order reuses them (docs/design.md, "Higher orders").
+And what every recorder of the ops shares: the op's Autograd kernel (_register_autograd_kernel)
+and the helpers of the single-level Functions.
 
-Two recorders, one per situation (docs/design.md, "Autograd (first order)"): the single-level
-Functions below, the public-API path (torch.func, modes, subclasses, compile), applied by the
-op's Autograd kernel; and in plain eager autograd the C++ node of csrc/autograd_node.cpp, whose
-native path frees the incoming gradient as early as plain autograd does (its Python side:
-``_autograd_node``). Both run the same backward (_first_order_from, _tanh_stack_first_order). The
+Two recorders, one per situation (docs/design.md, "Autograd (first order)"): the mlp op's
+single-level Function (``_mlp_autograd``), the public-API path (torch.func, modes, subclasses,
+compile); and in plain eager autograd the C++ node of csrc/autograd_node.cpp, whose native path
+frees the incoming gradient as early as plain autograd does (its Python side:
+``_autograd_node``). Both run the same first order (``_mlp_autograd.first_order``). The
 higher-order ops are in ``_higher_order``.
 """
 from __future__ import annotations
@@ -21,8 +23,8 @@ from torch import Tensor
 from torch.autograd.function import _SingleLevelFunction
 
 from . import _C
-from ._derivatives import (_OPS, _layer_biases, _linear_tanh_jvp,
-                           _stack_backward_composite)
+from ._derivatives import _OPS, _layer_biases, _stack_backward_composite
+
 
 def _below_autograd(op, *args):
     # Inside a Function's forward: run the kernel itself, not our Autograd kernel again — as ATen's
@@ -64,22 +66,22 @@ def _needed(ctx, n: int) -> List[bool]:
 
 def _plain_autograd() -> bool:
     """No torch.func transform and no forward-mode AD around: where the output-based path of the
-    higher orders is used (see _LinearTanh.backward); the transforms use the recomputing ops."""
+    higher orders is used; under the transforms the mlp op's composite runs."""
     return not torch._C._are_functorch_transforms_active() and _fwAD._current_level < 0
 
 
 def _recompute_chain(ctx, x, weight, bias):
-    """(input, t) for the linear_tanh node ctx in a create_graph pass: t = tanh(x·Wᵀ + b)
+    """(input, t) for the one-tanh-layer node ctx in a create_graph pass: t = tanh(x·Wᵀ + b)
     recomputed once by a node that keeps it (_LinearTanhKeep), and remembered by ctx. When x is the
-    unmodified output of another linear_tanh node (a chain of FusedLinearTanh), the input is that
-    node's own recomputed t instead (recursively): the recompute nodes then form one chain fed by
-    the chain's first input, so the gradients of every later order meet at them and never reach
-    the forward nodes, as in the stack op."""
+    unmodified output of another one-tanh-layer node (a chain of FusedLinearTanh), the input is
+    that node's own recomputed t instead (recursively): the recompute nodes then form one chain
+    fed by the chain's first input, so the gradients of every later order meet at them and never
+    reach the forward nodes, as in a stack."""
     t = getattr(ctx, "recomputed_output", None)
     if t is not None:
         return ctx.recomputed_input, t
     x_in = x
-    below = _linear_tanh_below(x)
+    below = _tanh_layer_below(x)
     if below is not None:
         below_ctx, (bx, bw, bb) = below
         x_in = _recompute_chain(below_ctx, bx, bw, bb)[1]
@@ -88,24 +90,26 @@ def _recompute_chain(ctx, x, weight, bias):
     return x_in, t
 
 
-def _linear_tanh_below(x):
-    """(ctx, (x, W, b)) of the linear_tanh node whose output x is (unmodified), with its saved
-    tensors still there; else None. The node is the C++ one eager autograd records (its ctx is the
-    per-node state object, _C._linear_tanh_node_state) or a _LinearTanh Function's (the node is
-    its own ctx)."""
+def _tanh_layer_below(x):
+    """(ctx, (x, W, b)) of the one-tanh-layer mlp node whose output x is (unmodified), with its
+    saved tensors still there; else None. The node is the C++ one eager autograd records (its ctx
+    is the per-node state object, _C._tanh_layer_node_state) or the mlp Function's (the node is
+    its own ctx; one_tanh_layer set by its setup_context)."""
     below = x.grad_fn
     if below is None:
         return None
-    if isinstance(below, _LinearTanh._backward_cls):
+    if getattr(below, "one_tanh_layer", False):
         try:
-            return below, below.saved_tensors
+            bx, w, *b = below.saved_tensors
         except RuntimeError:  # that node's saved tensors are already freed: no chain
             return None
-    return _C._linear_tanh_node_state(x)
+        return below, (bx, w, b[0] if b else None)
+    return _C._tanh_layer_node_state(x)
 
 
 def _first_order_from(ctx, grad_out, x, weight, bias, mask):
-    """The first-order backward of a linear_tanh node (ctx), outside torch.func.
+    """The first-order backward of a one-tanh-layer node (ctx) in plain autograd; None where there
+    is nothing to build it from (no create_graph pass: the recomputing mlp_backward then runs).
 
     With create_graph=True (grad mode on) it is recorded, from the output: t = tanh(x·Wᵀ + b) is
     recomputed once by a node that keeps it (_recompute_chain) and handed as an input to
@@ -113,7 +117,7 @@ def _first_order_from(ctx, grad_out, x, weight, bias, mask):
     All later orders then reuse this t (no GEMM, no tanh pass again), and every gradient w.r.t. t
     from every order meets at the one _LinearTanhKeep node, which turns it into x and W
     gradients once per pass — as plain autograd does at its tanh node. Without create_graph: from
-    that t when a create_graph pass made one (then released), else the recomputing kernel."""
+    that t when a create_graph pass made one (then released)."""
     if torch.is_grad_enabled():
         x_in, t = _recompute_chain(ctx, x, weight, bias)
         return _OPS.linear_tanh_backward_from_output.default(grad_out, x_in, t, weight, bias,
@@ -123,46 +127,19 @@ def _first_order_from(ctx, grad_out, x, weight, bias, mask):
         del ctx.recomputed_output, ctx.recomputed_input  # the last pass: let them go
         return _OPS.linear_tanh_backward_from_output.default(grad_out, x, t.detach(), weight, bias,
                                                              mask)
-    return _OPS.linear_tanh_backward.default(grad_out, x, weight, bias, mask)
-
-
-class _LinearTanh(_SingleLevelFunction):
-    """y = tanh(x·Wᵀ + b); keeps (x, W, b); backward = the recomputing linear_tanh_backward op
-    (or the output-based path with create_graph=True, _first_order_from)."""
-
-    @staticmethod
-    def forward(x, weight, bias):
-        return _below_autograd(_OPS.linear_tanh.default, x, weight, bias)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _note_tensor_inputs(ctx, inputs)
-        ctx.save_for_backward(*inputs)
-        ctx.save_for_forward(*inputs)  # for jvp; released right after the forward when unused
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight, bias = ctx.saved_tensors
-        need_x, need_w, need_b = _needed(ctx, 3)
-        mask = [need_x, need_w, need_b and bias is not None]
-        if _plain_autograd():
-            return _first_order_from(ctx, grad_out, x, weight, bias, mask)
-        # Under torch.func: the recomputing op, recorded (_LinearTanhBackward) where the transform
-        # builds a graph: its node keeps (grad_out, x).
-        return _OPS.linear_tanh_backward.default(grad_out, x, weight, bias, mask)
-
-    @staticmethod
-    def jvp(ctx, x_t, weight_t, bias_t):
-        return _linear_tanh_jvp(*ctx.saved_tensors, x_t, weight_t, bias_t)
+    return None
 
 
 class _LinearTanhKeep(_SingleLevelFunction):
-    """linear_tanh keeping its output too: the recompute node of the create_graph path, whose
-    output (t) the first-order node keeps anyway. Backward from that t, recorded or not."""
+    """One tanh layer (the mlp op) keeping its output too: the recompute node of the create_graph
+    path, whose output (t) the first-order node keeps anyway. Backward from that t, recorded or
+    not."""
 
     @staticmethod
     def forward(x, weight, bias):
-        return _below_autograd(_OPS.linear_tanh.default, x, weight, bias)
+        has_bias = bias is not None
+        return _below_autograd(_OPS.mlp.default, x, [weight], [bias] if has_bias else [],
+                               [has_bias], "tanh", True)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -181,7 +158,9 @@ class _LinearTanhKeep(_SingleLevelFunction):
 
     @staticmethod
     def jvp(ctx, x_t, weight_t, bias_t):
-        return _linear_tanh_jvp(*ctx.saved_tensors, x_t, weight_t, bias_t)
+        from ._mlp_autograd import _mlp_jvp  # (it imports this module)
+        x, weight, bias = ctx.saved_tensors
+        return _mlp_jvp(x, [weight], [bias], ["tanh"], True, x_t, [weight_t], [bias_t])
 
 
 # ---- a stack of layers -------------------------------------------------------------------------
@@ -256,6 +235,3 @@ def _register_autograd_kernel(name: str, apply, record_node=None) -> None:
 
     _AUTOGRAD_LIB.impl(name, kernel, "Autograd", with_keyset=True)
 
-
-# record_node: the C++ node (csrc/autograd_node.cpp; its Python side in _autograd_node.py).
-_register_autograd_kernel("linear_tanh", _LinearTanh.apply, _C._linear_tanh_with_node)

@@ -1,5 +1,6 @@
-"""The derivative formulas of linear_tanh and of a tanh stack, each written once, from ATen ops
-and the ckpt_ext ops so autograd can differentiate them again (the notation of docs/design.md).
+"""The derivative formulas of tanh layers from their outputs (the higher orders of ``_higher_order``
+and a tanh stack's first order from its kept outputs), each written once, from ATen ops and the
+ckpt_ext ops so autograd can differentiate them again (the notation of docs/design.md).
 
 Rows are flattened to (M, ·). ``_autograd`` and ``_higher_order`` record the ops whose backward or
 jvp these are; the vmap rules (``_vmap``) call the ops themselves.
@@ -47,42 +48,11 @@ def _grad_of_g(ggx2: Optional[Tensor], ggw: Optional[Tensor], ggb: Optional[Tens
     return dg
 
 
-def _zeros_out(x: Tensor, n: int) -> Tensor:
-    """A zero tensor of shape x.shape[:-1] + (n,) that owns no memory (an expanded scalar): the
-    grad_out placeholder of a double-backward call whose result does not read it."""
-    return x.new_zeros(()).expand(*x.shape[:-1], n)
-
-
 def _result_like(values, mask, likes):
     """One result per output of a Function: None where the output is not produced (mask False or
     no tensor to be like), else the value or zeros."""
     return tuple(None if not m or like is None else (v if v is not None else torch.zeros_like(like))
                  for v, m, like in zip(values, mask, likes))
-
-
-def _linear_tanh_jvp(x, weight, bias, x_t, weight_t, bias_t):
-    # ẏ = (1 − t²)·(ẋ·Wᵀ + x·Ẇᵀ + ḃ): the grad_grad_out result of the double backward, which
-    # does not read grad_out (so a zero placeholder is passed).
-    return _OPS.linear_tanh_double_backward.default(
-        x_t, weight_t, bias_t if bias is not None else None, _zeros_out(x, weight.shape[0]), x,
-        weight, bias, [True, False, False, False])[0]
-
-
-def _first_order_jvp(grad_out, x, weight, bias, mask, grad_out_t, x_t, weight_t, bias_t):
-    """Tangent of linear_tanh_backward's outputs. It is linear in grad_out, and its derivative in
-    (x, W, b) applied to (ẋ, Ẇ, ḃ) is the Hessian-vector product that linear_tanh_double_backward
-    computes (the Hessian of <grad_out, y> is symmetric):
-        d(grad_x, grad_W, grad_b) = backward(ġrad_out) + double_backward(ẋ, Ẇ, ḃ)[x, W, b]."""
-    if bias is None:
-        bias_t = None
-    out: List[Optional[Tensor]] = [None, None, None]
-    if grad_out_t is not None:
-        out = list(_OPS.linear_tanh_backward.default(grad_out_t, x, weight, bias, mask))
-    if x_t is not None or weight_t is not None or bias_t is not None:
-        d = _OPS.linear_tanh_double_backward.default(x_t, weight_t, bias_t, grad_out, x, weight,
-                                                     bias, [False, *mask])
-        out = [_add(o, e) for o, e in zip(out, d[1:])]
-    return _result_like(out, mask, (x, weight, bias))
 
 
 def _from_output_backward_vjp(ggx, ggw, ggb, gy, x, t, weight, u_gy, u_x, u_t, u_w,
@@ -160,76 +130,6 @@ def _from_output_backward_vjp(ggx, ggw, ggb, gy, x, t, weight, u_gy, u_x, u_t, u
     return res
 
 
-def _double_backward_vjp(ggx, ggw, ggb, gy, x, weight, bias, u_gy, u_x, u_w, u_b,
-                         need: Sequence[bool]) -> List[Optional[Tensor]]:
-    """The vjp of linear_tanh_double_backward (the third order), from ATen ops and linear_tanh, so
-    autograd can differentiate it again.
-
-    linear_tanh_double_backward is linear_tanh_backward_from_output_backward (F below) with
-    t = tanh(z), z = x·Wᵀ + b, recomputed inside and F's t-result carried on through dt/dz = s:
-        dz = F_t·s,  out_gy = F_gy,  out_x = F_x + dz·W,  out_W = F_W + dzᵀ·x,  out_b = Σ dz.
-    Walking that back, with u_* the cotangents of the outputs:
-        c  = ∂/∂dz = u_b + x·u_Wᵀ + u_x·Wᵀ,  so F gets the cotangents (u_gy, u_x, c·s, u_W)
-        t̄  = F's t-result + c·F_t·(−2·t)   (through s in dz),   z̄ = t̄·s
-    and the results are F's vjp (_from_output_backward_vjp) plus
-        x: + z̄·W + dz·u_W        W: + z̄ᵀ·x + dzᵀ·u_x        b: Σ z̄
-    ``need`` says which of (ggx, ggW, ggb, gy, x, W, b) to return; the others are None."""
-    need = list(need)
-    if bias is None:
-        need[2] = need[6] = False
-        u_b = ggb = None
-    res: List[Optional[Tensor]] = [None] * 7
-    if not any(need) or all(u is None for u in (u_gy, u_x, u_w, u_b)):
-        return res
-    n, k = weight.shape
-    m = _rows(x)
-    x2, gy2 = x.reshape(m, k), gy.reshape(m, n)
-    ux2 = None if u_x is None else u_x.reshape(m, k)
-
-    t = _OPS.linear_tanh.default(x2, weight, bias)  # recomputed, as the forward computes it
-    s = 1 - t * t
-    dg = _grad_of_g(None if ggx is None else ggx.reshape(m, k), ggw, ggb, x2, weight)
-    c = None if u_b is None else u_b.expand(m, n)
-    if u_w is not None:
-        c = _add(c, x2 @ u_w.t())
-    if ux2 is not None:
-        c = _add(c, ux2 @ weight.t())
-    want_z = need[4] or need[5] or need[6]
-    f = _from_output_backward_vjp(ggx, ggw, ggb, gy, x, t, weight, u_gy, u_x,
-                                  None if c is None else c * s, u_w,
-                                  [*need[:5], want_z, need[5]], dg=dg)
-    res[:4] = f[:4]
-    if not want_z:
-        return res
-    f_t = None if dg is None else -2 * dg * gy2 * t  # F's t-result: −2·dg·gy·t
-    tbar = f[5]
-    if c is not None and f_t is not None:
-        tbar = _add(tbar, c * f_t * (-2 * t))
-    zbar = None if tbar is None else tbar * s
-    dz = None
-    if f_t is not None and ((u_w is not None and need[4]) or (ux2 is not None and need[5])):
-        dz = f_t * s
-
-    def mm_sum(*pairs):
-        out = None
-        for a, b in pairs:
-            if a is not None and b is not None:
-                out = _add(out, a @ b)
-        return out
-
-    if need[4]:
-        res[4] = _add(None if f[4] is None else f[4].reshape(m, k),
-                      mm_sum((zbar, weight), (dz, u_w)))
-    if need[5]:
-        res[5] = _add(f[6], mm_sum((None if zbar is None else zbar.t(), x2),
-                                   (None if dz is None else dz.t(), ux2)))
-    if need[6]:
-        res[6] = None if zbar is None else zbar.sum(0)
-    if res[4] is not None:
-        res[4] = res[4].reshape(x.shape)
-    return res
-
-
 # ---- a stack of layers -------------------------------------------------------------------------
 
 def _layer_biases(biases: Sequence[Tensor], has_bias: Sequence[bool]) -> List[Optional[Tensor]]:
@@ -264,24 +164,3 @@ def _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh, need_x, 
                 grad, a, outputs[i], w, layer_b[i], list(mask))
         grad = gx
     return (grad if need_x else None), gws, gbs
-
-
-def linear_tanh_backward(grad_out: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor],
-                         output_mask: Sequence[bool] = (True, True, True)):
-    """``(grad_x, grad_W, grad_b)`` of :func:`linear_tanh` for ``grad_out``, recomputing the
-    activation; each is None where ``output_mask`` is False (grad_b also when bias is None).
-    Differentiable: with inputs that require grad, in grad mode, autograd records it (its node
-    keeps grad_out and x) with :func:`linear_tanh_double_backward` as its backward."""
-    return _OPS.linear_tanh_backward.default(grad_out, x, weight, bias, list(output_mask))
-
-
-def linear_tanh_double_backward(grad_grad_x: Optional[Tensor], grad_grad_weight: Optional[Tensor],
-                                grad_grad_bias: Optional[Tensor], grad_out: Tensor, x: Tensor,
-                                weight: Tensor, bias: Optional[Tensor],
-                                output_mask: Sequence[bool] = (True, True, True, True)):
-    """The backward of :func:`linear_tanh_backward`: given the gradients w.r.t. its outputs
-    (grad_x, grad_W, grad_b; None where none), the gradients w.r.t. its inputs ``(grad_out, x,
-    weight, bias)``, recomputing what it needs; each None where ``output_mask`` is False.
-    Differentiable to any order."""
-    return _OPS.linear_tanh_double_backward.default(grad_grad_x, grad_grad_weight, grad_grad_bias,
-                                                    grad_out, x, weight, bias, list(output_mask))

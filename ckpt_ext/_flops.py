@@ -1,10 +1,10 @@
 """FLOP formulas of the ckpt_ext ops for torch.utils.flop_counter.FlopCounterMode (the counter
 torch.compile's tooling and MFU estimates use); without them the custom ops count as 0 FLOPs.
 
-Like aten::addmm, only the GEMMs count (2·M·K·N each); activations and the bias are not counted. A backward
-counts what it runs: the recompute (every layer's forward GEMM but the top one's when last_tanh is
-False), then per layer from the top down to the lowest one with a gradient asked for, grad_W where
-asked and the gradient for the layer below (or grad_x where asked).
+Like aten::addmm, only the GEMMs count (2·M·K·N each); activations and the bias are not counted.
+A backward counts what it runs: the recompute (every layer's forward GEMM but the top one's when
+last_activation is False), then per layer from the top down to the lowest one with a gradient
+asked for, grad_W where asked and the gradient for the layer below (or grad_x where asked).
 """
 import math
 
@@ -13,12 +13,13 @@ import torch.utils.flop_counter  # not imported by `import torch`
 
 from . import _C  # noqa: F401  (loading the library registers torch.ops.ckpt_ext.*)
 
+
 def _gemm_flops(x_shape, w_shape) -> int:
     n, k = w_shape
     return 2 * math.prod(x_shape[:-1]) * k * n
 
 
-def _stack_backward_flops(x_shape, w_shapes, has_bias, last_tanh, need_x, need_w, need_b) -> int:
+def _stack_backward_flops(x_shape, w_shapes, has_bias, last_act, need_x, need_w, need_b) -> int:
     L = len(w_shapes)
     it = iter(need_b)
     need_b_layer = [next(it) if hb else False for hb in has_bias]
@@ -26,46 +27,16 @@ def _stack_backward_flops(x_shape, w_shapes, has_bias, last_tanh, need_x, need_w
     if lowest == L:
         return 0
     per_layer = [_gemm_flops(x_shape, w) for w in w_shapes]  # same M for every layer
-    recompute = sum(per_layer[:L - 1]) + (per_layer[L - 1] if last_tanh else 0)
+    recompute = sum(per_layer[:L - 1]) + (per_layer[L - 1] if last_act else 0)
     walk = sum(per_layer[i] * (int(need_w[i]) + int(i > lowest or need_x))
                for i in range(lowest, L))
     return recompute + walk
 
 
-@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.linear_tanh)
-def _linear_tanh_flop(x_shape, w_shape, *args, **kwargs) -> int:
-    return _gemm_flops(x_shape, w_shape)
-
-
-@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.linear_tanh_backward)
-def _linear_tanh_backward_flop(grad_out_shape, x_shape, w_shape, bias_shape, output_mask,
-                               *args, **kwargs) -> int:
-    has_bias = [bias_shape is not None]
-    return _stack_backward_flops(x_shape, [w_shape], has_bias, True, output_mask[0],
-                                 [output_mask[1]], [output_mask[2]] if has_bias[0] else [])
-
-
-@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.linear_tanh_double_backward)
-def _linear_tanh_double_backward_flop(ggx_shape, ggw_shape, ggb_shape, grad_out_shape, x_shape,
-                                      w_shape, bias_shape, output_mask, *args, **kwargs) -> int:
-    # As the kernel runs them: nothing when no gradient came in or none is asked for; else the
-    # recompute of z, one GEMM per defined input of dg = ggx·Wᵀ + x·ggWᵀ, then grad_x = dz·W
-    # (+ g·ggW) and grad_W = dzᵀ·x (+ gᵀ·ggx) where asked.
-    has_ggx, has_ggw = ggx_shape is not None, ggw_shape is not None
-    want_db = output_mask[3] and bias_shape is not None
-    if not (has_ggx or has_ggw or ggb_shape is not None) or not (
-            output_mask[0] or output_mask[1] or output_mask[2] or want_db):
-        return 0
-    gemm = _gemm_flops(x_shape, w_shape)
-    n = 1 + int(has_ggx) + int(has_ggw)
-    n += int(output_mask[1]) * (1 + int(has_ggw)) + int(output_mask[2]) * (1 + int(has_ggx))
-    return n * gemm
-
-
 @torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.linear_tanh_backward_from_output)
 def _linear_tanh_backward_from_output_flop(grad_out_shape, x_shape, output_shape, w_shape,
                                            bias_shape, output_mask, *args, **kwargs) -> int:
-    # linear_tanh_backward without its recompute: grad_x and grad_W, each where asked.
+    # the layer's mlp_backward without its recompute: grad_x and grad_W, each where asked.
     return _gemm_flops(x_shape, w_shape) * (int(output_mask[0]) + int(output_mask[1]))
 
 

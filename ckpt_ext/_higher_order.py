@@ -1,53 +1,17 @@
-"""The backward ops of linear_tanh as differentiable ops: every order above the first
-is an op with its own backward, so a graph built with create_graph=True keeps op inputs, never
-intermediates (docs/design.md, "Higher orders"). Each op gets a single-level Function (forward,
-setup_context, backward, jvp) applied by its Autograd kernel; the formulas are in ``_derivatives``.
+"""The orders above the first of a tanh layer, from its output, as differentiable ops: every order
+above the first is an op with its own backward, so a graph built with create_graph=True keeps op
+inputs, never intermediates (docs/design.md, "Higher orders"). Each op gets a single-level
+Function (forward, setup_context, backward, jvp) applied by its Autograd kernel; the formulas are
+in ``_derivatives``.
 """
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
-from torch import Tensor
 from torch.autograd.function import _SingleLevelFunction
 
 from ._autograd import (_below_autograd, _needed, _note_tensor_inputs,
                         _register_autograd_kernel)
-from ._derivatives import (_OPS, _add, _double_backward_vjp, _first_order_jvp, _flat,
-                           _from_output_backward_vjp, _result_like)
-
-class _LinearTanhBackward(_SingleLevelFunction):
-    """(grad_x, grad_W, grad_b) = linear_tanh_backward(grad_out, x, W, b, mask); keeps
-    (grad_out, x, W, b); backward = the recomputing linear_tanh_double_backward op."""
-
-    @staticmethod
-    def forward(grad_out, x, weight, bias, output_mask):
-        return _below_autograd(_OPS.linear_tanh_backward.default, grad_out, x, weight, bias,
-                               output_mask)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _note_tensor_inputs(ctx, inputs)
-        grad_out, x, weight, bias, output_mask = inputs
-        ctx.save_for_backward(grad_out, x, weight, bias)
-        ctx.save_for_forward(grad_out, x, weight, bias)
-        ctx.output_mask = [bool(m) for m in output_mask]
-        ctx.set_materialize_grads(False)  # an output nobody used gets None, not a zero tensor
-
-    @staticmethod
-    def backward(ctx, ggx, ggw, ggb):
-        grad_out, x, weight, bias = ctx.saved_tensors
-        need = _needed(ctx, 4)
-        if bias is None:
-            ggb, need[3] = None, False
-        return (*_OPS.linear_tanh_double_backward.default(ggx, ggw, ggb, grad_out, x, weight, bias,
-                                                           need), None)
-
-    @staticmethod
-    def jvp(ctx, grad_out_t, x_t, weight_t, bias_t, _mask_t):
-        grad_out, x, weight, bias = ctx.saved_tensors
-        return _first_order_jvp(grad_out, x, weight, bias, ctx.output_mask, grad_out_t, x_t,
-                                weight_t, bias_t)
+from ._derivatives import _OPS, _add, _flat, _from_output_backward_vjp, _result_like
 
 
 class _LinearTanhBackwardFromOutput(_SingleLevelFunction):
@@ -142,53 +106,6 @@ class _LinearTanhBackwardFromOutputBackward(_SingleLevelFunction):
         return (*_from_output_backward_vjp(*tensors, u_gy, u_x, u_t, u_w, need), None)
 
 
-class _LinearTanhDoubleBackward(_SingleLevelFunction):
-    """The backward of linear_tanh_backward; keeps its inputs; backward = _double_backward_vjp."""
-
-    @staticmethod
-    def forward(ggx, ggw, ggb, grad_out, x, weight, bias, output_mask):
-        return _below_autograd(_OPS.linear_tanh_double_backward.default, ggx, ggw, ggb, grad_out,
-                               x, weight, bias, output_mask)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _note_tensor_inputs(ctx, inputs)
-        *tensors, output_mask = inputs
-        ctx.save_for_backward(*tensors)
-        ctx.save_for_forward(*tensors)
-        ctx.output_mask = [bool(m) for m in output_mask]
-        ctx.set_materialize_grads(False)
-
-    @staticmethod
-    def backward(ctx, u_gy, u_x, u_w, u_b):
-        return (*_double_backward_vjp(*ctx.saved_tensors, u_gy, u_x, u_w, u_b, _needed(ctx, 7)),
-                None)
-
-    @staticmethod
-    def jvp(ctx, ggx_t, ggw_t, ggb_t, grad_out_t, x_t, weight_t, bias_t, _mask_t):
-        # The op is linear in (ggx, ggW, ggb) and is the gradient of <linear_tanh_backward(...),
-        # (ggx, ggW, ggb)> w.r.t. (grad_out, x, W, b); its derivative along (ġrad_out, ẋ, Ẇ, ḃ) is
-        # that function's (symmetric) Hessian applied to them, i.e. the vjp of this op with
-        # cotangents (ġrad_out, ẋ, Ẇ, ḃ), restricted to the (grad_out, x, W, b) parts.
-        ggx, ggw, ggb, grad_out, x, weight, bias = ctx.saved_tensors
-        mask = ctx.output_mask
-        if bias is None:
-            ggb_t = bias_t = None
-        out: List[Optional[Tensor]] = [None] * 4
-        if ggx_t is not None or ggw_t is not None or ggb_t is not None:
-            out = list(_OPS.linear_tanh_double_backward.default(ggx_t, ggw_t, ggb_t, grad_out, x,
-                                                                weight, bias, mask))
-        if any(v is not None for v in (grad_out_t, x_t, weight_t, bias_t)):
-            h = _double_backward_vjp(ggx, ggw, ggb, grad_out, x, weight, bias, grad_out_t, x_t,
-                                     weight_t, bias_t, [False, False, False, *mask])
-            out = [_add(o, e) for o, e in zip(out, h[3:])]
-        return _result_like(out, mask, (grad_out, x, weight, bias))
-
-
-def _apply_linear_tanh_backward(grad_out, x, weight, bias, output_mask):
-    return _LinearTanhBackward.apply(grad_out, x, weight, bias, tuple(output_mask))
-
-
 def _apply_backward_from_output(grad_out, x, output, weight, bias, output_mask):
     return _LinearTanhBackwardFromOutput.apply(grad_out, x, output, weight, bias,
                                                tuple(output_mask))
@@ -197,11 +114,6 @@ def _apply_backward_from_output(grad_out, x, output, weight, bias, output_mask):
 def _apply_from_output_backward(ggx, ggw, ggb, grad_out, x, output, weight, output_mask):
     return _LinearTanhBackwardFromOutputBackward.apply(ggx, ggw, ggb, grad_out, x, output, weight,
                                                        tuple(output_mask))
-
-
-def _apply_double_backward(ggx, ggw, ggb, grad_out, x, weight, bias, output_mask):
-    return _LinearTanhDoubleBackward.apply(ggx, ggw, ggb, grad_out, x, weight, bias,
-                                           tuple(output_mask))
 
 
 def _apply_from_output_triple(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, u_x, u_t, u_w,
@@ -214,9 +126,7 @@ def _apply_from_output_triple(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, 
     return _result_like(r, mask, (x, weight, weight[:, 0], grad_out, x, output, weight))
 
 
-_register_autograd_kernel("linear_tanh_backward", _apply_linear_tanh_backward)
 _register_autograd_kernel("linear_tanh_backward_from_output", _apply_backward_from_output)
 _register_autograd_kernel("linear_tanh_backward_from_output_backward", _apply_from_output_backward)
-_register_autograd_kernel("linear_tanh_double_backward", _apply_double_backward)
 _register_autograd_kernel("linear_tanh_backward_from_output_double_backward",
                           _apply_from_output_triple)

@@ -1,7 +1,8 @@
-"""Autograd of the mlp op, every activation: it keeps x and the parameters only. First order: the
-recomputing C++ mlp_backward. With create_graph=True the first order is built from per-layer
-nodes that keep their inputs only and recompute (one layer) for every later order
-(``_mlp_higher_order``; a tanh stack in plain autograd: from its kept outputs, ``_autograd``);
+"""Autograd of the mlp op, every activation (linear_tanh and tanh_mlp included): it keeps x and
+the parameters only. First order (``first_order``, for the Function below and the C++ node
+alike): the recomputing C++ mlp_backward. With create_graph=True the first order is built from
+per-layer nodes that keep their inputs only and recompute (one layer) for every later order
+(``_mlp_higher_order``; tanh in plain autograd: from the layers' kept outputs, ``_autograd``);
 under torch.func the composite below runs directly.
 Design: docs/design.md, "Other activations".
 """
@@ -14,8 +15,8 @@ from torch.autograd.function import _SingleLevelFunction
 
 from . import _C
 from ._activations import activate, activation_backward, layer_activations
-from ._autograd import (_below_autograd, _needed, _note_tensor_inputs, _plain_autograd,
-                        _register_autograd_kernel)
+from ._autograd import (_below_autograd, _first_order_from, _needed, _note_tensor_inputs,
+                        _plain_autograd, _register_autograd_kernel, _tanh_stack_first_order)
 from ._derivatives import _OPS, _add, _flat, _layer_biases
 from ._mlp_higher_order import asked_layers, create_graph_backward
 
@@ -79,6 +80,36 @@ def _mlp_jvp(x, weights, layer_b, acts, last_activation, x_t, w_t, b_t):
 
 # ---- the first order ---------------------------------------------------------------------------
 
+def one_tanh_layer(act, layers: int, last_activation: bool) -> bool:
+    """linear_tanh's form: one layer, tanh applied."""
+    return layers == 1 and act == "tanh" and bool(last_activation)
+
+
+def first_order(state, grad_out, x, weights, biases, has_bias, act, last_activation, need_x,
+                need_w, need_b):
+    """(grad_x?, [grad_W_i?] per layer, [grad_b_j?] per bias) of an mlp node, None where not
+    asked. ``state``: the node's ctx (the Function's, or the C++ node's per-node state object),
+    which keeps what a create_graph pass recomputed for the later passes. Tanh in plain autograd
+    builds it from the layers' kept outputs (``_autograd``: one layer chains through the tanh
+    layers below it; a stack); everything else, and tanh where there is nothing to build from,
+    takes mlp_first_order."""
+    grads = None
+    if act == "tanh" and _plain_autograd():
+        if one_tanh_layer(act, len(weights), last_activation):
+            bias = biases[0] if biases else None
+            mask = [need_x, bool(need_w[0]), bool(need_b) and bool(need_b[0])]
+            r = _first_order_from(state, grad_out, x, weights[0], bias, mask)
+            if r is not None:
+                grads = (r[0], [r[1]], [r[2]] if bias is not None else [])
+        else:
+            grads = _tanh_stack_first_order(state, grad_out, x, weights, biases, has_bias,
+                                            last_activation, need_x, need_w, need_b)
+    if grads is None:
+        grads = mlp_first_order(grad_out, x, weights, biases, has_bias, act, last_activation,
+                                need_x, need_w, need_b)
+    return grads
+
+
 def mlp_first_order(grad_out, x, weights, biases, has_bias, act, last_activation, need_x, need_w,
                     need_b):
     """(grad_x?, [grad_W_i?] per layer, [grad_b_j?] per bias) of mlp, each None where not asked:
@@ -132,14 +163,16 @@ class _Mlp(_SingleLevelFunction):
         ctx.save_for_forward(x, *params)
         ctx.has_bias, ctx.act, ctx.last = tuple(has_bias), act, bool(last_activation)
         ctx.acts = layer_activations(act, len(has_bias))
+        # a chain of one-tanh-layer nodes is recomputed as one (_autograd._tanh_layer_below)
+        ctx.one_tanh_layer = one_tanh_layer(act, len(has_bias), last_activation)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, *params = ctx.saved_tensors
         L = len(ctx.has_bias)
         need = _needed(ctx, 1 + len(params))
-        gx, gw, gb = mlp_first_order(grad_out, x, params[:L], params[L:], ctx.has_bias, ctx.act,
-                                     ctx.last, need[0], need[1:1 + L], need[1 + L:])
+        gx, gw, gb = first_order(ctx, grad_out, x, params[:L], params[L:], ctx.has_bias, ctx.act,
+                                 ctx.last, need[0], need[1:1 + L], need[1 + L:])
         return (gx, *gw, *gb, None, None, None)
 
     @staticmethod

@@ -59,9 +59,6 @@ def _one_layer_vmap(op, params: Sequence[int], sums: Sequence[int], info, in_dim
 
 # (op, parameter-shaped arguments, results summed over rows)
 _ONE_LAYER = {
-    "linear_tanh": ((1, 2), ()),
-    "linear_tanh_backward": ((2, 3), (1, 2)),
-    "linear_tanh_double_backward": ((1, 2, 5, 6), (2, 3)),
     "linear_tanh_backward_from_output": ((3, 4), (1, 2)),
     "linear_tanh_backward_from_output_backward": ((1, 2, 6), (3,)),
 }
@@ -72,14 +69,23 @@ for _name, (_params, _sums) in _ONE_LAYER.items():
 
 
 def _slices(args, dims, i):
-    """Sample i of each (possibly nested) argument, by its batch dimension."""
+    """Sample i of each (possibly nested) argument, by its batch dimension; i None: a sample of
+    zeros of a sample's shape (for an empty batch, whose results still need their shapes)."""
     out = []
     for a, d in zip(args, dims):
         if isinstance(a, (list, tuple)):
             out.append(type(a)(_slices(a, d, i)))
+        elif isinstance(a, Tensor) and d is not None:
+            out.append(a.select(d, i) if i is not None
+                       else a.new_zeros(a.shape[:d] + a.shape[d + 1:]))
         else:
-            out.append(a.select(d, i) if isinstance(a, Tensor) and d is not None else a)
+            out.append(a)
     return out
+
+
+def _per_sample(op, args, dims, batch: int) -> list:
+    """op on each sample; with no sample, on one sample of zeros (the caller keeps [:batch])."""
+    return [op(*_slices(args, dims, i)) for i in (range(batch) if batch else [None])]
 
 
 def _all_none(dims) -> bool:
@@ -93,8 +99,7 @@ def _stack_vmap(op, info, in_dims, x, weights, biases, *rest):
     B = info.batch_size
     if _all_none(bws) and _all_none(bbs):
         return op(_bdim_first(x, bx, B), weights, biases, *rest), 0
-    args = (x, weights, biases, *rest)
-    return torch.stack([op(*_slices(args, in_dims, i)) for i in range(B)]), 0
+    return torch.stack(_per_sample(op, (x, weights, biases, *rest), in_dims, B))[:B], 0
 
 
 def _stack_backward_vmap(op, info, in_dims, grad_out, x, weights, biases, *rest):
@@ -108,11 +113,10 @@ def _stack_backward_vmap(op, info, in_dims, grad_out, x, weights, biases, *rest)
         gx, _, _ = op(_bdim_first(grad_out, bgy, B), _bdim_first(x, bx, B), weights, biases,
                       *rest)
         return (gx, [], []), (0 if need_x else None, [], [])
-    args = (grad_out, x, weights, biases, *rest)
-    per = [op(*_slices(args, in_dims, i)) for i in range(B)]
-    gx = torch.stack([p[0] for p in per]) if need_x else None
-    gw = [torch.stack([p[1][j] for p in per]) for j in range(n_w)]
-    gb = [torch.stack([p[2][j] for p in per]) for j in range(n_b)]
+    per = _per_sample(op, (grad_out, x, weights, biases, *rest), in_dims, B)
+    gx = torch.stack([p[0] for p in per])[:B] if need_x else None
+    gw = [torch.stack([p[1][j] for p in per])[:B] for j in range(n_w)]
+    gb = [torch.stack([p[2][j] for p in per])[:B] for j in range(n_b)]
     return (gx, gw, gb), (0 if need_x else None, [0] * n_w, [0] * n_b)
 
 

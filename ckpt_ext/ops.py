@@ -1,10 +1,10 @@
 """The public ops: :func:`linear_tanh`, :func:`tanh_mlp` and :func:`mlp` (any activation of
 ``ACTIVATIONS``), and the dtypes they accept.
 
-The kernels are C++/CUDA ops under ``torch.ops.ckpt_ext`` (schemas in csrc/schemas.cpp, each with a
-Meta kernel that runs the eager checks). Importing this module registers their autograd
-(``_autograd``, ``_autograd_node``, ``_higher_order``), vmap rules (``_vmap``) and FLOP formulas (``_flops``). The
-design and the math: docs/design.md.
+All three run one op, ``torch.ops.ckpt_ext.mlp`` (C++/CUDA; schemas in csrc/schemas.cpp, each op
+with a Meta kernel that runs the eager checks). Importing this module registers the ops' autograd
+(``_mlp_autograd``, ``_autograd``, ``_autograd_node``, ``_higher_order``), vmap rules (``_vmap``)
+and FLOP formulas (``_flops``). The design and the math: docs/design.md.
 """
 from __future__ import annotations
 
@@ -26,9 +26,18 @@ def linear_tanh(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Ten
 
     x: (..., in_features); weight: (out_features, in_features); bias: (out_features,) or None.
     Returns (..., out_features). Backward recomputes ``x @ weight.T + bias`` instead of saving the
-    activation, trading one GEMM for ``batch x out_features`` elements of memory.
+    activation, trading one GEMM for ``batch x out_features`` elements of memory. It is
+    :func:`mlp` with one layer and ``activation="tanh"``.
     """
-    return torch.ops.ckpt_ext.linear_tanh.default(x, weight, bias)
+    has_bias = bias is not None
+    try:
+        return torch.ops.ckpt_ext.mlp.default(x, [weight], [bias] if has_bias else [], [has_bias],
+                                              "tanh", True)
+    except (ValueError, TypeError):
+        # The op rejected the call before any kernel ran: name linear_tanh's own arguments
+        # (weight, bias) rather than the op's lists, where its check says the same.
+        _C._check_linear_tanh_inputs(x, weight, bias)
+        raise
 
 
 def tanh_mlp(x: Tensor, weights: Sequence[Tensor],
@@ -39,7 +48,7 @@ def tanh_mlp(x: Tensor, weights: Sequence[Tensor],
     layer when ``last_tanh`` is False. ``weights[i]`` is (out_i, in_i) with ``in_0 = x.shape[-1]``
     and ``in_i = out_{i-1}``; ``biases`` is None (no bias anywhere) or one entry per layer, a
     (out_i,) tensor or None. Backward recomputes the stack's activations once and walks the layers
-    back, freeing each as soon as it is used; with one layer and ``last_tanh`` it is exactly
+    back, freeing each as soon as it is used; with one layer and ``last_tanh`` it is
     :func:`linear_tanh`. It is :func:`mlp` with ``activation="tanh"``.
     """
     return _stack("ckpt_ext.tanh_mlp", x, list(weights), biases, "tanh", last_tanh)

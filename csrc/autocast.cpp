@@ -1,9 +1,7 @@
-// autocast.cpp — autocast kernels for ckpt_ext::linear_tanh and mlp (CPU and CUDA
-// autocast keys).
+// autocast.cpp — the autocast kernel of ckpt_ext::mlp (CPU and CUDA autocast keys).
 //
-//   linear_tanh(x, weight, bias) under torch.autocast(device, dtype=D):
-//       x (..., K), weight (N, K), bias (N)?  are cast to D  ->  y (..., N) in D
-//   mlp(x, weights, biases, ...): x and every weight and bias cast to D
+//   mlp(x, weights, biases, ...) under torch.autocast(device, dtype=D): x (..., K_0) and every
+//       weight and bias are cast to D  ->  y (..., N_{L-1}) in D
 //
 // The policy of nn.Linear (lower_precision_fp, the current context's dtype, cached casts); why C++
 // and not torch.library.register_autocast: docs/design.md, "Autocast". The backward ops need no
@@ -13,7 +11,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include <optional>
 #include <vector>
 
 #include "schemas.h"
@@ -21,19 +18,6 @@
 namespace ckpt_ext {
 
 namespace {
-
-template <c10::DeviceType device_type>
-at::Tensor linear_tanh_autocast(const at::Tensor& x, const at::Tensor& weight,
-                                const std::optional<at::Tensor>& bias) {
-  // Below this point the op must not come back here: exclude this device's autocast key, then
-  // re-dispatch to Autograd -> CPU/CUDA with the cast arguments.
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(
-      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
-  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
-  return call_linear_tanh(at::autocast::cached_cast(dtype, x, device_type),
-                          at::autocast::cached_cast(dtype, weight, device_type),
-                          at::autocast::cached_cast(dtype, bias, device_type));
-}
 
 std::vector<at::Tensor> cast_all(at::ScalarType dtype, at::TensorList ts,
                                  c10::DeviceType device_type) {
@@ -47,6 +31,8 @@ template <c10::DeviceType device_type>
 at::Tensor mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                         const c10::List<bool>& has_bias, c10::string_view activation,
                         bool last_activation) {
+  // Below this point the op must not come back here: exclude this device's autocast key, then
+  // re-dispatch to Autograd -> CPU/CUDA with the cast arguments.
   c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
@@ -62,12 +48,10 @@ at::Tensor mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorL
 // costs nothing; it takes effect as soon as the CUDA kernels exist.
 
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCPU, m) {
-  m.impl("linear_tanh", &linear_tanh_autocast<c10::DeviceType::CPU>);
   m.impl("mlp", &mlp_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) {
-  m.impl("linear_tanh", &linear_tanh_autocast<c10::DeviceType::CUDA>);
   m.impl("mlp", &mlp_autocast<c10::DeviceType::CUDA>);
 }
 

@@ -1,12 +1,11 @@
-// autograd_node.cpp — the autograd node that eager linear_tanh and mlp record: a C++
-// torch::autograd::Node that owns the incoming gradient (why, with the figure: docs/design.md,
-// "Autograd (first order)").
-//   _linear_tanh_with_node(x, W, b),
+// autograd_node.cpp — the autograd node that eager mlp records (every activation; linear_tanh and
+// tanh_mlp are mlp): a C++ torch::autograd::Node that owns the incoming gradient (why, with the
+// figure: docs/design.md, "Autograd (first order)").
 //   _mlp_with_node(x, weights, biases, has_bias, activation, last_activation)
-//       -> y (..., N_{L-1}) with a StackBackward node as grad_fn (saves x, weights, biases as
+//       -> y (..., N_{L-1}) with an MlpBackward node as grad_fn (saves x, weights, biases as
 //       SavedVariables), or None where the node cannot be used (not plain dense tensors, a Python
-//       mode active): ckpt_ext/_autograd.py then applies its autograd.Function.
-//   StackBackward::apply(grad (..., N_{L-1})) -> (grad_x, grad_W_i per layer, grad_b_j per bias),
+//       mode active): ckpt_ext/_mlp_autograd.py then applies its autograd.Function.
+//   MlpBackward::apply(grad (..., N_{L-1})) -> (grad_x, grad_W_i per layer, grad_b_j per bias),
 //       undefined where unused. Native path (no create_graph, no mode, plain tensors): the stack
 //       engine, owning the gradient; otherwise the Python path of ckpt_ext/_autograd_node.py.
 #include "autograd_node.h"
@@ -84,21 +83,25 @@ bool python_mode_active() {
 // ------------------------------------------------------------------------------------------------
 // the node
 
-// The node of the two ops; LinearTanhBackward and MlpBackward below only name it (and give it its
-// own Python type). `activation` is the op's (one name, or one per activated
-// layer, comma-separated: checks.h, parse_activations).
-enum class StackOp { kLinearTanh, kMlp };
-
-class StackBackward : public Node {
+// `activation` is the op's (one name, or one per activated layer, comma-separated: checks.h,
+// parse_activations).
+class MlpBackward final : public Node {
  public:
-  StackBackward(StackOp op, std::vector<bool> has_bias, std::string activation, bool last_act)
-      : op_(op),
-        has_bias_(std::move(has_bias)),
+  MlpBackward(std::vector<bool> has_bias, std::string activation, bool last_act)
+      : has_bias_(std::move(has_bias)),
         activation_(std::move(activation)),
-        acts_(parse_activations(op_name(), activation_, has_bias_.size(), last_act)),
+        acts_(parse_activations(kOp, activation_, has_bias_.size(), last_act)),
         last_act_(last_act) {}
 
-  ~StackBackward() override {
+  std::string name() const override { return "MlpBackward"; }
+
+  // One tanh layer, tanh applied: linear_tanh's form, whose create_graph path chains through the
+  // layers below (ckpt_ext/_autograd.py, _recompute_chain).
+  bool one_tanh_layer() const {
+    return acts_.size() == 1 && acts_[0] == Activation::kTanh && last_act_;
+  }
+
+  ~MlpBackward() override {
     // The state is a Python object: let it go under the GIL (the engine may destroy the graph on
     // any thread). At interpreter shutdown it is leaked rather than touched.
     if (state_ != nullptr && Py_IsInitialized()) {
@@ -198,26 +201,18 @@ class StackBackward : public Node {
   }
 
  private:
-  const char* op_name() const {
-    return op_ == StackOp::kLinearTanh ? "linear_tanh_backward" : "mlp_backward";
-  }
+  static constexpr const char* kOp = "mlp_backward";
 
   StackGrads native_backward(at::Tensor grad, Saved s, bool need_x,
                              const std::vector<bool>& need_w, const std::vector<bool>& need_b) {
-    const char* op = op_name();
+    const char* op = kOp;
     const c10::OptionalDeviceGuard device_guard(at::device_of(s.x));
     // Grad mode is off here (create_graph goes the Python way), so the ATen calls record
     // nothing: skip their autograd kernels, as the op's own kernel runs below autograd.
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     // The op's checks, with its messages: a saved tensor can change shape behind the version
     // counter (`x.data = ...`).
-    if (op_ == StackOp::kLinearTanh) {
-      check_linear_tanh_inputs(op, s.x, s.weights[0],
-                               s.biases.empty() ? std::nullopt
-                                                : std::optional<at::Tensor>(s.biases[0]));
-    } else {
-      check_stack_inputs(op, s.x, s.weights, s.biases, has_bias_);
-    }
+    check_stack_inputs(op, s.x, s.weights, s.biases, has_bias_);
     check_grad_out(op, grad, s.x, s.weights.back().sym_size(0));
 
     // The profiler sees the backward op's name, as when the op ran through the dispatcher. With
@@ -263,7 +258,7 @@ class StackBackward : public Node {
       py::object grad_obj = py::cast(grad);
       grad = at::Tensor();  // from here the Python objects hold it, as a Function's would
       py::tuple r = py::reinterpret_borrow<py::object>(g_python_backward)(
-          op_ == StackOp::kLinearTanh, state, grad_obj, s.x, s.weights, s.biases, has_bias_,
+          state, grad_obj, s.x, s.weights, s.biases, has_bias_,
           activation_, last_act_, need_x, need_w, need_b);
       // (grad_x, [grad_W_i or None per layer], [grad_b_j or None per bias], keep_state)
       TORCH_CHECK(r.size() == 4, "ckpt_ext: the node's Python backward returned ", r.size(),
@@ -293,7 +288,6 @@ class StackBackward : public Node {
     return g;
   }
 
-  const StackOp op_;
   const std::vector<bool> has_bias_;  // per layer
   const std::string activation_;      // the op's argument
   const std::vector<Activation> acts_;  // one per layer
@@ -304,25 +298,9 @@ class StackBackward : public Node {
   PyObject* state_ = nullptr;                    // owned; created by the Python path
 };
 
-class LinearTanhBackward final : public StackBackward {
- public:
-  LinearTanhBackward(bool has_bias)
-      : StackBackward(StackOp::kLinearTanh, {has_bias}, "tanh", /*last_act=*/true) {}
-  std::string name() const override { return "LinearTanhBackward"; }
-};
-
-class MlpBackward final : public StackBackward {
- public:
-  MlpBackward(std::vector<bool> has_bias, std::string activation, bool last_activation)
-      : StackBackward(StackOp::kMlp, std::move(has_bias), std::move(activation),
-                      last_activation) {}
-  std::string name() const override { return "MlpBackward"; }
-};
-
-// Their Python types, as ATen's nodes have (python_functions.cpp): y.grad_fn prints as
-// <ckpt_ext._C.MlpBackward object ...>, and ckpt_ext/_autograd_node.py registers them as
+// Its Python type, as ATen's nodes have (python_functions.cpp): y.grad_fn prints as
+// <ckpt_ext._C.MlpBackward object ...>, and ckpt_ext/_autograd_node.py registers it as
 // torch.autograd.graph.Node (a Python Function's node is one too).
-PyTypeObject linear_tanh_backward_type;
 PyTypeObject mlp_backward_type;
 
 template <typename T>
@@ -368,9 +346,9 @@ void fire_creation_hooks(const NodeRef<Node>&) {}
 // ------------------------------------------------------------------------------------------------
 // recording the node
 
-// y's grad_fn becomes a StackBackward saving (x, weights, biases). Called after the forward ran,
+// y's grad_fn becomes an MlpBackward saving (x, weights, biases). Called after the forward ran,
 // as a Function saves after its forward (a rejected input packs nothing).
-void record_node(at::Tensor& y, NodeRef<StackBackward> node, const at::Tensor& x,
+void record_node(at::Tensor& y, NodeRef<MlpBackward> node, const at::Tensor& x,
                  at::TensorList weights, at::TensorList biases) {
   node->set_next_edges(torch::autograd::collect_next_edges(x, weights, biases));
   node->save(x, weights, biases);
@@ -400,28 +378,14 @@ std::optional<at::Tensor> mlp_with_node(const at::Tensor& x, const std::vector<a
   return y;
 }
 
-std::optional<at::Tensor> linear_tanh_with_node(const at::Tensor& x, const at::Tensor& weight,
-                                                const std::optional<at::Tensor>& bias) {
-  const std::vector<at::Tensor> biases =
-      bias.has_value() ? std::vector<at::Tensor>{*bias} : std::vector<at::Tensor>{};
-  if (!node_usable(x, weight, biases)) return std::nullopt;
-  at::Tensor y;
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    y = call_linear_tanh(x, weight, bias);
-  }
-  record_node(y, make_node<LinearTanhBackward>(bias.has_value()), x, weight, biases);
-  return y;
-}
-
-// For the create_graph path of a chain of linear_tanh (ops._recompute_chain): when x is the
-// output of a LinearTanhBackward node whose saved tensors are still there, (state, (x, W, b))
-// of that node, the state created if need be; else None.
-py::object linear_tanh_node_state(const at::Tensor& x) {
+// For the create_graph path of a chain of tanh layers (_autograd._recompute_chain): when x is the
+// output of a one-tanh-layer MlpBackward node whose saved tensors are still there,
+// (state, (x, W, b)) of that node, the state created if need be; else None.
+py::object tanh_layer_node_state(const at::Tensor& x) {
   auto fn = x.grad_fn();
-  auto* node = dynamic_cast<LinearTanhBackward*>(fn.get());
-  if (node == nullptr) return py::none();
-  std::optional<StackBackward::Saved> s;
+  auto* node = dynamic_cast<MlpBackward*>(fn.get());
+  if (node == nullptr || !node->one_tanh_layer()) return py::none();
+  std::optional<MlpBackward::Saved> s;
   {
     // Unpacking may run a Python unpack hook under the node's mutex: not with the GIL held here.
     py::gil_scoped_release no_gil;
@@ -445,21 +409,16 @@ void set_node_python_backward(py::object backward, py::object state_type) {
 }  // namespace
 
 void bind_autograd_node(pybind11::module_& m) {
-  add_node_type<LinearTanhBackward>(m, linear_tanh_backward_type, "ckpt_ext._C.LinearTanhBackward",
-                                    "LinearTanhBackward");
   add_node_type<MlpBackward>(m, mlp_backward_type, "ckpt_ext._C.MlpBackward", "MlpBackward");
   // The forward releases the GIL: the op runs as it would through torch.ops.
-  m.def("_linear_tanh_with_node", &linear_tanh_with_node,
-        py::call_guard<py::gil_scoped_release>(),
-        "linear_tanh recorded with the C++ autograd node; None where it cannot be used.");
   m.def("_mlp_with_node", &mlp_with_node, py::call_guard<py::gil_scoped_release>(),
         "mlp recorded with the C++ autograd node; None where it cannot be used.");
-  m.def("_linear_tanh_node_state", &linear_tanh_node_state);
+  m.def("_tanh_layer_node_state", &tanh_layer_node_state);
   // Which of the release-dependent paths above this build compiled.
   m.attr("AUTOGRAD_NODE_OWNERSHIP") = kIntrusiveNodes ? "intrusive_ptr" : "shared_ptr";
   m.attr("AUTOGRAD_NODE_CREATION_HOOKS") = kNodeCreationHooks;
   m.def("_set_node_python_backward", &set_node_python_backward,
-        "Register the node's Python path: backward(one_layer, state, grad_out, x, weights, "
+        "Register the node's Python path: backward(state, grad_out, x, weights, "
         "biases, has_bias, activation, last_activation, need_x, need_w, need_b) -> (grad_x, "
         "grad_ws, grad_bs, keep_state), and the type of the per-node state.");
 }

@@ -203,13 +203,10 @@ void check_like(const char* op, const char* name, const std::optional<at::Tensor
 
 namespace {
 
-// grad_grad_bias (N): given only where the layer has a bias (`has_bias`).
-void check_ggb(const char* op, const std::optional<at::Tensor>& ggb, bool has_bias,
-               const at::Tensor& x, const at::Tensor& weight) {
+// grad_grad_bias (N).
+void check_ggb(const char* op, const std::optional<at::Tensor>& ggb, const at::Tensor& x,
+               const at::Tensor& weight) {
   if (!ggb.has_value()) return;
-  TORCH_CHECK_VALUE(has_bias, "ckpt_ext.", op,
-                    ": grad_grad_bias was given but bias is None (a layer without bias has no "
-                    "grad_bias output to receive a gradient)");
   TORCH_CHECK_VALUE(ggb->dim() == 1 && ggb->sym_size(0) == weight.sym_size(0), "ckpt_ext.", op,
                     ": grad_grad_bias must have shape [", weight.sym_size(0),
                     "] (out_features), got shape ", shape_str(*ggb));
@@ -226,13 +223,12 @@ void check_ggb(const char* op, const std::optional<at::Tensor>& ggb, bool has_bi
 void check_second_order_inputs(const char* op, const std::optional<at::Tensor>& ggx,
                                const std::optional<at::Tensor>& ggw,
                                const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out,
-                               const at::Tensor& x, const at::Tensor& weight,
-                               const std::optional<at::Tensor>& bias, bool has_bias) {
-  check_linear_tanh_inputs(op, x, weight, bias);
+                               const at::Tensor& x, const at::Tensor& weight) {
+  check_linear_tanh_inputs(op, x, weight, std::nullopt);
   check_grad_out(op, grad_out, x, weight.sym_size(0));
   check_like(op, "grad_grad_x", ggx, x, "x");
   check_like(op, "grad_grad_weight", ggw, weight, "weight");
-  check_ggb(op, ggb, has_bias, x, weight);
+  check_ggb(op, ggb, x, weight);
 }
 
 void check_from_output_inputs(const at::Tensor& grad_out, const at::Tensor& x,
@@ -250,8 +246,7 @@ void check_from_output_backward_inputs(const std::optional<at::Tensor>& ggx,
                                        const at::Tensor& grad_out, const at::Tensor& x,
                                        const at::Tensor& output, const at::Tensor& weight) {
   constexpr const char* op = "linear_tanh_backward_from_output_backward";
-  check_second_order_inputs(op, ggx, ggw, ggb, grad_out, x, weight, std::nullopt,
-                            /*has_bias=*/true);
+  check_second_order_inputs(op, ggx, ggw, ggb, grad_out, x, weight);
   check_like(op, "output", output, grad_out, "grad_out");
 }
 
@@ -264,8 +259,7 @@ void check_third_order_inputs(const std::optional<at::Tensor>& ggx,
                               const std::optional<at::Tensor>& u_t,
                               const std::optional<at::Tensor>& u_w) {
   constexpr const char* op = "linear_tanh_backward_from_output_double_backward";
-  check_second_order_inputs(op, ggx, ggw, ggb, grad_out, x, weight, std::nullopt,
-                            /*has_bias=*/true);
+  check_second_order_inputs(op, ggx, ggw, ggb, grad_out, x, weight);
   check_like(op, "output", output, grad_out, "grad_out");
   check_like(op, "u_grad_grad_out", u_gy, grad_out, "grad_out");
   check_like(op, "u_grad_x", u_x, x, "x");

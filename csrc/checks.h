@@ -53,13 +53,12 @@ void check_stack_masks(const char* op, at::TensorList weights, at::TensorList bi
 // into a first-order result, or the output t, like grad_out).
 void check_like(const char* op, const char* name, const std::optional<at::Tensor>& t,
                 const at::Tensor& like, const char* like_name);
-// The inputs of a second-order op: the layer's, grad_out, and grad_grad_x (like x),
-// grad_grad_weight (like weight), grad_grad_bias ((N), given only when has_bias).
+// The inputs of a second-order op: the layer's (no bias), grad_out, and grad_grad_x (like x),
+// grad_grad_weight (like weight), grad_grad_bias (N).
 void check_second_order_inputs(const char* op, const std::optional<at::Tensor>& ggx,
                                const std::optional<at::Tensor>& ggw,
                                const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out,
-                               const at::Tensor& x, const at::Tensor& weight,
-                               const std::optional<at::Tensor>& bias, bool has_bias);
+                               const at::Tensor& x, const at::Tensor& weight);
 
 // linear_tanh_backward_from_output: the layer's inputs, grad_out, and output like grad_out.
 void check_from_output_inputs(const at::Tensor& grad_out, const at::Tensor& x,

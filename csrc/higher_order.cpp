@@ -1,12 +1,13 @@
-// higher_order.cpp — the kernels of the orders above the first of linear_tanh (schemas in
-// schemas.cpp; the math in docs/design.md, "Higher orders"), one function each for CPU and CUDA:
-//   linear_tanh_double_backward                 the backward of linear_tanh_backward (recomputes t)
-//   linear_tanh_backward_from_output            linear_tanh_backward from t, an input
+// higher_order.cpp — the kernels of the orders above the first of one tanh layer
+// t = tanh(x·Wᵀ + b), from t (schemas in schemas.cpp; the math in docs/design.md, "Higher
+// orders"), one function each for CPU and CUDA:
+//   linear_tanh_backward_from_output            the layer's first-order backward from t, an input
 //   linear_tanh_backward_from_output_backward   its backward (nothing to recompute)
 // Shapes: x (..., K), weight (N, K), grad_out and output (..., N), rows flattened to (M, ·).
-// GEMMs and elementwise steps are ATen ops, tanh and the bias sums the primitives (primitives.h);
-// float16/bfloat16 compute in float32 and round each result once (from_output: in the storage
-// type, as linear_tanh_backward). The Meta kernels run the same checks (checks.cpp).
+// GEMMs and elementwise steps are ATen ops, the bias sums the primitives (primitives.h);
+// from_output computes in the storage type, as mlp_backward does; its backward computes
+// float16/bfloat16 in float32 and rounds each result once. The Meta kernels run the same checks
+// (checks.cpp).
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -67,102 +68,8 @@ std::array<at::Tensor, 4> in_float_if_half(at::ScalarType dtype, Fn&& fn, const 
   return r;
 }
 
-constexpr const char* kDouble = "linear_tanh_double_backward";
-
 // ----------------------------------------------------------------------------------------------
-// linear_tanh_double_backward: the backward of linear_tanh_backward (recomputing)
-
-// On (M, K) / (M, N) matrices of one dtype (float or double; the op upcasts half types first).
-// Returns (dgy (M, N), dx (M, K), dW (N, K), db (N)), undefined where not asked.
-std::array<at::Tensor, 4> double_backward_2d(const std::optional<at::Tensor>& ggx,
-                                             const std::optional<at::Tensor>& ggw,
-                                             const std::optional<at::Tensor>& ggb,
-                                             const at::Tensor& gy, const at::Tensor& x,
-                                             const at::Tensor& weight,
-                                             const std::optional<at::Tensor>& bias,
-                                             std::array<bool, 4> mask) {
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const bool want_dgy = mask[0], want_dx = mask[1], want_dw = mask[2];
-  const bool want_db = mask[3] && bias.has_value();
-  std::array<at::Tensor, 4> out;
-  const bool any_input = ggx.has_value() || ggw.has_value() || ggb.has_value();
-  if (!any_input || !(want_dgy || want_dx || want_dw || want_db)) {
-    // No gradient reached linear_tanh_backward's outputs: every result is zero.
-    if (want_dgy) out[0] = at::zeros({M, N}, x.options());
-    if (want_dx) out[1] = at::zeros({M, K}, x.options());
-    if (want_dw) out[2] = at::zeros({N, K}, x.options());
-    if (want_db) out[3] = at::zeros({N}, x.options());
-    return out;
-  }
-
-  // t = tanh(x·Wᵀ + b), recomputed the way the forward computes it (one GEMM, bias in it).
-  at::Tensor t = pre_activation(x, weight, bias);  // (M, N): z, then t in place
-  tanh_in_place(t);
-
-  // g = grad_out·s, needed only for the explicit terms g·ggW (grad_x) and gᵀ·ggx (grad_W).
-  at::Tensor g;
-  if ((want_dx && ggw.has_value()) || (want_dw && ggx.has_value())) g = at::tanh_backward(gy, t);
-
-  // dg·s, in place in dg's buffer: the grad_grad_out result, and a factor of dz.
-  at::Tensor dg_s = grad_of_g(ggx, ggw, ggb, x, weight);
-  at::tanh_backward_out(dg_s, dg_s, t);
-  if (want_dgy) out[0] = dg_s;
-
-  if (want_dx || want_dw || want_db) {
-    // dz = −2·dg·grad_out·t·s = −2·(dg·s)·grad_out·t, in place in t's buffer.
-    at::Tensor dz = t.mul_(gy).mul_(dg_s).mul_(-2);
-    t = at::Tensor();
-    dg_s = at::Tensor();
-    if (want_db) out[3] = bias_grad(dz);
-    if (want_dx) {
-      out[1] = at::mm(dz, weight);
-      if (ggw.has_value()) out[1].addmm_(g, *ggw);
-    }
-    if (want_dw) {
-      out[2] = at::mm(dz.t(), x);
-      if (ggx.has_value()) out[2].addmm_(g.t(), *ggx);
-    }
-  }
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_tanh_double_backward(
-    const std::optional<at::Tensor>& grad_grad_x, const std::optional<at::Tensor>& grad_grad_weight,
-    const std::optional<at::Tensor>& grad_grad_bias, const at::Tensor& grad_out,
-    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    std::array<bool, 4> output_mask) {
-  check_second_order_inputs(kDouble, grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x,
-                            weight, bias, bias.has_value());
-  const c10::OptionalDeviceGuard guard(at::device_of(x));
-  at::Tensor x2 = flatten_rows(x);
-  at::Tensor gy2 = grad_out.reshape({x2.size(0), weight.size(0)});
-  std::optional<at::Tensor> ggx2 = rows_of(grad_grad_x);
-  std::array<at::Tensor, 4> r =
-      in_float_if_half(x.scalar_type(), double_backward_2d, ggx2, grad_grad_weight,
-                       grad_grad_bias, gy2, x2, weight, bias, output_mask);
-  if (r[0].defined()) r[0] = r[0].view(grad_out.sizes());
-  if (r[1].defined()) r[1] = r[1].view(x.sizes());
-  return {r[0], r[1], r[2], r[3]};
-}
-
-// Meta kernel (FakeTensor, torch.compile): the same checks, then the result metadata.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_tanh_double_backward_meta(
-    const std::optional<at::Tensor>& grad_grad_x, const std::optional<at::Tensor>& grad_grad_weight,
-    const std::optional<at::Tensor>& grad_grad_bias, const at::Tensor& grad_out,
-    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    std::array<bool, 4> output_mask) {
-  check_second_order_inputs(kDouble, grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x,
-                            weight, bias, bias.has_value());
-  return {output_mask[0] ? at::empty_symint(grad_out.sym_sizes(), x.options()) : at::Tensor(),
-          output_mask[1] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
-          output_mask[2] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor(),
-          output_mask[3] && bias.has_value()
-              ? at::empty_symint({weight.sym_size(0)}, x.options())
-              : at::Tensor()};
-}
-
-// ----------------------------------------------------------------------------------------------
-// linear_tanh_backward_from_output: linear_tanh_backward after its recompute, from t.
+// linear_tanh_backward_from_output: the layer's mlp_backward after its recompute, from t.
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& output,
@@ -173,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output(
   at::Tensor x2 = flatten_rows(x);
   const int64_t M = x2.size(0), N = weight.size(0);
   // g = grad_out·(1 − t²), t left as it is; the bias gradient as the column sums of g in the
-  // documented order (device_math.h), as linear_tanh_backward sums it.
+  // documented order (device_math.h), as mlp_backward sums it.
   at::Tensor g = at::tanh_backward(grad_out.reshape({M, N}), output.reshape({M, N}));
   at::Tensor grad_b = output_mask[2] && bias.has_value() ? bias_grad(g) : at::Tensor();
   at::Tensor grad_x = output_mask[0] ? at::mm(g, weight).view(x.sizes()) : at::Tensor();
@@ -266,21 +173,18 @@ linear_tanh_backward_from_output_backward_meta(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
-  m.impl("linear_tanh_double_backward", &linear_tanh_double_backward);
   m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output);
   m.impl("linear_tanh_backward_from_output_backward", &linear_tanh_backward_from_output_backward);
 }
 
 #ifdef CKPT_EXT_WITH_CUDA
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
-  m.impl("linear_tanh_double_backward", &linear_tanh_double_backward);
   m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output);
   m.impl("linear_tanh_backward_from_output_backward", &linear_tanh_backward_from_output_backward);
 }
 #endif
 
 TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
-  m.impl("linear_tanh_double_backward", &linear_tanh_double_backward_meta);
   m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output_meta);
   m.impl("linear_tanh_backward_from_output_backward",
          &linear_tanh_backward_from_output_backward_meta);

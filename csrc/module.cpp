@@ -80,6 +80,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     if (in.numel() > 0) ckpt_ext::activation_to(in, out, act, order);
     return out;
   }, pybind11::arg("src"), pybind11::arg("activation"), pybind11::arg("order"));
+  // linear_tanh's argument check, with its messages: ckpt_ext.linear_tanh runs it where the mlp
+  // op rejected a one-layer call, so that the error names linear_tanh's arguments.
+  m.def("_check_linear_tanh_inputs", [](const at::Tensor& x, const at::Tensor& weight,
+                                        const std::optional<at::Tensor>& bias) {
+    ckpt_ext::check_linear_tanh_inputs("linear_tanh", x, weight, bias);
+  }, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
   ckpt_ext::bind_cpu_meter(m);
   ckpt_ext::bind_build_info(m);  // TORCH_BUILD_VERSION, CPU level hooks (build_info.cpp)
   ckpt_ext::bind_autograd_node(m);  // the C++ first-order autograd node (autograd_node.cpp)

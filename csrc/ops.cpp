@@ -1,14 +1,12 @@
-// ops.cpp — the kernels of linear_tanh, mlp and their backward ops (schemas in
-// schemas.cpp): checks (checks.cpp), device guard, then the stack engine (stack.cpp),
-// one function for CPU and CUDA; and their Meta kernels, the same checks then fresh outputs.
-//   linear_tanh(x (..., K), weight (N, K), bias (N)?) -> y (..., N) = tanh(x·Wᵀ + b)
+// ops.cpp — the kernels of mlp and mlp_backward (schemas in schemas.cpp): checks (checks.cpp),
+// device guard, then the stack engine (stack.cpp), one function for CPU and CUDA; and their Meta
+// kernels, the same checks then fresh outputs.
 //   mlp(x (..., K_0), weights[i] (N_i, K_i), biases, has_bias, activation, last_activation)
 //       -> y (..., N_{L-1}): the stack, with one activation or one per layer
 // Each backward recomputes the activations and returns only the gradients asked for.
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
-#include <array>
 #include <tuple>
 #include <vector>
 
@@ -18,60 +16,6 @@
 namespace ckpt_ext {
 
 namespace {
-
-at::Tensor linear_tanh(const at::Tensor& x, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias) {
-  check_linear_tanh_inputs("linear_tanh", x, weight, bias);
-  const c10::OptionalDeviceGuard guard(at::device_of(x));
-  const bool has_bias = bias.has_value();
-  return stack_forward(x, {weight}, has_bias ? at::TensorList(*bias) : at::TensorList(),
-                       std::vector<bool>{has_bias}, /*last_act=*/true, {Activation::kTanh});
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
-  constexpr const char* op = "linear_tanh_backward";
-  check_linear_tanh_inputs(op, x, weight, bias);
-  check_grad_out(op, grad_out, x, weight.sym_size(0));
-  const c10::OptionalDeviceGuard guard(at::device_of(x));
-  const bool has_bias = bias.has_value();
-  StackGrads g = stack_backward(grad_out, x, {weight},
-                                has_bias ? at::TensorList(*bias) : at::TensorList(),
-                                std::vector<bool>{has_bias}, /*last_act=*/true, output_mask[0],
-                                std::vector<bool>{output_mask[1]},
-                                has_bias ? std::vector<bool>{output_mask[2]} : std::vector<bool>{},
-                                {Activation::kTanh});
-  return {g.grad_x, g.grad_weights[0], has_bias ? g.grad_biases[0] : at::Tensor()};
-}
-
-// Meta kernels: what FakeTensor and torch.compile run. The same checks as the eager ops, then the
-// output metadata (fresh contiguous tensors), read as SymInts so dynamic shapes trace.
-std::vector<c10::SymInt> out_shape(const at::Tensor& x, c10::SymInt out_features) {
-  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
-  shape.push_back(std::move(out_features));
-  return shape;
-}
-
-at::Tensor linear_tanh_meta(const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias) {
-  check_linear_tanh_inputs("linear_tanh", x, weight, bias);
-  return at::empty_symint(out_shape(x, weight.sym_size(0)), x.options());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_meta(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-    const std::optional<at::Tensor>& bias, std::array<bool, 3> output_mask) {
-  constexpr const char* op = "linear_tanh_backward";
-  check_linear_tanh_inputs(op, x, weight, bias);
-  check_grad_out(op, grad_out, x, weight.sym_size(0));
-  return {output_mask[0] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
-          output_mask[1] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor(),
-          output_mask[2] && bias.has_value()
-              ? at::empty_symint({weight.sym_size(0)}, x.options())
-              : at::Tensor()};
-}
-
 
 // The registered kernels take bool[] as c10::List<bool> (what the dispatcher passes); the engine
 // and the checks read std::vector<bool>.
@@ -117,6 +61,8 @@ StackBackwardResult run_backward(const char* op, const at::Tensor& grad_out, con
           asked(std::move(g.grad_biases), need_biases)};
 }
 
+// Meta kernels: what FakeTensor and torch.compile run. The same checks as the eager ops, then the
+// output metadata (fresh contiguous tensors), read as SymInts so dynamic shapes trace.
 at::Tensor stack_meta(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                       const c10::List<bool>& has_bias) {
   check_stack_inputs("mlp", x, weights, biases, has_bias.vec());
@@ -184,24 +130,18 @@ StackBackwardResult mlp_backward_meta(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
-  m.impl("linear_tanh", &linear_tanh);
-  m.impl("linear_tanh_backward", &linear_tanh_backward);
   m.impl("mlp", &mlp);
   m.impl("mlp_backward", &mlp_backward);
 }
 
 #ifdef CKPT_EXT_WITH_CUDA
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
-  m.impl("linear_tanh", &linear_tanh);
-  m.impl("linear_tanh_backward", &linear_tanh_backward);
   m.impl("mlp", &mlp);
   m.impl("mlp_backward", &mlp_backward);
 }
 #endif
 
 TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
-  m.impl("linear_tanh", &linear_tanh_meta);
-  m.impl("linear_tanh_backward", &linear_tanh_backward_meta);
   m.impl("mlp", &mlp_meta);
   m.impl("mlp_backward", &mlp_backward_meta);
 }

@@ -1,7 +1,8 @@
 // schemas.cpp — every schema of the ckpt_ext op library, once; the CUDA kernel of a CPU-only
 // build (an error that names the problem); and typed handles to call the ops from C++.
-// The kernels: ops.cpp (linear_tanh, mlp and their backward), higher_order.cpp (the orders
-// above the first), cpu/third_order.cpp, autocast.cpp; autograd from Python (ckpt_ext/_autograd.py).
+// The kernels: ops.cpp (mlp and its backward), higher_order.cpp (tanh's orders above the first,
+// from a layer's output), cpu/third_order.cpp, autocast.cpp; autograd from Python
+// (ckpt_ext/_mlp_autograd.py, _autograd.py, _higher_order.py).
 #include "schemas.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -10,10 +11,6 @@
 namespace ckpt_ext {
 
 TORCH_LIBRARY(ckpt_ext, m) {
-  m.def("linear_tanh(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def(
-      "linear_tanh_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor? bias, "
-      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // A stack of Linear layers with an activation of activations.h after each (after the last only
   // when last_activation): `activation` is one name for every layer, or one name per layer with
   // an activation, comma-separated ("relu,relu,tanh"). `biases` holds the biases of the layers
@@ -26,14 +23,10 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "mlp_backward(Tensor grad_out, Tensor x, Tensor[] weights, Tensor[] biases, "
       "bool[] has_bias, str activation, bool last_activation, bool need_x, bool[] need_weights, "
       "bool[] need_biases) -> (Tensor grad_x, Tensor[] grad_weights, Tensor[] grad_biases)");
-  // The orders above the first (higher_order.cpp; the math in docs/design.md). A grad_grad_*
-  // input is None where no gradient reached that output; only the results asked for in
-  // output_mask are computed, the others come back undefined.
-  m.def(
-      "linear_tanh_double_backward(Tensor? grad_grad_x, Tensor? grad_grad_weight, "
-      "Tensor? grad_grad_bias, Tensor grad_out, Tensor x, Tensor weight, Tensor? bias, "
-      "bool[4] output_mask) -> (Tensor grad_grad_out, Tensor grad_x, Tensor grad_weight, "
-      "Tensor grad_bias)");
+  // The orders above the first of one tanh layer, from its output t = tanh(x·Wᵀ + b)
+  // (higher_order.cpp; the math in docs/design.md). A grad_grad_* input is None where no
+  // gradient reached that output; only the results asked for in output_mask are computed, the
+  // others come back undefined.
   m.def(
       "linear_tanh_backward_from_output(Tensor grad_out, Tensor x, Tensor output, Tensor weight, "
       "Tensor? bias, bool[3] output_mask) -> (Tensor grad_x, Tensor grad_weight, "
@@ -69,22 +62,12 @@ void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   for (const char* name :
-       {"linear_tanh", "linear_tanh_backward", "mlp", "mlp_backward",
-        "linear_tanh_double_backward", "linear_tanh_backward_from_output",
+       {"mlp", "mlp_backward", "linear_tanh_backward_from_output",
         "linear_tanh_backward_from_output_backward"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
   }
 }
 #endif
-
-at::Tensor call_linear_tanh(const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ckpt_ext::linear_tanh", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                         const std::optional<at::Tensor>&)>();
-  return op.call(x, weight, bias);
-}
 
 at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                     const c10::List<bool>& has_bias, c10::string_view activation,

@@ -6,12 +6,8 @@
 #include <ATen/ATen.h>
 #include <ATen/core/List.h>
 
-#include <optional>
-
 namespace ckpt_ext {
 
-at::Tensor call_linear_tanh(const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias);
 at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                     const c10::List<bool>& has_bias, c10::string_view activation,
                     bool last_activation);

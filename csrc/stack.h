@@ -1,5 +1,5 @@
-// stack.h — the stack engine: one implementation of a stack of Linear layers with an activation, forward
-// and recomputing backward, on every device; linear_tanh is its one-layer case (ops.cpp).
+// stack.h — the stack engine: one implementation of a stack of Linear layers with an activation,
+// forward and recomputing backward, on every device, behind the mlp ops (ops.cpp).
 // Shapes: x (..., K_0); weights[i] (N_i, K_i), K_i = N_{i-1}; `biases` holds only the layers'
 // biases that exist (has_bias[i]), each (N_i); inside, x is flattened to (M, K_0) and every
 // activation buffer is (M, N_i) contiguous. GEMMs through ATen, elementwise passes the

@@ -62,10 +62,10 @@ def bench_case(M, K, N, dtype, warmup, repeats):
     b = torch.randn(N, generator=g).to(dtype)
     gy = torch.randn(M, N, generator=g).to(dtype)
 
-    ours_fwd = lambda: torch.ops.ckpt_ext.linear_tanh(x, w, b)  # noqa: E731
+    ours_fwd = lambda: torch.ops.ckpt_ext.mlp(x, [w], [b], [True], "tanh", True)  # noqa: E731
     stock_fwd = lambda: torch.tanh(F.linear(x, w, b))  # noqa: E731
-    mask = [True, True, True]
-    ours_bwd = lambda: torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, mask)  # noqa: E731
+    ours_bwd = lambda: torch.ops.ckpt_ext.mlp_backward(  # noqa: E731
+        gy, x, [w], [b], [True], "tanh", True, True, [True], [True])
     xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
     ys = torch.tanh(F.linear(xs, ws, bs))
     stock_bwd = lambda: torch.autograd.grad(ys, (xs, ws, bs), gy, retain_graph=True)  # noqa: E731

@@ -36,9 +36,7 @@ STARTED = time.time()  # before the imports: under a sanitizer, torch's start-up
 PACK = {torch.float32: 4, torch.float64: 2, torch.bfloat16: 8, torch.float16: 8}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # the most used first
 OPS_USED = [("ckpt_ext_kernels", "tanh_"), ("ckpt_ext_kernels", "tanh_backward_"),
-            ("ckpt_ext_kernels", "bias_grad"), ("ckpt_ext", "linear_tanh"),
-            ("ckpt_ext", "linear_tanh_backward"), ("ckpt_ext", "mlp"),
-            ("ckpt_ext", "mlp_backward")]
+            ("ckpt_ext_kernels", "bias_grad"), ("ckpt_ext", "mlp"), ("ckpt_ext", "mlp_backward")]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 # two layers of mlp: twice tests/ops/test_mlp.py's REL_TOL in the half types (the check of a run,
 # not the test), and its RELU_HALF_TOL for relu there (a pre-activation within the GEMM's rounding
@@ -185,15 +183,17 @@ def ops(dtype):
             x = torch.randn(m, kk, generator=g).to("cuda", dtype)
             w = (torch.randn(n, kk, generator=g) / kk ** 0.5).to("cuda", dtype)
             b = torch.randn(n, generator=g).to("cuda", dtype) if bias else None
-            y = torch.ops.ckpt_ext.linear_tanh(x, w, b)
+            y = ckpt_ext.linear_tanh(x, w, b)
             ref = torch.tanh(F.linear(x.double(), w.double(), None if b is None else b.double()))
             check(f"linear_tanh {dtype} {m}x{kk}->{n}", y, ref, tol)
             for gy in (torch.randn(m, n, generator=g).to("cuda", dtype),
                        torch.ones((), dtype=dtype, device="cuda").expand(m, n)):
-                grads = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [True, True, True])
-                for t in grads:
-                    if t is not None and not torch.isfinite(t).all():
-                        raise AssertionError(f"linear_tanh_backward {dtype}: not finite")
+                gx, gws, gbs = torch.ops.ckpt_ext.mlp_backward(
+                    gy, x, [w], [b] if bias else [], [bias], "tanh", True, True, [True],
+                    [True] if bias else [])
+                for t in (gx, *gws, *gbs):
+                    if not torch.isfinite(t).all():
+                        raise AssertionError(f"mlp_backward (one tanh layer) {dtype}: not finite")
     sizes = [9, 16, 7, 12]
     for last_tanh in (True, False):
         x = torch.randn(41, sizes[0], generator=g).to("cuda", dtype).requires_grad_()

@@ -120,8 +120,7 @@ def _launch(kind: str, policy: str, tmp_path):
 TOL_GRADS = 2e-15
 
 
-@pytest.mark.parametrize("policy,op", [("memory", "ckpt_ext::mlp"),
-                                       ("all", "ckpt_ext::linear_tanh")])
+@pytest.mark.parametrize("policy,op", [("memory", "ckpt_ext::mlp"), ("all", "ckpt_ext::mlp")])
 def test_ddp_gloo_two_ranks(tmp_path, policy, op):
     results = _launch("ddp", policy, tmp_path)
     for r in results:
@@ -135,7 +134,7 @@ def test_ddp_gloo_two_ranks(tmp_path, policy, op):
 # fully_shard wraps each block's class and puts hooks on it: pairs inside a block stay fused; a run
 # across the blocks meets those hooks and runs element by element (exact, unfused; the converter's
 # documented fallback).
-@pytest.mark.parametrize("policy,op", [("memory", None), ("all", "ckpt_ext::linear_tanh")])
+@pytest.mark.parametrize("policy,op", [("memory", None), ("all", "ckpt_ext::mlp")])
 def test_fsdp2_fully_shard_gloo_two_ranks(tmp_path, policy, op):
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401

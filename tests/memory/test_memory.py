@@ -8,6 +8,7 @@ import ckpt_ext
 from ckpt_ext import _C
 from ckpt_ext.memory import MemoryMeter, clear_grads, measured_step, nvml_usage, show_usage
 from ckpt_ext.models import NETWORKS, PINNNet
+from reference import tanh_layer_backward_op
 
 
 @pytest.fixture
@@ -95,7 +96,7 @@ def test_fused_forward_allocates_only_its_output(meter):
 
 
 def test_fused_backward_temporaries_are_counted(meter):
-    # linear_tanh_backward: one (M, N) buffer g for the recomputed product (turned into the
+    # mlp_backward of one tanh layer: one (M, N) buffer g for the recomputed product (turned into the
     # gradient in place), float32 per-chunk bias partials (num_chunks, N), then grad_b, grad_x,
     # grad_W. g and the partials are temporaries; the meter must see them.
     M, K, N = 301, 17, 29
@@ -104,7 +105,7 @@ def test_fused_backward_temporaries_are_counted(meter):
     g, partial, gb, gx, gw = M * N * 4, chunks * N * 4, N * 4, M * K * 4, N * K * 4
     s0 = _stats()
     meter.reset_peak()
-    out = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [True, True, True])
+    out = tanh_layer_backward_op(gy, x, w, b, [True, True, True])
     s1 = _stats()
     assert s1["allocated_total"] - s0["allocated_total"] == g + partial + gb + gx + gw
     assert s1["current"] - s0["current"] == gb + gx + gw == sum(t.nbytes for t in out)

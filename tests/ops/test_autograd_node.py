@@ -1,5 +1,5 @@
-"""The C++ autograd node that eager tanh_mlp, linear_tanh and mlp (every activation, mixed runs
-included) record (csrc/autograd_node.cpp).
+"""The C++ autograd node that the mlp op records in eager autograd, for every activation and mixed
+runs, linear_tanh and tanh_mlp included (csrc/autograd_node.cpp).
 
 Covers: where it is recorded and where the autograd Functions still are (torch.func, forward-mode
 AD, dispatch modes, tensor subclasses, torch.compile's tracing); that its gradients equal the
@@ -26,8 +26,9 @@ from ckpt_ext._activations import REGISTRY
 from ckpt_ext.memory import MemoryMeter, clear_grads, measured_step
 from ckpt_ext.models import Net
 
-NODE = {"tanh_mlp": "MlpBackward", "linear_tanh": "LinearTanhBackward"}
-FUNCTION = {"tanh_mlp": "_MlpBackward", "linear_tanh": "_LinearTanhBackward"}
+# linear_tanh and tanh_mlp are the mlp op: its node, and its Function's
+NODE = {"tanh_mlp": "MlpBackward", "linear_tanh": "MlpBackward"}
+FUNCTION = {"tanh_mlp": "_MlpBackward", "linear_tanh": "_MlpBackward"}
 
 
 class Passthrough(TorchDispatchMode):
@@ -112,7 +113,7 @@ def test_eager_records_the_cpp_node(op, bias):
 def test_modules_record_the_cpp_node():
     x = torch.randn(5, 4, requires_grad=True)
     assert FusedTanhMLP([4, 6, 3])(x).grad_fn.name() == "MlpBackward"
-    assert FusedLinearTanh(4, 6)(x).grad_fn.name() == "LinearTanhBackward"
+    assert FusedLinearTanh(4, 6)(x).grad_fn.name() == "MlpBackward"
 
 
 @pytest.mark.parametrize("op", ["tanh_mlp", "linear_tanh"])
@@ -359,10 +360,10 @@ def test_only_the_gradients_the_pass_uses_are_computed():
 
 
 def test_an_error_in_the_python_path_reaches_the_caller(monkeypatch):
-    # create_graph=True goes through Python (_autograd_node._node_backward, which calls _autograd's
-    # backward): an exception raised there comes out of autograd.grad as itself, as from a
-    # Function's backward.
-    from ckpt_ext import _autograd
+    # create_graph=True goes through Python (_autograd_node._node_backward, which calls the mlp
+    # Function's first order): an exception raised there comes out of autograd.grad as itself, as
+    # from a Function's backward.
+    from ckpt_ext import _mlp_autograd
 
     def boom(*args, **kwargs):
         raise ValueError("boom from the node's Python path")
@@ -370,7 +371,7 @@ def test_an_error_in_the_python_path_reaches_the_caller(monkeypatch):
     ws, bs = _params([4, 6, 3])
     x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     y = tanh_mlp(x, ws, bs)
-    monkeypatch.setattr(_autograd, "_tanh_stack_first_order", boom)
+    monkeypatch.setattr(_mlp_autograd, "_tanh_stack_first_order", boom)
     with pytest.raises(ValueError, match="boom from the node's Python path"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
 

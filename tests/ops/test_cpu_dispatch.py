@@ -18,7 +18,8 @@ import torch
 
 import ckpt_ext
 from ckpt_ext import _C
-from reference import TOL, linear_tanh_ref_grads, rel_err
+from reference import (TOL, linear_tanh_ref_grads, rel_err, tanh_layer_backward_op,
+                       tanh_layer_op)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LEVELS = list(_C._cpu_capabilities())
@@ -106,8 +107,8 @@ def test_forward_backward_vs_reference(level, dtype, M, K, N, poison):
     w = (torch.randn(N, K, generator=g, dtype=torch.float64) / K ** 0.5).to(dtype)
     b = torch.randn(N, generator=g, dtype=torch.float64).to(dtype)
     gy = torch.randn(M, N, generator=g, dtype=torch.float64).to(dtype)
-    y = torch.ops.ckpt_ext.linear_tanh(x, w, b)
-    gx, gw, gb = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [True, True, True])
+    y = tanh_layer_op(x, w, b)
+    gx, gw, gb = tanh_layer_backward_op(gy, x, w, b, [True, True, True])
     ry, rgx, rgw, rgb = linear_tanh_ref_grads(x, w, b, gy)
     # Half types: the tolerance of tests/ops/test_ops.py; cases with 1-9 outputs are held to it too
     # here because these inputs are well conditioned (no cancellation in z).
@@ -143,13 +144,13 @@ def test_backward_recomputes_the_forward_tanh_bitwise(level, dtype):
     for N in range(1, 34):
         x, w = _identity_case(N, dtype, seed=N)
         gy = torch.ones(7, N, dtype=dtype)
-        y = torch.ops.ckpt_ext.linear_tanh(x, w, None)
-        gx, _, _ = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, None, [True, False, False])
+        y = tanh_layer_op(x, w, None)
+        gx, _, _ = tanh_layer_backward_op(gy, x, w, None, [True, False, False])
         if dtype in (torch.float32, torch.float64):
             expected_g = 1 - y * y
             expected_y = y
         else:
-            t32 = torch.ops.ckpt_ext.linear_tanh(x.float(), w.float(), None)  # same level
+            t32 = tanh_layer_op(x.float(), w.float(), None)  # same level
             expected_y = t32.to(dtype)
             expected_g = (1 - t32 * t32).to(dtype)
         assert torch.equal(y, expected_y), f"N={N}: forward differs from the float32 tanh"
@@ -164,8 +165,8 @@ def test_stack_backward_recomputes_bitwise(level):
     for N in (3, 9, 17, 31):
         x, w = _identity_case(N, torch.float32, seed=100 + N)
         x = x / 2  # keep the second layer's t = tanh(tanh(z)) away from 0 too
-        t1 = torch.ops.ckpt_ext.linear_tanh(x, w, None)
-        t2 = torch.ops.ckpt_ext.linear_tanh(t1, w, None)
+        t1 = tanh_layer_op(x, w, None)
+        t2 = tanh_layer_op(t1, w, None)
         y = torch.ops.ckpt_ext.mlp(x, [w, w], [], [False, False], "tanh", True)
         assert torch.equal(y, t2)
         gx, _, _ = torch.ops.ckpt_ext.mlp_backward(
@@ -186,13 +187,13 @@ def test_strided_and_broadcast_grad_out(level, dtype):
     b = torch.randn(N, generator=g).to(dtype)
     mask = [True, True, True]
     gy = torch.randn(N, M, generator=g).to(dtype).t()  # column-major: stride (1, M)
-    want = torch.ops.ckpt_ext.linear_tanh_backward(gy.contiguous(), x, w, b, mask)
-    got = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, mask)
+    want = tanh_layer_backward_op(gy.contiguous(), x, w, b, mask)
+    got = tanh_layer_backward_op(gy, x, w, b, mask)
     for a, c in zip(got, want):
         assert torch.equal(a, c)
     one = torch.tensor(0.25, dtype=dtype).expand(M, N)  # strides (0, 0), as out.mean() gives
-    want = torch.ops.ckpt_ext.linear_tanh_backward(one.contiguous(), x, w, b, mask)
-    got = torch.ops.ckpt_ext.linear_tanh_backward(one, x, w, b, mask)
+    want = tanh_layer_backward_op(one.contiguous(), x, w, b, mask)
+    got = tanh_layer_backward_op(one, x, w, b, mask)
     for a, c in zip(got, want):
         assert torch.equal(a, c)
     # the layer without tanh sums grad_out itself (bias_grad): a stack with last_tanh = False.
@@ -234,7 +235,7 @@ def test_bias_sums_are_the_documented_order_at_every_level(dtype):
     gy = torch.randn(M, N, generator=g).to(dtype)
     sums = {}
     for name in LEVELS:
-        gx, _, gb = at_level(name, lambda: torch.ops.ckpt_ext.linear_tanh_backward(
+        gx, _, gb = at_level(name, lambda: tanh_layer_backward_op(
             gy, x, w, b, [True, False, True]))
         ref = _documented_bias_sum(gx.numpy(), _C.ROWS_PER_CHUNK)
         assert np.array_equal(gb.numpy(), ref), name
@@ -268,7 +269,7 @@ ULP_BOUND = {("default", "avx2"): 3, ("default", "avx512"): 3, ("avx2", "avx512"
 def test_levels_tanh_agree_within_measured_ulps(dtype):
     z = torch.linspace(-9, 9, 200_003, dtype=dtype).reshape(1, -1)  # odd length: a tail
     w = torch.ones(1, 1, dtype=dtype)
-    ys = {name: at_level(name, lambda: torch.ops.ckpt_ext.linear_tanh(z.t(), w, None).t())
+    ys = {name: at_level(name, lambda: tanh_layer_op(z.t(), w, None).t())
           for name in LEVELS}
     for (a, b), bound in ULP_BOUND.items():
         if a in ys and b in ys:
@@ -288,8 +289,8 @@ def test_levels_agree_on_whole_ops(dtype):
     gy = torch.randn(M, N, generator=g).to(dtype)
 
     def run():
-        y = torch.ops.ckpt_ext.linear_tanh(x, w, b)
-        return (y,) + tuple(torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [True] * 3))
+        y = tanh_layer_op(x, w, b)
+        return (y,) + tuple(tanh_layer_backward_op(gy, x, w, b, [True] * 3))
 
     outs = {name: at_level(name, run) for name in LEVELS}
     base = outs[LEVELS[0]]

@@ -4,9 +4,8 @@ first-order backward keeps the fused backward kernel.
 
 Covers: gradcheck and gradgradcheck in float64 of every op (so every op's backward, and the
 backward of that, is checked against finite differences); the third order against stock PyTorch;
-the backward ops called directly in grad mode (issue 12 item 6); opcheck of the ops added for the
-higher orders; the physics-informed step against the plain model, in values (float64) and in
-exact bytes kept and peak (float32, the benchmark's network).
+opcheck of the ops of the higher orders; the physics-informed step against the plain model, in
+values (float64) and in exact bytes kept and peak (float32, the benchmark's network).
 """
 from __future__ import annotations
 
@@ -82,25 +81,6 @@ def test_gradgradcheck_tanh_mlp(bias, last_tanh):
 MASKS3 = [(True, True, True), (True, False, False), (False, True, True), (False, False, True)]
 
 
-@pytest.mark.parametrize("bias,mask", [(b, m) for b in (True, False) for m in MASKS3
-                                       if b or m[0] or m[1]],  # (no bias, grad_b only): no output
-                         ids=lambda v: "".join("1" if x else "0" for x in v)
-                         if isinstance(v, tuple) else ("bias" if v else "nobias"))
-def test_gradgradcheck_linear_tanh_backward(bias, mask):
-    # The first-order backward op itself, differentiated twice (so its backward,
-    # linear_tanh_double_backward, is checked, and that op's backward too).
-    gy, x, w = _randn(2, 3, 4, seed=0), _randn(2, 3, 5, seed=1), _randn(4, 5, seed=2)
-    b = _randn(4, seed=3) if bias else None
-
-    def f(gy, x, w, *b_):
-        out = OPS.linear_tanh_backward(gy, x, w, b_[0] if b_ else None, list(mask))
-        return tuple(o for o in out if o is not None)
-
-    inputs = (gy, x, w) + ((b,) if bias else ())
-    assert torch.autograd.gradcheck(f, inputs)
-    assert torch.autograd.gradgradcheck(f, inputs)
-
-
 MASKS4 = [(True, True, True, True), (True, True, False, False), (False, False, True, True),
           (False, True, False, True)]
 
@@ -122,14 +102,6 @@ def _gradgradcheck_second_order_op(op, given, rest, mask):
     inputs = (*present, *rest)
     assert torch.autograd.gradcheck(f, inputs)
     assert torch.autograd.gradgradcheck(f, inputs)
-
-
-@pytest.mark.parametrize("given", ["ggx", "ggx+ggw", "ggw+ggb", "all"])
-@pytest.mark.parametrize("mask", MASKS4, ids=lambda m: "".join("1" if v else "0" for v in m))
-def test_gradgradcheck_linear_tanh_double_backward(mask, given):
-    gy, x, w, b = (_randn(3, 4, seed=0), _randn(3, 5, seed=1), _randn(4, 5, seed=2),
-                   _randn(4, seed=3))
-    _gradgradcheck_second_order_op(OPS.linear_tanh_double_backward, given, (gy, x, w, b), mask)
 
 
 @pytest.mark.parametrize("mask", MASKS3, ids=lambda m: "".join("1" if v else "0" for v in m))
@@ -155,27 +127,6 @@ def test_gradgradcheck_linear_tanh_backward_from_output_backward(mask, given):
                    _randn(4, 5, seed=3))
     _gradgradcheck_second_order_op(OPS.linear_tanh_backward_from_output_backward, given,
                                    (gy, x, t, w), mask)
-
-
-# ------------------------------------------------------------------------------------------------
-# issue 12 item 6: the backward ops called directly, in grad mode, with inputs that require grad
-
-def test_linear_tanh_backward_callable_in_grad_mode():
-    gy, x = _randn(6, 3, seed=0), _randn(6, 4, seed=1)
-    w, b = _randn(3, 4, seed=2), _randn(3, seed=3)
-    gx, gw, gb = OPS.linear_tanh_backward(gy, x, w, b, [True, True, True])
-    assert gx.requires_grad and gw.requires_grad and gb.requires_grad
-    xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
-    ref = torch.autograd.grad(linear_tanh_ref(xr, wr, br), (xr, wr, br), gy.detach(),
-                              create_graph=True)
-    for got, want in zip((gx, gw, gb), ref):
-        assert rel_err(got, want) <= 1e-14  # measured 1e-16
-    # and differentiable: the gradient of a function of them matches stock autograd's
-    got = torch.autograd.grad((gx.sin().sum() + gw.pow(2).sum() + gb.sum()), (x, w))
-    want = torch.autograd.grad((ref[0].sin().sum() + ref[1].pow(2).sum() + ref[2].sum()),
-                               (xr, wr))
-    for g_, w_ in zip(got, want):
-        assert rel_err(g_, w_) <= 1e-13  # measured 2e-16
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,10 +203,6 @@ def _op_inputs(requires_grad):
 def test_opcheck_double_backward_ops(mask, requires_grad):
     gy, x, w, b, t = _op_inputs(requires_grad)
     ggx, ggw, ggb = torch.randn(2, 3, 5), torch.randn(4, 5), torch.randn(4)
-    for args in [(ggx, None, None, gy, x, w, b, list(mask)),
-                 (ggx, ggw, ggb, gy, x, w, b, list(mask)),
-                 (None, ggw, None, gy, x, w, None, list(mask))]:
-        torch.library.opcheck(OPS.linear_tanh_double_backward.default, args)
     for args in [(ggx, None, None, gy, x, t, w, list(mask)),
                  (None, ggw, ggb, gy, x, t, w, list(mask))]:
         torch.library.opcheck(OPS.linear_tanh_backward_from_output_backward.default, args)
@@ -321,11 +268,10 @@ def test_third_order_op_is_differentiable():
 
 def test_double_backward_ops_bad_input_messages():
     gy, x, w, b, t = _op_inputs(False)
-    with pytest.raises(ValueError, match=r"linear_tanh_double_backward: grad_grad_x must have "
-                                         r"the shape of x \[2, 3, 5\], got \[2, 3, 4\]"):
-        OPS.linear_tanh_double_backward(gy, None, None, gy, x, w, b, [True] * 4)
-    with pytest.raises(ValueError, match=r"grad_grad_bias was given but bias is None"):
-        OPS.linear_tanh_double_backward(None, None, b, gy, x, w, None, [True] * 4)
+    with pytest.raises(ValueError, match=r"linear_tanh_backward_from_output_backward: "
+                                         r"grad_grad_x must have the shape of x \[2, 3, 5\], got "
+                                         r"\[2, 3, 4\]"):
+        OPS.linear_tanh_backward_from_output_backward(gy, None, None, gy, x, t, w, [True] * 4)
     with pytest.raises(ValueError, match=r"linear_tanh_backward_from_output: output must have "
                                          r"the shape of grad_out \[2, 3, 4\], got \[2, 3, 5\]"):
         OPS.linear_tanh_backward_from_output(gy, x, x, w, b, [True] * 3)
@@ -459,9 +405,8 @@ def test_physics_informed_step_keeps_and_peaks_less_than_plain(fused_as):
 # ------------------------------------------------------------------------------------------------
 # which kernels run
 
-@pytest.mark.parametrize("policy,kernel,count", [("all", "linear_tanh_backward", 3),
-                                                  ("memory", "mlp_backward", 1)])
-def test_first_order_backward_keeps_the_fused_kernel(policy, kernel, count):
+@pytest.mark.parametrize("policy,count", [("all", 3), ("memory", 1)])
+def test_first_order_backward_keeps_the_fused_kernel(policy, count):
     torch.manual_seed(0)
     model, _ = fuse(Net(d_in=12, d_hidden=16), policy=policy)
     x = torch.randn(5, 12, requires_grad=True)
@@ -472,9 +417,9 @@ def test_first_order_backward_keeps_the_fused_kernel(policy, kernel, count):
     # 3 blocks, fused pair by pair (policy="all": one fused backward each) or as one run (the
     # default: one stack backward); no tanh and no tanh_backward outside them, and the only mm
     # calls are the 2 of the plain linear1 (grad_x, grad_W).
-    assert calls.get(f"ckpt_ext.{kernel}") == count
+    assert calls.get("ckpt_ext.mlp_backward") == count
     assert "aten.tanh" not in calls and "aten.tanh_backward" not in calls
-    assert "ckpt_ext.linear_tanh" not in calls and "ckpt_ext.mlp" not in calls
+    assert "ckpt_ext.mlp" not in calls
     assert calls.get("aten.mm", 0) == 2
 
 
@@ -488,8 +433,8 @@ def test_first_order_grad_skips_gradients_the_engine_will_not_use():
 
     class Masks(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if str(func.overloadpacket) == "ckpt_ext.linear_tanh_backward":
-                calls.append(list(args[4]))
+            if str(func.overloadpacket) == "ckpt_ext.mlp_backward":
+                calls.append([args[7], *args[8], *args[9]])  # need_x, need_weights, need_biases
             return func(*args, **(kwargs or {}))
 
     with Masks():
@@ -507,7 +452,7 @@ def test_create_graph_records_the_output_based_backward():
     with OpCounter() as counter:
         (gx,) = torch.autograd.grad(y, x, create_graph=True)
     assert gx.requires_grad
-    assert counter.calls.get("ckpt_ext.linear_tanh") == 1  # the one recompute of t
+    assert counter.calls.get("ckpt_ext.mlp") == 1  # the one recompute of t
     assert counter.calls.get("ckpt_ext.linear_tanh_backward_from_output") == 1
     node = gx.grad_fn
     assert [tuple(t.shape) for t in node.saved_tensors] == [(5, 3), (5, 4), (5, 3), (3, 4)]
@@ -516,12 +461,12 @@ def test_create_graph_records_the_output_based_backward():
     # a second create_graph pass through the same layer reuses that t: no recompute
     with OpCounter() as counter:
         torch.autograd.grad(gx.pow(2).sum(), x, create_graph=True)
-    assert "ckpt_ext.linear_tanh" not in counter.calls
+    assert "ckpt_ext.mlp" not in counter.calls
 
 
 def test_chain_of_pairs_recomputes_each_layer_once_for_all_orders():
     # Three FusedLinearTanh in a chain, u_x and u_xx by create_graph, then the parameter gradient:
-    # each layer's t is recomputed once (3 linear_tanh calls besides the forward's 3), the
+    # each layer's t is recomputed once (3 mlp calls besides the forward's 3), the
     # recompute of a layer takes its input from the recompute below, and no pass after the first
     # runs a recomputing kernel again.
     torch.manual_seed(0)
@@ -533,13 +478,12 @@ def test_chain_of_pairs_recomputes_each_layer_once_for_all_orders():
         (ddu,) = torch.autograd.grad(du[:, 1].sum(), tx, create_graph=True)
         ((ddu[:, 1] ** 2).mean() + (u ** 2).mean()).backward()
     calls = counter.calls
-    assert calls.get("ckpt_ext.linear_tanh") == 6
-    assert "ckpt_ext.linear_tanh_backward" not in calls
-    assert "ckpt_ext.linear_tanh_double_backward" not in calls
+    assert calls.get("ckpt_ext.mlp") == 6
+    assert "ckpt_ext.mlp_backward" not in calls
     # The graph of u_x reaches the recompute nodes only, never the forward nodes: walk it.
     from ckpt_ext import _autograd
     u = layers(tx)
-    assert u.grad_fn.name() == "LinearTanhBackward"  # eager: the C++ forward nodes
+    assert u.grad_fn.name() == "MlpBackward"  # eager: the C++ forward nodes
     (du,) = torch.autograd.grad(u.sum(), tx, create_graph=True)
     seen, stack, kinds = set(), [du.grad_fn], {"forward": 0, "recompute": 0}
     while stack:
@@ -547,9 +491,8 @@ def test_chain_of_pairs_recomputes_each_layer_once_for_all_orders():
         if node is None or node in seen:
             continue
         seen.add(node)
-        # a forward node: the C++ node eager autograd records, or a _LinearTanh Function's
-        kinds["forward"] += (isinstance(node, _autograd._LinearTanh._backward_cls)
-                             or node.name() == "LinearTanhBackward")
+        # a forward node: the C++ node eager autograd records, or the mlp Function's
+        kinds["forward"] += node.name() in ("MlpBackward", "_MlpBackward")
         kinds["recompute"] += isinstance(node, _autograd._LinearTanhKeep._backward_cls)
         stack.extend(n for n, _ in node.next_functions)
     assert kinds == {"forward": 0, "recompute": 3}
@@ -563,10 +506,6 @@ def test_flop_formulas_of_the_higher_order_ops():
     ggx, ggw, u = torch.randn(6, 5), torch.randn(4, 5), torch.randn(6, 4)
     gemm = 2 * 6 * 5 * 4
     cases = [
-        # recompute + dg from ggx + grad_x (dz·W) + grad_W (dzᵀ·x + gᵀ·ggx)
-        (lambda: OPS.linear_tanh_double_backward(ggx, None, None, gy, x, w, b, [True] * 4), 5),
-        (lambda: OPS.linear_tanh_double_backward(ggx, None, None, gy, x, w, b,
-                                                 [True, False, False, False]), 2),
         (lambda: OPS.linear_tanh_backward_from_output(gy, x, t, w, b, [True, True, True]), 2),
         (lambda: OPS.linear_tanh_backward_from_output(gy, x, t, w, b, [True, False, True]), 1),
         # dg from ggx and ggW, grad_x = g·ggW, grad_W = gᵀ·ggx

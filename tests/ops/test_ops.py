@@ -1,5 +1,5 @@
-"""Kernel-vs-reference tests of the two ops, torch.ops.ckpt_ext.linear_tanh and
-linear_tanh_backward, on every device that can run them (the `device` fixture: the CPU always,
+"""Kernel-vs-reference tests of one tanh layer (ckpt_ext.linear_tanh: the ops
+torch.ops.ckpt_ext.mlp and mlp_backward with one layer), on every device that can run them (the `device` fixture: the CPU always,
 CUDA where a GPU is visible; GPU cases carry the `cuda` marker).
 
 * forward and all three gradients against the float64 reference (tests/reference.py) over odd
@@ -22,7 +22,8 @@ import ckpt_ext
 from reference import (RESULTS, ROWS_PER_CHUNK, assert_matches_reference,
                        bias_grad_chunks_left_to_right, bias_grad_documented_order, check_result,
                        conditioned_scales, linear_tanh_ref, linear_tanh_ref_grads, make_inputs,
-                       measured, rel_err, requires_gpu, run_fused)
+                       measured, rel_err, requires_gpu, run_fused, tanh_layer_backward_op,
+                       tanh_layer_op, tanh_layer_op_args)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 HALF = [torch.bfloat16, torch.float16]
@@ -129,26 +130,29 @@ def test_gradcheck_float64(device, seed, lead, k, n, bias):
 # opcheck checks the registration (schema, fake kernel, autograd, aot dispatch), which no input
 # value changes: fixed inputs, left out of the seed sweep.
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_opcheck_linear_tanh(device, bias):
+def test_opcheck_tanh_layer(device, bias):
     for lead, k, n in [((5,), 7, 3), ((2, 3), 4, 9), ((0,), 3, 2)]:
         x, w, b, _ = make_inputs(lead, k, n, torch.float32, device, bias, seed=0)
-        torch.library.opcheck(torch.ops.ckpt_ext.linear_tanh.default, (x, w, b))
+        torch.library.opcheck(torch.ops.ckpt_ext.mlp.default, tanh_layer_op_args(x, w, b))
         x.requires_grad_()
         w.requires_grad_()
-        torch.library.opcheck(torch.ops.ckpt_ext.linear_tanh.default, (x, w, b))
+        torch.library.opcheck(torch.ops.ckpt_ext.mlp.default, tanh_layer_op_args(x, w, b))
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=mask_id)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_opcheck_linear_tanh_backward(device, mask, bias):
+def test_opcheck_tanh_layer_backward(device, mask, bias):
     x, w, b, gy = make_inputs((2, 5), 7, 3, torch.float32, device, bias, seed=0)
-    torch.library.opcheck(torch.ops.ckpt_ext.linear_tanh_backward.default, (gy, x, w, b, mask))
+    has = b is not None
+    torch.library.opcheck(torch.ops.ckpt_ext.mlp_backward.default,
+                          (gy, *tanh_layer_op_args(x, w, b), mask[0], [mask[1]],
+                           [mask[2]] if has else []))
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=mask_id)
 def test_backward_computes_only_requested_grads(device, poison, seed, mask):
     x, w, b, gy = make_inputs((37,), 6, 5, torch.float64, device, seed=seed)
-    gx, gw, gb = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, mask)
+    gx, gw, gb = tanh_layer_backward_op(gy, x, w, b, mask)
     _, rx, rw, rb = linear_tanh_ref_grads(x, w, b, gy)
     scales = conditioned_scales(x, w, b, gy)[1:]
     for name, want, got, ref, scale in zip(RESULTS[1:], mask, (gx, gw, gb), (rx, rw, rb), scales):
@@ -216,7 +220,7 @@ def test_bias_grad_follows_the_documented_summation_order(device, seed, dtype):
     M, N = ORDER_M, ORDER_N
     _, w, b, gy = make_inputs((M,), M, N, dtype, device, seed=seed)
     x = torch.eye(M, dtype=dtype, device=device)
-    _, gw, gb = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [False, True, True])
+    _, gw, gb = tanh_layer_backward_op(gy, x, w, b, [False, True, True])
     g = gw.t().cpu()
     # g really is the gradient w.r.t. z (so the rebuild starts from the right numbers)
     t = linear_tanh_ref(x, w, b).cpu()
@@ -264,9 +268,9 @@ def test_bias_grad_independent_of_thread_count(seed):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, mask)[2]
+        one = tanh_layer_backward_op(gy, x, w, b, mask)[2]
         torch.set_num_threads(max(2, threads))
-        many = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, mask)[2]
+        many = tanh_layer_backward_op(gy, x, w, b, mask)[2]
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
@@ -275,10 +279,10 @@ def test_bias_grad_independent_of_thread_count(seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_bias_grad_is_bitwise_reproducible(device, seed, dtype):
     x, w, b, gy = make_inputs((4099,), 64, 257, dtype, device, seed=seed)  # 129 row chunks
-    first = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [False, False, True])[2]
+    first = tanh_layer_backward_op(gy, x, w, b, [False, False, True])[2]
     for _ in range(3):
-        torch.ops.ckpt_ext.linear_tanh_backward(gy * 3, x, w, b, [True] * 3)  # disturb the pool
-        again = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [False, False, True])[2]
+        tanh_layer_backward_op(gy * 3, x, w, b, [True] * 3)  # disturb the pool
+        again = tanh_layer_backward_op(gy, x, w, b, [False, False, True])[2]
         assert torch.equal(first, again)
     ref = linear_tanh_ref_grads(x, w, b, gy)
     check_result("grad_bias", first, ref[3], conditioned_scales(x, w, b, gy)[3])
@@ -324,7 +328,7 @@ def test_half_types_round_z_once_with_the_bias_in_the_gemm(device, dtype):
     assert not torch.equal(cast(A + d).double().cpu(), A + d)  # x·Wᵀ itself is not representable
     y = ckpt_ext.linear_tanh(cast(x), cast(w), cast(b))
     gy = torch.ones(1, 16, dtype=dtype, device=device)
-    _, _, gb = torch.ops.ckpt_ext.linear_tanh_backward(gy, cast(x), cast(w), cast(b),
+    _, _, gb = tanh_layer_backward_op(gy, cast(x), cast(w), cast(b),
                                                        [False, False, True])
     # One rounding of an exact z: y and g within 0.5 ulp (measured: see _ulp_err's keys). Rounding
     # z twice (simulated in float64): y off by 8.5-128 ulp (bfloat16) / 68-1024 ulp (float16) in
@@ -347,7 +351,7 @@ def test_half_types_compute_the_tanh_derivative_in_float32(device, dtype):
     w = z.reshape(n, 1).to(device=device, dtype=dtype)
     b = torch.zeros(n, dtype=dtype, device=device)
     gy = torch.ones(1, n, dtype=dtype, device=device)
-    _, gw, gb = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [False, True, True])
+    _, gw, gb = tanh_layer_backward_op(gy, x, w, b, [False, True, True])
     g64 = 1 - torch.tanh(z) ** 2
     dt = str(dtype).removeprefix("torch.")
     assert measured(f"half_policy/{dt}/gw_ulp", _ulp_err(gw[:, 0], g64)) <= 1.0
@@ -370,11 +374,11 @@ def test_runs_on_the_current_stream(seed):
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):  # warm-up outside capture, as torch.cuda.graphs asks
-            torch.ops.ckpt_ext.linear_tanh_backward(gy, static_x, w, b, [True] * 3)
+            tanh_layer_backward_op(gy, static_x, w, b, [True] * 3)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
-            y = torch.ops.ckpt_ext.linear_tanh(static_x, w, b)
-            grads = torch.ops.ckpt_ext.linear_tanh_backward(gy, static_x, w, b, [True] * 3)
+            y = tanh_layer_op(static_x, w, b)
+            grads = tanh_layer_backward_op(gy, static_x, w, b, [True] * 3)
     torch.cuda.current_stream().wait_stream(side)
     for new_seed in (seed + 1, seed + 2):
         x_new = make_inputs((70,), 32, 48, torch.float32, "cuda", seed=new_seed)[0]

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 import ckpt_ext
 from reference import (ACTIVATION_REF, TOL, aligned_pad, assert_mlp_matches_reference,
                        check_relu_nan_gradient_is_stock_autograds, linear_tanh_ref, mlp_grads,
-                       mlp_inputs, mlp_ref_grads, padded_rows, rel_err, run_fused, scaled_err)
+                       mlp_inputs, mlp_ref_grads, padded_rows, rel_err, run_fused, scaled_err,
+                       tanh_layer_backward_op, tanh_layer_op)
 from reference import linear_tanh_ref_grads as ref_grads
 
 pytestmark = pytest.mark.cuda
@@ -206,7 +207,8 @@ def pack_width(names, kernel):
 # ------------------------------------------------------------------------------------------------
 # build facts (any machine)
 
-OPS = ("linear_tanh", "linear_tanh_backward", "mlp", "mlp_backward")
+OPS = ("mlp", "mlp_backward", "linear_tanh_backward_from_output",
+       "linear_tanh_backward_from_output_backward")
 
 
 def test_every_op_has_cpu_cuda_and_meta_kernels():
@@ -221,9 +223,9 @@ def test_cpu_only_build_says_so_for_cuda_tensors():
     # GPU by redispatching CPU tensors to the CUDA key.
     x, w = torch.randn(2, 3), torch.randn(4, 3)
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
-    with pytest.raises(RuntimeError, match=r"ckpt_ext::linear_tanh: got CUDA tensors, but this "
+    with pytest.raises(RuntimeError, match=r"ckpt_ext::mlp: got CUDA tensors, but this "
                                            r"build of ckpt_ext has no CUDA kernels"):
-        torch.ops.ckpt_ext.linear_tanh.default.redispatch(keys, x, w, None)
+        torch.ops.ckpt_ext.mlp.default.redispatch(keys, x, [w], [], [False], "tanh", True)
 
 
 @pytest.mark.skipif(os.environ.get("CKPT_EXT_EXPECT_CUDA") != "1",
@@ -295,11 +297,11 @@ def test_cpu_and_cuda_agree(dtype):
     x, w, b = q(2, 37, 8), q(45, 8), q(45)
     gy = q(2, 37, 45)
     cpu = [t.to(dtype) for t in (x, w, b, gy)]
-    out_c = torch.ops.ckpt_ext.linear_tanh(*cpu[:3])
-    grads_c = torch.ops.ckpt_ext.linear_tanh_backward(cpu[3], *cpu[:3], ALL_GRADS)
+    out_c = tanh_layer_op(*cpu[:3])
+    grads_c = tanh_layer_backward_op(cpu[3], *cpu[:3], ALL_GRADS)
     gpu = [t.cuda() for t in cpu]
-    out_g = torch.ops.ckpt_ext.linear_tanh(*gpu[:3])
-    grads_g = torch.ops.ckpt_ext.linear_tanh_backward(gpu[3], *gpu[:3], ALL_GRADS)
+    out_g = tanh_layer_op(*gpu[:3])
+    grads_g = tanh_layer_backward_op(gpu[3], *gpu[:3], ALL_GRADS)
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(out_g.cpu(), out_c, rtol=4 * eps, atol=4 * eps)
     # The grads are sums of a few dozen terms: bound the difference by the largest magnitude.
@@ -600,7 +602,7 @@ def test_bias_grad_is_the_documented_order_of_the_kernels_g(poison, dtype, M, N)
     gy = torch.randn(M, N, generator=gen).to("cuda", dtype)
     with exact_fp32_matmul():
         # one layer with tanh: Holds::kPreActivation
-        _, gw, gb = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w1, b1, [False, True, True])
+        _, gw, gb = tanh_layer_backward_op(gy, x, w1, b1, [False, True, True])
         assert torch.equal(gb.cpu(), documented_column_sums(gw.t(), dtype))
         # the lower layer of a stack: Holds::kTanhOutput (its g is in the buffer that held t)
         w2 = (torch.randn(23, N, generator=gen) / 4).to("cuda", dtype)
@@ -624,8 +626,8 @@ def test_runs_on_the_current_stream():
     with torch.cuda.stream(side):
         torch.cuda._sleep(100_000_000)
         xs = x * 2
-        y = torch.ops.ckpt_ext.linear_tanh(xs, w, b)
-        gx, gw, gb = torch.ops.ckpt_ext.linear_tanh_backward(gy, xs, w, b, ALL_GRADS)
+        y = tanh_layer_op(xs, w, b)
+        gx, gw, gb = tanh_layer_backward_op(gy, xs, w, b, ALL_GRADS)
     main.wait_stream(side)
     ry, rgx, rgw, rgb = ref_grads(x * 2, w, b, gy)
     for name, o, r in (("out", y, ry), ("grad_x", gx, rgx), ("grad_weight", gw, rgw),
@@ -643,12 +645,12 @@ def test_captures_into_a_cuda_graph():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside capture, as torch.cuda.graphs asks
         for _ in range(2):
-            torch.ops.ckpt_ext.linear_tanh_backward(gy, static_x, w, b, ALL_GRADS)
+            tanh_layer_backward_op(gy, static_x, w, b, ALL_GRADS)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = torch.ops.ckpt_ext.linear_tanh(static_x, w, b)
-        grads = torch.ops.ckpt_ext.linear_tanh_backward(gy, static_x, w, b, ALL_GRADS)
+        y = tanh_layer_op(static_x, w, b)
+        grads = tanh_layer_backward_op(gy, static_x, w, b, ALL_GRADS)
     x_new = torch.randn_like(x)
     static_x.copy_(x_new)
     graph.replay()
@@ -662,10 +664,10 @@ def test_captures_into_a_cuda_graph():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_bias_grad_is_bitwise_reproducible(dtype):
     x, w, b, gy = make((4099,), 64, 257, dtype)  # 129 row chunks
-    first = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [False, False, True])[2]
+    first = tanh_layer_backward_op(gy, x, w, b, [False, False, True])[2]
     for _ in range(3):
-        torch.ops.ckpt_ext.linear_tanh_backward(gy * 3, x, w, b, ALL_GRADS)  # disturb the pool
-        again = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, [False, False, True])[2]
+        tanh_layer_backward_op(gy * 3, x, w, b, ALL_GRADS)  # disturb the pool
+        again = tanh_layer_backward_op(gy, x, w, b, [False, False, True])[2]
         assert torch.equal(first, again)
     ref = ref_grads(x, w, b, gy)
     assert scaled_err(first, ref[3], ref_scales(x, w, gy, ref[0])[3]) <= TOL[dtype]
@@ -694,7 +696,7 @@ def test_buffers_past_2_pow_31_elements():
         assert err <= TOL[torch.float32], f"rows {r0}..: {err:.3g}"
     del y
     gy = torch.ones((1, 1), device="cuda").expand(M, N)  # stride (0, 0): no 8 GiB grad_out
-    gx, gw, gb = torch.ops.ckpt_ext.linear_tanh_backward(gy, x, w, b, ALL_GRADS)
+    gx, gw, gb = tanh_layer_backward_op(gy, x, w, b, ALL_GRADS)
     rgw = torch.zeros(N, K, dtype=torch.float64, device="cuda")
     rgb = torch.zeros(N, dtype=torch.float64, device="cuda")
     for r0 in range(0, M, rows):
@@ -716,9 +718,9 @@ def test_buffers_past_2_pow_31_elements():
 def test_mixed_devices_name_both():
     x, w, b, _ = make((3,), 4, 5, torch.float32)
     with pytest.raises(ValueError, match=r"weight must be on the device of x \(cuda:0\), got cpu"):
-        torch.ops.ckpt_ext.linear_tanh(x, w.cpu(), b)
+        ckpt_ext.linear_tanh(x, w.cpu(), b)
     with pytest.raises(ValueError, match=r"bias must be on the device of x \(cpu\), got cuda:0"):
-        torch.ops.ckpt_ext.linear_tanh(x.cpu(), w.cpu(), b)
+        ckpt_ext.linear_tanh(x.cpu(), w.cpu(), b)
 
 
 # ------------------------------------------------------------------------------------------------
