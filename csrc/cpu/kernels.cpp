@@ -245,10 +245,57 @@ void activation_backward_rows_kernel(scalar_t* acc, const scalar_t* grad_out, in
   });
 }
 
+// The elementwise part of tanh's third order (cpu/third_order.cpp; the formulas in docs/design.md,
+// "Higher orders"), s = 1 − t², each result its own loop over [i0, i1), an absent input a zero
+// term (the test is per vector, the same every time):
+//   dgbar = ugy·s − 2·ut·gy·t,   gybar = gbar·s − 2·ut·dg·t,
+//   tbar = −2·t·(ugy·dg + gbar·gy) − 2·ut·dg·gy
+template <typename T>
+void third_order_kernel(int64_t i0, int64_t i1, const T* t, const T* gy, const T* dg,
+                        const T* gbar, const T* ugy, const T* ut, T* dgbar, T* gybar, T* tbar) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  // out = a·s − 2·ut·b·t (a, or ut and b, absent: that term is zero)
+  auto s_minus = [&](const T* a, const T* b, T* out) {
+    for (int64_t i = i0; i < i1; i += W) {
+      const int64_t k = std::min(W, i1 - i);
+      const V tv = V::loadu(t + i, k);
+      V v(T(0));
+      if (a != nullptr) v = v + V::loadu(a + i, k) * (V(T(1)) - tv * tv);
+      if (ut != nullptr && b != nullptr) {
+        v = v + V(T(-2)) * V::loadu(ut + i, k) * V::loadu(b + i, k) * tv;
+      }
+      v.store(out + i, k);
+    }
+  };
+  if (dgbar != nullptr) s_minus(ugy, gy, dgbar);
+  if (gybar != nullptr) s_minus(gbar, dg, gybar);
+  if (tbar != nullptr) {
+    for (int64_t i = i0; i < i1; i += W) {
+      const int64_t k = std::min(W, i1 - i);
+      V sbar(T(0));
+      if (ugy != nullptr && dg != nullptr) sbar = sbar + V::loadu(ugy + i, k) * V::loadu(dg + i, k);
+      if (gbar != nullptr) sbar = sbar + V::loadu(gbar + i, k) * V::loadu(gy + i, k);
+      V v = V(T(-2)) * V::loadu(t + i, k) * sbar;
+      if (ut != nullptr && dg != nullptr) {
+        v = v + V(T(-2)) * V::loadu(ut + i, k) * V::loadu(dg + i, k) * V::loadu(gy + i, k);
+      }
+      v.store(tbar + i, k);
+    }
+  }
+}
+
 template <typename scalar_t>
 constexpr KernelsFor<scalar_t> kernels_for() {
-  return {&tanh_kernel<scalar_t>, &backward_rows_kernel<scalar_t>, &column_sums_kernel<scalar_t>,
-          &activate_kernel<scalar_t>, &activation_backward_rows_kernel<scalar_t>};
+  if constexpr (kReduced<scalar_t>) {
+    return {&tanh_kernel<scalar_t>, &backward_rows_kernel<scalar_t>,
+            &column_sums_kernel<scalar_t>, &activate_kernel<scalar_t>,
+            &activation_backward_rows_kernel<scalar_t>, nullptr};
+  } else {
+    return {&tanh_kernel<scalar_t>, &backward_rows_kernel<scalar_t>,
+            &column_sums_kernel<scalar_t>, &activate_kernel<scalar_t>,
+            &activation_backward_rows_kernel<scalar_t>, &third_order_kernel<scalar_t>};
+  }
 }
 
 constexpr Kernels kKernels{kernels_for<float>(), kernels_for<double>(),

@@ -9,6 +9,10 @@
 //   activate(src, dst, n, act, k) dst = f^(k)(src) (k = 0: f), n contiguous values (dst == src:
 //                                 in place)
 //   activation_backward_rows: backward_rows for any activation (activations.h), acc holding z
+//   third_order(i0, i1, t, gy, dg, gbar, ugy, ut, dgbar, gybar, tbar)   float and double only (null
+//       for the half types): the elementwise part of tanh's third-order kernel (cpu/third_order.cpp)
+//       over elements [i0, i1) of (M·N) contiguous arrays; a null input is zero, a null output is
+//       not made
 // Sums in increasing row order, in acc_t (half types compute in float): docs/design.md.
 #pragma once
 
@@ -37,6 +41,9 @@ struct KernelsFor {
   void (*activation_backward_rows)(scalar_t* acc, const scalar_t* grad_out, int64_t sr,
                                    int64_t sc, int64_t r0, int64_t r1, int64_t N, Activation act,
                                    acc_t* sums);
+  void (*third_order)(int64_t i0, int64_t i1, const scalar_t* t, const scalar_t* gy,
+                      const scalar_t* dg, const scalar_t* gbar, const scalar_t* ugy,
+                      const scalar_t* ut, scalar_t* dgbar, scalar_t* gybar, scalar_t* tbar);
 };
 
 struct Kernels {

@@ -1,8 +1,9 @@
 // cpu/third_order.cpp — linear_tanh_backward_from_output_double_backward, CPU only: the vjp of
 // linear_tanh_backward_from_output_backward (schema in ../schemas.cpp; the formulas in
-// docs/design.md, "Higher orders"). Its elementwise part is one branch-free loop per result,
-// where the same formulas as ATen ops (ckpt_ext/_derivatives.py, used on other devices and to
-// differentiate it again) cost a dozen passes. Shapes: rows (M, K) and (M, N), weight (N, K).
+// docs/design.md, "Higher orders"). Its elementwise part is one vectorised loop per result
+// (cpu/kernels.cpp, per ISA level), where the same formulas as ATen ops (ckpt_ext/_derivatives.py,
+// used on other devices and to differentiate it again) cost a dozen passes. Shapes: rows (M, K)
+// and (M, N), weight (N, K).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -10,84 +11,25 @@
 #include <array>
 #include <optional>
 #include <tuple>
-#include <type_traits>
 
 #include "../checks.h"
 #include "../higher_order.h"
 #include "../stack.h"
+#include "kernels.h"
 
 namespace ckpt_ext {
 
 namespace {
 
-
-// The elementwise part. Each result is its own loop over the M·N elements, templated on which
-// inputs it reads are present (an absent one is zero), so that no loop has a branch and the
-// compiler vectorizes each (a single loop with null checks per element ran 6x slower). All arrays
-// are (M·N) contiguous; a null output pointer is not computed.
-template <bool kA, bool kUtB, typename T>
-void s_minus_2utbt_loop(int64_t n, const T* t, const T* a, const T* b, const T* ut, T* out) {
-  // out = a·s − 2·u_t·b·t, s = 1 − t²: d̄g (a = u_gy, b = gy) and the gy result (a = ḡ, b = dg)
-  at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      T v = T(0);
-      if constexpr (kA) v += a[i] * (T(1) - t[i] * t[i]);
-      if constexpr (kUtB) v += T(-2) * ut[i] * b[i] * t[i];
-      out[i] = v;
-    }
-  });
-}
-
-template <bool kUgyDg, bool kGbar, bool kUtDg, typename T>
-void tbar_loop(int64_t n, const T* t, const T* gy, const T* dg, const T* gbar, const T* ugy,
-               const T* ut, T* out) {
-  at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      T sbar = T(0);
-      if constexpr (kUgyDg) sbar += ugy[i] * dg[i];                   // u_gy·dg
-      if constexpr (kGbar) sbar += gbar[i] * gy[i];                   // + ḡ·gy
-      T v = T(-2) * t[i] * sbar;                                      // −2·t·s̄
-      if constexpr (kUtDg) v += T(-2) * ut[i] * dg[i] * gy[i];        // − 2·u_t·dg·gy
-      out[i] = v;
-    }
-  });
-}
-
-// Calls f(std::bool_constant<a>{}, std::bool_constant<b>{}) for runtime a, b.
-template <typename F>
-void with_bools(bool a, bool b, F&& f) {
-  if (a) {
-    if (b) f(std::true_type{}, std::true_type{}); else f(std::true_type{}, std::false_type{});
-  } else {
-    if (b) f(std::false_type{}, std::true_type{}); else f(std::false_type{}, std::false_type{});
-  }
-}
-
+// The elementwise part: the vectorised kernel of the ISA level in force (cpu/kernels.cpp), over
+// chunks of the M·N elements in parallel.
 template <typename T>
 void triple_pass(int64_t n, const T* t, const T* gy, const T* dg, const T* gbar, const T* ugy,
                  const T* ut, T* dgbar, T* gybar, T* tbar) {
-  if (dgbar) {
-    with_bools(ugy != nullptr, ut != nullptr, [&](auto u, auto v) {
-      s_minus_2utbt_loop<decltype(u)::value, decltype(v)::value>(n, t, ugy, gy, ut, dgbar);
-    });
-  }
-  const bool ut_dg = ut != nullptr && dg != nullptr;
-  if (gybar) {
-    with_bools(gbar != nullptr, ut_dg, [&](auto u, auto v) {
-      s_minus_2utbt_loop<decltype(u)::value, decltype(v)::value>(n, t, gbar, dg, ut, gybar);
-    });
-  }
-  if (tbar) {
-    const bool ugy_dg = ugy != nullptr && dg != nullptr;
-    with_bools(ugy_dg, gbar != nullptr, [&](auto u, auto v) {
-      if (ut_dg) {
-        tbar_loop<decltype(u)::value, decltype(v)::value, true>(n, t, gy, dg, gbar, ugy, ut, tbar);
-      } else {
-        tbar_loop<decltype(u)::value, decltype(v)::value, false>(n, t, gy, dg, gbar, ugy, ut,
-                                                                 tbar);
-      }
-    });
-  }
+  const auto third_order = cpu::kernels().of<T>().third_order;
+  at::parallel_for(0, n, 16384, [&](int64_t begin, int64_t end) {
+    third_order(begin, end, t, gy, dg, gbar, ugy, ut, dgbar, gybar, tbar);
+  });
 }
 
 template <typename T>

@@ -212,36 +212,43 @@ def test_opcheck_double_backward_ops(mask, requires_grad):
                           (gy, x, t, w, None, list(mask[1:])))
 
 
-def _triple_inputs(combo, dtype=DT, seed=0):
+def _triple_inputs(combo, dtype=DT, seed=0, m=9, k=5, n=4):
     """Inputs of linear_tanh_backward_from_output_double_backward; combo says which of the
     optional ones (ggx, ggW, ggb, u_grad_grad_out, u_grad_x, u_grad_output, u_grad_weight) are
     given."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, dtype=dtype, generator=g)  # noqa: E731
-    m, k, n = 9, 5, 4
     ggx, ggw, ggb, ugy, ux, ut, uw = combo
     return [r(m, k) if ggx else None, r(n, k) if ggw else None, r(n) if ggb else None, r(m, n),
             r(m, k), torch.tanh(r(m, n)), r(n, k), r(m, n) if ugy else None,
             r(m, k) if ux else None, r(m, n) if ut else None, r(n, k) if uw else None]
 
 
-def test_third_order_cpu_kernel_matches_its_aten_composition():
-    # The fused CPU kernel against _from_output_backward_vjp (whose derivatives gradgradcheck
-    # checks above), every combination of given inputs, float64 and float32.
+def test_third_order_cpu_kernel_matches_its_aten_composition(level):
+    # The fused CPU kernel (its elementwise part vectorised per ISA level) against
+    # _from_output_backward_vjp (whose derivatives gradgradcheck checks above), every combination
+    # of given inputs, float64 and float32; and all of them given over 4099 x 7 elements (parallel
+    # chunks and a partial last vector), where the results summed over the 4099 rows (d_ggW, d_W)
+    # differ by their GEMMs' order and get their own bound.
     from ckpt_ext import _derivatives
-    worst = {DT: 0.0, torch.float32: 0.0}
-    for dtype in worst:
-        for combo in itertools.product([False, True], repeat=7):
-            args = _triple_inputs(combo, dtype)
+    worst = {(dtype, big): 0.0 for dtype in (DT, torch.float32) for big in (False, True)}
+    cases = [(combo, {}) for combo in itertools.product([False, True], repeat=7)]
+    cases.append(((True,) * 7, dict(m=4099, k=3, n=7)))
+    for dtype in (DT, torch.float32):
+        for combo, shape in cases:
+            args = _triple_inputs(combo, dtype, **shape)
             got = OPS.linear_tanh_backward_from_output_double_backward(*args, [True] * 7)
             want = _derivatives._from_output_backward_vjp(*args, [True] * 7)
-            for g_, w_ in zip(got, want):
+            for i, (g_, w_) in enumerate(zip(got, want)):
                 if w_ is None:
                     assert torch.count_nonzero(g_) == 0
                 else:
-                    worst[dtype] = max(worst[dtype], rel_err(g_, w_))
-    assert worst[DT] <= 3e-15  # measured 2.9e-16
-    assert worst[torch.float32] <= 3e-6  # measured 3.5e-7
+                    key = (dtype, bool(shape) and i in (1, 6))
+                    worst[key] = max(worst[key], rel_err(g_, w_))
+    assert worst[DT, False] <= 3e-15  # measured 2.9e-16
+    assert worst[torch.float32, False] <= 3e-6  # measured 3.5e-7
+    assert worst[DT, True] <= 3e-14  # measured 3.5e-15
+    assert worst[torch.float32, True] <= 1e-5  # measured 9.3e-7
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
