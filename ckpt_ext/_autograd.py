@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.autograd.function import _SingleLevelFunction
 
 from . import _C
-from ._derivatives import _OPS, _layer_biases, _stack_backward_composite
+from ._derivatives import _OPS, _layer_biases, _mlp_jvp, _stack_backward_composite
 
 
 def _below_autograd(op, *args):
@@ -158,7 +158,6 @@ class _LinearTanhKeep(_SingleLevelFunction):
 
     @staticmethod
     def jvp(ctx, x_t, weight_t, bias_t):
-        from ._mlp_autograd import _mlp_jvp  # (it imports this module)
         x, weight, bias = ctx.saved_tensors
         return _mlp_jvp(x, [weight], [bias], ["tanh"], True, x_t, [weight_t], [bias_t])
 

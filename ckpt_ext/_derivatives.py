@@ -1,6 +1,7 @@
 """The derivative formulas of tanh layers from their outputs (the higher orders of ``_higher_order``
-and a tanh stack's first order from its kept outputs), each written once, from ATen ops and the
-ckpt_ext ops so autograd can differentiate them again (the notation of docs/design.md).
+and a tanh stack's first order from its kept outputs) and the tangent of a run (any activations,
+the jvp of the mlp op's Functions), each written once, from ATen ops and the ckpt_ext ops so
+autograd can differentiate them again (the notation of docs/design.md).
 
 Rows are flattened to (M, ·). ``_autograd`` and ``_higher_order`` record the ops whose backward or
 jvp these are; the vmap rules (``_vmap``) call the ops themselves.
@@ -11,9 +12,11 @@ import math
 from typing import List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import _C  # noqa: F401  (loading the library registers torch.ops.ckpt_ext.*)
+from ._activations import activate, activation_backward
 
 _OPS = torch.ops.ckpt_ext
 
@@ -164,3 +167,31 @@ def _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh, need_x, 
                 grad, a, outputs[i], w, layer_b[i], list(mask))
         grad = gx
     return (grad if need_x else None), gws, gbs
+
+
+# ---- the tangent of a run, any activations -----------------------------------------------------
+
+def _applies(i: int, L: int, last_activation: bool) -> bool:
+    return i + 1 < L or last_activation
+
+
+def _mlp_jvp(x, weights, layer_b, acts, last_activation, x_t, w_t, b_t):
+    """The tangent of the run's output: ż_i = ȧ_i·W_iᵀ + a_i·Ẇ_iᵀ + ḃ_i, ȧ_{i+1} = ż_i·f_i'(z_i)."""
+    L = len(weights)
+    a, a_t = x, x_t
+    for i in range(L):
+        w, b = weights[i], layer_b[i]
+        z = F.linear(a, w, b)
+        z_t = None if a_t is None else a_t @ w.t()
+        if w_t[i] is not None:
+            z_t = _add(z_t, a @ w_t[i].t())
+        if b_t[i] is not None:
+            z_t = _add(z_t, b_t[i])
+        if z_t is None:
+            z_t = torch.zeros_like(z)
+        z_t = z_t.expand(z.shape)
+        if _applies(i, L, last_activation):
+            a, a_t = activate(acts[i], z), activation_backward(acts[i], z_t, z)
+        else:
+            a, a_t = z, z_t
+    return a_t

@@ -17,15 +17,11 @@ from . import _C
 from ._activations import activate, activation_backward, layer_activations
 from ._autograd import (_below_autograd, _first_order_from, _needed, _note_tensor_inputs,
                         _plain_autograd, _register_autograd_kernel, _tanh_stack_first_order)
-from ._derivatives import _OPS, _add, _flat, _layer_biases
+from ._derivatives import _OPS, _applies, _flat, _layer_biases, _mlp_jvp
 from ._mlp_higher_order import asked_layers, create_graph_backward
 
 
 # ---- the composite: the run and its first-order backward from ATen ops ------------------------
-
-def _applies(i: int, L: int, last_activation: bool) -> bool:
-    return i + 1 < L or last_activation
-
 
 def mlp_backward_composite(grad_out, x, weights, layer_b, acts, last_activation, need_x,
                            need_w, need_b):
@@ -54,28 +50,6 @@ def mlp_backward_composite(grad_out, x, weights, layer_b, acts, last_activation,
             gx, gws[i], gbs[i] = _linear_backward(mask, grad, ins[i], weights[i])
         grad = gx
     return (grad if need_x else None), gws, gbs
-
-
-def _mlp_jvp(x, weights, layer_b, acts, last_activation, x_t, w_t, b_t):
-    """The tangent of the run's output: ż_i = ȧ_i·W_iᵀ + a_i·Ẇ_iᵀ + ḃ_i, ȧ_{i+1} = ż_i·f_i'(z_i)."""
-    L = len(weights)
-    a, a_t = x, x_t
-    for i in range(L):
-        w, b = weights[i], layer_b[i]
-        z = F.linear(a, w, b)
-        z_t = None if a_t is None else a_t @ w.t()
-        if w_t[i] is not None:
-            z_t = _add(z_t, a @ w_t[i].t())
-        if b_t[i] is not None:
-            z_t = _add(z_t, b_t[i])
-        if z_t is None:
-            z_t = torch.zeros_like(z)
-        z_t = z_t.expand(z.shape)
-        if _applies(i, L, last_activation):
-            a, a_t = activate(acts[i], z), activation_backward(acts[i], z_t, z)
-        else:
-            a, a_t = z, z_t
-    return a_t
 
 
 # ---- the first order ---------------------------------------------------------------------------
