@@ -1,6 +1,7 @@
-"""The create_graph backward of the mlp op (every activation but relu; tanh_mlp has its own): nodes
-per layer that keep their inputs only and recompute one layer at every later order, with formulas
-for the first three orders and autograd through the third above that.
+"""The create_graph backward of the mlp op (every activation but relu, and tanh in plain autograd,
+which builds it from the layers' kept outputs, ``_autograd``): nodes per layer that keep their
+inputs only and recompute one layer at every later order, with formulas for the first three
+orders and autograd through the third above that.
 Design: docs/design.md, "Other activations".
 """
 from __future__ import annotations
