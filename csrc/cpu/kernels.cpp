@@ -246,8 +246,9 @@ void activation_backward_rows_kernel(scalar_t* acc, const scalar_t* grad_out, in
 }
 
 // The elementwise part of tanh's third order (cpu/third_order.cpp; the formulas in docs/design.md,
-// "Higher orders"), s = 1 − t², each result its own loop over [i0, i1), an absent input a zero
-// term (the test is per vector, the same every time):
+// "Higher orders"), s = 1 − t², one pass over [i0, i1) making the results asked for (a null
+// output), each input read once per vector; an absent input is a zero term (the test is per
+// vector, the same every time):
 //   dgbar = ugy·s − 2·ut·gy·t,   gybar = gbar·s − 2·ut·dg·t,
 //   tbar = −2·t·(ugy·dg + gbar·gy) − 2·ut·dg·gy
 template <typename T>
@@ -255,31 +256,33 @@ void third_order_kernel(int64_t i0, int64_t i1, const T* t, const T* gy, const T
                         const T* gbar, const T* ugy, const T* ut, T* dgbar, T* gybar, T* tbar) {
   using V = Vectorized<T>;
   constexpr int64_t W = V::size();
-  // out = a·s − 2·ut·b·t (a, or ut and b, absent: that term is zero)
-  auto s_minus = [&](const T* a, const T* b, T* out) {
-    for (int64_t i = i0; i < i1; i += W) {
-      const int64_t k = std::min(W, i1 - i);
-      const V tv = V::loadu(t + i, k);
+  const bool ut_dg = ut != nullptr && dg != nullptr;
+  for (int64_t i = i0; i < i1; i += W) {
+    const int64_t k = std::min(W, i1 - i);
+    const V tv = V::loadu(t + i, k), gyv = V::loadu(gy + i, k);
+    const V s = V(T(1)) - tv * tv;
+    const V utv = ut != nullptr ? V::loadu(ut + i, k) : V(T(0));
+    const V dgv = dg != nullptr ? V::loadu(dg + i, k) : V(T(0));
+    const V gbarv = gbar != nullptr ? V::loadu(gbar + i, k) : V(T(0));
+    const V ugyv = ugy != nullptr ? V::loadu(ugy + i, k) : V(T(0));
+    if (dgbar != nullptr) {
       V v(T(0));
-      if (a != nullptr) v = v + V::loadu(a + i, k) * (V(T(1)) - tv * tv);
-      if (ut != nullptr && b != nullptr) {
-        v = v + V(T(-2)) * V::loadu(ut + i, k) * V::loadu(b + i, k) * tv;
-      }
-      v.store(out + i, k);
+      if (ugy != nullptr) v = v + ugyv * s;
+      if (ut != nullptr) v = v + V(T(-2)) * utv * gyv * tv;
+      v.store(dgbar + i, k);
     }
-  };
-  if (dgbar != nullptr) s_minus(ugy, gy, dgbar);
-  if (gybar != nullptr) s_minus(gbar, dg, gybar);
-  if (tbar != nullptr) {
-    for (int64_t i = i0; i < i1; i += W) {
-      const int64_t k = std::min(W, i1 - i);
+    if (gybar != nullptr) {
+      V v(T(0));
+      if (gbar != nullptr) v = v + gbarv * s;
+      if (ut_dg) v = v + V(T(-2)) * utv * dgv * tv;
+      v.store(gybar + i, k);
+    }
+    if (tbar != nullptr) {
       V sbar(T(0));
-      if (ugy != nullptr && dg != nullptr) sbar = sbar + V::loadu(ugy + i, k) * V::loadu(dg + i, k);
-      if (gbar != nullptr) sbar = sbar + V::loadu(gbar + i, k) * V::loadu(gy + i, k);
-      V v = V(T(-2)) * V::loadu(t + i, k) * sbar;
-      if (ut != nullptr && dg != nullptr) {
-        v = v + V(T(-2)) * V::loadu(ut + i, k) * V::loadu(dg + i, k) * V::loadu(gy + i, k);
-      }
+      if (ugy != nullptr && dg != nullptr) sbar = sbar + ugyv * dgv;
+      if (gbar != nullptr) sbar = sbar + gbarv * gyv;
+      V v = V(T(-2)) * tv * sbar;
+      if (ut_dg) v = v + V(T(-2)) * utv * dgv * gyv;
       v.store(tbar + i, k);
     }
   }

@@ -1,7 +1,7 @@
 // cpu/third_order.cpp — linear_tanh_backward_from_output_double_backward, CPU only: the vjp of
 // linear_tanh_backward_from_output_backward (schema in ../schemas.cpp; the formulas in
-// docs/design.md, "Higher orders"). Its elementwise part is one vectorised loop per result
-// (cpu/kernels.cpp, per ISA level), where the same formulas as ATen ops (ckpt_ext/_derivatives.py,
+// docs/design.md, "Higher orders"). Its elementwise part is one vectorised pass for all its
+// results (cpu/kernels.cpp, per ISA level), where the same formulas as ATen ops (ckpt_ext/_derivatives.py,
 // used on other devices and to differentiate it again) cost a dozen passes. Shapes: rows (M, K)
 // and (M, N), weight (N, K).
 #include <ATen/Dispatch.h>
