@@ -92,7 +92,7 @@ def _methods() -> Dict[str, str]:
 
 
 def _resolve(node: ast.expr, namespace: Dict[str, Any]) -> Any:
-    """The object a dotted name (``torch.sin``, ``F.silu``) names in ``namespace``; None when it
+    """The object a dotted name (``torch.sin``, ``F.linear``) names in ``namespace``; None when it
     is anything else. Reads module attributes only, so nothing of the user's runs."""
     if isinstance(node, ast.Name):
         return namespace.get(node.id)

@@ -64,6 +64,12 @@ def _needed(ctx, n: int) -> List[bool]:
     return need
 
 
+def _tanh_layer_args(x, weight, bias) -> tuple:
+    """The mlp op's arguments for one tanh layer, tanh applied (linear_tanh's form)."""
+    has_bias = bias is not None
+    return x, [weight], [bias] if has_bias else [], [has_bias], "tanh", True
+
+
 def _plain_autograd() -> bool:
     """No torch.func transform and no forward-mode AD around: where the output-based path of the
     higher orders is used; under the transforms the mlp op's composite runs."""
@@ -137,9 +143,7 @@ class _LinearTanhKeep(_SingleLevelFunction):
 
     @staticmethod
     def forward(x, weight, bias):
-        has_bias = bias is not None
-        return _below_autograd(_OPS.mlp.default, x, [weight], [bias] if has_bias else [],
-                               [has_bias], "tanh", True)
+        return _below_autograd(_OPS.mlp.default, *_tanh_layer_args(x, weight, bias))
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -3,7 +3,7 @@
 then ``block1..blockN = Sequential(Linear(H, H), Tanh())``, loss ``output.mean()``),
 :class:`ResidualNet` (``h + tanh(Linear(h))``), :class:`MLPNet` (``h + Linear(4H, H)(tanh(Linear(H,
 4H)(h)))``), :class:`BertMLPNet` (BERT's ``LayerNorm(h + Linear(H, W)(gelu(Linear(W, H)(h))))``)
-and :class:`PINNNet` (``2 -> H x D -> 1`` with tanh, sin or silu, a heat-equation loss needing
+and :class:`PINNNet` (``2 -> H x D -> 1`` with any activation, a heat-equation loss needing
 ``u_xx``: a double backward). Every mode shares ``nn.Linear``'s initialisation and ``state_dict``
 keys, so modes load one another's weights; :func:`recomputed_gemms` says what each mode recomputes.
 What each mode keeps and why: docs/benchmark.md#networks-and-modes.

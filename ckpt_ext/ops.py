@@ -29,10 +29,8 @@ def linear_tanh(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Ten
     activation, trading one GEMM for ``batch x out_features`` elements of memory. It is
     :func:`mlp` with one layer and ``activation="tanh"``.
     """
-    has_bias = bias is not None
     try:
-        return torch.ops.ckpt_ext.mlp.default(x, [weight], [bias] if has_bias else [], [has_bias],
-                                              "tanh", True)
+        return torch.ops.ckpt_ext.mlp.default(*_autograd._tanh_layer_args(x, weight, bias))
     except (ValueError, TypeError):
         # The op rejected the call before any kernel ran: name linear_tanh's own arguments
         # (weight, bias) rather than the op's lists, where its check says the same.

@@ -120,27 +120,25 @@ def run_fused(x, w, b, gy):
     return y.detach(), x.grad, w.grad, (None if b is None else b.grad)
 
 
+def tanh_layer_op_args(x, w, b):
+    """The mlp op's arguments for one tanh layer (linear_tanh's form)."""
+    has = b is not None
+    return (x, [w], [b] if has else [], [has], "tanh", True)
+
+
 def tanh_layer_op(x, w, b):
     """linear_tanh as the op runs it: torch.ops.ckpt_ext.mlp with one tanh layer."""
-    has = b is not None
-    return torch.ops.ckpt_ext.mlp(x, [w], [b] if has else [], [has], "tanh", True)
+    return torch.ops.ckpt_ext.mlp(*tanh_layer_op_args(x, w, b))
 
 
 def tanh_layer_backward_op(gy, x, w, b, mask):
     """(grad_x, grad_weight, grad_bias) of one tanh layer from torch.ops.ckpt_ext.mlp_backward,
     each None where mask (or a missing bias) says none is made."""
     has = b is not None
-    gx, gws, gbs = torch.ops.ckpt_ext.mlp_backward(gy, x, [w], [b] if has else [], [has], "tanh",
-                                                   True, bool(mask[0]), [bool(mask[1])],
-                                                   [bool(mask[2])] if has else [])
+    gx, gws, gbs = torch.ops.ckpt_ext.mlp_backward(gy, *tanh_layer_op_args(x, w, b), bool(mask[0]),
+                                                   [bool(mask[1])], [bool(mask[2])] if has else [])
     return (gx if mask[0] else None, gws[0] if mask[1] else None,
             gbs[0] if has and mask[2] else None)
-
-
-def tanh_layer_op_args(x, w, b):
-    """The mlp op's arguments for one tanh layer (for opcheck)."""
-    has = b is not None
-    return (x, [w], [b] if has else [], [has], "tanh", True)
 
 
 # ------------------------------------------------------------------------------------------------

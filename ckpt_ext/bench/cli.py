@@ -12,7 +12,7 @@ import time
 import torch
 
 from ..memory import show_usage
-from ..models import NETWORKS
+from ..models import NETWORKS, is_pinn
 from .orchestrate import run
 from .plot import plot
 from .presets import (BERT_WIDTHS, DEFAULT_MODES, DTYPES, MODES, PRESETS, Config, Sizes,
@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="overrides the preset (chain, residual, mlp)")
     for name in ("points", "hidden", "depth"):
         p.add_argument(f"--pinn-{name}", type=int, default=None,
-                       help="overrides the preset (pinn, pinn-sin, pinn-silu)")
+                       help=f"overrides the preset "
+                            f"({', '.join(n for n in NETWORKS if is_pinn(n))})")
     for name in ("tokens", "depth"):
         p.add_argument(f"--bert-{name}", type=int, default=None,
                        help="overrides the preset (bert-mlp; widths 768 -> 3072 -> 768)")

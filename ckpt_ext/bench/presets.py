@@ -63,7 +63,7 @@ MODES = {
                                doc="torch.compile of checkpoint-stack (chain) / checkpoint"),
     "fused": Mode("fused", doc="ckpt_ext: chain one tanh_mlp over the blocks, residual "
                   "FusedLinearTanh per block, mlp FusedTanhMLP per block, bert-mlp FusedMLP (gelu) "
-                  "per block, pinn one FusedTanhMLP, pinn-sin/pinn-silu one FusedMLP"),
+                  "per block, each physics-informed network one FusedMLP of its activation"),
     "compile-fused": Mode("fused", compiled=True, doc="torch.compile of fused"),
     "checkpoint-reentrant": Mode("checkpoint", reentrant=True,
                                  doc="torch.utils.checkpoint(use_reentrant=True), as checkpoint"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..models import NETWORKS, is_pinn
 from .presets import READINGS
 
 
@@ -30,14 +31,15 @@ def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
 
 def conditions_line(c: dict) -> str:
     s, p, b = c["sizes"], c["pinn_sizes"], c["bert_sizes"]
+    pinns = [n for n in NETWORKS if is_pinn(n)]
     return (
         f"Benchmark conditions: {c['device']}, {c['dtype']}, torch {c['torch']}; "
         f"chain/residual/mlp: batch {s['batch']}, in_features {s['in_features']}, hidden "
         f"{s['hidden']}, depth {s['depth']} (MLP inner {c['mlp_ratio']}×hidden); bert-mlp: "
         f"{b['batch']} tokens, {b['depth']} blocks of {b['in_features']} -> {b['hidden']} -> "
-        f"{b['in_features']} (GELU), residual and LayerNorm; pinn, pinn-sin, pinn-silu: "
-        f"{p['in_features']} -> {p['hidden']}x{p['depth']} -> {p['out_features']} MLP (tanh, sin, "
-        f"SiLU) on {p['batch']} points. "
+        f"{b['in_features']} (GELU), residual and LayerNorm; {', '.join(pinns)}: "
+        f"{p['in_features']} -> {p['hidden']}x{p['depth']} -> {p['out_features']} MLP "
+        f"({', '.join(NETWORKS[n].ACTIVATION for n in pinns)}) on {p['batch']} points. "
         f"Step time = median of {c['steps']} steps after {c['warmup']} warm-up, modes interleaved, "
         f"counting allocator uninstalled; floor = plain's step + the GEMMs the mode recomputes, "
         f"timed alone in the same loop; memory = {c['memory_meter']}, from separate steps; "
