@@ -376,8 +376,11 @@ def assert_mlp_matches_reference(got, ref, activation, dtype, what=""):
 
 
 def padded_rows(t, pad):
-    """t (*, rows, n) as a view of a (*, rows, n + pad) buffer, same values: row stride n + pad."""
-    buf = torch.full((*t.shape[:-1], t.shape[-1] + pad), float("nan"), dtype=t.dtype,
+    """t (*, rows, n) as a view of a (*, rows, n + pad) buffer, same values: row stride n + pad.
+    The padding holds the dtype's largest value, so a kernel that reads it as data gives results
+    far off (or inf). Not NaN: oneDNN's AMX bfloat16 GEMM, behind ATen's on CPUs that have AMX,
+    multiplies the padding by zero weights, which is 0 for a finite value and NaN for NaN."""
+    buf = torch.full((*t.shape[:-1], t.shape[-1] + pad), torch.finfo(t.dtype).max, dtype=t.dtype,
                      device=t.device)
     out = buf[..., :t.shape[-1]]
     out.copy_(t)
