@@ -39,11 +39,11 @@ def _native(p: Tensor) -> bool:
 # The activation on top of the run (last_activation) is that backward without W: gp = gz·f'(p).
 
 class _Input:
-    """f and its derivatives at a layer's input p: f, f'' and f''' made once per formula call
-    (``drop`` lets one go), f' for each product; the identity where act is None."""
+    """f and its derivatives at a layer's input p, in the products the formulas take; the
+    identity where act is None."""
 
     def __init__(self, act: Optional[str], p: Tensor) -> None:
-        self.act, self.p, self._made = act, p, {}
+        self.act, self.p, self._f = act, p, None
         self._native = act is not None and _native(p)
 
     def _order(self, k: int) -> Tensor:
@@ -52,48 +52,59 @@ class _Input:
             return _C._activation_derivative(self.p, self.act, k)
         return _ATEN_ORDERS[k](self.act, self.p)
 
-    def _get(self, key, make):
-        if key not in self._made:
-            self._made[key] = make()
-        return self._made[key]
-
-    def drop(self, *keys) -> None:
-        for k in keys:
-            self._made.pop(k, None)
-
     def f(self) -> Tensor:
-        return self.p if self.act is None else self._get("f", lambda: self._order(0))
+        if self.act is None:
+            return self.p
+        if self._f is None:
+            self._f = self._order(0)
+        return self._f
 
     def d1(self, v: Tensor) -> Tensor:
-        """v·f'(p), f'(p) made for this product alone (no buffer outlives it); v itself for the
-        identity."""
+        """v·f'(p); v itself for the identity."""
+        return v if self.act is None else self.terms((1, v))
+
+    def terms(self, *terms, add: Optional[Tensor] = None) -> Optional[Tensor]:
+        """add + Σ f^(k)(p)·Π factors over the terms (k, factor, ...), each with a factor, add
+        None or a temporary of the formula (updated in place where no graph is recorded); None
+        when nothing is left. The identity's f' is 1, its f'' and f''' 0. Native: one pass of the
+        activation's kernel (_C._activation_terms), each f^(k) made once per element, no buffer
+        but the result."""
         if self.act is None:
-            return v
-        return _times(self._order(1), v)
-
-    def d2(self) -> Tensor:
-        """f''(p) (never asked for the identity, whose f'' is zero)."""
-        return self._get("d2", lambda: self._order(2))
-
-    def d3(self) -> Tensor:
-        return self._get("d3", lambda: self._order(3))
+            for k, *f in terms:
+                if k < 2:
+                    add = _plus(add, _product([self.p, *f] if k == 0 else f))
+            return add
+        if not terms:
+            return add
+        if self._native:
+            return _C._activation_terms(self.p, self.act, [(k, list(f)) for k, *f in terms],
+                                        add, add)
+        for k, *f in terms:
+            add = _plus(add, _product([self._order(k), *f]))
+        return add
 
 
 # Where no graph is recorded, a formula updates its own temporaries in place (one buffer fewer
 # per term); the ``acc`` argument of the helpers below is always such a temporary.
-
-def _addcmul(acc: Optional[Tensor], a: Tensor, b: Tensor) -> Tensor:
-    """acc + a·b."""
-    if acc is None:
-        return a * b
-    return acc + a * b if torch.is_grad_enabled() else acc.addcmul_(a, b)
-
 
 def _plus(acc: Optional[Tensor], t: Optional[Tensor]) -> Optional[Tensor]:
     """acc + t (t may be an input: returned as it is when acc is None)."""
     if acc is None or t is None:
         return t if acc is None else acc
     return acc + t if torch.is_grad_enabled() else acc.add_(t)
+
+
+def _present(*terms) -> tuple:
+    """The terms that are not None."""
+    return tuple(t for t in terms if t is not None)
+
+
+def _product(factors) -> Tensor:
+    """factors[0]·factors[1]·..., a new tensor."""
+    acc = factors[0] * factors[1] if len(factors) > 1 else factors[0].clone()
+    for t in factors[2:]:
+        acc = _times(acc, t)
+    return acc
 
 
 def _times(acc: Tensor, t: Tensor) -> Tensor:
@@ -134,11 +145,8 @@ def _forward_vjp_vjp(act, wanted, p, weight, bias, c, u_p, u_w, u_b):
     fp = _Input(act, p)
     g_p = g_w = g_c = None
     if wanted[0] and c is not None:
-        if u_p is not None and act is not None:
-            g_p = _times(_times(c @ weight, u_p), fp.d2())
-            fp.drop("d2")
-        if u_w is not None:
-            g_p = _plus(g_p, fp.d1(c @ u_w))
+        g_p = fp.terms(*_present((2, c @ weight, u_p) if u_p is not None and act else None,
+                                 (1, c @ u_w) if u_w is not None else None))
     k = None if u_p is None else fp.d1(u_p)
     if wanted[1] and k is not None and c is not None:
         g_w = _outer(c, k)
@@ -165,11 +173,8 @@ def _backward_vjp(act, wanted, gz, p, weight, c_gp, c_gw, c_gb):
     fp = _Input(act, p)
     r_gz = r_p = r_w = None
     if wanted[1]:
-        if c_gp is not None and act is not None:
-            r_p = _times(c_gp * _mm(gz, weight), fp.d2())
-            fp.drop("d2")
-        if c_gw is not None:
-            r_p = _plus(r_p, fp.d1(gz @ c_gw))
+        r_p = fp.terms(*_present((2, c_gp, _mm(gz, weight)) if c_gp is not None and act else None,
+                                 (1, gz @ c_gw) if c_gw is not None else None))
     s = None if c_gp is None else fp.d1(c_gp)
     if wanted[0]:
         r_gz = None if s is None else _mm_t(s, weight)
@@ -189,7 +194,7 @@ def _backward_vjp_vjp(act, wanted, gz, p, weight, c_gp, c_gw, c_gb, v_gz, v_p, v
     gz: m̄·Wᵀ + n̄·c_gWᵀ + s·v_Wᵀ,   W: v_gzᵀ·s + gzᵀ·m̄,
     p: c_gp·(v_p·m·f'''(p) + s̄·f''(p)) + v_p·n·f''(p) + ā·f'(p),
     c_gp: v_p·m·f''(p) + s̄·f'(p),   c_gW: v_gzᵀ·f(p) + gzᵀ·n̄,   c_gb: Σ v_gz.
-    Ordered so that at most four (rows, width) buffers are alive at once, f'' made twice for it."""
+    Ordered so that at most four (rows, width) buffers are alive at once."""
     fp = _Input(act, p)
     curved = act is not None  # f'' and f''' nonzero
     through_m = curved and v_p is not None and c_gp is not None
@@ -197,31 +202,20 @@ def _backward_vjp_vjp(act, wanted, gz, p, weight, c_gp, c_gw, c_gb, v_gz, v_p, v
     s_bar = None if v_gz is None else _mm(v_gz, weight)
     if v_w is not None:
         s_bar = _plus(gz @ v_w, s_bar)
-    if s_bar is not None:
-        if wanted[1] and curved and c_gp is not None:
-            res[1] = s_bar * fp.d2()
-        if wanted[3]:
-            res[3] = fp.d1(s_bar)
-    del s_bar
-    if through_m and (wanted[1] or wanted[3]):
-        vm = v_p * gz if weight is None else _times(gz @ weight, v_p)  # v_p·m
-        if wanted[3]:
-            res[3] = _addcmul(res[3], vm, fp.d2())
-        fp.drop("d2")
-        if wanted[1]:
-            res[1] = _addcmul(res[1], vm, fp.d3())
-        fp.drop("d3")
-        del vm
-    if res[1] is not None:
-        res[1] = _times(res[1], c_gp)
+    m = _mm(gz, weight) if through_m and (wanted[1] or wanted[3]) else None
+    if wanted[3]:
+        res[3] = fp.terms(*_present((1, s_bar) if s_bar is not None else None,
+                                    (2, v_p, m) if m is not None else None))
     if wanted[1]:
-        if curved and v_p is not None and c_gw is not None:
-            res[1] = _addcmul(res[1], v_p * (gz @ c_gw), fp.d2())
-        if v_gz is not None and c_gw is not None:
-            res[1] = _plus(res[1], fp.d1(v_gz @ c_gw))
+        res[1] = fp.terms(*_present(
+            (2, c_gp, s_bar) if curved and c_gp is not None and s_bar is not None else None,
+            (3, c_gp, v_p, m) if m is not None else None))
+    del s_bar, m
+    if wanted[1] and c_gw is not None:
+        res[1] = fp.terms(*_present((2, v_p, gz @ c_gw) if curved and v_p is not None else None,
+                                    (1, v_gz @ c_gw) if v_gz is not None else None), add=res[1])
     if through_m and (wanted[0] or wanted[2]):
-        m_bar = _times(v_p * c_gp, fp.d2())
-        fp.drop("d2")
+        m_bar = fp.terms((2, v_p, c_gp))
         if wanted[2]:
             res[2] = _outer(gz, m_bar)
         if wanted[0]:

@@ -11,6 +11,27 @@
 #include "memory.h"
 #include "primitives.h"
 
+namespace {
+
+// An elementwise helper's tensor `what`: p's shape, dtype and device, p a CPU or CUDA tensor of
+// a dtype the ops take.
+void check_elementwise(const char* op, const char* what, const at::Tensor& t,
+                       const at::Tensor& p) {
+  TORCH_CHECK_VALUE(ckpt_ext::is_supported_dtype(p.scalar_type()) && (p.is_cpu() || p.is_cuda()),
+                    op, ": p must be a CPU or CUDA tensor of ", ckpt_ext::supported_dtypes_text(),
+                    "; got ", p.scalar_type(), " on ", p.device());
+#ifndef CKPT_EXT_WITH_CUDA
+  TORCH_CHECK(!p.is_cuda(), op, ": got a CUDA tensor, but this build of ckpt_ext has no CUDA "
+              "kernels");
+#endif
+  TORCH_CHECK_VALUE(t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type() &&
+                    t.device() == p.device(), op, ": ", what, " must have p's shape ", p.sizes(),
+                    ", dtype ", p.scalar_type(), " and device ", p.device(), "; got ", t.sizes(),
+                    " ", t.scalar_type(), " on ", t.device());
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ckpt_ext native module: fused Linear+activation runs that recompute in backward";
   m.attr("ROWS_PER_CHUNK") = ckpt_ext::kRowsPerChunk;
@@ -80,6 +101,52 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     if (in.numel() > 0) ckpt_ext::activation_to(in, out, act, order);
     return out;
   }, pybind11::arg("src"), pybind11::arg("activation"), pybind11::arg("order"));
+  // add + Σ f^(order)(p)·Π factors over the terms [(order, [factors])], one pass
+  // (activation_terms.h): the create_graph formulas' products with the activation's derivatives,
+  // where they record no graph (ckpt_ext/_mlp_higher_order.py). Written into `out` when given
+  // (it may be `add`), else into a new buffer.
+  m.def("_activation_terms", [](const at::Tensor& p, const std::string& name,
+                                const std::vector<std::pair<int, std::vector<at::Tensor>>>& terms,
+                                const std::optional<at::Tensor>& add,
+                                const std::optional<at::Tensor>& out) {
+    const char* op = "_C._activation_terms";
+    const ckpt_ext::Activation act = ckpt_ext::parse_activation(op, name);
+    check_elementwise(op, "p", p, p);
+    constexpr size_t kMaxTerms = ckpt_ext::ActivationTerms<float>::kMaxTerms;
+    constexpr size_t kMaxFactors = ckpt_ext::ActivationTerms<float>::kMaxFactors;
+    TORCH_CHECK_VALUE(!terms.empty() && terms.size() <= kMaxTerms, op, ": takes 1 to ", kMaxTerms,
+                      " terms; got ", terms.size());
+    std::vector<ckpt_ext::TermTensors> ts;
+    for (const auto& [order, factors] : terms) {
+      TORCH_CHECK_VALUE(order >= 0 && order <= 3, op, ": a term's order must be 0, 1, 2 or 3; got ",
+                        order);
+      TORCH_CHECK_VALUE(factors.size() <= kMaxFactors, op, ": a term takes at most ",
+                        kMaxFactors, " factors; got ", factors.size());
+      ckpt_ext::TermTensors t{order, {}};
+      for (const at::Tensor& f : factors) {
+        check_elementwise(op, "a factor", f, p);
+        t.factors.push_back(f.contiguous());
+      }
+      ts.push_back(std::move(t));
+    }
+    at::Tensor a;
+    if (add.has_value()) {
+      check_elementwise(op, "add", *add, p);
+      a = add->contiguous();
+    }
+    at::Tensor o;
+    if (out.has_value()) {
+      check_elementwise(op, "out", *out, p);
+      TORCH_CHECK_VALUE(out->is_contiguous(), op, ": out must be contiguous");
+      o = *out;
+    } else {
+      o = ckpt_ext::new_buffer(p.sizes(), p.options());
+    }
+    const at::Tensor src = p.contiguous();
+    if (o.numel() > 0) ckpt_ext::activation_terms(src, act, ts, a, o);
+    return o;
+  }, pybind11::arg("p"), pybind11::arg("activation"), pybind11::arg("terms"),
+     pybind11::arg("add") = std::nullopt, pybind11::arg("out") = std::nullopt);
   // linear_tanh's argument check, with its messages: ckpt_ext.linear_tanh runs it where the mlp
   // op rejected a one-layer call, so that the error names linear_tanh's arguments.
   m.def("_check_linear_tanh_inputs", [](const at::Tensor& x, const at::Tensor& weight,

@@ -71,6 +71,12 @@ at::Tensor activation_backward_from_output_(const at::Tensor& acc, const at::Ten
   return tanh_backward_(acc, grad_out, Holds::kTanhOutput, want_bias_grad);
 }
 
+void activation_terms(const at::Tensor& p, Activation act, const std::vector<TermTensors>& terms,
+                      const at::Tensor& add, const at::Tensor& out) {
+  CKPT_EXT_ON_DEVICE(out, activation_terms_cpu(p, act, terms, add, out),
+                     activation_terms_cuda(p, act, terms, add, out));
+}
+
 at::Tensor bias_grad(const at::Tensor& grad_out) {
   return CKPT_EXT_ON_DEVICE(grad_out, bias_grad_cpu(grad_out), bias_grad_cuda(grad_out));
 }

@@ -1,6 +1,7 @@
-// primitives.h — the buffers and the three elementwise/reduction primitives the stack engine runs
-// between its GEMMs: CPU ones in cpu/primitives.cpp, CUDA ones in cuda/primitives.cu; the
-// generic ones (no device suffix, primitives.cpp) pick one by the buffer's device.
+// primitives.h — the buffers and the elementwise/reduction primitives the stack engine runs
+// between its GEMMs (and the higher orders' products, activation_terms): CPU ones in
+// cpu/primitives.cpp, CUDA ones in cuda/primitives.cu; the generic ones (no device suffix,
+// primitives.cpp) pick one by the buffer's device.
 // Shapes: acc (M, N) contiguous (M rows of the flattened input, N = out_features); grad_out
 // (M, N), any strides (out.mean() gives strides (0, 0)); bias sums (N), in the order of
 // device_math.h (docs/design.md, "Bias sums").
@@ -8,6 +9,9 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
+#include "activation_terms.h"
 #include "activations.h"
 
 namespace ckpt_ext {
@@ -62,6 +66,40 @@ at::Tensor activation_backward_cpu_(const at::Tensor& acc, const at::Tensor& gra
                                     Activation act, bool want_bias_grad);
 at::Tensor activation_backward_cuda_(const at::Tensor& acc, const at::Tensor& grad_out,
                                      Activation act, bool want_bias_grad);
+
+// out = add + Σ_j f^(orders[j])(p)·Π factors[j] in one pass (activation_terms.h): p, every
+// factor, add (undefined: none; it may be out) and out contiguous, of one shape, dtype and device;
+// at most ActivationTerms' kMaxTerms terms of kMaxFactors factors, orders 0 to 3 (checked by the
+// caller, module.cpp).
+struct TermTensors {
+  int order;
+  std::vector<at::Tensor> factors;
+};
+void activation_terms(const at::Tensor& p, Activation act, const std::vector<TermTensors>& terms,
+                      const at::Tensor& add, const at::Tensor& out);
+void activation_terms_cpu(const at::Tensor& p, Activation act,
+                          const std::vector<TermTensors>& terms, const at::Tensor& add,
+                          const at::Tensor& out);
+void activation_terms_cuda(const at::Tensor& p, Activation act,
+                           const std::vector<TermTensors>& terms, const at::Tensor& add,
+                           const at::Tensor& out);
+// The kernels' view of them, for dtype scalar_t.
+template <typename scalar_t>
+ActivationTerms<scalar_t> terms_of(const std::vector<TermTensors>& terms, const at::Tensor& add) {
+  ActivationTerms<scalar_t> t;
+  TORCH_INTERNAL_ASSERT(terms.size() <= static_cast<size_t>(t.kMaxTerms));
+  t.count = static_cast<int>(terms.size());
+  for (int j = 0; j < t.count; ++j) {
+    TORCH_INTERNAL_ASSERT(terms[j].factors.size() <= static_cast<size_t>(t.kMaxFactors));
+    t.order[j] = terms[j].order;
+    t.factors[j] = static_cast<int>(terms[j].factors.size());
+    for (int f = 0; f < t.factors[j]; ++f) {
+      t.factor[j][f] = terms[j].factors[f].template const_data_ptr<scalar_t>();
+    }
+  }
+  t.add = add.defined() ? add.template const_data_ptr<scalar_t>() : nullptr;
+  return t;
+}
 
 // The column sums (N) of grad_out: the bias gradient of a layer with no tanh after it (the last
 // layer of a stack with last_tanh = false).

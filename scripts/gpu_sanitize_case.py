@@ -175,6 +175,35 @@ def derivatives(dtype):
                       scale=ref.abs() + ref.abs().mean() + 1e-30)
 
 
+def terms(dtype):
+    """The higher orders' terms pass (_C._activation_terms) of every activation: every order, up to
+    three factors and an add, on 37 rows of width 9, aligned and misaligned, out of place and in
+    place into add, against the registry's float64 spelling on the CPU."""
+    from ckpt_ext import _C
+    from ckpt_ext._activations import REGISTRY
+    g = torch.Generator().manual_seed(4)
+    z, a, b, c, add = ((torch.randn(37, 9, generator=g) * s).to(dtype) for s in (4, 1, 1, 1, 1))
+    spec = ((2, (a, b)), (3, (a, b, c)), (1, (c,)), (0, ()))
+    for act in ckpt_ext.ACTIVATIONS:
+        row = REGISTRY[act]
+        orders = (row.f, row.derivative, row.d2, row.d3)
+        ref = add.double()
+        for k, fs in spec:
+            term = orders[k](z.double())
+            for f in fs:
+                term = term * f.double()
+            ref = ref + term
+        for layout, put in (("aligned", lambda t: t.to(DEVICE)),
+                            ("misaligned", lambda t: misaligned(t.to(DEVICE)))):
+            dev = [(k, [put(f) for f in fs]) for k, fs in spec]
+            got = _C._activation_terms(put(z), act, dev, put(add))
+            check(f"terms {act} {dtype} {layout}", got, ref, TOL[dtype], scale=ref.abs() + 1)
+            acc = put(add.clone())  # a buffer of its own, written in place
+            _C._activation_terms(put(z), act, dev, acc, acc)
+            check(f"terms in place {act} {dtype} {layout}", acc, ref, TOL[dtype],
+                  scale=ref.abs() + 1)
+
+
 def ops(dtype):
     tol = TOL[dtype]
     g = torch.Generator().manual_seed(1)
@@ -213,7 +242,7 @@ def cases(only=None):
     before the next group, the kernels' own paths first (a run stopped at its time limit has
     covered the most)."""
     groups = [combine_levels] if only == "combine" else [kernel_paths, activations, derivatives,
-                                                            ops, combine_levels]
+                                                            terms, ops, combine_levels]
     return [(f"{fn.__name__} {dtype}", fn, dtype) for fn in groups for dtype in DTYPES]
 
 

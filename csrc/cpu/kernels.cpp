@@ -245,6 +245,57 @@ void activation_backward_rows_kernel(scalar_t* acc, const scalar_t* grad_out, in
   });
 }
 
+// out = add + Σ_j f^(k_j)(p)·F_j,1·...·F_j,m (activation_terms.h), a block of kTermsBlock
+// elements at a time: each order some term uses made over the block into a buffer of acc_t (one
+// loop per order, the activation's functions called as in activate_kernel), then the terms summed
+// from those buffers, the products in the order the factors are given.
+constexpr int64_t kTermsBlock = 512;
+
+template <typename scalar_t>
+void terms_kernel(const scalar_t* p, scalar_t* out, int64_t i0, int64_t i1, Activation act,
+                  const ActivationTerms<scalar_t>& t) {
+  using S = Step<scalar_t>;
+  using acc_t = acc_type_t<scalar_t>;
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = kStep<scalar_t>;
+  static_assert(kTermsBlock % W == 0, "whole steps per block");
+  alignas(64) acc_t made[4][kTermsBlock];
+  const int used = t.orders_used();
+  for (int64_t b0 = i0; b0 < i1; b0 += kTermsBlock) {
+    const int64_t n = std::min(kTermsBlock, i1 - b0);
+    for (int order = 0; order < 4; ++order) {
+      if (!(used & (1 << order))) continue;
+      with_activation(act, [&](auto a) {
+        with_order(order, [&](auto o) {
+          for (int64_t i = 0; i < n; i += W) {
+            S z = S::load(p + b0 + i, std::min(W, n - i));
+            for (int q = 0; q < S::kParts; ++q) {
+              activation_derivative<decltype(a)::value, decltype(o)::value>(z.v[q])
+                  .store(made[order] + i + q * V::size());
+            }
+          }
+        });
+      });
+    }
+    for (int64_t i = 0; i < n; i += W) {
+      const int64_t k = std::min(W, n - i);
+      const int64_t e = b0 + i;
+      S acc = t.add != nullptr ? S::load(t.add + e, k) : S::broadcast(scalar_t(0));
+      for (int j = 0; j < t.count; ++j) {
+        S term;
+        const acc_t* d = made[t.order[j]] + i;
+        for (int q = 0; q < S::kParts; ++q) term.v[q] = V::loadu(d + q * V::size());
+        for (int f = 0; f < t.factors[j]; ++f) {
+          const S x = S::load(t.factor[j][f] + e, k);
+          for (int q = 0; q < S::kParts; ++q) term.v[q] = term.v[q] * x.v[q];
+        }
+        for (int q = 0; q < S::kParts; ++q) acc.v[q] = acc.v[q] + term.v[q];
+      }
+      acc.store(out + e, k);
+    }
+  }
+}
+
 // The elementwise part of tanh's third order (cpu/third_order.cpp; the formulas in docs/design.md,
 // "Higher orders"), s = 1 − t², one pass over [i0, i1) making the results asked for (a null
 // output), each input read once per vector; an absent input is a zero term (the test is per
@@ -293,11 +344,12 @@ constexpr KernelsFor<scalar_t> kernels_for() {
   if constexpr (kReduced<scalar_t>) {
     return {&tanh_kernel<scalar_t>, &backward_rows_kernel<scalar_t>,
             &column_sums_kernel<scalar_t>, &activate_kernel<scalar_t>,
-            &activation_backward_rows_kernel<scalar_t>, nullptr};
+            &activation_backward_rows_kernel<scalar_t>, &terms_kernel<scalar_t>, nullptr};
   } else {
     return {&tanh_kernel<scalar_t>, &backward_rows_kernel<scalar_t>,
             &column_sums_kernel<scalar_t>, &activate_kernel<scalar_t>,
-            &activation_backward_rows_kernel<scalar_t>, &third_order_kernel<scalar_t>};
+            &activation_backward_rows_kernel<scalar_t>, &terms_kernel<scalar_t>,
+            &third_order_kernel<scalar_t>};
   }
 }
 

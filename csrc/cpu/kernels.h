@@ -9,6 +9,8 @@
 //   activate(src, dst, n, act, k) dst = f^(k)(src) (k = 0: f), n contiguous values (dst == src:
 //                                 in place)
 //   activation_backward_rows: backward_rows for any activation (activations.h), acc holding z
+//   terms(p, out, i0, i1, act, t) out = add + Σ_j f^(k_j)(p)·Π F_j (activation_terms.h) over elements
+//                                 [i0, i1) of n contiguous values (out may be t.add)
 //   third_order(i0, i1, t, gy, dg, gbar, ugy, ut, dgbar, gybar, tbar)   float and double only (null
 //       for the half types): the elementwise part of tanh's third-order kernel (cpu/third_order.cpp)
 //       over elements [i0, i1) of (M·N) contiguous arrays; a null input is zero, a null output is
@@ -22,6 +24,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../activation_terms.h"
 #include "../activations.h"
 
 namespace ckpt_ext::cpu {
@@ -41,6 +44,8 @@ struct KernelsFor {
   void (*activation_backward_rows)(scalar_t* acc, const scalar_t* grad_out, int64_t sr,
                                    int64_t sc, int64_t r0, int64_t r1, int64_t N, Activation act,
                                    acc_t* sums);
+  void (*terms)(const scalar_t* p, scalar_t* out, int64_t i0, int64_t i1, Activation act,
+                const ActivationTerms<scalar_t>& t);
   void (*third_order)(int64_t i0, int64_t i1, const scalar_t* t, const scalar_t* gy,
                       const scalar_t* dg, const scalar_t* gbar, const scalar_t* ugy,
                       const scalar_t* ut, scalar_t* dgbar, scalar_t* gybar, scalar_t* tbar);

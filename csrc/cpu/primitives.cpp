@@ -9,6 +9,7 @@
 //   activation_cpu(src, dst, act, k)               dst = f^(k)(src), f for k = 0 (in place when
 //                                                  dst is src)
 //   activation_backward_cpu_                       tanh_backward_cpu_ for any activation
+//   activation_terms_cpu(p, act, terms, add, out)  out = add + Σ f^(k)(p)·Π factors, one pass
 // Built portably: threads and bias partial sums here, element arithmetic in cpu/kernels.cpp.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -113,6 +114,23 @@ void activation_cpu(const at::Tensor& src, const at::Tensor& dst, Activation act
                      [&](int64_t i0, int64_t i1) {
                        activate(s + i0, d + i0, i1 - i0, act, order);
                      });
+  });
+}
+
+void activation_terms_cpu(const at::Tensor& p, Activation act,
+                          const std::vector<TermTensors>& terms, const at::Tensor& add,
+                          const at::Tensor& out) {
+  const cpu::Kernels& kern = cpu::kernels();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(),
+                                  "activation_terms_cpu", [&] {
+    const ActivationTerms<scalar_t> t = terms_of<scalar_t>(terms, add);
+    const scalar_t* src = p.const_data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const auto run = kern.of<scalar_t>().terms;
+    // Elementwise: where a grain ends does not change a value.
+    at::parallel_for(0, out.numel(), 16384, [&](int64_t i0, int64_t i1) {
+      run(src, dst, i0, i1, act, t);
+    });
   });
 }
 

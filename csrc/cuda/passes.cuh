@@ -3,6 +3,8 @@
 //
 //   activation_kernel           src (M, N) -> dst = f^(K)(src) (f for K = 0), flat, in place when
 //                               dst == src
+//   terms_kernel                out = t.add + Σ_j f^(k_j)(p)·Π F_j (activation_terms.h), flat, one
+//                               element per thread per step of a grid-stride loop
 //   activation_backward_kernel  acc (M, N) contiguous holds z or t -> g = grad_out·f'(z) in place;
 //                               grad_out (M, N), any strides; the column sums of g per 32-row
 //                               chunk, and the last block to finish a group of chunks combines
@@ -186,6 +188,43 @@ __global__ void __launch_bounds__(kThreads)
       dst[i] = static_cast<scalar_t>(
           derivative_value<kAct, K, scalar_t>(static_cast<acc_t>(src[i])));
     }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// the higher orders' terms: out = t.add + Σ_j f^(k_j)(p)·F_j,1·...·F_j,m (activation_terms.h)
+
+// Each order in `used` (bit k: f^(k)) made once per element, in the accumulate type; the products
+// in the order the factors are given; rounded to scalar_t once. Plain loads: the formulas' inputs
+// need no alignment.
+template <typename scalar_t, Activation kAct>
+__global__ void __launch_bounds__(kThreads)
+    terms_kernel(const scalar_t* p, scalar_t* out, int64_t numel, ActivationTerms<scalar_t> t,
+                 int used) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Terms = ActivationTerms<scalar_t>;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < numel;
+       i += int64_t(gridDim.x) * kThreads) {
+    const acc_t z = static_cast<acc_t>(p[i]);
+    acc_t d[4] = {acc_t(0), acc_t(0), acc_t(0), acc_t(0)};
+    if (used & 1) d[0] = derivative_value<kAct, 0, scalar_t>(z);
+    if (used & 2) d[1] = derivative_value<kAct, 1, scalar_t>(z);
+    if (used & 4) d[2] = derivative_value<kAct, 2, scalar_t>(z);
+    if (used & 8) d[3] = derivative_value<kAct, 3, scalar_t>(z);
+    acc_t acc = t.add != nullptr ? static_cast<acc_t>(t.add[i]) : acc_t(0);
+#pragma unroll
+    for (int j = 0; j < Terms::kMaxTerms; ++j) {
+      if (j < t.count) {
+        const int k = t.order[j];
+        acc_t v = k == 0 ? d[0] : k == 1 ? d[1] : k == 2 ? d[2] : d[3];
+#pragma unroll
+        for (int f = 0; f < Terms::kMaxFactors; ++f) {
+          if (f < t.factors[j]) v = v * static_cast<acc_t>(t.factor[j][f][i]);
+        }
+        acc = acc + v;
+      }
+    }
+    out[i] = static_cast<scalar_t>(acc);
   }
 }
 
@@ -529,6 +568,21 @@ void activation_pass_cuda(const at::Tensor& src, const at::Tensor& dst, Activati
     });
   });
   check_launch("activation_kernel");
+}
+
+template <typename scalar_t>
+void terms_pass_cuda(const at::Tensor& p, const at::Tensor& out, Activation act,
+                     const ActivationTerms<scalar_t>& t) {
+  const int64_t numel = out.numel();
+  if (numel == 0) return;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const scalar_t* src = p.const_data_ptr<scalar_t>();
+  scalar_t* dst = out.data_ptr<scalar_t>();
+  with_activation(act, [&](auto a) {
+    terms_kernel<scalar_t, decltype(a)::value>
+        <<<grid_for(numel, kThreads), kThreads, 0, stream>>>(src, dst, numel, t, t.orders_used());
+  });
+  check_launch("terms_kernel");
 }
 
 template <typename scalar_t>

@@ -3,6 +3,8 @@
 // passes_<dtype>.cu so that nvcc compiles the dtypes in parallel. Shapes (M rows, N columns):
 //   activation_pass_cuda<T>(src, dst, act, k)  src, dst (M, N) contiguous: dst = f^(k)(src), f
 //                                            for k = 0; dst may be src (in place)
+//   terms_pass_cuda<T>(p, out, act, t)      p, out and t's tensors (numel) contiguous: out = t.add +
+//                                            Σ_j f^(k_j)(p)·Π F_j (activation_terms.h)
 //   backward_pass_cuda<T>(acc, grad_out, pass, act, want_bias_grad)
 //                                            acc (M, N) contiguous (undefined for kSumOnly) -> g in
 //                                            place; grad_out (M, N) any strides; -> grad_b (N) or
@@ -11,6 +13,7 @@
 
 #include <ATen/ATen.h>
 
+#include "../activation_terms.h"
 #include "../activations.h"
 
 namespace ckpt_ext {
@@ -25,6 +28,10 @@ enum class BackwardPass {
 template <typename scalar_t>
 void activation_pass_cuda(const at::Tensor& src, const at::Tensor& dst, Activation act,
                           int order);
+
+template <typename scalar_t>
+void terms_pass_cuda(const at::Tensor& p, const at::Tensor& out, Activation act,
+                     const ActivationTerms<scalar_t>& t);
 
 template <typename scalar_t>
 at::Tensor backward_pass_cuda(const at::Tensor& acc, const at::Tensor& grad_out, BackwardPass pass,

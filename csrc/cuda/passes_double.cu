@@ -6,6 +6,8 @@ namespace ckpt_ext {
 
 template void activation_pass_cuda<double>(const at::Tensor&, const at::Tensor&,
                                         Activation, int);
+template void terms_pass_cuda<double>(const at::Tensor&, const at::Tensor&, Activation,
+                                     const ActivationTerms<double>&);
 template at::Tensor backward_pass_cuda<double>(const at::Tensor&, const at::Tensor&,
                                             BackwardPass, Activation, bool);
 

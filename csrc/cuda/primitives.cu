@@ -10,6 +10,7 @@
 //   activation_cuda(src, dst, act, k)             dst = f^(k)(src), f for k = 0, one pass (in place
 //                                                 when dst is src)
 //   activation_backward_cuda_                     tanh_backward_cuda_ for any activation, from z
+//   activation_terms_cuda(p, act, terms, add, out) out = add + Σ f^(k)(p)·Π factors, one pass
 #include <ATen/Dispatch.h>
 
 #include "../primitives.h"
@@ -37,6 +38,16 @@ void activation_cuda(const at::Tensor& src, const at::Tensor& dst, Activation ac
                         src.scalar_type() == dst.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dst.scalar_type(), "activation_cuda",
                                   [&] { activation_pass_cuda<scalar_t>(src, dst, act, order); });
+}
+
+void activation_terms_cuda(const at::Tensor& p, Activation act,
+                           const std::vector<TermTensors>& terms, const at::Tensor& add,
+                           const at::Tensor& out) {
+  TORCH_INTERNAL_ASSERT(p.is_cuda() && out.is_cuda() && p.is_contiguous() && out.is_contiguous());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(),
+                                  "activation_terms_cuda", [&] {
+    terms_pass_cuda<scalar_t>(p, out, act, terms_of<scalar_t>(terms, add));
+  });
 }
 
 void tanh_cuda_(const at::Tensor& acc) { activation_cuda(acc, acc, Activation::kTanh); }

@@ -335,3 +335,21 @@ def test_activation_pass_bench_runs(tmp_path):
         [(d, n) for d in ("float32", "bfloat16") for n in names]
     assert all(0 < r["fwd_ours_ns"] < 1e6 and 0 < r["fwd_aten_ns"] < 1e6 and
                0 <= r["bwd_ours_ns"] < 1e6 and 0 < r["bwd_aten_ns"] < 1e6 for r in out["results"])
+
+
+def test_higher_orders_bench_runs():
+    """scripts/bench_higher_orders.py (timing is its business): it runs every activation asked
+    for, with finite times, and its two fused forms of the products (one pass, and one derivative
+    pass per order with ATen's products) give the same gradients."""
+    script = os.path.join(ROOT, "scripts", "bench_higher_orders.py")
+    if not os.path.exists(script):
+        pytest.skip("scripts/ is not beside these tests")
+    import argparse
+    import runpy
+    bench = runpy.run_path(script, run_name="bench_under_test")
+    args = argparse.Namespace(activations=["sin", "gelu_tanh"], points=64, hidden=8, depth=2,
+                              steps=1, warmup=0, threads=1)
+    rows = bench["run"](args)
+    assert [r["activation"] for r in rows] == ["sin", "gelu_tanh"]
+    assert all(0 < t < 1e4 for r in rows for t in r["ms"].values())
+    assert all(r["grad_rel_diff"] <= 1e-5 for r in rows), rows
