@@ -31,6 +31,12 @@ def _native(p: Tensor) -> bool:
             and (p.device.type == "cpu" or (p.device.type == "cuda" and _C.WITH_CUDA)))
 
 
+def _like(t: Tensor, p: Tensor) -> bool:
+    """Whether the terms kernel can read t beside p: a plain tensor of p's shape, dtype and
+    device (anything else takes ATen's products, which broadcast and promote)."""
+    return type(t) is Tensor and t.shape == p.shape and t.dtype == p.dtype and t.device == p.device
+
+
 # ---- one layer, written on its pre-activation input --------------------------------------------
 # Layer i reads p = z_{i−1} (x for the first layer) and makes a = f(p) itself (a = p for the
 # first layer: act None), so its nodes keep pre-activations and gradients, never f(z):
@@ -76,7 +82,8 @@ class _Input:
             return add
         if not terms:
             return add
-        if self._native:
+        if self._native and all(_like(t, self.p) for _, *f in terms for t in (*f, add)
+                                if t is not None):
             return _C._activation_terms(self.p, self.act, [(k, list(f)) for k, *f in terms],
                                         add, add)
         for k, *f in terms:

@@ -162,3 +162,21 @@ def test_cuda_terms_against_the_registry_spelling(dtype):
         expected = _reference(name, pu, fu, TERMS[:4], au)
         _ours(name, pu, fu, TERMS[:4], au, au)
         assert rel_err(au, expected) <= BOUND[dtype], name
+
+
+def test_formulas_take_atens_products_for_what_the_kernel_cannot_read():
+    """_mlp_higher_order's _Input.terms runs the kernel for plain tensors of p's shape, dtype and
+    device, and ATen's products otherwise (a broadcast factor, another dtype): the same values."""
+    from ckpt_ext._mlp_higher_order import _Input
+    p, factors, add = _inputs((9, 5), torch.float32, seed=6)
+    with torch.no_grad():
+        native = _Input("silu", p).terms((2, factors[0], factors[1]), (1, factors[2]))
+        row = factors[1][:1]  # (1, 5): broadcast along the rows
+        mixed = _Input("silu", p).terms((2, factors[0], row.expand_as(p).contiguous()),
+                                        (1, factors[2]))
+        broadcast = _Input("silu", p).terms((2, factors[0], row), (1, factors[2]))
+        promoted = _Input("silu", p).terms((1, factors[2].double()))
+    assert torch.equal(broadcast, mixed)
+    torch.testing.assert_close(promoted, _Input("silu", p).terms((1, factors[2])).double())
+    assert rel_err(native, _reference("silu", p, factors, [(2, (0, 1)), (1, (2,))])) <= \
+        BOUND[torch.float32]
