@@ -1,7 +1,8 @@
 """The physics-informed step (ckpt_ext.models.PINNNet: u, u_t and u_xx by create_graph, then the
 parameters' gradient, the third order) per activation, fused with the higher orders' products in
 one pass (``_C._activation_terms``, as the package runs it) against the same formulas made of one
-derivative pass per order and ATen products (``split``), and against stock autograd (``plain``).
+derivative pass per order and ATen products (``split``: _Input.terms' branch for tensors the
+kernel cannot read, taken for every tensor), and against stock autograd (``plain``).
 Steps interleaved in one process, medians; glibc's mmap threshold raised first (a child process),
 so that no mode pays page faults the others do not (docs/benchmark.md, "Where the remaining time
 goes"). ``--points`` small gives the step's fixed cost: what the Python nodes of the orders above
@@ -22,17 +23,6 @@ import time
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 31)}
 
 
-def _split_terms(native_terms, helpers):
-    """The products made of one derivative pass per order and ATen's mul/add (same formulas)."""
-    def terms(self, *terms, add=None):
-        if self.act is None or not self._native:
-            return native_terms(self, *terms, add=add)
-        for k, *f in terms:
-            add = helpers._plus(add, helpers._product([self._order(k), *f]))
-        return add
-    return terms
-
-
 def run(args) -> list:
     """Prints the table; returns one row per activation: medians (ms) by mode, and the largest
     relative difference between the parameters' gradients of the two fused forms."""
@@ -41,17 +31,18 @@ def run(args) -> list:
     import ckpt_ext._mlp_higher_order as higher
     from ckpt_ext.models import PINNNet
 
-    threads = torch.get_num_threads()
+    threads, kernel_reads = torch.get_num_threads(), higher._like
     torch.set_num_threads(args.threads)
     try:
         return _table(args, torch, higher, PINNNet)
     finally:
         torch.set_num_threads(threads)
+        higher._like = kernel_reads
 
 
 def _table(args, torch, higher, PINNNet) -> list:
-    native = higher._Input.terms
-    split = _split_terms(native, higher)
+    kernel_reads = higher._like
+    split = (lambda t, p: False)  # the kernel reads nothing: _Input.terms' per-order branch
     print(f"torch {torch.__version__}, {args.threads} threads, {args.points} points, "
           f"2 -> {args.hidden}x{args.depth} -> 1, float32, {args.steps} steps each, medians (ms)")
     print("| activation | plain | fused, one pass | fused, split | one pass × plain | "
@@ -68,7 +59,7 @@ def _table(args, torch, higher, PINNNet) -> list:
         grads = {}
         for i in range(args.warmup + args.steps):
             for mode in times:
-                higher._Input.terms = split if mode == "split" else native
+                higher._like = split if mode == "split" else kernel_reads
                 net = plain if mode == "plain" else fused
                 t0 = time.perf_counter()
                 net.zero_grad(set_to_none=True)
@@ -76,7 +67,7 @@ def _table(args, torch, higher, PINNNet) -> list:
                 if i >= args.warmup:
                     times[mode].append(time.perf_counter() - t0)
                 grads[mode] = [q.grad.clone() for q in net.parameters()]
-        higher._Input.terms = native
+        higher._like = kernel_reads
         diff = max(((a - b).norm() / b.norm()).item()
                    for a, b in zip(grads["one pass"], grads["split"]))
         m = {k: statistics.median(v) * 1e3 for k, v in times.items()}
