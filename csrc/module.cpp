@@ -13,17 +13,20 @@
 
 namespace {
 
-// An elementwise helper's tensor `what`: p's shape, dtype and device, p a CPU or CUDA tensor of
-// a dtype the ops take.
-void check_elementwise(const char* op, const char* what, const at::Tensor& t,
-                       const at::Tensor& p) {
+// An elementwise helper's source tensor `what`: a CPU or CUDA tensor of a dtype the ops take.
+void check_source(const char* op, const char* what, const at::Tensor& p) {
   TORCH_CHECK_VALUE(ckpt_ext::is_supported_dtype(p.scalar_type()) && (p.is_cpu() || p.is_cuda()),
-                    op, ": p must be a CPU or CUDA tensor of ", ckpt_ext::supported_dtypes_text(),
-                    "; got ", p.scalar_type(), " on ", p.device());
+                    op, ": ", what, " must be a CPU or CUDA tensor of ",
+                    ckpt_ext::supported_dtypes_text(), "; got ", p.scalar_type(), " on ",
+                    p.device());
 #ifndef CKPT_EXT_WITH_CUDA
   TORCH_CHECK(!p.is_cuda(), op, ": got a CUDA tensor, but this build of ckpt_ext has no CUDA "
               "kernels");
 #endif
+}
+
+// Another tensor `what` of that helper, after check_source(p): p's shape, dtype and device.
+void check_like(const char* op, const char* what, const at::Tensor& t, const at::Tensor& p) {
   TORCH_CHECK_VALUE(t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type() &&
                     t.device() == p.device(), op, ": ", what, " must have p's shape ", p.sizes(),
                     ", dtype ", p.scalar_type(), " and device ", p.device(), "; got ", t.sizes(),
@@ -87,15 +90,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         ckpt_ext::parse_activation("_C._activation_derivative", name);
     TORCH_CHECK_VALUE(order >= 0 && order <= 3,
                       "_C._activation_derivative: order must be 0, 1, 2 or 3; got ", order);
-    TORCH_CHECK_VALUE(ckpt_ext::is_supported_dtype(src.scalar_type()) &&
-                      (src.is_cpu() || src.is_cuda()),
-                      "_C._activation_derivative: src must be a CPU or CUDA tensor of ",
-                      ckpt_ext::supported_dtypes_text(), "; got ", src.scalar_type(), " on ",
-                      src.device());
-#ifndef CKPT_EXT_WITH_CUDA
-    TORCH_CHECK(!src.is_cuda(), "_C._activation_derivative: got a CUDA tensor, but this build of "
-                "ckpt_ext has no CUDA kernels");
-#endif
+    check_source("_C._activation_derivative", "src", src);
     const at::Tensor in = src.contiguous();
     at::Tensor out = ckpt_ext::new_buffer(in.sizes(), in.options());
     if (in.numel() > 0) ckpt_ext::activation_to(in, out, act, order);
@@ -111,7 +106,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                 const std::optional<at::Tensor>& out) {
     const char* op = "_C._activation_terms";
     const ckpt_ext::Activation act = ckpt_ext::parse_activation(op, name);
-    check_elementwise(op, "p", p, p);
+    check_source(op, "p", p);
     constexpr size_t kMaxTerms = ckpt_ext::ActivationTerms<float>::kMaxTerms;
     constexpr size_t kMaxFactors = ckpt_ext::ActivationTerms<float>::kMaxFactors;
     TORCH_CHECK_VALUE(!terms.empty() && terms.size() <= kMaxTerms, op, ": takes 1 to ", kMaxTerms,
@@ -124,19 +119,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                         kMaxFactors, " factors; got ", factors.size());
       ckpt_ext::TermTensors t{order, {}};
       for (const at::Tensor& f : factors) {
-        check_elementwise(op, "a factor", f, p);
+        check_like(op, "a factor", f, p);
         t.factors.push_back(f.contiguous());
       }
       ts.push_back(std::move(t));
     }
     at::Tensor a;
     if (add.has_value()) {
-      check_elementwise(op, "add", *add, p);
+      check_like(op, "add", *add, p);
       a = add->contiguous();
     }
     at::Tensor o;
     if (out.has_value()) {
-      check_elementwise(op, "out", *out, p);
+      check_like(op, "out", *out, p);
       TORCH_CHECK_VALUE(out->is_contiguous(), op, ": out must be contiguous");
       o = *out;
     } else {
