@@ -34,13 +34,16 @@ enum class Activation : int8_t { CKPT_EXT_ACTIVATIONS(CKPT_EXT_ENUMERATOR) };
 constexpr int kNumActivations = 0 CKPT_EXT_ACTIVATIONS(CKPT_EXT_COUNT);
 #undef CKPT_EXT_COUNT
 
-// Math<V>: exp, erf, tanh, sin, cos, log1p of V, and where_gt(a, b, x, y) = (a > b ? x : y) and
-// where_le(a, b, x, y) = (a <= b ? x : y) per element (a NaN compares false in both). The
-// host/CUDA scalar ones here; the CPU kernels specialise it for Vectorized.
+// Math<V>: exp, erf, tanh, sin, cos, log1p of V, erf_with_gauss(x, g) = erf(x) given
+// g = exp(−x²) (a formula that has g anyway lends it to an erf that would make its own), and
+// where_gt(a, b, x, y) = (a > b ? x : y) and where_le(a, b, x, y) = (a <= b ? x : y) per element
+// (a NaN compares false in both). The host/CUDA scalar ones here; the CPU kernels specialise it
+// for Vectorized.
 template <typename V>
 struct Math {
   static CKPT_HD V exp(V v) { return ::exp(v); }
   static CKPT_HD V erf(V v) { return ::erf(v); }
+  static CKPT_HD V erf_with_gauss(V v, V) { return ::erf(v); }
   static CKPT_HD V tanh(V v) { return ::tanh(v); }
   static CKPT_HD V sin(V v) { return ::sin(v); }
   static CKPT_HD V cos(V v) { return ::cos(v); }
@@ -52,6 +55,7 @@ template <>
 struct Math<float> {
   static CKPT_HD float exp(float v) { return ::expf(v); }
   static CKPT_HD float erf(float v) { return ::erff(v); }
+  static CKPT_HD float erf_with_gauss(float v, float) { return ::erff(v); }
   static CKPT_HD float tanh(float v) { return ::tanhf(v); }
   static CKPT_HD float sin(float v) { return ::sinf(v); }
   static CKPT_HD float cos(float v) { return ::cosf(v); }
@@ -103,9 +107,9 @@ CKPT_HD V activation_grad(V gy, V z) {
     const V t = M::tanh(z);
     return tanh_grad_from_output(gy, t);
   } else if constexpr (A == Activation::kGelu) {
-    const V cdf = V(0.5) * (V(1) + M::erf(z * V(kSqrtHalf)));
-    const V pdf = M::exp(V(-0.5) * z * z) * V(kInvSqrt2Pi);
-    return gy * (cdf + z * pdf);
+    const V gauss = M::exp(V(-0.5) * z * z);  // exp(−x²) at x = z/√2
+    const V cdf = V(0.5) * (V(1) + M::erf_with_gauss(z * V(kSqrtHalf), gauss));
+    return gy * (cdf + z * (gauss * V(kInvSqrt2Pi)));
   } else if constexpr (A == Activation::kGeluTanh) {
     const V z2 = z * z;
     const V th = M::tanh(V(kSqrt2OverPi) * (z + V(kGeluCubic) * z2 * z));

@@ -34,6 +34,13 @@ struct Math<at::vec::Vectorized<T>> {
       return v.erf();
     }
   }
+  static V erf_with_gauss(V v, V g) {
+    if constexpr (std::is_same_v<T, float>) {
+      return erf_float_given(v, g);
+    } else {
+      return v.erf();
+    }
+  }
   static V tanh(V v) {
     if constexpr (std::is_same_v<T, float>) {
       return tanh_float(v);
@@ -91,7 +98,11 @@ struct Math<at::vec::Vectorized<T>> {
   // a fifth less work, which brings GELU's pass to oneDNN's, the kernel behind F.gelu on float
   // tensors (docs/benchmark.md, "The activation pass"). The error stays the polynomial's.
   //   erf(x) = sign(x)·(1 − r(t)·t·exp(−x²)),  t = 1/(1 + p·|x|)
-  static V erf_float(V x) {
+  static V erf_float(V x) { return erf_float_given(x, (V(0) - x * x).exp_u20()); }
+
+  // The same polynomial given g = exp(−x²) (GELU's derivative has it from its density: one exp
+  // fewer, a fifth to a quarter off that pass, docs/benchmark.md, "The activation pass").
+  static V erf_float_given(V x, V g) {
     const V sign = x & V(-0.f);
     const V a = x.abs();
     const V t = V(1) / at::vec::fmadd(V(0.3275911f), a, V(1));
@@ -99,8 +110,7 @@ struct Math<at::vec::Vectorized<T>> {
     r = at::vec::fmadd(r, t, V(1.421413741f));
     r = at::vec::fmadd(r, t, V(-0.284496736f));
     r = at::vec::fmadd(r, t, V(0.254829592f));
-    const V e = (V(0) - x * x).exp_u20();
-    return sign ^ at::vec::fmadd(V(0) - r * t, e, V(1));
+    return sign ^ at::vec::fmadd(V(0) - r * t, g, V(1));
   }
 };
 
