@@ -75,8 +75,8 @@ struct Math<at::vec::Vectorized<T>> {
 
   // exp(x) of float vectors for x in [0, 40] (no overflow, no underflow, no NaN to handle): Cephes'
   // expf, exp(x) = 2ⁿ·exp(r) with n = round(x/ln 2), r = x − n·ln 2 in two parts, exp(r) its
-  // degree-6 polynomial, 2ⁿ made from n's bits. Within 1 ulp, without the range checks of Sleef's
-  // expf.
+  // degree-6 polynomial, 2ⁿ made from n's bits. 1.26 ulp from the exact value at most (measured on
+  // every third float of [0, 40]), without the range checks of Sleef's expf.
   static V exp_nonneg(V x) {
     using I = at::vec::Vectorized<int32_t>;
     const V n = (x * V(1.44269504088896341f)).round();
