@@ -183,10 +183,10 @@ def _functional():
 @model("stable-baselines3 PPO policy", requires="stable_baselines3")
 def _ppo():
     import stable_baselines3 as sb3
-    from stable_baselines3.common.logger import configure
+    from stable_baselines3.common.logger import Logger
     torch.manual_seed(0)
     ppo = sb3.PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, seed=0, device="cpu")
-    ppo.set_logger(configure(None, []))
+    ppo.set_logger(Logger(None, []))  # configure() would make a folder in /tmp
     return ppo.policy, (_x(16, 4),), 16
 
 

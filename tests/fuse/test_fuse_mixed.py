@@ -291,10 +291,10 @@ def test_stable_baselines3_td3_actor_trains_fused():
     why; the relu layers fuse, and TD3's own loop trains the fused actor. float32: the actor casts
     its observations to float32."""
     sb3 = _sb3()
-    from stable_baselines3.common.logger import configure
+    from stable_baselines3.common.logger import Logger
     td3 = sb3.TD3("MlpPolicy", "Pendulum-v1", policy_kwargs={"net_arch": [32, 32]}, seed=0,
                   device="cpu", learning_starts=16, batch_size=16, train_freq=8)
-    td3.set_logger(configure(None, []))
+    td3.set_logger(Logger(None, []))  # configure() would make a folder in /tmp
     plain = copy.deepcopy(td3.actor)
     model = copy.deepcopy(td3.actor)
     _, report = fuse(model)
