@@ -33,10 +33,17 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# Where every build of this tree keeps its objects, one folder per platform and Python (setuptools'
+# own name for it): the editable install (which would otherwise compile in a temporary folder
+# and throw the objects away), `setup.py build_ext --inplace` and `pip wheel .` share it, so
+# ninja recompiles only what changed, and a wheel built after an in-place build only links.
+BUILD_TEMP = os.path.join(ROOT, "build",
+                          f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
 # Data-center and consumer GPUs people have (A100, RTX 30xx/A-series, L4/RTX 40xx, H100/H200), and
 # PTX of the newest for anything later (Blackwell runs it through the driver's JIT).
 DEFAULT_ARCH_LIST = "8.0;8.6;8.9;9.0+PTX"
@@ -244,6 +251,10 @@ def build_ext_cmd():
         extension's own ninja run, and their objects join the link after the portable ones: where
         an inline function from a header is compiled into several objects, the linker keeps the
         first copy, which is then a portable one."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            self.build_temp = BUILD_TEMP
 
         def build_extension(self, ext):
             from concurrent.futures import ThreadPoolExecutor
