@@ -25,6 +25,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/python.h>
 #include <torch/version.h>
 
 #include <memory>

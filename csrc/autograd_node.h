@@ -2,7 +2,7 @@
 // Declares the Python binding hook that module.cpp calls; everything else is in the .cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 namespace ckpt_ext {
 

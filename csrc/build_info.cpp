@@ -6,6 +6,8 @@
 // another major.minor usually fails with an undefined symbol before any of our code runs).
 #include "build_info.h"
 
+#include <pybind11/stl.h>
+
 #include <stdexcept>
 
 #include "cpu/dispatch.h"

@@ -2,7 +2,7 @@
 // module.cpp (implemented in build_info.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 namespace ckpt_ext {
 

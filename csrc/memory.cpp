@@ -10,6 +10,7 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <pybind11/stl.h>
 
 #include <atomic>
 #include <chrono>
