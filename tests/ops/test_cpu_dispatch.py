@@ -276,8 +276,9 @@ def test_levels_tanh_agree_within_measured_ulps(dtype):
 
 
 def _tanh_samples(dtype):
-    """Positive values of dtype below 10 spread over every binade (every 97th float; for double a
-    seeded sample of 2M bit patterns), the tiny ones included; 10 is where tanh is 1 in float."""
+    """Positive values of dtype spread over every binade, the tiny ones included. float32: every
+    97th float below 10 (tanh is 1 in float above 9.01). float64: a seeded sample of 2M bit
+    patterns below 10, and 1M uniform values on [0, 20] (tanh is 1 in double above 19.06)."""
     if dtype == torch.float32:
         top = int(np.array(10.0, dtype=np.float32).view(np.int32))
         return torch.arange(0, top, 97, dtype=torch.int32).view(torch.float32)
