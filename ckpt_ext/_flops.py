@@ -4,7 +4,9 @@ torch.compile's tooling and MFU estimates use); without them the custom ops coun
 Like aten::addmm, only the GEMMs count (2·M·K·N each); activations and the bias are not counted.
 A backward counts what it runs: the recompute (every layer's forward GEMM but the top one's when
 last_activation is False), then per layer from the top down to the lowest one with a gradient
-asked for, grad_W where asked and the gradient for the layer below (or grad_x where asked).
+asked for, grad_W where asked and the gradient for the layer below (or grad_x where asked). A gated
+MLP's backward: the gate and up GEMMs again, then the down projection's grad_W and the gradient
+w.r.t. h, and each input projection's grad_W and share of grad_x, each where asked.
 """
 import math
 
@@ -84,3 +86,24 @@ def _mlp_backward_flop(grad_out_shape, x_shape, w_shapes, b_shapes, has_bias, ac
                        last_activation, need_x, need_weights, need_biases, *args, **kwargs) -> int:
     return _stack_backward_flops(x_shape, w_shapes, has_bias, last_activation, need_x,
                                  need_weights, need_biases)
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.gated_mlp)
+def _gated_mlp_flop(x_shape, w_shapes, *args, **kwargs) -> int:
+    return sum(_gemm_flops(x_shape, w) for w in w_shapes)  # each weight's GEMM reads M rows
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.gated_mlp_backward)
+def _gated_mlp_backward_flop(grad_out_shape, x_shape, w_shapes, b_shapes, has_bias, activation,
+                             need_x, need_weights, need_biases, *args, **kwargs) -> int:
+    it = iter(need_biases)
+    need_b = [next(it) if hb else False for hb in has_bias]
+    ins = range(len(w_shapes) - 1)
+    need_in = need_x or any(need_weights[i] or need_b[i] for i in ins)
+    if not (need_in or need_weights[-1]):
+        return 0  # at most the down bias: a column sum
+    gemm = [_gemm_flops(x_shape, w) for w in w_shapes]
+    n = sum(gemm[i] for i in ins) + gemm[-1] * int(need_weights[-1])  # recompute, grad_W_down
+    if need_in:
+        n += gemm[-1] + sum(gemm[i] * (int(need_weights[i]) + int(need_x)) for i in ins)
+    return n

@@ -93,7 +93,7 @@ def _all_none(dims) -> bool:
 
 
 def _stack_vmap(op, info, in_dims, x, weights, biases, *rest):
-    """mlp (``rest``: its trailing non-tensor arguments) under vmap: unbatched
+    """mlp or gated_mlp (``rest``: its trailing non-tensor arguments) under vmap: unbatched
     parameters fold the batch into the rows, one call; else one call per sample."""
     bx, bws, bbs = in_dims[:3]
     B = info.batch_size
@@ -103,8 +103,8 @@ def _stack_vmap(op, info, in_dims, x, weights, biases, *rest):
 
 
 def _stack_backward_vmap(op, info, in_dims, grad_out, x, weights, biases, *rest):
-    """mlp_backward (``rest`` ends with need_x, need_weights, need_biases)
-    under vmap, likewise."""
+    """mlp_backward or gated_mlp_backward (``rest`` ends with need_x, need_weights,
+    need_biases) under vmap, likewise."""
     bgy, bx, bws, bbs = in_dims[:4]
     B = info.batch_size
     need_x, need_weights, need_biases = rest[-3:]
@@ -123,3 +123,8 @@ def _stack_backward_vmap(op, info, in_dims, grad_out, x, weights, biases, *rest)
 torch.library.register_vmap("ckpt_ext::mlp", functools.partial(_stack_vmap, _OPS.mlp.default))
 torch.library.register_vmap("ckpt_ext::mlp_backward",
                             functools.partial(_stack_backward_vmap, _OPS.mlp_backward.default))
+torch.library.register_vmap("ckpt_ext::gated_mlp",
+                            functools.partial(_stack_vmap, _OPS.gated_mlp.default))
+torch.library.register_vmap("ckpt_ext::gated_mlp_backward",
+                            functools.partial(_stack_backward_vmap,
+                                              _OPS.gated_mlp_backward.default))

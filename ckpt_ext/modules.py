@@ -1,6 +1,7 @@
 """Drop-in modules built on the fused ops: :class:`FusedLinearTanh` (one Linear+Tanh),
-:class:`FusedTanhMLP` (a whole run of Linear layers with tanh between them, recomputed as one) and
-:class:`FusedMLP` (the same with any activation of ``ckpt_ext.ACTIVATIONS``, or one per layer)."""
+:class:`FusedTanhMLP` (a whole run of Linear layers with tanh between them, recomputed as one),
+:class:`FusedMLP` (the same with any activation of ``ckpt_ext.ACTIVATIONS``, or one per layer) and
+:class:`FusedGatedMLP` (the gated MLP of Llama-style transformers)."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -10,8 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from ._activation_modules import module_activation as recognise
-from ._activations import MODULE_OF, activation_spec
-from .ops import linear_tanh, mlp, tanh_mlp
+from ._activations import MODULE_OF, activation_spec, check_activation
+from .ops import gated_mlp, linear_tanh, mlp, tanh_mlp
 
 
 class FusedLinearTanh(nn.Module):
@@ -314,3 +315,59 @@ def run_problem(modules: Iterable[nn.Module], activation: Optional[str] = "tanh"
                 return (f"entry {i}: weight is {m.weight.dtype} on {m.weight.device}, the first "
                         f"Linear's is {ref.dtype} on {ref.device}")
     return None
+
+
+class FusedGatedMLP(nn.Module):
+    """The gated MLP of Llama, Mistral, Qwen2 and Gemma, ``down_proj(act(gate_proj(x)) *
+    up_proj(x))``, as one module whose autograd keeps only its input (:func:`ckpt_ext.gated_mlp`).
+
+    Its submodules are ``nn.Linear`` named ``gate_proj`` (hidden → intermediate), ``up_proj``
+    (likewise) and ``down_proj`` (intermediate → hidden), made in that order, so a ``LlamaMLP``'s
+    state dict loads into it unchanged and a seeded one starts from the same values.
+    ``activation``: one name of ``ckpt_ext.ACTIVATIONS`` ("silu": SwiGLU; "gelu_tanh": Gemma's
+    GeGLU).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu",
+                 bias: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        self.activation = check_activation(activation, "FusedGatedMLP")
+        factory = {"bias": bias, "device": device, "dtype": dtype}
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **factory)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **factory)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **factory)
+
+    @classmethod
+    def from_modules(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear,
+                     activation: str = "silu") -> "FusedGatedMLP":
+        """A FusedGatedMLP over existing Linears, sharing (not copying) them, so an optimizer
+        built over them keeps updating the same parameters."""
+        where = "FusedGatedMLP.from_modules"
+        for name, m in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+            if type(m) is not nn.Linear:
+                raise TypeError(f"{where}: {name} must be exactly nn.Linear, got "
+                                f"{type(m).__name__}")
+        if (up_proj.in_features, up_proj.out_features) != (gate_proj.in_features,
+                                                           gate_proj.out_features):
+            raise ValueError(f"{where}: up_proj must have gate_proj's shape (in_features="
+                             f"{gate_proj.in_features}, out_features={gate_proj.out_features}), "
+                             f"got ({up_proj.in_features}, {up_proj.out_features})")
+        if down_proj.in_features != gate_proj.out_features:
+            raise ValueError(f"{where}: down_proj.in_features must equal the intermediate size "
+                             f"{gate_proj.out_features}, got {down_proj.in_features}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.activation = check_activation(activation, where)
+        self.hidden_size, self.intermediate_size = gate_proj.in_features, gate_proj.out_features
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        return self
+
+    def forward(self, x: Tensor) -> Tensor:
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        return gated_mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias,
+                         self.activation)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"activation={self.activation!r}")

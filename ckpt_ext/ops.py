@@ -1,10 +1,12 @@
 """The public ops: :func:`linear_tanh`, :func:`tanh_mlp` and :func:`mlp` (any activation of
-``ACTIVATIONS``), and the dtypes they accept.
+``ACTIVATIONS``), :func:`gated_mlp` (the gated MLP of Llama, Mistral, Qwen, Gemma, Phi-3, T5), and
+the dtypes they accept.
 
-All three run one op, ``torch.ops.ckpt_ext.mlp`` (C++/CUDA; schemas in csrc/schemas.cpp, each op
-with a Meta kernel that runs the eager checks). Importing this module registers the ops' autograd
-(``_mlp_autograd``, ``_autograd``, ``_autograd_node``, ``_higher_order``), vmap rules (``_vmap``)
-and FLOP formulas (``_flops``). The design and the math: docs/design.md.
+The first three run one op, ``torch.ops.ckpt_ext.mlp``; ``gated_mlp`` runs
+``torch.ops.ckpt_ext.gated_mlp`` (C++/CUDA; schemas in csrc/schemas.cpp, each op with a Meta
+kernel that runs the eager checks). Importing this module registers the ops' autograd
+(``_mlp_autograd``, ``_gated_autograd``, ``_autograd``, ``_autograd_node``, ``_higher_order``),
+vmap rules (``_vmap``) and FLOP formulas (``_flops``). The design and the math: docs/design.md.
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import torch
 from torch import Tensor
 
 from . import _C  # loading the library registers torch.ops.ckpt_ext.*
-from . import _autograd, _autograd_node, _flops, _higher_order, _mlp_autograd, _vmap  # noqa: F401
-from ._activations import ACTIVATIONS, activation_spec
+from . import (_autograd, _autograd_node, _flops, _gated_autograd, _higher_order,  # noqa: F401
+               _mlp_autograd, _vmap)
+from ._activations import ACTIVATIONS, activation_spec, check_activation
 
 #: The dtypes the ops accept, read from the C++ library (one list, csrc/checks.cpp).
 SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in _C.SUPPORTED_DTYPES)
@@ -82,3 +85,35 @@ def _stack(where: str, x: Tensor, weights: List[Tensor],
     return torch.ops.ckpt_ext.mlp.default(
         x, weights, [b for b in biases if b is not None], [b is not None for b in biases], spec,
         bool(last))
+
+
+def gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Optional[Tensor], down_weight: Tensor,
+              gate_bias: Optional[Tensor] = None, up_bias: Optional[Tensor] = None,
+              down_bias: Optional[Tensor] = None, activation: str = "silu") -> Tensor:
+    """``F.linear(act(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias),
+    down_weight, down_bias)``, kept for backward as ``x`` only: the gated MLP (SwiGLU with
+    "silu", GeGLU with "gelu" or "gelu_tanh", any activation of ``ACTIVATIONS``).
+
+    x: (..., hidden); gate_weight and up_weight: (intermediate, hidden); down_weight: (out,
+    intermediate); biases of their weight's out_features or None. Backward recomputes the gate
+    and up projections (their two GEMMs) and makes the activation, its derivative and the product
+    in one pass. ``up_weight=None``: ``gate_weight`` is one (2·intermediate, hidden) weight
+    holding the gate's rows then the up projection's (Phi-3's ``gate_up_proj``), ``gate_bias``
+    likewise (2·intermediate) and ``up_bias`` None: one GEMM for both, their gradient made
+    whole. Its two halves given as views (``w.chunk(2)``) work too; autograd then joins their
+    gradients into ``w``.
+    """
+    where = "ckpt_ext.gated_mlp"
+    act = check_activation(activation, where)
+    if up_weight is None:
+        if up_bias is not None:
+            raise ValueError(f"{where}: up_bias must be None when up_weight is None (gate_weight "
+                             f"then holds both projections, and gate_bias both biases); got a "
+                             f"tensor of shape {tuple(up_bias.shape)}")
+        weights, biases = [gate_weight, down_weight], [gate_bias, down_bias]
+    else:
+        weights = [gate_weight, up_weight, down_weight]
+        biases = [gate_bias, up_bias, down_bias]
+    return torch.ops.ckpt_ext.gated_mlp.default(
+        x, weights, [b for b in biases if b is not None], [b is not None for b in biases], act)
+

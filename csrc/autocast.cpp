@@ -1,7 +1,8 @@
-// autocast.cpp — the autocast kernel of ckpt_ext::mlp (CPU and CUDA autocast keys).
+// autocast.cpp — the autocast kernels of ckpt_ext::mlp and ckpt_ext::gated_mlp (CPU and CUDA
+// autocast keys).
 //
 //   mlp(x, weights, biases, ...) under torch.autocast(device, dtype=D): x (..., K_0) and every
-//       weight and bias are cast to D  ->  y (..., N_{L-1}) in D
+//       weight and bias are cast to D  ->  y (..., N_{L-1}) in D; gated_mlp likewise
 //
 // The policy of nn.Linear (lower_precision_fp, the current context's dtype, cached casts); why C++
 // and not torch.library.register_autocast: docs/design.md, "Autocast". The backward ops need no
@@ -41,6 +42,17 @@ at::Tensor mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorL
                   has_bias, activation, last_activation);
 }
 
+template <c10::DeviceType device_type>
+at::Tensor gated_mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                              const c10::List<bool>& has_bias, c10::string_view activation) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
+  return call_gated_mlp(at::autocast::cached_cast(dtype, x, device_type),
+                        cast_all(dtype, weights, device_type),
+                        cast_all(dtype, biases, device_type), has_bias, activation);
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
@@ -49,10 +61,12 @@ at::Tensor mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorL
 
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCPU, m) {
   m.impl("mlp", &mlp_autocast<c10::DeviceType::CPU>);
+  m.impl("gated_mlp", &gated_mlp_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) {
   m.impl("mlp", &mlp_autocast<c10::DeviceType::CUDA>);
+  m.impl("gated_mlp", &gated_mlp_autocast<c10::DeviceType::CUDA>);
 }
 
 }  // namespace ckpt_ext

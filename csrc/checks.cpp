@@ -163,6 +163,67 @@ void check_stack_inputs(const char* op, const at::Tensor& x, at::TensorList weig
   }
 }
 
+void check_gated_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+                        at::TensorList biases, const std::vector<bool>& has_bias) {
+  const int64_t L = static_cast<int64_t>(weights.size());
+  TORCH_CHECK_VALUE(L == 2 || L == 3, "ckpt_ext.", op,
+                    ": weights must be [gate_weight, up_weight, down_weight] or "
+                    "[gate_up_weight, down_weight], got ", L, " tensors");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(has_bias.size()) == L, "ckpt_ext.", op,
+                    ": has_bias must have one entry per weight (", L, "), got ", has_bias.size());
+  const int64_t with_bias = std::count(has_bias.begin(), has_bias.end(), true);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(biases.size()) == with_bias, "ckpt_ext.", op,
+                    ": biases must hold one tensor per weight whose has_bias is true (", with_bias,
+                    "), got ", biases.size());
+  check_x(op, x);
+  const bool packed = L == 2;
+  const char* const names[3] = {packed ? "gate_up" : "gate", packed ? "down" : "up", "down"};
+  auto name = [&](int64_t i, const std::string& what) {
+    return std::string(names[i]) + "_" + what +
+           (what == "weight" ? " (weights[" : " (the bias of weights[") + std::to_string(i) +
+           "])";
+  };
+  for (int64_t i = 0; i < L; ++i) {
+    TORCH_CHECK_VALUE(weights[i].dim() == 2, "ckpt_ext.", op, ": ", name(i, "weight"),
+                      " must be 2-D (out_features, in_features), got shape ",
+                      shape_str(weights[i]));
+  }
+  const at::Tensor& w0 = weights[0];
+  const at::Tensor& down = weights[L - 1];
+  TORCH_CHECK_VALUE(w0.sym_size(1) == x.sym_size(-1), "ckpt_ext.", op, ": ", name(0, "weight"),
+                    ".shape[1] (hidden size) must equal x.shape[-1] = ", x.sym_size(-1),
+                    ", got ", name(0, "weight"), " of shape ", shape_str(w0), " and x of shape ",
+                    shape_str(x));
+  c10::SymInt inter = w0.sym_size(0);
+  if (packed) {
+    TORCH_CHECK_VALUE(w0.sym_size(0) % 2 == 0, "ckpt_ext.", op, ": ", name(0, "weight"),
+                      " must have an even number of rows (the gate's, then the up projection's), "
+                      "got shape ", shape_str(w0));
+    inter = w0.sym_size(0) / 2;
+  } else {
+    TORCH_CHECK_VALUE(weights[1].sym_sizes() == w0.sym_sizes(), "ckpt_ext.", op, ": ",
+                      name(1, "weight"), " must have the shape of ", name(0, "weight"), " ",
+                      shape_str(w0), ", got shape ", shape_str(weights[1]));
+  }
+  TORCH_CHECK_VALUE(down.sym_size(1) == inter, "ckpt_ext.", op, ": ", name(L - 1, "weight"),
+                    ".shape[1] must equal the intermediate size ", inter, ", got ",
+                    name(L - 1, "weight"), " of shape ", shape_str(down));
+  size_t j = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    if (!has_bias[i]) continue;
+    const at::Tensor& b = biases[j++];
+    TORCH_CHECK_VALUE(b.dim() == 1 && b.sym_size(0) == weights[i].sym_size(0), "ckpt_ext.", op,
+                      ": ", name(i, "bias"), " must have shape [", weights[i].sym_size(0),
+                      "] (out_features of ", name(i, "weight"), "), got shape ", shape_str(b));
+  }
+  check_x_dtype(op, x);
+  j = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    check_dtype_and_device(op, name(i, "weight"), weights[i], x);
+    if (has_bias[i]) check_dtype_and_device(op, name(i, "bias"), biases[j++], x);
+  }
+}
+
 void check_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
                     c10::SymInt out_features) {
   std::vector<c10::SymInt> expected(x.sym_sizes().begin(), x.sym_sizes().end() - 1);

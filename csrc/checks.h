@@ -49,6 +49,13 @@ void check_stack_masks(const char* op, at::TensorList weights, at::TensorList bi
                           const std::vector<bool>& need_weights,
                           const std::vector<bool>& need_biases);
 
+// A gated MLP: weights [gate (I, K), up (I, K), down (N, I)] or [gate_up (2I, K), down (N, I)]
+// (the gate's rows first); has_bias one entry per weight, biases those that exist, each of its
+// weight's out_features; one dtype and one device. Messages name the public arguments
+// (gate_weight, ..., down_bias) with their position in the op's lists.
+void check_gated_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+                        at::TensorList biases, const std::vector<bool>& has_bias);
+
 // An optional argument that must match `like` in shape, dtype and device (a gradient flowing
 // into a first-order result, or the output t, like grad_out).
 void check_like(const char* op, const char* name, const std::optional<at::Tensor>& t,

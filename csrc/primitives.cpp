@@ -77,6 +77,14 @@ void activation_terms(const at::Tensor& p, Activation act, const std::vector<Ter
                      activation_terms_cuda(p, act, terms, add, out));
 }
 
+void gated_in_place(const at::Tensor& z, Activation act) {
+  CKPT_EXT_ON_DEVICE(z, gated_cpu(z, act), gated_cuda(z, act));
+}
+
+void gated_backward_(const at::Tensor& z, const at::Tensor& gh, Activation act) {
+  CKPT_EXT_ON_DEVICE(z, gated_backward_cpu_(z, gh, act), gated_backward_cuda_(z, gh, act));
+}
+
 at::Tensor bias_grad(const at::Tensor& grad_out) {
   return CKPT_EXT_ON_DEVICE(grad_out, bias_grad_cpu(grad_out), bias_grad_cuda(grad_out));
 }

@@ -67,6 +67,19 @@ at::Tensor activation_backward_cpu_(const at::Tensor& acc, const at::Tensor& gra
 at::Tensor activation_backward_cuda_(const at::Tensor& acc, const at::Tensor& grad_out,
                                      Activation act, bool want_bias_grad);
 
+// The gated product of a gated MLP, z (M, 2I) contiguous holding [g | u] per row (the gate's
+// and the up projection's pre-activations side by side). gated_in_place: z[:, :I] becomes
+// h = f(g)·u (z[:, I:] is left as it is). gated_backward_: with gh (M, I) contiguous, the
+// gradient w.r.t. h, one pass makes z = [gh·u·f'(g) | gh·f(g)] (the gradients w.r.t. g and u)
+// and gh = h = f(g)·u, each h with the bits gated_in_place gives it. Half types compute in
+// float and round once per result.
+void gated_in_place(const at::Tensor& z, Activation act);
+void gated_cpu(const at::Tensor& z, Activation act);
+void gated_cuda(const at::Tensor& z, Activation act);
+void gated_backward_(const at::Tensor& z, const at::Tensor& gh, Activation act);
+void gated_backward_cpu_(const at::Tensor& z, const at::Tensor& gh, Activation act);
+void gated_backward_cuda_(const at::Tensor& z, const at::Tensor& gh, Activation act);
+
 // out = add + Σ_j f^(orders[j])(p)·Π factors[j] in one pass (activation_terms.h): p, every
 // factor, add (undefined: none; it may be out) and out contiguous, of one shape, dtype and device;
 // at most ActivationTerms' kMaxTerms terms of kMaxFactors factors, orders 0 to 3 (checked by the

@@ -1,6 +1,6 @@
 // schemas.cpp — every schema of the ckpt_ext op library, once; the CUDA kernel of a CPU-only
 // build (an error that names the problem); and typed handles to call the ops from C++.
-// The kernels: ops.cpp (mlp and its backward), higher_order.cpp (tanh's orders above the first,
+// The kernels: ops.cpp (mlp and its backward), gated_ops.cpp, higher_order.cpp (tanh's orders above the first,
 // from a layer's output), cpu/third_order.cpp, autocast.cpp; autograd from Python
 // (ckpt_ext/_mlp_autograd.py, _autograd.py, _higher_order.py).
 #include "schemas.h"
@@ -23,6 +23,16 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "mlp_backward(Tensor grad_out, Tensor x, Tensor[] weights, Tensor[] biases, "
       "bool[] has_bias, str activation, bool last_activation, bool need_x, bool[] need_weights, "
       "bool[] need_biases) -> (Tensor grad_x, Tensor[] grad_weights, Tensor[] grad_biases)");
+  // A gated MLP, down(f(gate(x)) · up(x)) with f one activation of activations.h: weights are
+  // [gate, up, down], or [gate_up, down] with one weight holding the gate's rows then the up
+  // projection's; has_bias one entry per weight, biases those that exist (gated_ops.cpp). The
+  // backward's lists as mlp_backward's.
+  m.def("gated_mlp(Tensor x, Tensor[] weights, Tensor[] biases, bool[] has_bias, str activation) "
+        "-> Tensor");
+  m.def(
+      "gated_mlp_backward(Tensor grad_out, Tensor x, Tensor[] weights, Tensor[] biases, "
+      "bool[] has_bias, str activation, bool need_x, bool[] need_weights, bool[] need_biases) -> "
+      "(Tensor grad_x, Tensor[] grad_weights, Tensor[] grad_biases)");
   // The orders above the first of one tanh layer, from its output t = tanh(x·Wᵀ + b)
   // (higher_order.cpp; the math in docs/design.md). A grad_grad_* input is None where no
   // gradient reached that output; only the results asked for in output_mask are computed, the
@@ -62,7 +72,8 @@ void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   for (const char* name :
-       {"mlp", "mlp_backward", "linear_tanh_backward_from_output",
+       {"mlp", "mlp_backward", "gated_mlp", "gated_mlp_backward",
+        "linear_tanh_backward_from_output",
         "linear_tanh_backward_from_output_backward"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
   }
@@ -77,6 +88,15 @@ at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList 
                        .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
                                          const c10::List<bool>&, c10::string_view, bool)>();
   return op.call(x, weights, biases, has_bias, activation, last_activation);
+}
+
+at::Tensor call_gated_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                          const c10::List<bool>& has_bias, c10::string_view activation) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ckpt_ext::gated_mlp", "")
+                       .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
+                                         const c10::List<bool>&, c10::string_view)>();
+  return op.call(x, weights, biases, has_bias, activation);
 }
 
 }  // namespace ckpt_ext

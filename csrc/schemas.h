@@ -11,5 +11,7 @@ namespace ckpt_ext {
 at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                     const c10::List<bool>& has_bias, c10::string_view activation,
                     bool last_activation);
+at::Tensor call_gated_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                          const c10::List<bool>& has_bias, c10::string_view activation);
 
 }  // namespace ckpt_ext

@@ -12,15 +12,27 @@ at::Tensor flatten_rows(const at::Tensor& x) {
   return x.reshape({m, x.size(-1)});
 }
 
-at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
-                          const std::optional<at::Tensor>& bias) {
-  at::Tensor out = new_buffer({a.size(0), weight.size(0)}, a.options());
+void linear_into(const at::Tensor& dst, const at::Tensor& a, const at::Tensor& weight,
+                 const std::optional<at::Tensor>& bias) {
+  at::Tensor out = dst;  // the _out ops take a mutable handle; the storage is dst's
   if (bias.has_value()) {
     at::addmm_out(out, *bias, a, weight.t());
   } else {
     at::mm_out(out, a, weight.t());
   }
+}
+
+at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
+  at::Tensor out = new_buffer({a.size(0), weight.size(0)}, a.options());
+  linear_into(out, a, weight, bias);
   return out;
+}
+
+std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(out_features);
+  return shape;
 }
 
 namespace {
@@ -34,12 +46,6 @@ std::vector<std::optional<at::Tensor>> layer_biases(at::TensorList biases,
     if (has_bias[i]) out[i] = biases[j++];
   }
   return out;
-}
-
-std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t out_features) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(out_features);
-  return shape;
 }
 
 }  // namespace

@@ -24,6 +24,13 @@ at::Tensor flatten_rows(const at::Tensor& x);
 // in backward both use it, so the recomputed z equals the forward's to the bit.
 at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias);
+// The same GEMM into `out` (M, N), which may be a column block of a wider buffer (row stride
+// above N): the gated engine writes the gate's and the up projection's z side by side.
+void linear_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& weight,
+                 const std::optional<at::Tensor>& bias);
+
+// (..., N): x's leading dimensions and `out_features`.
+std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t out_features);
 
 // Returns the output, (..., N_{L-1}), a fresh tensor (not a view of an internal buffer).
 // acts[i] after layer i (one per layer; after the last only when last_act).

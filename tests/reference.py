@@ -445,3 +445,70 @@ def kept_and_peak(runs, leaves, gy):
                 if t is not None:
                     t.grad = None
     return kept, peak
+
+
+# ------------------------------------------------------------------------------------------------
+# the gated_mlp op
+
+def gated_ref(x, weights, biases, activation):
+    """down(f(gate(x)) · up(x)) by stock PyTorch, in the inputs' dtype. ``weights``: [gate, up,
+    down] or [gate_up, down] (the gate's rows first), ``biases`` one entry (or None) per weight."""
+    f = ACTIVATION_REF[activation]
+    if len(weights) == 2:
+        g, u = F.linear(x, weights[0], biases[0]).chunk(2, dim=-1)
+    else:
+        g, u = F.linear(x, weights[0], biases[0]), F.linear(x, weights[1], biases[1])
+    return F.linear(f(g) * u, weights[-1], biases[-1])
+
+
+# Relative error bound of the gated_mlp op per dtype (every result), on random inputs as
+# gated_inputs draws them, 2-8x the largest that test_gated_mlp.py's test_matches_reference
+# measured over seeds 0-29 (--seed-sweep, CKPT_EXT_MEASURE), every activation: float64 1.3e-15,
+# float32 3.3e-06, bfloat16 1.2e-01, float16 3.4e-03. The bfloat16 worst is the one-row case with
+# two intermediate units, where gy·W_down nearly cancels; relu needs no wider bound here (its kink
+# moves one element of dg, small against the whole gradient).
+GATED_REL_TOL = {torch.float64: 1e-14, torch.float32: 1.5e-5, torch.bfloat16: 0.25,
+                 torch.float16: 1.5e-2}
+
+
+def gated_call(x, weights, biases, activation):
+    """ckpt_ext.gated_mlp on the same lists."""
+    import ckpt_ext
+    if len(weights) == 2:
+        return ckpt_ext.gated_mlp(x, weights[0], None, weights[1], biases[0], None, biases[1],
+                                  activation)
+    return ckpt_ext.gated_mlp(x, *weights, *biases, activation=activation)
+
+
+def gated_grads(x, ws, bs, gy, activation):
+    """[out, grad_x, *grad_ws, *grad_bs] of ckpt_ext.gated_mlp, on the inputs' device and dtype."""
+    return _mlp_run(lambda x, ws, bs: gated_call(x, ws, bs, activation), x, ws, bs, gy)
+
+
+def gated_ref_grads(x, ws, bs, gy, activation):
+    """The same by stock PyTorch in float64 on the CPU."""
+    d = lambda t: None if t is None else t.detach().double().cpu()
+    return _mlp_run(lambda x, ws, bs: gated_ref(x, ws, bs, activation), d(x), [d(w) for w in ws],
+                    [d(b) for b in bs], d(gy))
+
+
+def gated_inputs(lead, hidden, inter, out, dtype, packed=False, bias=(True, True, True),
+                 device="cpu", seed=0):
+    """x (*lead, hidden) ~ N(0, 1); weights ~ N(0, 1/k) as [gate, up, down] or [gate_up, down]
+    (``packed``: bias[0] then stands for both halves); biases ~ N(0, 1/4) where ``bias`` says;
+    grad_out (*lead, out) ~ N(0, 1). Drawn in float32 on the CPU, then cast."""
+    if packed:
+        bias = (bias[0], bias[0], bias[2])
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, hidden, generator=g)
+    wg, wu = (torch.randn(inter, hidden, generator=g) / max(hidden, 1) ** 0.5 for _ in range(2))
+    wd = torch.randn(out, inter, generator=g) / max(inter, 1) ** 0.5
+    bg, bu, bd = (torch.randn(n, generator=g) * 0.5 if b else None
+                  for n, b in zip((inter, inter, out), bias))
+    gy = torch.randn(*lead, out, generator=g)
+    if packed:
+        ws, bs = [torch.cat([wg, wu]), wd], [None if bg is None else torch.cat([bg, bu]), bd]
+    else:
+        ws, bs = [wg, wu, wd], [bg, bu, bd]
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)
+    return cast(x), [cast(w) for w in ws], [cast(b) for b in bs], cast(gy)

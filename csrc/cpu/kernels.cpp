@@ -177,6 +177,62 @@ void activation_backward_rows_kernel(scalar_t* acc, const scalar_t* grad_out, in
   });
 }
 
+// The gated product (kernels.h): per row, g = z[c], u = z[I + c]; h = f(g)·u into z[c], or with
+// gh, the gradients into z and h into gh. h is f's value times u in acc_t, rounded once, the same
+// expression in both passes.
+template <Activation A, typename scalar_t>
+void gated_row(scalar_t* g_row, int64_t I) {
+  using S = Step<scalar_t>;
+  constexpr int64_t W = kStep<scalar_t>;
+  const scalar_t* u_row = g_row + I;
+  for (int64_t c = 0; c < I; c += W) {
+    const int64_t k = std::min(W, I - c);
+    S g = S::load(g_row + c, k);
+    const S u = S::load(u_row + c, k);
+    for (int i = 0; i < S::kParts; ++i) g.v[i] = activate<A>(g.v[i]) * u.v[i];
+    g.store(g_row + c, k);
+  }
+}
+
+template <Activation A, typename scalar_t>
+void gated_backward_row(scalar_t* g_row, scalar_t* gh_row, int64_t I) {
+  using S = Step<scalar_t>;
+  using V = Vectorized<acc_type_t<scalar_t>>;
+  constexpr int64_t W = kStep<scalar_t>;
+  scalar_t* u_row = g_row + I;
+  for (int64_t c = 0; c < I; c += W) {
+    const int64_t k = std::min(W, I - c);
+    const S g = S::load(g_row + c, k);
+    const S u = S::load(u_row + c, k);
+    const S d = S::load(gh_row + c, k);  // the gradient w.r.t. h
+    S dg, du, h;
+    for (int i = 0; i < S::kParts; ++i) {
+      const V fg = activate<A>(g.v[i]);
+      h.v[i] = fg * u.v[i];
+      dg.v[i] = activation_grad<A>(d.v[i] * u.v[i], g.v[i]);
+      du.v[i] = d.v[i] * fg;
+    }
+    dg.store(g_row + c, k);
+    du.store(u_row + c, k);
+    h.store(gh_row + c, k);
+  }
+}
+
+template <typename scalar_t>
+void gated_rows_kernel(scalar_t* z, scalar_t* gh, int64_t r0, int64_t r1, int64_t I,
+                       Activation act) {
+  with_activation(act, [&](auto a) {
+    constexpr Activation A = decltype(a)::value;
+    for (int64_t r = r0; r < r1; ++r) {
+      if (gh == nullptr) {
+        gated_row<A>(z + r * 2 * I, I);
+      } else {
+        gated_backward_row<A>(z + r * 2 * I, gh + r * I, I);
+      }
+    }
+  });
+}
+
 // out = add + Σ_j f^(k_j)(p)·F_j,1·...·F_j,m (activation_terms.h), a block of kTermsBlock
 // elements at a time: each order some term uses made over the block into a buffer of acc_t (one
 // loop per order, the activation's functions called as in activate_kernel), then the terms summed
@@ -276,12 +332,13 @@ constexpr KernelsFor<scalar_t> kernels_for() {
   if constexpr (kReduced<scalar_t>) {
     return {&tanh_kernel<scalar_t>, &backward_rows_kernel<scalar_t>,
             &column_sums_kernel<scalar_t>, &activate_kernel<scalar_t>,
-            &activation_backward_rows_kernel<scalar_t>, &terms_kernel<scalar_t>, nullptr};
+            &activation_backward_rows_kernel<scalar_t>, &terms_kernel<scalar_t>,
+            &gated_rows_kernel<scalar_t>, nullptr};
   } else {
     return {&tanh_kernel<scalar_t>, &backward_rows_kernel<scalar_t>,
             &column_sums_kernel<scalar_t>, &activate_kernel<scalar_t>,
             &activation_backward_rows_kernel<scalar_t>, &terms_kernel<scalar_t>,
-            &third_order_kernel<scalar_t>};
+            &gated_rows_kernel<scalar_t>, &third_order_kernel<scalar_t>};
   }
 }
 

@@ -11,6 +11,10 @@
 //   activation_backward_rows: backward_rows for any activation (activations.h), acc holding z
 //   terms(p, out, i0, i1, act, t) out = add + Σ_j f^(k_j)(p)·Π F_j (activation_terms.h) over elements
 //                                 [i0, i1) of n contiguous values (out may be t.add)
+//   gated_rows(z, gh, r0, r1, I, act)  z (M, 2I) contiguous, [g | u] per row: with gh null,
+//                                 z[:, :I] = h = f(g)·u; else gh (M, I) contiguous holds the
+//                                 gradient w.r.t. h and one pass makes z = [gh·u·f'(g) | gh·f(g)],
+//                                 gh = h (the gated product of primitives.h)
 //   third_order(i0, i1, t, gy, dg, gbar, ugy, ut, dgbar, gybar, tbar)   float and double only (null
 //       for the half types): the elementwise part of tanh's third-order kernel (cpu/third_order.cpp)
 //       over elements [i0, i1) of (M·N) contiguous arrays; a null input is zero, a null output is
@@ -46,6 +50,8 @@ struct KernelsFor {
                                    acc_t* sums);
   void (*terms)(const scalar_t* p, scalar_t* out, int64_t i0, int64_t i1, Activation act,
                 const ActivationTerms<scalar_t>& t);
+  void (*gated_rows)(scalar_t* z, scalar_t* gh, int64_t r0, int64_t r1, int64_t I,
+                     Activation act);
   void (*third_order)(int64_t i0, int64_t i1, const scalar_t* t, const scalar_t* gy,
                       const scalar_t* dg, const scalar_t* gbar, const scalar_t* ugy,
                       const scalar_t* ut, scalar_t* dgbar, scalar_t* gybar, scalar_t* tbar);

@@ -10,6 +10,7 @@
 //                                                  dst is src)
 //   activation_backward_cpu_                       tanh_backward_cpu_ for any activation
 //   activation_terms_cpu(p, act, terms, add, out)  out = add + Σ f^(k)(p)·Π factors, one pass
+//   gated_cpu(z, act), gated_backward_cpu_(z, gh, act)  the gated product and its gradients
 // Built portably: threads and bias partial sums here, element arithmetic in cpu/kernels.cpp.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -145,6 +146,37 @@ at::Tensor activation_backward_cpu_(const at::Tensor& acc, const at::Tensor& gra
                                    [&](auto a, auto gy, auto sr, auto sc, auto r0, auto r1, auto N,
                                        auto sums) { rows(a, gy, sr, sc, r0, r1, N, act, sums); });
   });
+}
+
+namespace {
+
+// The gated pass over z's rows in parallel, grains of about 32k elements of h (elementwise: where
+// a grain ends does not change a value).
+void gated_pass_cpu(const at::Tensor& z, const at::Tensor& gh, Activation act) {
+  TORCH_INTERNAL_ASSERT(z.is_contiguous() && z.dim() == 2 && z.size(1) % 2 == 0);
+  const int64_t M = z.size(0), I = z.size(1) / 2;
+  if (M == 0 || I == 0) return;
+  if (gh.defined()) {
+    TORCH_INTERNAL_ASSERT(gh.is_contiguous() && gh.size(0) == M && gh.size(1) == I &&
+                          gh.scalar_type() == z.scalar_type());
+  }
+  const cpu::Kernels& kern = cpu::kernels();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "gated_cpu", [&] {
+    scalar_t* zp = z.data_ptr<scalar_t>();
+    scalar_t* ghp = gh.defined() ? gh.data_ptr<scalar_t>() : nullptr;
+    const auto rows = kern.of<scalar_t>().gated_rows;
+    const int64_t grain = std::max<int64_t>(1, 32768 / I);
+    at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) { rows(zp, ghp, r0, r1, I, act); });
+  });
+}
+
+}  // namespace
+
+void gated_cpu(const at::Tensor& z, Activation act) { gated_pass_cpu(z, at::Tensor(), act); }
+
+void gated_backward_cpu_(const at::Tensor& z, const at::Tensor& gh, Activation act) {
+  TORCH_INTERNAL_ASSERT(gh.defined());
+  gated_pass_cpu(z, gh, act);
 }
 
 at::Tensor bias_grad_cpu(const at::Tensor& grad_out) {

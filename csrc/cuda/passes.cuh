@@ -9,6 +9,9 @@
 //                               grad_out (M, N), any strides; the column sums of g per 32-row
 //                               chunk, and the last block to finish a group of chunks combines
 //                               them (the bias gradient, no separate combine launch)
+//   gated_kernel                z (M, 2I) holds [g | u] per row -> h = f(g)·u into z[:, :I], or
+//                               with gh (the gradient w.r.t. h) -> z = [gh·u·f'(g) | gh·f(g)] and
+//                               gh = h; one block per row, its threads across the row's packs
 //
 // Bandwidth-bound passes: 16-byte packs, loads first, bias sums in the documented order with no
 // float atomics (docs/design.md, "CUDA primitives").
@@ -474,6 +477,53 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ----------------------------------------------------------------------------------------------
+// the gated product of a gated MLP
+
+// Row r of z (M, 2I) holds g in its first I values and u in the rest; gh (M, I) is the gradient
+// w.r.t. h in the backward pass (kBackward). Block b takes rows b, b + gridDim.x, ...; thread i
+// packs i, i + kThreads, ... of the row (V values each: V divides I and every row start is
+// 16-byte aligned, or V = 1). h = f(g)·u is the same expression in both passes, so the backward's
+// h has the forward's bits.
+template <typename scalar_t, int V, Activation kAct, bool kBackward>
+__global__ void __launch_bounds__(kThreads)
+    gated_kernel(scalar_t* __restrict__ z, scalar_t* __restrict__ gh, int64_t M, int64_t I) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using PackT = Pack<scalar_t, V>;
+  const int64_t packs = I / V;
+  for (int64_t r = blockIdx.x; r < M; r += gridDim.x) {
+    PackT* g_row = reinterpret_cast<PackT*>(z + r * 2 * I);
+    PackT* u_row = reinterpret_cast<PackT*>(z + r * 2 * I + I);
+    PackT* d_row = kBackward ? reinterpret_cast<PackT*>(gh + r * I) : nullptr;
+    for (int64_t p = threadIdx.x; p < packs; p += kThreads) {
+      PackT g = g_row[p];
+      PackT u = u_row[p];
+      if constexpr (!kBackward) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const acc_t fg = activate_value<kAct, scalar_t>(static_cast<acc_t>(g.v[e]));
+          g.v[e] = static_cast<scalar_t>(fg * static_cast<acc_t>(u.v[e]));
+        }
+        g_row[p] = g;
+      } else {
+        PackT d = d_row[p];
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const acc_t gv = static_cast<acc_t>(g.v[e]), uv = static_cast<acc_t>(u.v[e]);
+          const acc_t dh = static_cast<acc_t>(d.v[e]);
+          const acc_t fg = activate_value<kAct, scalar_t>(gv);
+          d.v[e] = static_cast<scalar_t>(fg * uv);
+          g.v[e] = static_cast<scalar_t>(activation_grad<kAct>(dh * uv, gv));
+          u.v[e] = static_cast<scalar_t>(dh * fg);
+        }
+        g_row[p] = g;
+        u_row[p] = u;
+        d_row[p] = d;
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
 // launchers
 
 // The buffers of the bias sums of a (C chunks, N) pass: the levels' sums in one acc_t workspace,
@@ -627,6 +677,32 @@ at::Tensor backward_pass_cuda(const at::Tensor& acc, const at::Tensor& grad_out,
       break;
   }
   return grad_b;
+}
+
+template <typename scalar_t>
+void gated_pass_cuda(const at::Tensor& z, const at::Tensor& gh, Activation act) {
+  const int64_t M = z.size(0), I = z.size(1) / 2;
+  if (M == 0 || I == 0) return;
+  constexpr int V = kPackBytes / sizeof(scalar_t);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  scalar_t* zp = z.data_ptr<scalar_t>();
+  scalar_t* ghp = gh.defined() ? gh.data_ptr<scalar_t>() : nullptr;
+  const bool packed = I % V == 0 && aligned_to(zp, kPackBytes) &&
+                      (ghp == nullptr || aligned_to(ghp, kPackBytes));
+  const int64_t blocks = grid_for(M, 1);
+  with_activation(act, [&](auto a) {
+    constexpr Activation kAct = decltype(a)::value;
+    if (ghp == nullptr && packed) {
+      gated_kernel<scalar_t, V, kAct, false><<<blocks, kThreads, 0, stream>>>(zp, ghp, M, I);
+    } else if (ghp == nullptr) {
+      gated_kernel<scalar_t, 1, kAct, false><<<blocks, kThreads, 0, stream>>>(zp, ghp, M, I);
+    } else if (packed) {
+      gated_kernel<scalar_t, V, kAct, true><<<blocks, kThreads, 0, stream>>>(zp, ghp, M, I);
+    } else {
+      gated_kernel<scalar_t, 1, kAct, true><<<blocks, kThreads, 0, stream>>>(zp, ghp, M, I);
+    }
+  });
+  check_launch("gated_kernel");
 }
 
 }  // namespace ckpt_ext

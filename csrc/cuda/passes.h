@@ -9,6 +9,10 @@
 //                                            acc (M, N) contiguous (undefined for kSumOnly) -> g in
 //                                            place; grad_out (M, N) any strides; -> grad_b (N) or
 //                                            undefined
+//   gated_pass_cuda<T>(z, gh, act)          z (M, 2I) contiguous, [g | u] per row: h = f(g)·u into
+//                                            z[:, :I] (gh undefined), or with gh (M, I)
+//                                            contiguous (the gradient w.r.t. h) z = [gh·u·f'(g) |
+//                                            gh·f(g)] and gh = h, in one pass
 #pragma once
 
 #include <ATen/ATen.h>
@@ -36,5 +40,8 @@ void terms_pass_cuda(const at::Tensor& p, const at::Tensor& out, Activation act,
 template <typename scalar_t>
 at::Tensor backward_pass_cuda(const at::Tensor& acc, const at::Tensor& grad_out, BackwardPass pass,
                               Activation act, bool want_bias_grad);
+
+template <typename scalar_t>
+void gated_pass_cuda(const at::Tensor& z, const at::Tensor& gh, Activation act);
 
 }  // namespace ckpt_ext

@@ -11,4 +11,6 @@ template void terms_pass_cuda<c10::BFloat16>(const at::Tensor&, const at::Tensor
 template at::Tensor backward_pass_cuda<c10::BFloat16>(const at::Tensor&, const at::Tensor&,
                                             BackwardPass, Activation, bool);
 
+template void gated_pass_cuda<c10::BFloat16>(const at::Tensor&, const at::Tensor&, Activation);
+
 }  // namespace ckpt_ext

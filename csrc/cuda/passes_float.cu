@@ -11,4 +11,6 @@ template void terms_pass_cuda<float>(const at::Tensor&, const at::Tensor&, Activ
 template at::Tensor backward_pass_cuda<float>(const at::Tensor&, const at::Tensor&,
                                             BackwardPass, Activation, bool);
 
+template void gated_pass_cuda<float>(const at::Tensor&, const at::Tensor&, Activation);
+
 }  // namespace ckpt_ext

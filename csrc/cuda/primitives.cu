@@ -11,6 +11,7 @@
 //                                                 when dst is src)
 //   activation_backward_cuda_                     tanh_backward_cuda_ for any activation, from z
 //   activation_terms_cuda(p, act, terms, add, out) out = add + Σ f^(k)(p)·Π factors, one pass
+//   gated_cuda(z, act), gated_backward_cuda_(z, gh, act)  the gated product and its gradients
 #include <ATen/Dispatch.h>
 
 #include "../primitives.h"
@@ -72,6 +73,27 @@ at::Tensor tanh_backward_cuda_(const at::Tensor& acc, const at::Tensor& grad_out
 at::Tensor bias_grad_cuda(const at::Tensor& grad_out) {
   TORCH_INTERNAL_ASSERT(grad_out.is_cuda() && grad_out.dim() == 2);
   return backward(at::Tensor(), grad_out, BackwardPass::kSumOnly, Activation::kTanh, true);
+}
+
+namespace {
+
+void gated(const at::Tensor& z, const at::Tensor& gh, Activation act) {
+  TORCH_INTERNAL_ASSERT(z.is_cuda() && z.is_contiguous() && z.dim() == 2 && z.size(1) % 2 == 0);
+  if (gh.defined()) {
+    TORCH_INTERNAL_ASSERT(gh.is_cuda() && gh.is_contiguous() && gh.size(0) == z.size(0) &&
+                          gh.size(1) == z.size(1) / 2 && gh.scalar_type() == z.scalar_type());
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, z.scalar_type(), "gated_cuda",
+                                  [&] { gated_pass_cuda<scalar_t>(z, gh, act); });
+}
+
+}  // namespace
+
+void gated_cuda(const at::Tensor& z, Activation act) { gated(z, at::Tensor(), act); }
+
+void gated_backward_cuda_(const at::Tensor& z, const at::Tensor& gh, Activation act) {
+  TORCH_INTERNAL_ASSERT(gh.defined());
+  gated(z, gh, act);
 }
 
 }  // namespace ckpt_ext
