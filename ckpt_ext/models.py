@@ -2,7 +2,8 @@
 ``checkpoint``, ``checkpoint-stack``, ``fused``): :class:`Net` (the write-up's chain: ``linear1``,
 then ``block1..blockN = Sequential(Linear(H, H), Tanh())``, loss ``output.mean()``),
 :class:`ResidualNet` (``h + tanh(Linear(h))``), :class:`MLPNet` (``h + Linear(4H, H)(tanh(Linear(H,
-4H)(h)))``), :class:`BertMLPNet` (BERT's ``LayerNorm(h + Linear(H, W)(gelu(Linear(W, H)(h))))``)
+4H)(h)))``), :class:`BertMLPNet` (BERT's ``LayerNorm(h + Linear(H, W)(gelu(Linear(W, H)(h))))``),
+:class:`LlamaMLPNet` (Llama's ``h + down(silu(gate(n)) * up(n))``, ``n = RMSNorm(h)``)
 and :class:`PINNNet` (``2 -> H x D -> 1`` with any activation, a heat-equation loss needing
 ``u_xx``: a double backward). Every mode shares ``nn.Linear``'s initialisation and ``state_dict``
 keys, so modes load one another's weights; :func:`recomputed_gemms` says what each mode recomputes.
@@ -18,11 +19,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ._activations import MODULE_OF, QuickGELU, Sin  # noqa: F401  (the modules of sin, quick_gelu)
-from .modules import FusedLinearTanh, FusedMLP, FusedTanhMLP
+from .modules import FusedGatedMLP, FusedLinearTanh, FusedMLP, FusedTanhMLP
 from .ops import tanh_mlp
 
 #: Every mode some network has; each class lists its own in ``MODES``.
-ALL_MODES = ("plain", "checkpoint", "checkpoint-stack", "fused")
+ALL_MODES = ("plain", "checkpoint", "checkpoint-stack", "fused", "liger")
 
 
 #: The stock module of each activation name of ``ckpt_ext.mlp``: what the plain and checkpoint
@@ -248,6 +249,91 @@ class BertMLPNet(_Recompute, nn.Module):
         return (out * x).mean()
 
 
+class _SiLUMul(torch.autograd.Function):
+    """silu(g) * u keeping g and u and recomputing the product's factors in backward: what
+    Liger-Kernel's LigerSiLUMulFunction keeps, written in plain torch."""
+
+    @staticmethod
+    def forward(ctx, g: Tensor, u: Tensor) -> Tensor:
+        ctx.save_for_backward(g, u)
+        return torch.nn.functional.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, gh: Tensor):
+        g, u = ctx.saved_tensors
+        s = torch.sigmoid(g)
+        silu = g * s
+        return gh * u * (s * (1 + g * (1 - s))), gh * silu
+
+
+class GatedMLP(nn.Module):
+    """transformers' ``LlamaMLP``: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases.
+    ``liger``: the product through :class:`_SiLUMul` (gate and up kept, the product recomputed),
+    as Liger-Kernel's ``LigerSwiGLUMLP`` computes it."""
+
+    def __init__(self, hidden: int, inter: int, liger: bool = False, device=None,
+                 dtype=None) -> None:
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(hidden, inter, **kw)
+        self.up_proj = nn.Linear(hidden, inter, **kw)
+        self.down_proj = nn.Linear(inter, hidden, **kw)
+        self.act_fn = nn.SiLU()
+        self.liger = liger
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.liger:
+            return self.down_proj(_SiLUMul.apply(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaMLPBlock(nn.Module):
+    """A Llama decoder layer's MLP sublayer: ``h + mlp(norm(h))`` with ``norm = nn.RMSNorm(W,
+    eps=1e-6)`` and ``mlp`` :class:`GatedMLP` (W -> I -> W, SiLU), or :class:`~ckpt_ext.FusedGatedMLP`
+    when ``fused`` (the same keys and seeded values). ``forward(h, recompute)`` runs ``mlp``
+    through ``recompute(mlp, n)`` where given (a checkpoint call)."""
+
+    def __init__(self, width: int, inter: int, mode: str, device=None, dtype=None) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(width, eps=1e-6, device=device, dtype=dtype)
+        if mode == "fused":
+            self.mlp = FusedGatedMLP(width, inter, "silu", device=device, dtype=dtype)
+        else:
+            self.mlp = GatedMLP(width, inter, mode == "liger", device=device, dtype=dtype)
+
+    def forward(self, h: Tensor, recompute: Optional[Callable] = None) -> Tensor:
+        n = self.norm(h)
+        return h + (self.mlp(n) if recompute is None else recompute(self.mlp, n))
+
+
+class LlamaMLPNet(_Recompute, nn.Module):
+    """``depth`` :class:`LlamaMLPBlock` in a row, width ``in_features`` (the hidden size) and
+    intermediate width ``hidden``, on rows of tokens ``(..., W)``. ``checkpoint`` checkpoints each
+    block's MLP (the norm and the residual add stay outside, where a transformer has them);
+    ``fused`` makes each MLP one :class:`~ckpt_ext.FusedGatedMLP`, which keeps only its input;
+    ``liger`` keeps what Liger-Kernel keeps (the MLP's input, gate, up and the product the down
+    projection reads). The loss is ``output.mean()``."""
+
+    MODES = ("plain", "checkpoint", "fused", "liger")
+
+    def __init__(self, in_features: int = 1024, hidden: int = 2816, depth: int = 3,
+                 mode: str = "plain", use_reentrant: bool = False, device=None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        _check_args(type(self), mode, use_reentrant)
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.mode, self.use_reentrant = mode, use_reentrant
+        self.blocks = nn.ModuleList(LlamaMLPBlock(in_features, hidden, mode, device, dtype)
+                                    for _ in range(depth))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x
+        for block in self.blocks:
+            h = block(h, self._checkpoint if self.mode == "checkpoint" else None)
+        return h
+
+
 class PINNNet(_Recompute, nn.Module):
     """A physics-informed network ``u(t, x)``: ``Linear(2, hidden), Act`` then ``depth - 1`` times
     ``Linear(hidden, hidden), Act``, then ``Linear(hidden, 1)``, held as ``self.mlp`` (keys
@@ -342,7 +428,7 @@ class SiLUPINNNet(PINNNet):
 #: The benchmark's networks by name; each takes ``(in_features, hidden, depth, mode,
 #: use_reentrant, device, dtype)`` and has ``MODES`` and ``loss(out, x)``.
 NETWORKS = {"chain": Net, "residual": ResidualNet, "mlp": MLPNet, "bert-mlp": BertMLPNet,
-            "pinn": PINNNet, "pinn-sin": SinPINNNet, "pinn-silu": SiLUPINNNet}
+            "llama-mlp": LlamaMLPNet, "pinn": PINNNet, "pinn-sin": SinPINNNet, "pinn-silu": SiLUPINNNet}
 
 
 def is_pinn(name: str) -> bool:
@@ -362,15 +448,19 @@ def recomputed_gemms(name: str, mode: str, batch: int, in_features: int, hidden:
         return None
     if mode not in NETWORKS[name].MODES:
         raise ValueError(f"{NETWORKS[name].__name__} has no mode {mode!r}")
-    # An MLP block's two Linears (bert-mlp: in_features -> hidden -> in_features)
-    width, inner = (in_features, hidden) if name == "bert-mlp" else (hidden, ratio * hidden)
+    # An MLP block's two Linears (bert-mlp, llama-mlp: in_features -> hidden -> in_features)
+    width, inner = ((in_features, hidden) if name in ("bert-mlp", "llama-mlp")
+                    else (hidden, ratio * hidden))
     fc1, fc2 = (batch, width, inner), (batch, inner, width)
     # Per block: what the block's backward needs recomputed. An MLP block needs act(fc1(h)) only:
     # fc2's output feeds no gradient, so neither the stack op nor non-reentrant checkpoint (which
     # stops its re-run once it has every tensor backward asked for) runs fc2 again; reentrant
     # checkpoint re-runs the whole MLP.
     per_block = {"chain": [(batch, hidden, hidden)], "residual": [(batch, hidden, hidden)],
-                 "mlp": [fc1] + ([fc2] if use_reentrant else []), "bert-mlp": [fc1]}[name]
+                 "mlp": [fc1] + ([fc2] if use_reentrant else []), "bert-mlp": [fc1],
+                 # gate and up (checkpoint's re-run stops before down, whose output no gradient
+                 # needs); liger recomputes no GEMM
+                 "llama-mlp": [fc1, fc1] if mode != "liger" else []}[name]
     if mode == "plain":
         return []
     if mode == "checkpoint" and name == "chain":

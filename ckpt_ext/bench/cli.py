@@ -41,11 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("tokens", "depth"):
         p.add_argument(f"--bert-{name}", type=int, default=None,
                        help="overrides the preset (bert-mlp; widths 768 -> 3072 -> 768)")
+    for name in ("tokens", "depth"):
+        p.add_argument(f"--llama-{name}", type=int, default=None,
+                       help="overrides the preset (llama-mlp; widths the preset's)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per mode (preset's)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--budget", type=parse_bytes, default=None,
                    help="memory budget for the max-batch column of every network, e.g. 512MiB "
-                        "(default: the preset's, bert-mlp's its own)")
+                        "(default: the preset's, bert-mlp's and llama-mlp's their own)")
     p.add_argument("--networks", default=",".join(NETWORKS),
                    help=f"comma-separated, from {', '.join(NETWORKS)}")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
@@ -87,6 +90,10 @@ def config_from_args(argv=None) -> Config:
     bert = Sizes(a.bert_tokens if a.bert_tokens is not None else ps["bert"]["batch"],
                  BERT_WIDTHS["in_features"], BERT_WIDTHS["hidden"],
                  a.bert_depth if a.bert_depth is not None else ps["bert"]["depth"])
+    pl = ps["llama"]
+    llama = Sizes(a.llama_tokens if a.llama_tokens is not None else pl["batch"],
+                  pl["in_features"], pl["hidden"],
+                  a.llama_depth if a.llama_depth is not None else pl["depth"])
     steps = a.steps if a.steps is not None else ps["steps"]
     warmup = a.warmup if a.warmup is not None else ps["warmup"]
     networks = [n.strip() for n in a.networks.split(",") if n.strip()]
@@ -103,9 +110,10 @@ def config_from_args(argv=None) -> Config:
         if s.batch < 2 or s.hidden < 1 or s.depth < 1:
             p.error(f"--{what}{'points' if what else 'batch'} must be >= 2 and --{what}hidden, "
                     f"--{what}depth >= 1, got {s.batch}, {s.hidden}, {s.depth}")
-    if bert.batch < 2 or bert.depth < 1:
-        p.error(f"--bert-tokens must be >= 2 and --bert-depth >= 1, got {bert.batch}, "
-                f"{bert.depth}")
+    for what, s in (("bert", bert), ("llama", llama)):
+        if s.batch < 2 or s.depth < 1:
+            p.error(f"--{what}-tokens must be >= 2 and --{what}-depth >= 1, got {s.batch}, "
+                    f"{s.depth}")
     if a.threads is not None:
         if a.threads < 1:
             p.error(f"--threads must be >= 1, got {a.threads}")
@@ -117,6 +125,8 @@ def config_from_args(argv=None) -> Config:
                   budget=a.budget if a.budget is not None else parse_bytes(ps["budget"]),
                   bert_budget=(a.budget if a.budget is not None
                                else parse_bytes(ps["bert"]["budget"])),
+                  llama=llama, llama_budget=(a.budget if a.budget is not None
+                                             else parse_bytes(pl["budget"])),
                   networks=networks, modes=modes, out=a.out, compile_backend=a.compile_backend,
                   seed=a.seed, progress=not a.no_progress,
                   command=" ".join(["python -m ckpt_ext.bench"] + argv))

@@ -20,7 +20,7 @@ from ..memory import MemoryMeter, clear_grads, measured_step
 from ..models import NETWORKS, PINNNet, is_pinn, recomputed_gemms
 from .measure import (grad_errors, max_batch, share_parameters, timed_gemms, timed_step,
                       uninstrumented)
-from .presets import MODES, SAME_AS, Config, model_mode
+from .presets import MODES, SAME_AS, Config, model_mode, runs_mode
 
 
 class _PlainProgress:
@@ -89,6 +89,8 @@ class NetworkRun:
         # second set of weights is ever allocated; compiled modes wrap them.
         eager: dict[tuple[str, bool], nn.Module] = {("plain", False): self.plain}
         for mode in cfg.modes:
+            if not runs_mode(net_name, mode):  # a mode of another network family: no row
+                continue
             if (net_name, mode) in SAME_AS:
                 other, why = SAME_AS[(net_name, mode)]
                 self.res[mode] = {"same_as": other, "why": why}
@@ -296,8 +298,9 @@ def conditions(cfg: Config) -> dict:
     return {
         "device": dev, "dtype": str(cfg.dtype).replace("torch.", ""), "preset": cfg.preset,
         "sizes": vars(cfg.sizes), "pinn_sizes": {**vars(cfg.pinn), "out_features": 1},
-        "bert_sizes": vars(cfg.bert), "mlp_ratio": cfg.ratio, "steps": cfg.steps,
-        "warmup": cfg.warmup, "budget_bytes": cfg.budget, "bert_budget_bytes": cfg.bert_budget,
+        "bert_sizes": vars(cfg.bert), "llama_sizes": vars(cfg.llama), "mlp_ratio": cfg.ratio,
+        "steps": cfg.steps, "warmup": cfg.warmup, "budget_bytes": cfg.budget,
+        "bert_budget_bytes": cfg.bert_budget, "llama_budget_bytes": cfg.llama_budget,
         "compile_backend": cfg.compile_backend,
         "torch": torch.__version__, "python": platform.python_version(),
         "memory_meter": ("exact bytes of every CPU tensor allocation (ckpt_ext counting allocator)"

@@ -1,8 +1,8 @@
 """What a benchmark run covers: the size presets, the modes compared, and the run's configuration.
 
 Sizes are (batch, in_features, hidden, depth) for chain/residual/mlp, (points, hidden, depth) for the
-physics-informed networks and (tokens, depth) for bert-mlp; the method behind each preset is in
-docs/benchmark.md.
+physics-informed networks, (tokens, depth) for bert-mlp and (tokens, hidden size, intermediate size,
+depth) for llama-mlp; the method behind each preset is in docs/benchmark.md.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import NETWORKS, BertMLPNet, is_pinn
+from ..models import NETWORKS, BertMLPNet, LlamaMLPNet, is_pinn
 
 #: The physics-informed networks of every preset but tiny: 2 -> 64x4 -> 1 on 4096 points.
 PINN_SIZES = dict(batch=4096, hidden=64, depth=4)
@@ -23,24 +23,31 @@ PRESETS = {
     # Seconds: for tests and a first look.
     "tiny": dict(batch=16, in_features=32, hidden=64, depth=3, steps=3, warmup=1, budget="8MiB",
                  pinn=dict(batch=64, hidden=16, depth=3),
-                 bert=dict(batch=16, depth=2, budget="128MiB")),
+                 bert=dict(batch=16, depth=2, budget="128MiB"),
+                 llama=dict(batch=16, in_features=32, hidden=88, depth=2, budget="8MiB")),
     # The small-layer regime of RL policies and physics-informed nets: per-op overheads (Python,
     # autograd nodes, allocations) weigh as much as the GEMMs. Steps are short, so take many.
     # bert-mlp: 4 sequences of 128 tokens.
+    # llama-mlp: 512 tokens, hidden 256, intermediate 704 (Llama's 2.75 ratio).
     "small": dict(batch=2048, in_features=64, hidden=64, depth=4, steps=41, warmup=3,
-                  budget="64MiB", pinn=PINN_SIZES, bert=dict(batch=512, depth=2, budget="256MiB")),
+                  budget="64MiB", pinn=PINN_SIZES, bert=dict(batch=512, depth=2, budget="256MiB"),
+                  llama=dict(batch=512, in_features=256, hidden=704, depth=2, budget="64MiB")),
     # A wide batch and a narrow hidden size, so that activations (batch x hidden) outweigh the
     # weights, as they do in training at scale; with hidden >> batch the weights and their
     # gradients fill the peak whatever the mode. GEMMs dominate the step here.
-    # bert-mlp: 16 sequences of 128 tokens.
+    # bert-mlp: 16 sequences of 128 tokens. llama-mlp: 2048 tokens, hidden 1024, intermediate 2816.
     "cpu-default": dict(batch=1024, in_features=1024, hidden=512, depth=3, steps=15, warmup=2,
                         budget="512MiB", pinn=PINN_SIZES,
-                        bert=dict(batch=2048, depth=3, budget="1GiB")),
+                        bert=dict(batch=2048, depth=3, budget="1GiB"),
+                        llama=dict(batch=2048, in_features=1024, hidden=2816, depth=3,
+                                   budget="1GiB")),
     # The write-up: input (512, 1024), linear1 1024 -> 10240, three 10240 x 10240 blocks.
-    # bert-mlp: 64 sequences of 128 tokens.
+    # bert-mlp: 64 sequences of 128 tokens. llama-mlp: Llama-2-7B's widths, 8192 tokens.
     "writeup": dict(batch=512, in_features=1024, hidden=10240, depth=3, steps=15, warmup=3,
                     budget="40GiB", pinn=PINN_SIZES,
-                    bert=dict(batch=8192, depth=4, budget="40GiB")),
+                    bert=dict(batch=8192, depth=4, budget="40GiB"),
+                    llama=dict(batch=8192, in_features=4096, hidden=11008, depth=2,
+                               budget="40GiB")),
 }
 
 
@@ -63,8 +70,11 @@ MODES = {
                                doc="torch.compile of checkpoint-stack (chain) / checkpoint"),
     "fused": Mode("fused", doc="ckpt_ext: chain one tanh_mlp over the blocks, residual "
                   "FusedLinearTanh per block, mlp FusedTanhMLP per block, bert-mlp FusedMLP (gelu) "
-                  "per block, each physics-informed network one FusedMLP of its activation"),
+                  "per block, llama-mlp FusedGatedMLP per block, each physics-informed network "
+                  "one FusedMLP of its activation"),
     "compile-fused": Mode("fused", compiled=True, doc="torch.compile of fused"),
+    "liger": Mode("liger", doc="llama-mlp only: Liger-Kernel's policy (gate and up kept, the "
+                  "product recomputed; a custom Function in plain torch)"),
     "checkpoint-reentrant": Mode("checkpoint", reentrant=True,
                                  doc="torch.utils.checkpoint(use_reentrant=True), as checkpoint"),
 }
@@ -115,16 +125,24 @@ class Sizes:
 
 def size_group(net_name: str) -> str:
     """Which of a preset's sizes network ``net_name`` takes: "pinn" (the physics-informed
-    networks), "bert" (bert-mlp) or "sizes" (chain, residual, mlp)."""
+    networks), "bert" (bert-mlp), "llama" (llama-mlp) or "sizes" (chain, residual, mlp)."""
     if is_pinn(net_name):
         return "pinn"
+    if issubclass(NETWORKS[net_name], LlamaMLPNet):
+        return "llama"
     return "bert" if issubclass(NETWORKS[net_name], BertMLPNet) else "sizes"
+
+
+def runs_mode(net_name: str, mode: str) -> bool:
+    """Whether network ``net_name`` has bench ``mode`` at all (liger: llama-mlp only)."""
+    return model_mode(net_name, mode) in NETWORKS[net_name].MODES or \
+        (net_name, mode) in SAME_AS
 
 
 def sizes_in(conditions: dict, net_name: str) -> dict:
     """Network ``net_name``'s sizes in a results dict's ``conditions``."""
-    return conditions[{"sizes": "sizes", "pinn": "pinn_sizes",
-                       "bert": "bert_sizes"}[size_group(net_name)]]
+    return conditions[{"sizes": "sizes", "pinn": "pinn_sizes", "bert": "bert_sizes",
+                       "llama": "llama_sizes"}[size_group(net_name)]]
 
 
 @dataclass
@@ -147,9 +165,12 @@ class Config:
     progress: bool = True
     command: str = ""
     ratio: int = 4  #: MLP inner width / hidden
+    llama: Sizes = None  #: llama-mlp: tokens, hidden size, intermediate size, depth
+    llama_budget: int = 0
 
     def sizes_of(self, net_name: str) -> Sizes:
         return getattr(self, size_group(net_name))
 
     def budget_of(self, net_name: str) -> int:
-        return self.bert_budget if size_group(net_name) == "bert" else self.budget
+        group = size_group(net_name)
+        return {"bert": self.bert_budget, "llama": self.llama_budget}.get(group, self.budget)

@@ -37,14 +37,26 @@ def conditions_line(c: dict) -> str:
         f"chain/residual/mlp: batch {s['batch']}, in_features {s['in_features']}, hidden "
         f"{s['hidden']}, depth {s['depth']} (MLP inner {c['mlp_ratio']}×hidden); bert-mlp: "
         f"{b['batch']} tokens, {b['depth']} blocks of {b['in_features']} -> {b['hidden']} -> "
-        f"{b['in_features']} (GELU), residual and LayerNorm; {', '.join(pinns)}: "
+        f"{b['in_features']} (GELU), residual and LayerNorm; {_llama(c)}{', '.join(pinns)}: "
         f"{p['in_features']} -> {p['hidden']}x{p['depth']} -> {p['out_features']} MLP "
         f"({', '.join(NETWORKS[n].ACTIVATION for n in pinns)}) on {p['batch']} points. "
         f"Step time = median of {c['steps']} steps after {c['warmup']} warm-up, modes interleaved, "
         f"counting allocator uninstalled; floor = plain's step + the GEMMs the mode recomputes, "
         f"timed alone in the same loop; memory = {c['memory_meter']}, from separate steps; "
         f"torch.compile backend {c['compile_backend']}; budget {fmt_bytes(c['budget_bytes'])} "
-        f"(bert-mlp: {fmt_bytes(c['bert_budget_bytes'])}). Command: `{c['command']}`.")
+        f"(bert-mlp: {fmt_bytes(c['bert_budget_bytes'])}"
+        + (f", llama-mlp: {fmt_bytes(c['llama_budget_bytes'])}" if "llama_budget_bytes" in c
+           else "") + f"). Command: `{c['command']}`.")
+
+
+def _llama(c: dict) -> str:
+    """llama-mlp's sizes, where the results have them."""
+    lm = c.get("llama_sizes")
+    if not lm:
+        return ""
+    return (f"llama-mlp: {lm['batch']} tokens, {lm['depth']} blocks of RMSNorm and "
+            f"{lm['in_features']} -> 2×{lm['hidden']} -> {lm['in_features']} (gated SiLU), "
+            f"residual; ")
 
 
 def _fronts(modes: dict) -> dict[str, list[str]]:

@@ -43,7 +43,9 @@ def test_cli_writes_table_json_png(tiny_run):
     table = stem.with_suffix(".md").read_text()
     main = table.split("\n\n")[1]  # the first table, after the conditions
     rows = [line for line in main.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 1 + len(NETWORKS) * len(presets.DEFAULT_MODES)
+    assert len(rows) == 1 + sum(presets.runs_mode(n, m) for n in NETWORKS
+                                for m in presets.DEFAULT_MODES)
+    assert "| llama-mlp | liger |" in main and "| chain | liger |" not in main
     assert "--compile-backend aot_eager" in table  # the command is part of the conditions
     assert res["conditions"]["budget_bytes"] == 4 << 20
     png = stem.with_suffix(".png").read_bytes()
@@ -56,7 +58,8 @@ def test_cli_no_mode_fails_but_compile_of_double_backward(tiny_run):
     proc, stem, res = tiny_run
     assert list(res["networks"]) == list(NETWORKS)
     for name, modes in res["networks"].items():
-        assert list(modes) == presets.DEFAULT_MODES, name
+        assert list(modes) == [m for m in presets.DEFAULT_MODES if presets.runs_mode(name, m)]
+        assert ("liger" in modes) == (name == "llama-mlp"), name
         for mode, r in modes.items():
             if is_pinn(name) and presets.MODES[mode].compiled:
                 assert r == {"error": f"RuntimeError: {DOUBLE_BACKWARD}"}, mode
@@ -225,7 +228,11 @@ def test_presets_and_defaults():
     cfg = cli.config_from_args(["--device", "cpu"])
     assert cfg.preset == "cpu-default" and cfg.out == "bench_out"  # untracked (.gitignore)
     assert cfg.modes == presets.DEFAULT_MODES and "checkpoint-reentrant" not in cfg.modes
-    assert cfg.networks == ["chain", "residual", "mlp", "bert-mlp", "pinn", "pinn-sin", "pinn-silu"]
+    assert cfg.networks == ["chain", "residual", "mlp", "bert-mlp", "llama-mlp", "pinn",
+                            "pinn-sin", "pinn-silu"]
+    assert (cfg.llama.batch, cfg.llama.in_features, cfg.llama.hidden, cfg.llama.depth) == \
+        (2048, 1024, 2816, 3)
+    assert cfg.budget_of("llama-mlp") == cfg.llama_budget == 1 << 30
     assert (cfg.pinn.batch, cfg.pinn.in_features, cfg.pinn.hidden, cfg.pinn.depth) == \
         (4096, 2, 64, 4)
     assert (cfg.bert.batch, cfg.bert.in_features, cfg.bert.hidden, cfg.bert.depth) == \
@@ -239,6 +246,8 @@ def test_presets_and_defaults():
                                 "--budget", "1MiB"])
     assert (cfg.bert.batch, cfg.bert.depth, cfg.bert_budget, cfg.budget) == \
         (64, 1, 1 << 20, 1 << 20)
+    cfg = cli.config_from_args(["--device", "cpu", "--llama-tokens", "64", "--llama-depth", "1"])
+    assert (cfg.llama.batch, cfg.llama.depth, cfg.llama_budget) == (64, 1, 1 << 30)
     cfg = cli.config_from_args(["--device", "cpu", "--preset", "small", "--hidden", "32",
                                   "--pinn-points", "512", "--steps", "20"])
     assert (cfg.sizes.batch, cfg.sizes.hidden, cfg.pinn.batch, cfg.pinn.hidden, cfg.steps) == \

@@ -120,9 +120,10 @@ def test_no_parameter_registered_twice(name):
         net = cls(in_features=IN[name], hidden=8, depth=3, mode=mode)
         every = list(net.named_parameters(remove_duplicate=False))
         assert len({id(p) for _, p in every}) == len(every), mode
-        linears = sum(1 for m in net.modules()
-                      if isinstance(m, (nn.Linear, nn.LayerNorm, ckpt_ext.FusedLinearTanh)))
-        assert len(every) == 2 * linears, mode
+        # weight and bias (where it has one) of each Linear and norm, once
+        layers = [m for m in net.modules() if isinstance(m, (nn.Linear, nn.LayerNorm, nn.RMSNorm,
+                                                             ckpt_ext.FusedLinearTanh))]
+        assert len(every) == sum(1 + (getattr(m, "bias", None) is not None) for m in layers), mode
         assert [n for n, _ in every] == list(net.state_dict()), mode
 
 
