@@ -12,7 +12,10 @@ three combine levels; M = 0 and N = 0; and the ops themselves: linear_tanh, tanh
 with last_tanh on and off and mixed biases (Holds::kTanhOutput, bias_grad), forward and backward;
 every activation of ckpt_ext.mlp (ckpt_ext.ACTIVATIONS), first order forward and backward, at widths
 1 (the scalar path) and 8 (whole packs in every dtype), with a random and a broadcast incoming
-gradient, the activation after the last layer on and off.
+gradient, the activation after the last layer on and off; ckpt_ext.gated_mlp with silu and
+gelu_tanh (every activation takes the same memory path; the tests check each one's values), both
+weight layouts, at intermediate widths 1 (the scalar path) and 16 (whole packs), forward and
+backward, the down weight's gradient alone too (the forward pass inside the backward).
 
 Run it with PYTORCH_NO_CUDA_MEMORY_CACHING=1: then every buffer is its own cudaMalloc and an access
 one element past a buffer is caught, instead of landing inside the caching allocator's block.
@@ -36,7 +39,8 @@ STARTED = time.time()  # before the imports: under a sanitizer, torch's start-up
 PACK = {torch.float32: 4, torch.float64: 2, torch.bfloat16: 8, torch.float16: 8}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # the most used first
 OPS_USED = [("ckpt_ext_kernels", "tanh_"), ("ckpt_ext_kernels", "tanh_backward_"),
-            ("ckpt_ext_kernels", "bias_grad"), ("ckpt_ext", "mlp"), ("ckpt_ext", "mlp_backward")]
+            ("ckpt_ext_kernels", "bias_grad"), ("ckpt_ext", "mlp"), ("ckpt_ext", "mlp_backward"),
+            ("ckpt_ext", "gated_mlp"), ("ckpt_ext", "gated_mlp_backward")]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 # two layers of mlp: twice tests/ops/test_mlp.py's REL_TOL in the half types (the check of a run,
 # not the test), and its RELU_HALF_TOL for relu there (a pre-activation within the GEMM's rounding
@@ -155,6 +159,43 @@ def activations(dtype):
                         check(f"{name}: grad {i}", o, r, tol, scale=r.abs() + r.abs().mean())
 
 
+def gated(dtype):
+    """ckpt_ext.gated_mlp with silu and gelu_tanh on 37 rows, hidden 5, intermediate 1 or 16, with
+    [gate, up, down] and [gate_up, down] weights and biases: forward and every gradient, and the
+    down weight's gradient alone, against the op in float64 on the CPU."""
+    g = torch.Generator().manual_seed(5)
+    for act in ("silu", "gelu_tanh"):
+        for inter in (1, 16):
+            x = torch.randn(37, 5, generator=g).to(dtype)
+            wi = (torch.randn(2 * inter, 5, generator=g) / 5 ** 0.5).to(dtype)
+            wd = (torch.randn(5, inter, generator=g) / inter ** 0.5).to(dtype)
+            bi, bd = torch.randn(2 * inter, generator=g).to(dtype), torch.randn(5, generator=g).to(dtype)
+            gy = torch.randn(37, 5, generator=g).to(dtype)
+            for packed in (False, True):
+                def call(x, wi, wd, bi, bd):
+                    if packed:
+                        return ckpt_ext.gated_mlp(x, wi, None, wd, bi, None, bd, act)
+                    return ckpt_ext.gated_mlp(x, wi[:inter], wi[inter:], wd, bi[:inter],
+                                              bi[inter:], bd, act)
+                name = f"gated_mlp {act} {dtype} inter {inter} packed={packed}"
+                leaves = [t.to(DEVICE).requires_grad_() for t in (x, wi, wd, bi, bd)]
+                y = call(*leaves)
+                got = torch.autograd.grad(y, leaves, gy.to(DEVICE))
+                leaves64 = [t.double().requires_grad_() for t in (x, wi, wd, bi, bd)]
+                y64 = call(*leaves64)
+                want = torch.autograd.grad(y64, leaves64, gy.double())
+                check(f"{name}: out", y, y64, MLP_TOL[dtype] * 2)
+                for i, (o, r) in enumerate(zip(got, want)):
+                    check(f"{name}: grad {i}", o, r, MLP_TOL[dtype] * 2,
+                          scale=r.abs() + r.abs().mean())
+                wd_only = leaves[2].detach().requires_grad_()
+                (gw,) = torch.autograd.grad(call(leaves[0].detach(), leaves[1].detach(), wd_only,
+                                                 leaves[3].detach(), leaves[4].detach()),
+                                            wd_only, gy.to(DEVICE))
+                check(f"{name}: down weight alone", gw, want[2], MLP_TOL[dtype] * 2,
+                      scale=want[2].abs() + want[2].abs().mean())
+
+
 def derivatives(dtype):
     """The derivative pass (_C._activation_derivative, orders 0 to 3) of every activation on 37
     rows of width 9, from an aligned and a misaligned input (the pack and one-element paths),
@@ -241,8 +282,9 @@ def cases(only=None):
     """(name, function, dtype) of every case, in the order they run: each group in every dtype
     before the next group, the kernels' own paths first (a run stopped at its time limit has
     covered the most)."""
-    groups = [combine_levels] if only == "combine" else [kernel_paths, activations, derivatives,
-                                                            terms, ops, combine_levels]
+    groups = [combine_levels] if only == "combine" else [kernel_paths, activations, gated,
+                                                            derivatives, terms, ops,
+                                                            combine_levels]
     return [(f"{fn.__name__} {dtype}", fn, dtype) for fn in groups for dtype in DTYPES]
 
 
