@@ -13,8 +13,9 @@ from ..modules import LayerActivations, collapse_activations
 from .discovery import LayerCall
 from .planning import PlannedRun, RunPlan
 from .report import Decision
-from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, _Guard, _OwnerForward,
-                      _Run, _RunPart, is_sequential, member_class, owner_wrappers, parts_of)
+from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, _GatedRun, _Guard,
+                      _OwnerForward, _Run, _RunPart, is_sequential, member_class, owner_wrappers,
+                      parts_of)
 from .tracing import ModelAnalysis
 
 
@@ -23,7 +24,15 @@ def _apply_run(analysis: ModelAnalysis, plan: RunPlan, decision: Decision,
     """Make the plan's run (or keep ``run``, the same run already in place), give its child
     Linear/activation members their member class; returns the run and its (Sequential, part)s."""
     layer_calls = plan.layer_calls
-    if run is None:
+    g = plan.gated
+    if run is None and g is not None:
+        run = _GatedRun(
+            labels=g.labels, members=[s.module for s in layer_calls], gate=g.gate, up=g.up,
+            down=g.down, activation=g.act.name, act_module=g.act_module,
+            dropouts=[g.child(n) for n in g.dropouts], gate_second=g.gate_second,
+            slots=plan.slots, unhooked=[(m, analysis.path_of(m)) for m in plan.unhooked],
+            owner=plan.owner, calls=plan.calls, decision=decision)
+    elif run is None:
         run = _Run(
             labels=[s.label for s in layer_calls], members=[s.module for s in layer_calls],
             layers=[s.module for s in layer_calls[0::2]], last_activation=plan.last_act,

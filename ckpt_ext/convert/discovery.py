@@ -6,8 +6,10 @@ finds the chains in forward code (``F.linear``, ``torch.tanh``, ``F.gelu``, a Li
 list) that only a rewrite fuses."""
 from __future__ import annotations
 
+import ast
 import enum
 import inspect
+import operator
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -23,7 +25,7 @@ from .policy import Chain, LayerShape, item_misses, layer_shape
 from .report import Decision
 from .runtime import (RunLinear, foreign_forward, is_sequential, join_path, stored_weight,
                       unsupported_reason)
-from .tracing import ModelAnalysis, Trace
+from .tracing import ModelAnalysis, Trace, statement_source
 
 
 class LayerKind(enum.Enum):
@@ -410,7 +412,8 @@ def graph_chains(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace,
     (``rewrite=True``). The nodes of a chain to rewrite go into ``taken``. Chains of direct child
     modules only are the discovery's."""
     graph = t.graph
-    kinds = {n: node_kind(n, owner) for n in graph.nodes}
+    # a node in ``taken`` is another unit's already (a gated MLP's, or a rewrite's)
+    kinds = {n: None if n in taken else node_kind(n, owner) for n in graph.nodes}
     kind = {n: k[0] if k else None for n, k in kinds.items()}
 
     def name_of(n: fx.Node) -> Optional[str]:
@@ -510,3 +513,204 @@ def _graph_chain(items: List[fx.Node], path: str, rewrite: bool, graph_only, rew
                for k in range(len(items))]
     item_misses(path, labels, [p if in_pair[k] else None for k, p in enumerate(problems)],
                 misses)
+
+
+# ------------------------------------------------------------------------------------------------
+# Gated MLPs: down(act(gate(x)) * up(x)) in one forward (docs/converter.md, "Gated MLPs")
+
+_PRODUCTS = {operator.mul, torch.mul, "mul", "mul_"}
+
+
+@dataclass(eq=False)
+class GatedCall:
+    """One gated MLP a forward computes from its direct child Linears: ``down(act(gate(x)) *
+    up(x))``, or with one packed ``gate_up`` Linear whose output ``chunk(2, dim=-1)`` splits
+    (``packed``; ``gate_second``: the activation takes the second chunk), with any
+    ``nn.Dropout`` between the product and ``down``."""
+    owner: nn.Module
+    path: str
+    trace: Trace
+    linears: Tuple[fx.Node, ...]      # the Linears in call order: gate, up, down or gate_up, down
+    gate: nn.Linear                   # the packed Linear when packed
+    up: Optional[nn.Linear]
+    down: nn.Linear
+    act: Recognised
+    act_node: fx.Node
+    act_module: Optional[nn.Module]   # the activation's child module; None for a call
+    dropouts: Tuple[fx.Node, ...]
+    packed: bool
+    gate_second: bool
+    nodes: Tuple[fx.Node, ...]        # every node of the pattern
+    labels: Tuple[str, ...]           # the Linears and the activation, in call order
+    problems: Tuple[str, ...] = ()
+
+    def child(self, n: fx.Node) -> nn.Module:
+        return self.owner._modules[n.target]
+
+    def label(self, n: fx.Node) -> str:
+        return node_label(n, self.path)
+
+
+def _child(owner: nn.Module, n: Any, cls: type) -> Optional[nn.Module]:
+    if not isinstance(n, fx.Node) or n.op != "call_module" or "." in n.target:
+        return None
+    sub = owner._modules.get(n.target)
+    return sub if isinstance(sub, cls) else None
+
+
+def _one_input(n: fx.Node) -> Optional[fx.Node]:
+    return n.args[0] if len(n.args) == 1 and not n.kwargs and isinstance(n.args[0], fx.Node) \
+        else None
+
+
+def _chunk_input(c: Any) -> Optional[fx.Node]:
+    """The input of ``chunk(input, 2, dim=-1)`` (method or function), else None: another count
+    or dim (the default dim 0 is not the feature dim) is no gated split."""
+    if not isinstance(c, fx.Node) or not (
+            (c.op == "call_method" and c.target == "chunk") or
+            (c.op == "call_function" and c.target is torch.chunk)):
+        return None
+    try:
+        bound = inspect.signature(lambda input, chunks, dim=0: None).bind(*c.args, **c.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    a = bound.arguments
+    return a["input"] if a["chunks"] == 2 and a["dim"] == -1 and \
+        isinstance(a["input"], fx.Node) else None
+
+
+def _activation_of(owner: nn.Module, n: fx.Node):
+    """(what it computes, its child module or None) when ``n`` is an activation, else None."""
+    if n.op == "call_module":
+        if "." in n.target:
+            return None
+        sub = owner._modules.get(n.target)
+        found = module_activation(sub)
+        return (found, sub) if found is not None else None
+    found = node_activation(n)
+    return (found[0], None) if found is not None else None
+
+
+def find_gated(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace) -> List[GatedCall]:
+    """The gated MLPs of one analysed forward, each with the problems that keep it from being
+    fused (``problems`` empty: it is fused)."""
+    found: List[GatedCall] = []
+    order = {n: i for i, n in enumerate(t.graph.nodes)}
+    for m in t.graph.nodes:
+        if m.op not in ("call_function", "call_method") or m.target not in _PRODUCTS or \
+                m.kwargs or len(m.args) != 2 or not all(isinstance(a, fx.Node) for a in m.args):
+            continue
+        for k in (0, 1):
+            g = _gated_at(analysis, path, owner, t, m, m.args[k], m.args[1 - k], order)
+            if g is not None:
+                found.append(g)
+                break
+    return found
+
+
+def _gated_at(analysis, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
+    act = _activation_of(owner, a)
+    if act is None or len(a.users) != 1 or len(b.users) != 1:
+        return None
+    y = data_input(a)
+    if not isinstance(y, fx.Node) or len(y.users) != 1:
+        return None
+    packed = gate_second = False
+    gate = _child(owner, y, nn.Linear)
+    if gate is not None:  # two Linears of the same input
+        up = _child(owner, b, nn.Linear)
+        x = _one_input(y)
+        if up is None or x is None or _one_input(b) is not x:
+            return None
+        linears, between = [y, b], []
+    else:  # gate, up = gate_up(x).chunk(2, dim=-1)
+        if not (y.op == "call_function" and y.target is operator.getitem and
+                b.op == "call_function" and b.target is operator.getitem and
+                y.args[0] is b.args[0] and {y.args[1], b.args[1]} == {0, 1}):
+            return None
+        c = y.args[0]
+        p = _chunk_input(c)
+        gate, up = _child(owner, p, nn.Linear), None
+        if gate is None or set(c.users) != {y, b} or len(p.users) != 1 or \
+                _one_input(p) is None:
+            return None
+        packed, gate_second = True, y.args[1] == 1
+        linears, between = [p], [c, y, b]
+    cur, dropouts = m, []
+    while True:  # through Dropouts to the down projection
+        if len(cur.users) != 1:
+            return None
+        u = next(iter(cur.users))
+        if _child(owner, u, nn.Dropout) is not None and type(owner._modules[u.target]) is \
+                nn.Dropout and _one_input(u) is cur:
+            dropouts.append(u)
+            cur = u
+            continue
+        down = _child(owner, u, nn.Linear)
+        if down is None or _one_input(u) is not cur:
+            return None
+        break
+    width = down.in_features
+    if (up is not None and (up.in_features != gate.in_features or up.out_features != width or
+                            gate.out_features != width)) or \
+            (up is None and gate.out_features != 2 * width) or width == 0:
+        return None
+    linears = sorted(linears, key=order.get) + [u]
+    labels = tuple(node_label(n, path) for n in sorted(linears + [a], key=order.get))
+    g = GatedCall(owner, path, t, tuple(linears), gate, up, down, act[0], a, act[1],
+                  tuple(dropouts), packed, gate_second,
+                  tuple(linears + [a, m] + between + dropouts), labels)
+    g.problems = tuple(dict.fromkeys(p for p in _gated_problems(analysis, g) if p))
+    return g
+
+
+def _gated_problems(analysis: ModelAnalysis, g: GatedCall):
+    owner, t = g.owner, g.trace
+    for n in g.linears:
+        sub = g.child(n)
+        yield linear_problem(sub)
+        yield child_problem(analysis, owner, t, n.target, g.label(n), sub)
+    yield g.act.problem
+    if g.act_module is not None:
+        yield activation_problem(g.act_module)
+        yield child_problem(analysis, owner, t, g.act_node.target, g.label(g.act_node),
+                            g.act_module)
+    for n in g.dropouts:
+        d = g.child(n)
+        yield child_problem(analysis, owner, t, n.target, g.label(n), d)
+        if d.p > 0 and d.training:
+            yield (f"dropout p>0 between the product and {g.label(g.linears[-1])}: "
+                   f"{g.label(n)} (p={d.p}) draws a mask in training that the fused op would "
+                   f"not (in eval() it is fused)")
+    weights = [stored_weight(g.child(n)) for n in g.linears]
+    if any(w is None for w in weights):
+        yield "a weight is not made yet (a lazy layer)"
+    elif len({(w.dtype, w.device) for w in weights}) > 1:
+        yield ("its Linears' weights are of different dtypes or devices ("
+               + ", ".join(f"{g.label(n)}: {w.dtype} on {w.device}"
+                           for n, w in zip(g.linears, weights)) + ")")
+    code = getattr(inspect.unwrap(getattr(type(owner), t.method)), "__code__", None)
+    for line in t.unrun:
+        if not _dtype_cast(statement_source(code, line), g.linears[-1].target):
+            yield (f"{g.path or '<model>'}.{t.method} has a statement fx did not record (line "
+                   f"{line}), which would run at call time on what the fused op does not "
+                   f"compute")
+    if t.already_rewritten:
+        source = vars(owner)[t.method].source
+        if any(f"self.{n.target}(" not in source for n in g.linears):
+            yield f"{g.path or '<model>'}.forward was rewritten by an earlier fuse"
+
+
+def _dtype_cast(stmt: Any, down: str) -> bool:
+    """``h = h.to(self.<down>.weight.dtype)``: T5's cast to its down projection's dtype, which
+    changes nothing where the run is fused (its Linears share one dtype; under autocast the down
+    projection casts back)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and
+            isinstance(stmt.targets[0], ast.Name) and isinstance(stmt.value, ast.Call)):
+        return False
+    call, name = stmt.value, stmt.targets[0].id
+    return isinstance(call.func, ast.Attribute) and call.func.attr == "to" and \
+        isinstance(call.func.value, ast.Name) and call.func.value.id == name and \
+        len(call.args) == 1 and not call.keywords and \
+        ast.unparse(call.args[0]) == f"self.{down}.weight.dtype"

@@ -12,9 +12,9 @@ from torch import nn
 
 from ..modules import LayerActivations
 from .consumers import Fate
-from .discovery import LayerCall, LayerKind, RunDiscovery, graph_chains
-from .policy import (Chain, Unit, chain_problem, decide, item_misses, layer_shape,
-                     split_at_problems, sub_chain)
+from .discovery import GatedCall, LayerCall, LayerKind, RunDiscovery, find_gated, graph_chains
+from .policy import (Chain, Unit, chain_problem, decide, gated_decision, item_misses,
+                     layer_shape, split_at_problems, sub_chain)
 from .report import Decision
 from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, Slot, _Guard,
                       _OwnerForward, _Run, is_sequential, join_path, parts_of)
@@ -63,9 +63,14 @@ class RunPlan:
     # per member Sequential: the run of its own elements it computes fused when called on its own
     alone: Dict[int, List[LayerCall]] = field(default_factory=dict)
     note: str = ""
+    gated: Optional[GatedCall] = None  # a gated MLP, computed by gated_mlp
 
     @property
     def key(self) -> Tuple[Any, ...]:
+        g = self.gated
+        if g is not None:
+            return ("gated", tuple(c.module for c in self.layer_calls), g.act.name,
+                    g.gate_second)
         return (tuple(c.module for c in self.layer_calls), self.last_act)
 
     def part_keys(self) -> List[Tuple[nn.Module, Tuple[Any, ...]]]:
@@ -329,17 +334,55 @@ def plan_model(analysis: ModelAnalysis, policy: str, rewrite: bool) -> ModelPlan
     several."""
     plan = ModelPlan()
     taken_nodes: set = set()
+    existing = {r.key: r for r in existing_runs(analysis.model)}
+    for path, m in analysis.model.named_modules():
+        t = analysis.trace_of(m) if not is_sequential(m) else None
+        if t is not None:
+            _plan_gated(analysis, path, m, t, existing, taken_nodes, plan)
     for path, m in analysis.model.named_modules():
         t = analysis.trace_of(m) if not is_sequential(m) else None
         if t is not None and not t.already_rewritten:
             _plan_rewrite(analysis, path, m, t, policy, rewrite, taken_nodes, plan)
     discovery = RunDiscovery(analysis, taken_nodes)
-    existing = {r.key: r for r in existing_runs(analysis.model)}
     runs, stops = discovery.runs()
     for layer_calls in runs:
         _plan_calls(analysis, discovery, layer_calls, stops.get(layer_calls[-1]), policy,
                     existing, plan)
     return plan
+
+
+def _plan_gated(analysis: ModelAnalysis, path: str, m: nn.Module, t: Trace,
+                existing: Dict[Any, _Run], taken_nodes: set, plan: ModelPlan) -> None:
+    """The gated MLPs of ``m``'s forward: each one fused is one unit of its Linears, whose nodes
+    are then no other unit's (the gate and its activation are no lone pair); one left alone is
+    reported, and its nodes stay free for the rest of the discovery."""
+    for g in find_gated(analysis, path, m, t):
+        d = gated_decision(g)
+        if g.problems:
+            plan.add(d)
+            continue
+        rp = plan_gated(analysis, g)
+        already = in_place(analysis, rp, existing)
+        plan.runs.append(PlannedRun(rp, d, already))
+        plan.add(_already(d) if already is not None else d)
+        taken_nodes.update(g.nodes)
+
+
+def plan_gated(analysis: ModelAnalysis, g: GatedCall) -> RunPlan:
+    """A gated MLP computed inside its owner's forward: the Linears are the members, in call
+    order; the activation module and Dropouts must stay in place and unhooked too."""
+    calls = [LayerCall(g.owner, n.target, g.child(n), LayerKind.LINEAR, g.label(n), node=n,
+                       trace=g.trace) for n in g.linears]
+    p = RunPlan("children", g.path, calls, g.act.name, False, owner=g.owner, gated=g)
+    others = ([g.act_node] if g.act_module is not None else []) + list(g.dropouts)
+    for k, c in enumerate(calls):
+        p.members.append(MemberPlan(c, k))
+        p.calls.append(c.label)
+    for n in list(g.linears) + others:
+        sub = g.child(n)
+        p.slots.append(Slot(g.owner, n.target, sub, g.label(n)))
+        p.unhooked.append(sub)
+    return p
 
 
 def _plan_rewrite(analysis: ModelAnalysis, path: str, m: nn.Module, t: Trace, policy: str,

@@ -253,3 +253,40 @@ def chain_problem(layers: Sequence[nn.Module]) -> Optional[str]:
             return (f"layer {i}: weight is {wb.dtype} on {wb.device}, the previous "
                     f"Linear's is {wa.dtype} on {wa.device}")
     return None
+
+
+def gated_figures(gate: LayerShape, up: Optional[LayerShape], down: LayerShape, activation: str,
+                  packed: bool) -> Tuple[int, int, int]:
+    """(bytes freed, FLOPs added, plain FLOPs) per row of a gated MLP computed by ``gated_mlp``.
+    Stock autograd keeps what the activation's backward keeps (its input, and its output where it
+    reads that), the up projection's output and the product (the down projection's input), each
+    ``I`` wide; with a packed gate_up weight the up half is a view that keeps the whole packed
+    output alive unless the activation keeps its input (that same output's other half) anyway.
+    The input x is kept either way. Backward recomputes the gate and up GEMMs."""
+    width = down.in_features
+    tensors = tensors_per_layer(activation) + 2 + (packed and not SAVES_INPUT[activation])
+    gemms = _gemm(gate) + (_gemm(up) if up is not None else 0)
+    return tensors * width * gate.itemsize, gemms, 3 * (gemms + _gemm(down))
+
+
+def gated_decision(g: Any) -> Decision:
+    """The report's decision for a gated MLP (``discovery.GatedCall``): fused, or left alone with
+    its problems."""
+    labels = [g.label(n) for n in g.linears]
+    gate = layer_shape("gate", g.gate)
+    up = layer_shape("up", g.up) if g.up is not None else None
+    down = layer_shape(labels[-1], g.down)
+    name = g.act.name
+    freed, extra, plain = gated_figures(gate, up, down, name, g.packed)
+    if g.problems:
+        return Decision(g.path, g.labels, "left alone", "", "", 0, extra, plain,
+                        "a gated MLP: " + "; ".join(g.problems), activation=name)
+    act = DISPLAY[name]
+    unit = (f"gated_mlp {name}, {g.gate.in_features}->2x{down.in_features}->"
+            f"{down.out_features}" + (", packed gate_up" if g.packed else ""))
+    why = (f"a gated MLP, {act}(gate) * up -> down: the {act}'s "
+           f"{'input and output' if tensors_per_layer(name) > 1 else 'output'}, the up "
+           f"projection and their product are no longer kept, only the input"
+           + (f"; the activation takes the second half of {labels[0]}" if g.gate_second else ""))
+    return Decision(g.path, g.labels, "fused", unit, "children", freed, extra, plain, why,
+                    activation=name)

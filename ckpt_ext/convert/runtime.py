@@ -105,7 +105,7 @@ class _Run:
         return each_layer(self.activation, len(self.layers) - (not self.last_activation))
 
     def __deepcopy__(self, memo):
-        new = _Run.__new__(_Run)
+        new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
@@ -117,6 +117,10 @@ class _Run:
         for m, label in zip(self.key[0], self.labels):
             if foreign_forward(m):
                 return f"{label}'s forward was set on the instance, which the fused run would skip"
+        return self._placement_problem() or self._activation_problem() or self._weights_problem()
+
+    def _placement_problem(self) -> Optional[str]:
+        """What changed where the run's modules are held or in their hooks."""
         for seq, label, _, _ in self.sequences:
             if foreign_forward(seq):
                 return f"{label or '<model>'}'s forward was set on the instance"
@@ -132,13 +136,19 @@ class _Run:
         for m, label in self.unhooked:
             if _has_hooks(m):
                 return f"{label or '<model>'} has hooks, which the fused run would not call"
+        if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks or \
+                _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks:
+            return "hooks registered for every module, which the fused run would not call"
+        return None
+
+    def _activation_problem(self) -> Optional[str]:
         for m, label, name in zip(self.key[0][1::2], self.labels[1::2], self.activations):
             found = module_activation(m)
             if found is None or found.name != name:
                 return f"{label} no longer computes {name}"
-        if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks or \
-                _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks:
-            return "hooks registered for every module, which the fused run would not call"
+        return None
+
+    def _weights_problem(self) -> Optional[str]:
         w0 = self.layers[0].weight
         problem = unsupported_reason(w0)
         if problem is not None:
@@ -189,6 +199,17 @@ class _Run:
             raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called"))
         return None
 
+    def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
+        """What member ``index`` returns when it takes its part in the run now (the first: the
+        run's output; a later one: ``x``, passed on), else None: it computes its own output."""
+        state = self.turn(index, x)
+        if state is None:
+            return None
+        if index == 0:
+            x = self(x)
+        state[0], state[1] = index + 1, x
+        return x
+
     def _strayed(self, expected: int, event: str) -> str:
         owner = self.calls and (self.decision.where if self.decision else "") or ""
         return (f"ckpt_ext.fuse: the fused run {' -> '.join(self.labels)} was computed by "
@@ -196,6 +217,107 @@ class _Run:
                 f"{owner or '<model>'}.forward took a path its analysis did not see (it depends on "
                 f"state outside the module). Fuse an unfused copy of the model with trace=False, "
                 f"or make that state an attribute of the module")
+
+
+class _GatedRun(_Run):
+    """A gated MLP as fuse applied it: ``down(act(gate(x)) * up(x))`` in its owner's forward,
+    computed by ``gated_mlp`` keeping only x. Its members are the Linears, in call order. Inside
+    the owner's region the first computes the whole op and returns a zero-width placeholder;
+    the up projection (called with that same x) returns another; what the forward does between
+    (the activation, chunk, the product, a Dropout that returns its input) runs on placeholders,
+    at no cost; the down projection checks it received a placeholder of x's rows and returns the
+    op's output. Design: docs/converter.md, "Gated MLPs"."""
+
+    def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
+                 gate: nn.Linear, up: Optional[nn.Linear], down: nn.Linear, activation: str,
+                 act_module: Optional[nn.Module], dropouts: Sequence[nn.Module],
+                 gate_second: bool, slots: Sequence[Slot],
+                 unhooked: Sequence[Tuple[nn.Module, str]], owner: nn.Module,
+                 calls: Sequence[str], decision: Optional[Decision] = None) -> None:
+        super().__init__(labels, members, [gate] + ([up] if up is not None else []) + [down],
+                         False, (), slots, unhooked, owner, calls, (), decision, activation)
+        self.key = ("gated", tuple(members), activation, bool(gate_second))
+        self.members = tuple(members)
+        self.gate, self.up, self.down = gate, up, down
+        self.act_module = act_module
+        self.dropouts = tuple(dropouts)
+        self.gate_second = bool(gate_second)
+
+    def problem(self) -> Optional[str]:
+        if torch.jit.is_tracing():
+            return "torch.jit.trace is recording the model"
+        for m, label in self.unhooked:
+            if foreign_forward(m):
+                return f"{label}'s forward was set on the instance, which the fused op would skip"
+        return self._placement_problem() or self._activation_problem() or self._weights_problem()
+
+    def _activation_problem(self) -> Optional[str]:
+        name = self.activation
+        if self.act_module is not None:
+            found = module_activation(self.act_module)
+            if found is None or found.name != name or found.problem is not None:
+                return f"its activation module no longer computes {name}"
+        for d in self.dropouts:
+            if type(d) is not nn.Dropout or (d.p > 0 and d.training):
+                return "a Dropout between the product and the down projection draws a mask"
+        return None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.members[0]
+        _as_linear_would(x, first.weight, first.bias)
+        gate, up, down = self.gate, self.up, self.down
+        if up is not None:
+            return ops.gated_mlp(x, gate.weight, up.weight, down.weight, gate.bias, up.bias,
+                                 down.bias, activation=self.activation)
+        w, b = gate.weight, gate.bias
+        if not self.gate_second:
+            return ops.gated_mlp(x, w, None, down.weight, b, None, down.bias,
+                                 activation=self.activation)
+        w_up, w_gate = w.chunk(2)  # the activation takes the second half
+        b_up, b_gate = b.chunk(2) if b is not None else (None, None)
+        return ops.gated_mlp(x, w_gate, w_up, down.weight, b_gate, b_up, down.bias,
+                             activation=self.activation)
+
+    def enter(self) -> None:
+        # [the next member, x, the state of an enclosing call, the op's output until returned]
+        self._region.state = [0, None, self._region.state, None]
+
+    def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
+        state = self._region.state
+        if state is None:
+            return None
+        expected, last = state[0], len(self.calls) - 1
+        if expected == index == 0:
+            if self.problem() is not None:
+                state[0] = -1  # computed module by module for the rest of this call
+                return None
+            out = self(x)
+            state[0], state[1], state[3] = 1, x, out
+            return _placeholder(x, out)
+        if expected == index and 0 < index < last and x is state[1]:
+            state[0] = index + 1
+            return _placeholder(x, state[3])
+        if expected == index == last and _is_placeholder(x, state[1]):
+            out, state[3] = state[3], None
+            state[0], state[1] = index + 1, out
+            return out
+        if 0 < expected <= last:
+            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called with "
+                                                       f"another value"
+                                             if expected == index else
+                                             f"{self.calls[index]} was called"))
+        return None
+
+
+def _placeholder(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """What a gated MLP's first members return inside the region: no elements, x's rows (the
+    forward's code between them and the down projection runs on it at no cost)."""
+    return x.new_empty(x.shape[:-1] + (0,), dtype=out.dtype)
+
+
+def _is_placeholder(h: Any, x: torch.Tensor) -> bool:
+    return isinstance(h, torch.Tensor) and h.dim() >= 1 and h.shape[-1] == 0 and \
+        h.shape[:-1] == x.shape[:-1] and not h.requires_grad
 
 
 def _as_linear_would(x: Any, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -347,13 +469,8 @@ class RunLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         run = self._ckpt_ext_run
-        state = run.turn(self._ckpt_ext_index, input) if run is not None else None
-        if state is None:
-            return super().forward(input)
-        if self._ckpt_ext_index == 0:
-            input = run(input)
-        state[0], state[1] = self._ckpt_ext_index + 1, input
-        return input
+        out = run.take(self._ckpt_ext_index, input) if run is not None else None
+        return super().forward(input) if out is None else out
 
     def extra_repr(self) -> str:
         return super().extra_repr() + _member_repr(self)
@@ -371,11 +488,8 @@ class RunActivation:
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         run = self._ckpt_ext_run
-        state = run.turn(self._ckpt_ext_index, input) if run is not None else None
-        if state is None:
-            return super().forward(input)
-        state[0], state[1] = self._ckpt_ext_index + 1, input
-        return input
+        out = run.take(self._ckpt_ext_index, input) if run is not None else None
+        return super().forward(input) if out is None else out
 
     def extra_repr(self) -> str:
         own = super().extra_repr()
@@ -401,6 +515,11 @@ def _member_repr(m: nn.Module) -> str:
     run = getattr(m, "_ckpt_ext_run", None)
     if run is None:
         return ""
+    if isinstance(run, _GatedRun):
+        what = ("computes the gated MLP" if m._ckpt_ext_index == 0 else
+                "returns the gated MLP's output" if m._ckpt_ext_index == len(run.calls) - 1 else
+                "takes part in the gated MLP")
+        return f", {what} {run.labels[0]}..{run.labels[-1]} inside its owner's forward"
     what = "computes" if m._ckpt_ext_index == 0 else "passes on"
     return f", {what} the run {run.labels[0]}..{run.labels[-1]} inside its owner's forward"
 

@@ -6,6 +6,7 @@ from a value the forward branches on) and becomes a :class:`_Guard` the owner's 
 each call. Attributes changed by tracing are found by comparing snapshots before and after."""
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import enum
@@ -14,6 +15,7 @@ import operator
 import os
 import random
 import sys
+import textwrap
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -73,6 +75,10 @@ class Trace:
     # Why the forward may not mark a region (its children's run), or be rewritten; None if it may.
     region_problem: Optional[str] = None
     rewrite_problem: Optional[str] = None
+    # The first lines of the traced method's simple statements that ran in neither trace: a
+    # branch fx decided on a value it does not record (``isinstance(proxy, torch.Tensor)`` is
+    # False while tracing), which runs at call time. See :func:`unrun_statements`.
+    unrun: Tuple[int, ...] = ()
 
 
 def analysis_copy(model: nn.Module) -> nn.Module:
@@ -321,6 +327,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         return Trace(False, problem)
     code = getattr(inspect.unwrap(getattr(type(orig), method)), "__code__", None)
     codes, graph, indirect = [], None, {}
+    ran: set = set()
     reads: Dict[Tuple[int, str], Any] = {}
     changed: set = set()
     _Reads.observed = set()
@@ -334,7 +341,8 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
             # "None of the inputs have requires_grad=True") are about that run, not the model.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                g = tracer.trace(clone)
+                with _lines_run(code, ran):
+                    g = tracer.trace(clone)
         except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             return Trace(False, f"torch.fx cannot trace it ({type(e).__name__}: {msg[:160]})")
@@ -349,7 +357,8 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     if codes[0] != codes[1]:
         return Trace(False, f"its {method} runs different code in train() and eval() (it reads "
                             f"self.training)")
-    t = Trace(True, "", graph, method=method, already_rewritten=already, indirect=indirect)
+    t = Trace(True, "", graph, method=method, already_rewritten=already, indirect=indirect,
+              unrun=tuple(first for first, lines in _statement_lines(code) if not ran & lines))
     # What the forward read, and what tracing changed: a region and a rewrite both rely on the
     # forward taking the path fx saw, so every attribute that could steer it is checked at call
     # time (a guard), and one that changes at every call must be a pure count.
@@ -503,3 +512,87 @@ def _wants_analysis(m: nn.Module) -> bool:
         return False
     # torch.nn's own modules (Linear, LSTM, TransformerEncoderLayer, ...): no user code to see.
     return not type(m).__module__.startswith("torch.")
+
+
+@contextlib.contextmanager
+def _lines_run(code: Any, ran: set):
+    """Adds to ``ran`` each line of ``code`` (the traced method) that runs in the block. A tracer
+    already installed (coverage, a debugger) still gets every event."""
+    if code is None:
+        yield
+        return
+    prev = sys.gettrace()
+
+    def local(chained):
+        def step(frame, event, arg):
+            nonlocal chained
+            if event == "line":
+                ran.add(frame.f_lineno)
+            if chained is not None:
+                chained = chained(frame, event, arg)
+            return step
+        return step
+
+    def scope(frame, event, arg):
+        chained = prev(frame, event, arg) if prev is not None else None
+        if frame.f_code is code:
+            return local(chained)
+        return chained
+
+    sys.settrace(scope)
+    try:
+        yield
+    finally:
+        sys.settrace(prev)
+
+
+def _statement_lines(code: Any) -> List[Tuple[int, set]]:
+    """(first line, its lines) of each simple statement of ``code``'s function (not of functions
+    or classes defined in it; the docstring left out), read from its source; [] without one."""
+    if code is None:
+        return []
+    try:
+        lines, start = inspect.getsourcelines(code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return []
+    fn = tree.body[0] if tree.body else None
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return []
+    body = list(fn.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+            isinstance(body[0].value.value, str):
+        body = body[1:]
+    out: List[Tuple[int, set]] = []
+    shift = start - 1
+    compound = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Try, ast.With, ast.AsyncWith)
+    silent = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Global, ast.Nonlocal,
+              ast.Pass)
+
+    def walk(stmts):
+        for st in stmts:
+            if isinstance(st, compound) or type(st).__name__ in ("Match", "TryStar"):
+                for field_name in ("body", "orelse", "finalbody", "handlers", "cases"):
+                    for child in getattr(st, field_name, ()):
+                        walk(child.body if isinstance(child, (ast.ExceptHandler,)) or
+                             type(child).__name__ == "match_case" else [child])
+            elif not isinstance(st, silent):
+                out.append((st.lineno + shift, set(range(st.lineno + shift,
+                                                          (st.end_lineno or st.lineno) + shift
+                                                          + 1))))
+    walk(body)
+    return out
+
+
+def statement_source(code: Any, line: int) -> Optional[ast.stmt]:
+    """The simple statement of ``code``'s function that starts at ``line``, parsed; None if not
+    found."""
+    try:
+        lines, start = inspect.getsourcelines(code)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt) and node.lineno + start - 1 == line:
+            return node
+    return None
