@@ -295,6 +295,75 @@ def _phi3():
     return LastHidden(transformers.Phi3Model(config)), (torch.randint(0, 99, (3, 7)),), 21
 
 
+def _decoder(config_class: str, model_class: str, **kw):
+    def factory():
+        import transformers
+        config = getattr(transformers, config_class)(
+            vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, **kw)
+        torch.manual_seed(0)
+        return LastHidden(getattr(transformers, model_class)(config)), \
+            (torch.randint(0, 99, (3, 7)),), 21
+    return factory
+
+
+for _name, _args in {"llama": ("LlamaConfig", "LlamaModel"),
+                     "mistral": ("MistralConfig", "MistralModel"),
+                     "qwen2": ("Qwen2Config", "Qwen2Model")}.items():
+    model(_name, requires="transformers")(_decoder(*_args))
+model("gemma, gelu_pytorch_tanh", requires="transformers")(
+    _decoder("GemmaConfig", "GemmaModel", hidden_activation="gelu_pytorch_tanh", head_dim=16))
+model("llama, mlp_bias", requires="transformers")(
+    _decoder("LlamaConfig", "LlamaModel", mlp_bias=True))
+
+
+@model("t5 encoder, gated-gelu_pytorch_tanh", requires="transformers")
+def _t5_gated():
+    import transformers
+    config = transformers.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                   num_heads=2, dropout_rate=0.0,
+                                   feed_forward_proj="gated-gelu_pytorch_tanh")
+    torch.manual_seed(0)
+    return LastHidden(transformers.T5EncoderModel(config)), (torch.randint(0, 99, (3, 7)),), 21
+
+
+class GatedMLP(nn.Module):
+    """A hand-written gated MLP: ``w2(act(w1(x)) * w3(x))``, or with one packed Linear split by
+    ``chunk(2, dim=-1)`` (``packed``; ``second``: the activation on the second half), or with
+    the product's operands swapped (``up_first``)."""
+
+    def __init__(self, act=F.silu, packed=False, second=False, up_first=False, d=16, i=48):
+        super().__init__()
+        self.act, self.packed, self.second, self.up_first = act, packed, second, up_first
+        if packed:
+            self.w13 = nn.Linear(d, 2 * i)
+        else:
+            self.w1, self.w3 = nn.Linear(d, i), nn.Linear(d, i)
+        self.w2 = nn.Linear(i, d)
+
+    def forward(self, x):
+        if self.packed:
+            a, b = self.w13(x).chunk(2, dim=-1)
+            gate, up = (b, a) if self.second else (a, b)
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        h = up * self.act(gate) if self.up_first else self.act(gate) * up
+        return self.w2(h)
+
+
+def _gated(**kw):
+    def factory():
+        torch.manual_seed(0)
+        return GatedMLP(**kw), (_x(24, 16),), 24
+    return factory
+
+
+model("gated, F.silu")(_gated())
+model("gated, packed tanh")(_gated(act=torch.tanh, packed=True))
+model("gated, packed silu, gate second")(_gated(packed=True, second=True))
+model("gated, up * sigmoid(gate)")(_gated(act=torch.sigmoid, up_first=True))
+
+
 # -- every activation of the registry, in each spelling the fuse tests use ----------------------
 
 def _act_sequential(make):

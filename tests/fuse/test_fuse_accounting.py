@@ -58,18 +58,32 @@ class LoRAModel(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class SplitGated(nn.Module):
+    """A gated MLP split by sizes, not chunk(2, dim=-1): a form fuse does not compute fused."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(8, 32), nn.Linear(16, 8)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).split(16, dim=-1)
+        return self.down(torch.nn.functional.silu(gate) * up)
+
+
 def _models():
     out = {name: make for name, make in MODELS.items()}
     out["torch TransformerEncoderLayer"] = lambda: (
         nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True), None, 0)
     out["lora wrapper"] = lambda: (LoRAModel(), None, 0)
     out["lone linear"] = lambda: (nn.Sequential(nn.Linear(8, 8)), None, 0)
+    out["gated, split by sizes"] = lambda: (SplitGated(), None, 0)
     return out
 
 
 MUST_SAY = {
     "gpt2": ("Conv1D",),
-    "phi3": ("gated product",),
+    "phi3": ("gated_mlp silu", "packed gate_up"),
+    "gated, split by sizes": ("gated product",),
     "lora wrapper": ("LoRA wrapper",),
     "torch TransformerEncoderLayer": ("torch.nn.TransformerEncoderLayer",),
     "relu, dropout p=0.1, linear": ("dropout p>0 between",),
