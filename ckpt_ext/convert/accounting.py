@@ -116,8 +116,9 @@ def _in_graph(analysis: ModelAnalysis, owner: nn.Module, caller: str, t: Trace,
         return f"its output has {len(users)} users in {caller}.{t.method}"
     gated = _gated(owner, users[0], 0)
     if gated:
-        return (f"gated product: {gated} (a GLU MLP); the fused ops compute Linear, activation, "
-                f"Linear runs only")
+        return (f"gated product: {gated} (a GLU MLP) of a form fuse does not compute fused: only "
+                f"down(act(gate(x)) * up(x)) of child Linears, or of one Linear split by "
+                f"chunk(2, dim=-1), is")
     return f"its output goes to {_describe(owner, caller, users[0])}, not an activation"
 
 

@@ -78,10 +78,9 @@ class UpFirst(nn.Module):
 class GateSecond(nn.Module):
     """One packed Linear, ``up, gate = chunk(2, dim=-1)``: the activation on the second half."""
 
-    def __init__(self, act=torch.tanh):
+    def __init__(self):
         super().__init__()
         self.gate_up, self.down = nn.Linear(H, 2 * I), nn.Linear(I, H)
-        self.fn = act
 
     def forward(self, x):
         up, gate = self.gate_up(x).chunk(2, dim=-1)
