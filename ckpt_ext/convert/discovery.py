@@ -691,7 +691,10 @@ def _gated_problems(analysis: ModelAnalysis, g: GatedCall):
                + ", ".join(f"{g.label(n)}: {w.dtype} on {w.device}"
                            for n, w in zip(g.linears, weights)) + ")")
     code = getattr(inspect.unwrap(getattr(type(owner), t.method)), "__code__", None)
-    for line in t.unrun:
+    if t.unrun is None:
+        yield (f"the source of {g.path or '<model>'}.{t.method} cannot be read, so fuse cannot "
+               f"check that tracing saw every statement it runs")
+    for line in t.unrun or ():
         if not _dtype_cast(statement_source(code, line), g.linears[-1].target):
             yield (f"{g.path or '<model>'}.{t.method} has a statement fx did not record (line "
                    f"{line}), which would run at call time on what the fused op does not "

@@ -77,8 +77,9 @@ class Trace:
     rewrite_problem: Optional[str] = None
     # The first lines of the traced method's simple statements that ran in neither trace: a
     # branch fx decided on a value it does not record (``isinstance(proxy, torch.Tensor)`` is
-    # False while tracing), which runs at call time. See :func:`unrun_statements`.
-    unrun: Tuple[int, ...] = ()
+    # False while tracing), which runs at call time. None where the method's source cannot be
+    # read, so that nothing is known. See :func:`_statement_lines`.
+    unrun: Optional[Tuple[int, ...]] = ()
 
 
 def analysis_copy(model: nn.Module) -> nn.Module:
@@ -357,8 +358,10 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     if codes[0] != codes[1]:
         return Trace(False, f"its {method} runs different code in train() and eval() (it reads "
                             f"self.training)")
+    statements = _statement_lines(code)
     t = Trace(True, "", graph, method=method, already_rewritten=already, indirect=indirect,
-              unrun=tuple(first for first, lines in _statement_lines(code) if not ran & lines))
+              unrun=None if statements is None else
+              tuple(first for first, lines in statements if not ran & lines))
     # What the forward read, and what tracing changed: a region and a rewrite both rely on the
     # forward taking the path fx saw, so every attribute that could steer it is checked at call
     # time (a guard), and one that changes at every call must be a pure count.
@@ -546,19 +549,20 @@ def _lines_run(code: Any, ran: set):
         sys.settrace(prev)
 
 
-def _statement_lines(code: Any) -> List[Tuple[int, set]]:
+def _statement_lines(code: Any) -> Optional[List[Tuple[int, set]]]:
     """(first line, its lines) of each simple statement of ``code``'s function (not of functions
-    or classes defined in it; the docstring left out), read from its source; [] without one."""
+    or classes defined in it; the docstring left out), read from its source; None where the
+    source cannot be read or parsed as that function."""
     if code is None:
-        return []
+        return None
     try:
         lines, start = inspect.getsourcelines(code)
         tree = ast.parse(textwrap.dedent("".join(lines)))
     except (OSError, TypeError, SyntaxError):
-        return []
+        return None
     fn = tree.body[0] if tree.body else None
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return []
+        return None
     body = list(fn.body)
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
             isinstance(body[0].value.value, str):
