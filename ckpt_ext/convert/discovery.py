@@ -696,9 +696,9 @@ def _gated_problems(analysis: ModelAnalysis, g: GatedCall):
                f"check that tracing saw every statement it runs")
     for line in t.unrun or ():
         if not _dtype_cast(statement_source(code, line), g.linears[-1].target):
-            yield (f"{g.path or '<model>'}.{t.method} has a statement fx did not record (line "
-                   f"{line}), which would run at call time on what the fused op does not "
-                   f"compute")
+            yield (f"{g.path or '<model>'}.{t.method} has code that did not run while fx "
+                   f"traced it (line {line}), which may run at call time on what the fused op "
+                   f"does not compute")
     if t.already_rewritten:
         source = vars(owner)[t.method].source
         if any(f"self.{n.target}(" not in source for n in g.linears):

@@ -75,10 +75,11 @@ class Trace:
     # Why the forward may not mark a region (its children's run), or be rewritten; None if it may.
     region_problem: Optional[str] = None
     rewrite_problem: Optional[str] = None
-    # The first lines of the traced method's simple statements that ran in neither trace: a
-    # branch fx decided on a value it does not record (``isinstance(proxy, torch.Tensor)`` is
-    # False while tracing), which runs at call time. None where the method's source cannot be
-    # read, so that nothing is known. See :func:`_statement_lines`.
+    # The first lines of the traced method's simple statements that did not run whole in either
+    # trace: a branch fx decided on a value it does not record (``isinstance(proxy,
+    # torch.Tensor)`` is False while tracing) or on state outside the module (a global flag in a
+    # conditional expression), which may run at call time. None where the method's source
+    # cannot be read, so that nothing is known. See :func:`_unrun`.
     unrun: Optional[Tuple[int, ...]] = ()
 
 
@@ -329,6 +330,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     code = getattr(inspect.unwrap(getattr(type(orig), method)), "__code__", None)
     codes, graph, indirect = [], None, {}
     ran: set = set()
+    ran_at: set = set()
     reads: Dict[Tuple[int, str], Any] = {}
     changed: set = set()
     _Reads.observed = set()
@@ -342,7 +344,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
             # "None of the inputs have requires_grad=True") are about that run, not the model.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                with _lines_run(code, ran):
+                with _lines_run(code, ran, ran_at):
                     g = tracer.trace(clone)
         except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -358,10 +360,8 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     if codes[0] != codes[1]:
         return Trace(False, f"its {method} runs different code in train() and eval() (it reads "
                             f"self.training)")
-    statements = _statement_lines(code)
     t = Trace(True, "", graph, method=method, already_rewritten=already, indirect=indirect,
-              unrun=None if statements is None else
-              tuple(first for first, lines in statements if not ran & lines))
+              unrun=_unrun(code, ran, ran_at))
     # What the forward read, and what tracing changed: a region and a rewrite both rely on the
     # forward taking the path fx saw, so every attribute that could steer it is checked at call
     # time (a guard), and one that changes at every call must be a pure count.
@@ -518,9 +518,11 @@ def _wants_analysis(m: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _lines_run(code: Any, ran: set):
-    """Adds to ``ran`` each line of ``code`` (the traced method) that runs in the block. A tracer
-    already installed (coverage, a debugger) still gets every event."""
+def _lines_run(code: Any, ran: set, ran_at: set):
+    """Adds to ``ran`` each line of ``code`` (the traced method) that runs in the block, and to
+    ``ran_at`` the offset of each instruction of it that runs (so a statement that ran in part,
+    one branch of a conditional expression, shows). A tracer already installed (coverage, a
+    debugger) still gets every event it asked for."""
     if code is None:
         yield
         return
@@ -529,6 +531,9 @@ def _lines_run(code: Any, ran: set):
     def local(chained):
         def step(frame, event, arg):
             nonlocal chained
+            if event == "opcode":  # only this function's frame asks for these
+                ran_at.add(frame.f_lasti)
+                return step
             if event == "line":
                 ran.add(frame.f_lineno)
             if chained is not None:
@@ -539,6 +544,7 @@ def _lines_run(code: Any, ran: set):
     def scope(frame, event, arg):
         chained = prev(frame, event, arg) if prev is not None else None
         if frame.f_code is code:
+            frame.f_trace_opcodes = True
             return local(chained)
         return chained
 
@@ -547,6 +553,39 @@ def _lines_run(code: Any, ran: set):
         yield
     finally:
         sys.settrace(prev)
+
+
+# Instructions that never raise an opcode event or run only on entry: not evidence of a path.
+_NOT_A_PATH = {"RESUME", "NOP", "CACHE", "EXTENDED_ARG", "MAKE_CELL", "COPY_FREE_VARS",
+               "RETURN_GENERATOR"}
+
+
+def _instruction_lines(code: Any) -> Dict[int, List[int]]:
+    """line -> the offsets of ``code``'s instructions on it (those of _NOT_A_PATH left out)."""
+    import dis
+    out: Dict[int, List[int]] = {}
+    line = None
+    for ins in dis.get_instructions(code):
+        pos = getattr(ins, "positions", None)
+        if pos is not None:
+            line = pos.lineno
+        elif isinstance(ins.starts_line, int) and not isinstance(ins.starts_line, bool):
+            line = ins.starts_line
+        if line is not None and ins.opname not in _NOT_A_PATH:
+            out.setdefault(line, []).append(ins.offset)
+    return out
+
+
+def _unrun(code: Any, ran: set, ran_at: set) -> Optional[Tuple[int, ...]]:
+    """The first lines of the simple statements of ``code`` that did not run whole while traced:
+    no line of theirs ran, or an instruction on their lines did not (one branch of a conditional
+    expression, the right side of an ``or``). None where the source cannot be read."""
+    statements = _statement_lines(code)
+    if statements is None:
+        return None
+    at = _instruction_lines(code)
+    return tuple(first for first, lines in statements
+                 if not ran & lines or any(o not in ran_at for ln in lines for o in at.get(ln, ())))
 
 
 def _statement_lines(code: Any) -> Optional[List[Tuple[int, set]]]:
