@@ -124,10 +124,15 @@ def _compare(plain, fused, inputs, grad_rtol=1e-14, modes=(True, False)):
         _close(b, a, f"output, train={mode}")
         ga = torch.autograd.grad(a.square().sum(), list(plain.parameters()), allow_unused=True)
         gb = torch.autograd.grad(b.square().sum(), list(fused.parameters()), allow_unused=True)
+        # Each gradient's error against the largest gradient of the model: a parameter whose
+        # gradient is a sum of cancelling terms (T5's embedding: 1e-5 where others are near 1)
+        # carries the rounding of those terms, which is small against the model's scale only.
+        scale = max(x.abs().max() for x in ga if x is not None).clamp_min(1e-300)
         for (name, _), x, y in zip(plain.named_parameters(), ga, gb):
             assert (x is None) == (y is None), name
             if x is not None:
-                _close(y, x, f"grad of {name}, train={mode}", grad_rtol)
+                err = (y - x).abs().max() / scale
+                assert err <= grad_rtol, f"grad of {name}, train={mode}: {err:.3g}"
 
 
 @pytest.mark.parametrize("name", list(LIBRARY))
@@ -142,12 +147,9 @@ def test_transformers_mlp_is_one_unit_and_exact(name):
         assert d.how == "children" and d.bytes_per_row > 0, d
         assert not any(d.layers[-1] in e.layers for e in report.decisions if e is not d), report
     assert not any("gated product" in why for _, why in report.other_layers), report
-    # T5's embedding gradient (1e-5 where the others are near 1) is a sum of cancelling terms:
-    # a 1-ulp difference of the gelu_tanh derivative shows there at 1e-10 of its largest value
-    rtol = 1e-9 if name.startswith("t5") else 1e-14
     # with dropout p>0 a training call draws masks: test_t5_dropout_fused_in_eval_... compares it
     modes = (False,) if "dropout 0.1" in name else (True, False)
-    _compare(plain, fused, (torch.randint(0, 50, (2, 5)),), rtol, modes)
+    _compare(plain, fused, (torch.randint(0, 50, (2, 5)),), modes=modes)
 
 
 @pytest.mark.parametrize("name", list(HANDWRITTEN))
@@ -317,3 +319,181 @@ def test_report_names_the_unit_and_its_bytes():
     _, packed = fuse(GateSecond(), dry_run=True)
     # tanh keeps its output only: the up half keeps the whole packed output alive
     assert packed.decisions[0].bytes_per_row == (1 + 2 + 1) * I * 4, packed
+
+
+def test_dropout_p_set_after_fuse_computes_module_by_module_in_training():
+    """A Dropout fused at p=0 and set to p>0 afterwards draws its mask where the unfused model
+    does: the same output under the same seed, and the generator left in the same state."""
+    torch.manual_seed(0)
+    plain = _t5("gated-gelu").double()
+    fused = copy.deepcopy(plain)
+    assert len(_gated(fuse(fused).report)) == 2
+    for m in (plain, fused):
+        for block in m.encoder.block:
+            block.layer[-1].DenseReluDense.dropout.p = 0.1
+        m.train()
+    ids = torch.randint(0, 50, (2, 5))
+    torch.manual_seed(1)
+    a = plain(ids).last_hidden_state
+    after_plain = torch.get_rng_state()
+    torch.manual_seed(1)
+    b = fused(ids).last_hidden_state
+    assert torch.equal(torch.get_rng_state(), after_plain)
+    assert torch.equal(b, a)
+
+
+GATED_FLAGS = {"path": None}
+
+
+class GlobalPath(Mine):
+    """A gated MLP whose forward branches on a module-level flag the analysis cannot see. The
+    branches are conditional expressions: every statement runs while tracing, so the analysis
+    has no unrecorded statement to refuse the unit for."""
+
+    def forward(self, x):
+        path = GATED_FLAGS["path"]
+        g = F.silu(self.w1(x))
+        h = g if path == "skip up" else g * self.w3(x * 2 if path == "scale x" else x)
+        h = h * 2 if path == "scale product" else h
+        return self.w2(h)
+
+
+@pytest.mark.parametrize("path", ["skip up", "scale x", pytest.param(
+    "scale product", marks=pytest.mark.xfail(strict=True, reason=(
+        "the down projection checks only that it received a zero-width tensor of x's rows: "
+        "placeholder * 2 is one, so the call returns the fused op's output, half the unfused "
+        "value, without raising")))])
+def test_gated_path_the_analysis_did_not_see_raises_instead_of_a_wrong_result(path):
+    torch.manual_seed(0)
+    plain = GlobalPath().double()
+    fused = copy.deepcopy(plain)
+    _, report = fuse(fused)
+    assert len(_gated(report)) == 1, str(report)
+    x = torch.randn(3, H, dtype=torch.float64)
+    assert torch.equal(fused(x), plain(x))
+    GATED_FLAGS["path"] = path
+    try:
+        with pytest.raises(RuntimeError, match="took a path its analysis did not see"):
+            fused(x)
+        assert torch.equal(fused.w1(x), plain.w1(x))  # the members alone are still right
+    finally:
+        GATED_FLAGS["path"] = None
+    assert torch.equal(fused(x), plain(x))  # and the region was left clean
+
+
+def test_t5_wo_kept_in_float32_is_refused_with_the_dtypes():
+    """transformers keeps T5's ``wo`` in float32 (``_keep_in_fp32_modules``) when the model is
+    loaded in bfloat16: one op cannot take both, and the report says which Linear has which."""
+    model = _t5("gated-gelu").to(torch.bfloat16)
+    for block in model.encoder.block:
+        block.layer[-1].DenseReluDense.wo.float()
+    _, report = fuse(model)
+    assert not _gated(report), str(report)
+    refused = [d for d in report.near_misses if d.layers[-1].endswith("DenseReluDense.wo")]
+    assert len(refused) == 2, str(report)
+    for d in refused:
+        assert "wi_0: torch.bfloat16" in d.why and "wo: torch.float32" in d.why, d.why
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_t5_one_linear_cast_after_fuse_falls_back(dtype):
+    """Of a fused float32 T5 layer's MLP, ``wo`` cast after fusing: T5's forward casts the
+    product to wo's dtype, so the unfused MLP runs; the fused one computes module by module
+    (the same bits, keeping what the unfused keeps). ``wi_0`` cast: the unfused MLP raises
+    F.linear's error, and so does the fused one."""
+    torch.manual_seed(0)
+    model = _t5("gated-gelu")
+    assert len(_gated(fuse(model).report)) == 2
+    fused = model.encoder.block[0].layer[-1].DenseReluDense
+    plain = copy.deepcopy(fused)
+    unfuse(plain)
+    assert type(plain.wo) is nn.Linear and type(fused.wo) is not nn.Linear
+    x = torch.randn(2, 5, H)
+    for m in (plain, fused):
+        m.wo.to(dtype)
+    for mode in (True, False):
+        plain.train(mode)
+        fused.train(mode)
+        out = fused(x)
+        assert out.dtype == dtype and torch.equal(out, plain(x))
+    assert saved_activation_bytes(fused, x) == saved_activation_bytes(plain, x)
+    for m in (plain, fused):
+        m.wi_0.to(dtype)
+    with pytest.raises(RuntimeError) as unfused_error:
+        plain(x)
+    with pytest.raises(RuntimeError) as fused_error:
+        fused(x)
+    assert str(fused_error.value) == str(unfused_error.value)
+
+
+def test_vmap_over_a_batch_of_inputs():
+    plain, fused, _ = _llama_mlp()
+    fuse(fused)
+    xs = torch.randn(4, 3, H, dtype=torch.float64)
+    _close(torch.func.vmap(fused)(xs), torch.func.vmap(plain)(xs), "vmap")
+    _close(torch.func.vmap(fused)(xs), plain(xs), "vmap against a batched call")
+
+
+def test_checkpoint_of_a_fused_mlp():
+    from torch.utils.checkpoint import checkpoint
+    plain, fused, x = _llama_mlp()
+    fuse(fused)
+    x = x.requires_grad_()
+    a = checkpoint(plain, x, use_reentrant=False)
+    b = checkpoint(fused, x, use_reentrant=False)
+    _close(b, a, "output")
+    ga = torch.autograd.grad(a.square().sum(), [x] + list(plain.parameters()))
+    gb = torch.autograd.grad(b.square().sum(), [x] + list(fused.parameters()))
+    for name, r, g in zip(["x"] + [n for n, _ in plain.named_parameters()], ga, gb):
+        _close(g, r, f"grad of {name}")
+
+
+def test_fusing_a_fused_model_changes_nothing():
+    torch.manual_seed(0)
+    plain = transformers.LlamaModel(transformers.LlamaConfig(**_attn())).double()
+    fused = copy.deepcopy(plain)
+    _, first = fuse(fused)
+    units = [d.layers for d in _gated(first)]
+    assert len(units) == 2, str(first)
+    modules = {name: (m, type(m), dict(vars(m))) for name, m in fused.named_modules()}
+    _, again = fuse(fused)
+    assert [(d.layers, d.action) for d in again.decisions if d.layers in units] == [
+        (layers, "already fused") for layers in units], str(again)
+    assert not any(d.action == "fused" for d in again.decisions), str(again)
+    assert "already fused" in str(again)
+    for name, m in fused.named_modules():
+        was, kind, attributes = modules[name]
+        assert m is was and type(m) is kind and dict(vars(m)) == attributes, name
+    mlp = fused.layers[0].mlp
+    assert mlp.gate_proj._ckpt_ext_run is mlp.down_proj._ckpt_ext_run
+    _compare(plain, fused, (torch.randint(0, 50, (2, 5)),))
+
+
+def _phi3_mlp():
+    torch.manual_seed(0)
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+    plain = Phi3MLP(transformers.Phi3Config(**_attn(pad_token_id=0))).double()
+    return plain, copy.deepcopy(plain), torch.randn(2, 3, H, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", ["gate_up_proj", "down_proj"])
+def test_packed_hook_after_fuse_sees_its_module_output(name):
+    plain, fused, x = _phi3_mlp()
+    assert len(_gated(fuse(fused).report)) == 1
+    seen, want = [], []
+    getattr(fused, name).register_forward_hook(lambda m, a, out: seen.append(out))
+    getattr(plain, name).register_forward_hook(lambda m, a, out: want.append(out))
+    assert torch.equal(fused(x), plain(x))
+    assert len(seen) == len(want) == 1 and torch.equal(seen[0], want[0])
+
+
+def test_packed_compile_fullgraph_and_torch_func():
+    plain, fused, x = _phi3_mlp()
+    assert len(_gated(fuse(fused).report)) == 1
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    _close(compiled(x), plain(x), "compiled")
+    params = dict(fused.named_parameters())
+    grads = torch.func.grad(lambda p: torch.func.functional_call(fused, p, (x,)).sum())(params)
+    ref = torch.autograd.grad(plain(x).sum(), list(plain.parameters()))
+    for (name, _), r in zip(plain.named_parameters(), ref):
+        _close(grads[name], r, name)
