@@ -691,6 +691,9 @@ def _gated_problems(analysis: ModelAnalysis, g: GatedCall):
                + ", ".join(f"{g.label(n)}: {w.dtype} on {w.device}"
                            for n, w in zip(g.linears, weights)) + ")")
     code = getattr(inspect.unwrap(getattr(type(owner), t.method)), "__code__", None)
+    for name in t.calls_out:
+        yield (f"{g.path or '<model>'}.{t.method} calls {name}, whose paths fuse does not "
+               f"follow (the fused op would skip what it does between the Linears)")
     if t.unrun is None:
         yield (f"the source of {g.path or '<model>'}.{t.method} cannot be read, so fuse cannot "
                f"check that tracing saw every statement it runs")

@@ -572,12 +572,14 @@ class _OwnerForward:
         self.owner, self.runs, self.guards, self.source = owner, tuple(runs), tuple(guards), source
         self.method = method
         self._fn = _compile_forward(source) if source is not None else None
+        # the class's method as analysed: one put on the class later is code fuse has not seen
+        self._analysed = getattr(type(owner), method, None)
 
     def __call__(self, *args, **kwargs):
         owner = self.owner
         cls_fn = getattr(type(owner), self.method)
-        if torch.jit.is_tracing():  # records the class's own code, exactly
-            return cls_fn(owner, *args, **kwargs)
+        if torch.jit.is_tracing() or cls_fn is not self._analysed:
+            return cls_fn(owner, *args, **kwargs)  # the class's own code, exactly
         for guard in self.guards:
             if not guard.holds(owner):
                 return cls_fn(owner, *args, **kwargs)

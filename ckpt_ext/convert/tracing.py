@@ -81,6 +81,9 @@ class Trace:
     # conditional expression), which may run at call time. None where the method's source
     # cannot be read, so that nothing is known. See :func:`_unrun`.
     unrun: Optional[Tuple[int, ...]] = ()
+    # The Python functions of neither torch nor the standard library that the traced method
+    # called directly while traced: code whose paths the analysis does not look into.
+    calls_out: Tuple[str, ...] = ()
 
 
 def analysis_copy(model: nn.Module) -> nn.Module:
@@ -331,6 +334,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     codes, graph, indirect = [], None, {}
     ran: set = set()
     ran_at: set = set()
+    calls_out: Dict[str, None] = {}
     reads: Dict[Tuple[int, str], Any] = {}
     changed: set = set()
     _Reads.observed = set()
@@ -344,7 +348,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
             # "None of the inputs have requires_grad=True") are about that run, not the model.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                with _lines_run(code, ran, ran_at):
+                with _lines_run(code, ran, ran_at, calls_out):
                     g = tracer.trace(clone)
         except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -361,7 +365,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         return Trace(False, f"its {method} runs different code in train() and eval() (it reads "
                             f"self.training)")
     t = Trace(True, "", graph, method=method, already_rewritten=already, indirect=indirect,
-              unrun=_unrun(code, ran, ran_at))
+              unrun=_unrun(code, ran, ran_at), calls_out=tuple(calls_out))
     # What the forward read, and what tracing changed: a region and a rewrite both rely on the
     # forward taking the path fx saw, so every attribute that could steer it is checked at call
     # time (a guard), and one that changes at every call must be a pure count.
@@ -518,11 +522,12 @@ def _wants_analysis(m: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _lines_run(code: Any, ran: set, ran_at: set):
-    """Adds to ``ran`` each line of ``code`` (the traced method) that runs in the block, and to
+def _lines_run(code: Any, ran: set, ran_at: set, calls_out: Dict[str, None]):
+    """Adds to ``ran`` each line of ``code`` (the traced method) that runs in the block, to
     ``ran_at`` the offset of each instruction of it that runs (so a statement that ran in part,
-    one branch of a conditional expression, shows). A tracer already installed (coverage, a
-    debugger) still gets every event it asked for."""
+    one branch of a conditional expression, shows), and to ``calls_out`` the name of each Python
+    function it calls directly that is neither torch's nor the standard library's. A tracer
+    already installed (coverage, a debugger) still gets every event it asked for."""
     if code is None:
         yield
         return
@@ -543,6 +548,9 @@ def _lines_run(code: Any, ran: set, ran_at: set):
 
     def scope(frame, event, arg):
         chained = prev(frame, event, arg) if prev is not None else None
+        caller = frame.f_back
+        if caller is not None and caller.f_code is code and not _library_code(frame.f_code):
+            calls_out[f"{frame.f_code.co_name} ({frame.f_code.co_filename})"] = None
         if frame.f_code is code:
             frame.f_trace_opcodes = True
             return local(chained)
@@ -553,6 +561,18 @@ def _lines_run(code: Any, ran: set, ran_at: set):
         yield
     finally:
         sys.settrace(prev)
+
+
+_LIBRARY_DIRS = tuple(os.path.join(os.path.realpath(d), "") for d in
+                      (os.path.dirname(torch.__file__), os.path.dirname(os.__file__),
+                       os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _library_code(code: Any) -> bool:
+    """Code of torch (fx's proxies, nn.Module's call, torch.nn.functional), of the standard
+    library or of ckpt_ext (the analysis' own attribute reads): it reads no state of the
+    user's, so what it does follows from its arguments."""
+    return os.path.realpath(code.co_filename).startswith(_LIBRARY_DIRS)
 
 
 # Instructions that never raise an opcode event or run only on entry: not evidence of a path.
