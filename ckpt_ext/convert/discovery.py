@@ -699,9 +699,9 @@ def _gated_problems(analysis: ModelAnalysis, g: GatedCall):
                f"check that tracing saw every statement it runs")
     for line in t.unrun or ():
         if not _dtype_cast(statement_source(code, line), g.linears[-1].target):
-            yield (f"{g.path or '<model>'}.{t.method} has code that did not run while fx "
-                   f"traced it (line {line}), which may run at call time on what the fused op "
-                   f"does not compute")
+            yield (f"{g.path or '<model>'}.{t.method} may run code that fx did not see run "
+                   f"(line {line}: a branch, or a part of a conditional expression), which at "
+                   f"call time would work on what the fused op does not compute")
     if t.already_rewritten:
         source = vars(owner)[t.method].source
         if any(f"self.{n.target}(" not in source for n in g.linears):

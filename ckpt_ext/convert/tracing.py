@@ -75,11 +75,11 @@ class Trace:
     # Why the forward may not mark a region (its children's run), or be rewritten; None if it may.
     region_problem: Optional[str] = None
     rewrite_problem: Optional[str] = None
-    # The first lines of the traced method's simple statements that did not run whole in either
-    # trace: a branch fx decided on a value it does not record (``isinstance(proxy,
-    # torch.Tensor)`` is False while tracing) or on state outside the module (a global flag in a
-    # conditional expression), which may run at call time. None where the method's source
-    # cannot be read, so that nothing is known. See :func:`_unrun`.
+    # The first lines of the traced method's simple statements that may not have run whole in
+    # either trace: a branch fx decided on a value it does not record (``isinstance(proxy,
+    # torch.Tensor)`` is False while tracing), or an expression that runs in part (a
+    # conditional expression on a global flag), which may run otherwise at call time. None where
+    # the method's source cannot be read, so that nothing is known. See :func:`_unrun`.
     unrun: Optional[Tuple[int, ...]] = ()
     # The Python functions of neither torch nor the standard library that the traced method
     # called directly while traced: code whose paths the analysis does not look into.
@@ -333,7 +333,6 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     code = getattr(inspect.unwrap(getattr(type(orig), method)), "__code__", None)
     codes, graph, indirect = [], None, {}
     ran: set = set()
-    ran_at: set = set()
     calls_out: Dict[str, None] = {}
     reads: Dict[Tuple[int, str], Any] = {}
     changed: set = set()
@@ -348,7 +347,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
             # "None of the inputs have requires_grad=True") are about that run, not the model.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                with _lines_run(code, ran, ran_at, calls_out):
+                with _lines_run(code, ran, calls_out):
                     g = tracer.trace(clone)
         except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -365,7 +364,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         return Trace(False, f"its {method} runs different code in train() and eval() (it reads "
                             f"self.training)")
     t = Trace(True, "", graph, method=method, already_rewritten=already, indirect=indirect,
-              unrun=_unrun(code, ran, ran_at), calls_out=tuple(calls_out))
+              unrun=_unrun(code, ran), calls_out=tuple(calls_out))
     # What the forward read, and what tracing changed: a region and a rewrite both rely on the
     # forward taking the path fx saw, so every attribute that could steer it is checked at call
     # time (a guard), and one that changes at every call must be a pure count.
@@ -522,12 +521,11 @@ def _wants_analysis(m: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _lines_run(code: Any, ran: set, ran_at: set, calls_out: Dict[str, None]):
-    """Adds to ``ran`` each line of ``code`` (the traced method) that runs in the block, to
-    ``ran_at`` the offset of each instruction of it that runs (so a statement that ran in part,
-    one branch of a conditional expression, shows), and to ``calls_out`` the name of each Python
-    function it calls directly that is neither torch's nor the standard library's. A tracer
-    already installed (coverage, a debugger) still gets every event it asked for."""
+def _lines_run(code: Any, ran: set, calls_out: Dict[str, None]):
+    """Adds to ``ran`` each line of ``code`` (the traced method) that runs in the block, and to
+    ``calls_out`` the name of each Python function it calls directly that is neither torch's, the
+    standard library's nor ckpt_ext's. A tracer already installed (coverage, a debugger) still
+    gets every event."""
     if code is None:
         yield
         return
@@ -536,9 +534,6 @@ def _lines_run(code: Any, ran: set, ran_at: set, calls_out: Dict[str, None]):
     def local(chained):
         def step(frame, event, arg):
             nonlocal chained
-            if event == "opcode":  # only this function's frame asks for these
-                ran_at.add(frame.f_lasti)
-                return step
             if event == "line":
                 ran.add(frame.f_lineno)
             if chained is not None:
@@ -552,7 +547,6 @@ def _lines_run(code: Any, ran: set, ran_at: set, calls_out: Dict[str, None]):
         if caller is not None and caller.f_code is code and not _library_code(frame.f_code):
             calls_out[f"{frame.f_code.co_name} ({frame.f_code.co_filename})"] = None
         if frame.f_code is code:
-            frame.f_trace_opcodes = True
             return local(chained)
         return chained
 
@@ -575,43 +569,28 @@ def _library_code(code: Any) -> bool:
     return os.path.realpath(code.co_filename).startswith(_LIBRARY_DIRS)
 
 
-# Instructions that never raise an opcode event or run only on entry: not evidence of a path.
-_NOT_A_PATH = {"RESUME", "NOP", "CACHE", "EXTENDED_ARG", "MAKE_CELL", "COPY_FREE_VARS",
-               "RETURN_GENERATOR"}
+# Expressions that run in part: one side of a conditional expression, the right of an `and`/
+# `or`, a comprehension's body per element. A statement holding one may run a part tracing did
+# not see.
+_PARTIAL = (ast.IfExp, ast.BoolOp, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp,
+            ast.Lambda)
 
 
-def _instruction_lines(code: Any) -> Dict[int, List[int]]:
-    """line -> the offsets of ``code``'s instructions on it (those of _NOT_A_PATH left out)."""
-    import dis
-    out: Dict[int, List[int]] = {}
-    line = None
-    for ins in dis.get_instructions(code):
-        pos = getattr(ins, "positions", None)
-        if pos is not None:
-            line = pos.lineno
-        elif isinstance(ins.starts_line, int) and not isinstance(ins.starts_line, bool):
-            line = ins.starts_line
-        if line is not None and ins.opname not in _NOT_A_PATH:
-            out.setdefault(line, []).append(ins.offset)
-    return out
-
-
-def _unrun(code: Any, ran: set, ran_at: set) -> Optional[Tuple[int, ...]]:
-    """The first lines of the simple statements of ``code`` that did not run whole while traced:
-    no line of theirs ran, or an instruction on their lines did not (one branch of a conditional
-    expression, the right side of an ``or``). None where the source cannot be read."""
+def _unrun(code: Any, ran: set) -> Optional[Tuple[int, ...]]:
+    """The first lines of the simple statements of ``code`` that may not have run whole while
+    traced: no line of theirs ran, or they hold an expression that runs in part (a conditional
+    expression, a short-circuit, a comprehension). None where the source cannot be read."""
     statements = _statement_lines(code)
     if statements is None:
         return None
-    at = _instruction_lines(code)
-    return tuple(first for first, lines in statements
-                 if not ran & lines or any(o not in ran_at for ln in lines for o in at.get(ln, ())))
+    return tuple(first for first, lines, partial in statements if partial or not ran & lines)
 
 
-def _statement_lines(code: Any) -> Optional[List[Tuple[int, set]]]:
-    """(first line, its lines) of each simple statement of ``code``'s function (not of functions
-    or classes defined in it; the docstring left out), read from its source; None where the
-    source cannot be read or parsed as that function."""
+def _statement_lines(code: Any) -> Optional[List[Tuple[int, set, bool]]]:
+    """(first line, its lines, whether it holds an expression of _PARTIAL) of each simple
+    statement of ``code``'s function (not of functions or classes defined in it; the docstring
+    left out), read from its source; None where the source cannot be read or parsed as that
+    function."""
     if code is None:
         return None
     try:
@@ -626,7 +605,7 @@ def _statement_lines(code: Any) -> Optional[List[Tuple[int, set]]]:
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
             isinstance(body[0].value.value, str):
         body = body[1:]
-    out: List[Tuple[int, set]] = []
+    out: List[Tuple[int, set, bool]] = []
     shift = start - 1
     compound = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Try, ast.With, ast.AsyncWith)
     silent = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Global, ast.Nonlocal,
@@ -640,9 +619,10 @@ def _statement_lines(code: Any) -> Optional[List[Tuple[int, set]]]:
                         walk(child.body if isinstance(child, (ast.ExceptHandler,)) or
                              type(child).__name__ == "match_case" else [child])
             elif not isinstance(st, silent):
+                partial = any(isinstance(n, _PARTIAL) for n in ast.walk(st))
                 out.append((st.lineno + shift, set(range(st.lineno + shift,
                                                           (st.end_lineno or st.lineno) + shift
-                                                          + 1))))
+                                                          + 1)), partial))
     walk(body)
     return out
 

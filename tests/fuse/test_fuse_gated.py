@@ -2,8 +2,7 @@
 Llama/Mistral/Qwen2/Gemma/Phi3 MLPs, T5's gated dense layer and hand-written ones fuse as one
 ``gated_mlp`` unit per layer; outputs and every gradient match an unfused deepcopy in float64,
 train and eval; and every caller still gets what the unfused model computes (hooks, changed
-settings, members on their own, pickle, compile, torch.func, code that did not run while fx traced
-it)."""
+settings, members on their own, pickle, compile, torch.func, code fx did not see run)."""
 from __future__ import annotations
 
 import copy
@@ -307,7 +306,7 @@ def test_unrecorded_statement_is_refused_with_the_reason():
     fused = copy.deepcopy(plain)
     _, report = fuse(fused)
     assert not _gated(report), str(report)
-    assert any("did not run while fx traced it" in d.why for d in report.near_misses), \
+    assert any("fx did not see run" in d.why for d in report.near_misses), \
         str(report)
     x = torch.randn(4, H, dtype=torch.float64)
     assert torch.equal(fused(x), plain(x))
@@ -374,7 +373,7 @@ class HelperPath(Mine):
         return self.w2(_scaled(h, "scale product"))
 
 
-@pytest.mark.parametrize("cls,why", [(GlobalPath, "did not run while fx traced it"),
+@pytest.mark.parametrize("cls,why", [(GlobalPath, "fx did not see run"),
                                      (HelperPath, "calls _scaled")])
 def test_gated_path_through_state_outside_the_module_is_left_alone(cls, why):
     # Such a path may put an op between the product and the down projection, which a
