@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ._activations import MODULE_OF, QuickGELU, Sin  # noqa: F401  (the modules of sin, quick_gelu)
+from ._activations import QuickGELU, Sin  # noqa: F401  (the modules of sin, quick_gelu)
+from ._activations import MODULE_OF, activation_backward
 from .modules import FusedGatedMLP, FusedLinearTanh, FusedMLP, FusedTanhMLP
 from .ops import tanh_mlp
 
@@ -261,9 +262,7 @@ class _SiLUMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gh: Tensor):
         g, u = ctx.saved_tensors
-        s = torch.sigmoid(g)
-        silu = g * s
-        return gh * u * (s * (1 + g * (1 - s))), gh * silu
+        return activation_backward("silu", gh * u, g), gh * torch.nn.functional.silu(g)
 
 
 class GatedMLP(nn.Module):
