@@ -679,10 +679,6 @@ def _gated_problems(analysis: ModelAnalysis, g: GatedCall):
     for n in g.dropouts:
         d = g.child(n)
         yield child_problem(analysis, owner, t, n.target, g.label(n), d)
-        if d.p > 0 and d.training:
-            yield (f"dropout p>0 between the product and {g.label(g.linears[-1])}: "
-                   f"{g.label(n)} (p={d.p}) draws a mask in training that the fused op would "
-                   f"not (in eval() it is fused)")
     weights = [stored_weight(g.child(n)) for n in g.linears]
     if any(w is None for w in weights):
         yield "a weight is not made yet (a lazy layer)"

@@ -256,17 +256,19 @@ def chain_problem(layers: Sequence[nn.Module]) -> Optional[str]:
 
 
 def gated_figures(gate: LayerShape, up: Optional[LayerShape], down: LayerShape, activation: str,
-                  packed: bool) -> Tuple[int, int, int]:
+                  packed: bool, mask_bytes: int = 0) -> Tuple[int, int, int]:
     """(bytes freed, FLOPs added, plain FLOPs) per row of a gated MLP computed by ``gated_mlp``.
     Stock autograd keeps what the activation's backward keeps (its input, and its output where it
     reads that), the up projection's output and the product (the down projection's input), each
     ``I`` wide; with a packed gate_up weight the up half is a view that keeps the whole packed
     output alive unless the activation keeps its input (that same output's other half) anyway.
-    The input x is kept either way. Backward recomputes the gate and up GEMMs."""
+    A Dropout drawing a mask keeps it (``mask_bytes`` per element in all: the CPU's mask is of the
+    dtype, CUDA's a bool). The input x is kept either way. Backward recomputes the gate and up
+    GEMMs."""
     width = down.in_features
     tensors = tensors_per_layer(activation) + 2 + (packed and not SAVES_INPUT[activation])
     gemms = _gemm(gate) + (_gemm(up) if up is not None else 0)
-    return tensors * width * gate.itemsize, gemms, 3 * (gemms + _gemm(down))
+    return (tensors * gate.itemsize + mask_bytes) * width, gemms, 3 * (gemms + _gemm(down))
 
 
 def gated_decision(g: Any) -> Decision:
@@ -277,7 +279,10 @@ def gated_decision(g: Any) -> Decision:
     up = layer_shape("up", g.up) if g.up is not None else None
     down = layer_shape(labels[-1], g.down)
     name = g.act.name
-    freed, extra, plain = gated_figures(gate, up, down, name, g.packed)
+    masks = [d for d in map(g.child, g.dropouts) if d.p > 0 and d.training]
+    weight = stored_weight(g.child(g.linears[0]))
+    per_mask = 1 if weight is not None and weight.device.type == "cuda" else gate.itemsize
+    freed, extra, plain = gated_figures(gate, up, down, name, g.packed, len(masks) * per_mask)
     if g.problems:
         return Decision(g.path, g.labels, "left alone", "", "", 0, extra, plain,
                         "a gated MLP: " + "; ".join(g.problems), activation=name)
@@ -287,6 +292,8 @@ def gated_decision(g: Any) -> Decision:
     why = (f"a gated MLP, {act}(gate) * up -> down: the {act}'s "
            f"{'input and output' if tensors_per_layer(name) > 1 else 'output'}, the up "
            f"projection and their product are no longer kept, only the input"
-           + (f"; the activation takes the second half of {labels[0]}" if g.gate_second else ""))
+           + (f"; the activation takes the second half of {labels[0]}" if g.gate_second else "")
+           + (f"; {len(masks)} Dropout mask(s) drawn again in backward from the generator's "
+              f"saved state" if masks else ""))
     return Decision(g.path, g.labels, "fused", unit, "children", freed, extra, plain, why,
                     activation=name)

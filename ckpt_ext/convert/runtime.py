@@ -24,6 +24,7 @@ from torch.nn.utils import parametrize
 from .. import _C, ops
 from ..modules import LayerActivations, _has_hooks, as_mlp_argument, each_layer
 from ..ops import SUPPORTED_DTYPES, linear_tanh, tanh_mlp
+from . import dropout_unit
 from .activations import module_activation
 
 if TYPE_CHECKING:
@@ -258,14 +259,27 @@ class _GatedRun(_Run):
             if found is None or found.name != name or found.problem is not None:
                 return f"its activation module no longer computes {name}"
         for d in self.dropouts:
-            if type(d) is not nn.Dropout or (d.p > 0 and d.training):
-                return "a Dropout between the product and the down projection draws a mask"
+            if type(d) is not nn.Dropout:
+                return "a Dropout between the product and the down projection changed class"
+        if self._masks():
+            why = dropout_unit.unsupported()
+            if why is not None:
+                return f"its Dropout draws a mask in training and {why}"
         return None
+
+    def _masks(self) -> Tuple[float, ...]:
+        """The p of each Dropout that draws a mask now (p > 0, in training), in order."""
+        return tuple(d.p for d in self.dropouts if d.p > 0 and d.training)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         first = self.members[0]
         _as_linear_would(x, first.weight, first.bias)
         gate, up, down = self.gate, self.up, self.down
+        masks = self._masks()
+        if masks:
+            return dropout_unit.gated(x, gate.weight, up.weight if up is not None else None,
+                                      down.weight, gate.bias, up.bias if up is not None else None,
+                                      down.bias, self.activation, self.gate_second, masks)
         if up is not None:
             return ops.gated_mlp(x, gate.weight, up.weight, down.weight, gate.bias, up.bias,
                                  down.bias, activation=self.activation)

@@ -327,6 +327,16 @@ def _t5_gated():
     return LastHidden(transformers.T5EncoderModel(config)), (torch.randint(0, 99, (3, 7)),), 21
 
 
+@model("t5 encoder, gated-gelu_pytorch_tanh, dropout 0.1 in training", requires="transformers")
+def _t5_gated_dropout():
+    import transformers
+    config = transformers.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                   num_heads=2, dropout_rate=0.1,
+                                   feed_forward_proj="gated-gelu_pytorch_tanh")
+    torch.manual_seed(0)
+    return LastHidden(transformers.T5EncoderModel(config)), (torch.randint(0, 99, (3, 7)),), 21
+
+
 class GatedMLP(nn.Module):
     """A hand-written gated MLP: ``w2(act(w1(x)) * w3(x))``, or with one packed Linear split by
     ``chunk(2, dim=-1)`` (``packed``; ``second``: the activation on the second half), or with
