@@ -23,8 +23,8 @@ from .activations import Recognised, module_activation, node_activation
 from .consumers import Fate, elements_fate, node_fate, output_fate
 from .policy import Chain, LayerShape, item_misses, layer_shape
 from .report import Decision
-from .runtime import (RunLinear, foreign_forward, is_sequential, join_path, stored_weight,
-                      unsupported_reason)
+from .runtime import (RunLinear, Slot, foreign_forward, is_sequential, join_path, passes_through,
+                      stored_weight, unsupported_reason)
 from .tracing import ModelAnalysis, Trace, statement_source
 
 
@@ -197,12 +197,15 @@ class RunDiscovery:
     that single consumer. Crossing a Sequential or a module needs it to have no hooks, to be held
     at one place and, when a forward calls it, to be called once there, directly; a module's own
     forward must be one whose guards can be checked: otherwise the run stops there and the report
-    says why."""
+    says why. A module that returns its input (``nn.Identity``, an ``nn.Dropout`` with p = 0 or
+    in eval()) is stepped over; ``through[call]`` holds those between a call and the next."""
 
     def __init__(self, analysis: ModelAnalysis, taken_nodes: set) -> None:
         self.analysis = analysis
         self.layer_calls: List[LayerCall] = []
         self.at: Dict[Tuple[int, Any], LayerCall] = {}
+        self.through: Dict[LayerCall, Tuple[Slot, ...]] = {}
+        self._passed: List[Slot] = []
         for path, m in analysis.model.named_modules():
             if is_sequential(m):
                 for i, (name, e) in enumerate(m._modules.items()):
@@ -235,9 +238,22 @@ class RunDiscovery:
 
     # -- one step: the call that receives a call's output, and why it may not be followed --------
     def succ(self, s: LayerCall) -> Tuple[Optional[LayerCall], Optional[str]]:
+        self._passed = []
         if s.node is None:
-            return self._after_element(s.container, s.index, 0)
-        return self._after_node(s.container, s.trace, s.node, 0)
+            found = self._after_element(s.container, s.index, 0)
+        else:
+            found = self._after_node(s.container, s.trace, s.node, 0)
+        self.through[s] = tuple(self._passed)
+        return found
+
+    def _pass(self, holder: nn.Module, name: str, m: nn.Module, label: str) -> Optional[str]:
+        """Note a module the value passes through; why a run may not pass it, else None."""
+        self._passed.append(Slot(holder, name, m, label))
+        if _has_hooks(m):
+            return f"{label} has hooks, which a run computed across it would not call"
+        if foreign_forward(m):
+            return f"{label}: {INSTANCE_FORWARD}"
+        return None
 
     def _crossing_problem(self, c: nn.Module) -> Optional[str]:
         """Why a run may not cross container ``c`` (a Sequential, or a module whose analysed
@@ -263,6 +279,10 @@ class RunDiscovery:
         e = seq._modules[name]
         if is_sequential(e) and depth < 64:
             return self._enter_seq(e, depth + 1)
+        if passes_through(e) and depth < 64:
+            problem = self._pass(seq, name, e, join_path(self.analysis.path_of(seq), name))
+            call, why = self._after_element(seq, list(seq._modules).index(name), depth + 1)
+            return (call, problem or why) if call is not None else (None, None)
         return None, None
 
     def _enter_seq(self, seq: nn.Module, depth: int):
@@ -346,13 +366,20 @@ class RunDiscovery:
         sub = owner.get_submodule(u.target)
         if depth > 64:
             return None, None
+        label = join_path(self.analysis.path_of(owner), u.target)
+        if passes_through(sub) and len(u.args) == 1 and "." not in u.target:
+            problem = self._pass(owner, u.target, sub, label)
+            call, why = self._after_node(owner, t, u, depth + 1)
+            if call is None:
+                return None, None
+            return call, problem or child_problem(self.analysis, owner, t, u.target, label,
+                                                  sub) or why
         if is_sequential(sub):
             call, why = self._enter_seq(sub, depth + 1) if len(u.args) == 1 else (None, None)
         else:
             call, why = self._enter_module(sub, at[0], len(u.args), depth + 1)
         if call is None:
             return None, None
-        label = join_path(self.analysis.path_of(owner), u.target)
         return call, child_problem(self.analysis, owner, t, u.target, label, sub) or why
 
     # -- the runs ---------------------------------------------------------------------------------

@@ -64,6 +64,8 @@ class RunPlan:
     alone: Dict[int, List[LayerCall]] = field(default_factory=dict)
     note: str = ""
     gated: Optional[GatedCall] = None  # a gated MLP, computed by gated_mlp
+    passes: List[Slot] = field(default_factory=list)  # modules between its layers that return
+    #                                                  their input (Identity, Dropout)
 
     @property
     def key(self) -> Tuple[Any, ...]:
@@ -435,8 +437,19 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
                     d, action="left alone", unit="", how="", bytes_per_row=0,
                     why="its layers share no container that calls them in sequence"))
                 continue
+            run_plan.passes = [p for c in sub.items[a:b - 1] for p in discovery.through[c]]
+            run_plan.slots += run_plan.passes
+            run_plan.unhooked += [p.holder for p in run_plan.passes if is_sequential(p.holder)
+                                  and p.holder not in run_plan.unhooked]
+            note = run_plan.note
+            if run_plan.passes:
+                note = "; ".join(filter(None, [
+                    "through " + ", ".join(f"{p.label} ({_passing(p.module)})"
+                                           for p in run_plan.passes)
+                    + ", which return their input (a call in which one does not computes "
+                      "module by module)", note]))
             d = dataclasses.replace(d, where=run_plan.where, how=run_plan.how,
-                                    why=d.why + (f"; {run_plan.note}" if run_plan.note else ""))
+                                    why=d.why + (f"; {note}" if note else ""))
             already = in_place(analysis, run_plan, existing)
             plan.runs.append(PlannedRun(run_plan, d, already))
             found.append(_already(d) if already is not None else d)
@@ -450,6 +463,11 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
             d = dataclasses.replace(
                 d, why=f"{d.why}; the run stops after {layer_calls[-1].label}: {stop}")
         plan.add(d)
+
+
+def _passing(m: nn.Module) -> str:
+    return f"Dropout(p={m.p}{'' if m.training else ', eval'})" if isinstance(m, nn.Dropout) \
+        else type(m).__name__
 
 
 def _refused(d: Decision, why: str) -> Decision:

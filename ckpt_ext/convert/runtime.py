@@ -65,7 +65,8 @@ class _Run:
                  unhooked: Sequence[Tuple[nn.Module, str]], owner: Optional[nn.Module],
                  calls: Sequence[str], elements: Sequence[Tuple[nn.Module, str]],
                  decision: Optional[Decision] = None,
-                 activation: LayerActivations = "tanh") -> None:
+                 activation: LayerActivations = "tanh",
+                 passes: Sequence[Tuple[nn.Module, str]] = ()) -> None:
         self.labels = tuple(labels)        # the layers' paths in call order, for messages
         self.key = (tuple(members), bool(last_activation))  # the modules fused (identity)
         self.layers = tuple(layers)        # its Linear modules, in order
@@ -81,7 +82,12 @@ class _Run:
         self.calls = tuple(calls)          # the members' labels in the owner's call order
         self.elements = tuple(elements)    # (Sequential, name) of its layers that are elements
         self.decision = decision           # what the report said when fuse applied it
+        # (module, label): Identity and Dropout modules between its layers, which must go on
+        # returning their input
+        self.passes = tuple(passes)
         self._region = _Region()
+
+    passes: Tuple[Tuple[nn.Module, str], ...] = ()  # what a run pickled without them has
 
     # -- pickling and copying: the region is per process and per call, never state to keep -----
     def __getstate__(self):
@@ -118,7 +124,19 @@ class _Run:
         for m, label in zip(self.key[0], self.labels):
             if foreign_forward(m):
                 return f"{label}'s forward was set on the instance, which the fused run would skip"
-        return self._placement_problem() or self._activation_problem() or self._weights_problem()
+        return self._placement_problem() or self._activation_problem() or \
+            self._passes_problem() or self._weights_problem()
+
+    def _passes_problem(self) -> Optional[str]:
+        for m, label in self.passes:
+            if foreign_forward(m):
+                return f"{label}'s forward was set on the instance, which the fused run would skip"
+            if _has_hooks(m):
+                return f"{label} has hooks, which the fused run would not call"
+            if not passes_through(m):
+                return (f"{label} (Dropout, p={m.p}) draws a mask in training, which the fused "
+                        f"run would not")
+        return None
 
     def _placement_problem(self) -> Optional[str]:
         """What changed where the run's modules are held or in their hooks."""
@@ -694,6 +712,12 @@ def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
     if weight.device.type not in ok:
         return f"device {weight.device} is not supported by this build of the fused op"
     return None
+
+
+def passes_through(m: nn.Module) -> bool:
+    """Whether the module returns its input, the very tensor: ``nn.Identity``, or an
+    ``nn.Dropout`` with p = 0 or in eval()."""
+    return type(m) is nn.Identity or (type(m) is nn.Dropout and not (m.p > 0 and m.training))
 
 
 def foreign_forward(m: nn.Module) -> bool:

@@ -103,6 +103,53 @@ def _dropout0():
         (_x(16, 16),), 16
 
 
+class TimmMlp(nn.Module):
+    """timm's ``layers.Mlp`` as timm writes it (``drop=0``, ``norm_layer=None``): Dropout and
+    Identity modules between the activation and ``fc2``."""
+
+    def __init__(self, d: int = 16, hidden: int = 64, drop: float = 0.0):
+        super().__init__()
+        self.fc1, self.act, self.drop1 = nn.Linear(d, hidden), nn.GELU(), nn.Dropout(drop)
+        self.norm, self.fc2, self.drop2 = nn.Identity(), nn.Linear(hidden, d), nn.Dropout(drop)
+
+    def forward(self, x):
+        x = self.fc1(x)
+        x = self.act(x)
+        x = self.drop1(x)
+        x = self.norm(x)
+        x = self.fc2(x)
+        x = self.drop2(x)
+        return x
+
+
+def torchvision_mlp(d: int = 16, hidden: Tuple[int, ...] = (64, 64, 16), dropout: float = 0.0):
+    """torchvision's ``ops.MLP(d, hidden, dropout=...)``: a Sequential of Linear, ReLU, Dropout
+    per hidden layer, then Linear, Dropout."""
+    layers, width = [], d
+    for h in hidden[:-1]:
+        layers += [nn.Linear(width, h), nn.ReLU(), nn.Dropout(dropout)]
+        width = h
+    return nn.Sequential(*layers, nn.Linear(width, hidden[-1]), nn.Dropout(dropout))
+
+
+@model("timm Mlp (dropout 0, Identity norm)")
+def _timm_mlp():
+    torch.manual_seed(0)
+    return TimmMlp(), (_x(16, 16),), 16
+
+
+@model("timm Mlp, dropout 0.1 in eval")
+def _timm_mlp_eval():
+    torch.manual_seed(0)
+    return TimmMlp(drop=0.1).eval(), (_x(16, 16),), 16
+
+
+@model("torchvision ops.MLP (dropout 0)")
+def _torchvision_mlp():
+    torch.manual_seed(0)
+    return torchvision_mlp(), (_x(16, 16),), 16
+
+
 @model("relu, dropout p=0.1, linear")
 def _dropout1():
     torch.manual_seed(0)

@@ -87,7 +87,7 @@ MUST_SAY = {
     "lora wrapper": ("LoRA wrapper",),
     "torch TransformerEncoderLayer": ("torch.nn.TransformerEncoderLayer",),
     "relu, dropout p=0.1, linear": ("dropout p>0 between",),
-    "relu, dropout p=0, linear": ("Dropout(p=0.0)), which returns its input with p=0",),
+    "relu, dropout p=0, linear": ("through 2 (Dropout(p=0.0)), which return their input",),
 }
 
 
