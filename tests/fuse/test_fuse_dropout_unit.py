@@ -207,3 +207,27 @@ def test_compile_computes_module_by_module_with_the_same_masks():
     a = plain(x)
     torch.manual_seed(6)
     _close(compiled(x), a, "compiled")
+
+
+def test_float32_on_each_device_draws_the_unfused_models_masks(device):
+    """float32 on the device: the device's generator ends where the unfused model leaves it,
+    after forward and after backward (the Dropout module, called on the zero-width placeholder,
+    draws nothing), and outputs and gradients agree to float32 rounding."""
+    torch.manual_seed(0)
+    plain = PackedDropMLP().to(device)
+    fused = copy.deepcopy(plain)
+    assert len(_gated(fuse(fused).report)) == 1
+    x = torch.randn(33, H, device=device)
+    state = torch.cuda.get_rng_state if device == "cuda" else torch.get_rng_state
+    runs = []
+    for model in (plain, fused):
+        torch.manual_seed(7)
+        y = model(x)
+        after_forward = state()
+        grads = torch.autograd.grad(y.square().sum(), list(model.parameters()))
+        runs.append((y, grads, after_forward, state()))
+    (a, ga, fa, ba), (b, gb, fb, bb) = runs
+    assert torch.equal(fa, fb) and torch.equal(ba, bb)
+    assert (b - a).abs().max() <= 1e-5 * a.abs().max()
+    for r, g in zip(ga, gb):
+        assert (g - r).abs().max() <= 1e-5 * r.abs().max()
