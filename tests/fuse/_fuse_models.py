@@ -364,24 +364,21 @@ model("llama, mlp_bias", requires="transformers")(
     _decoder("LlamaConfig", "LlamaModel", mlp_bias=True))
 
 
-@model("t5 encoder, gated-gelu_pytorch_tanh", requires="transformers")
-def _t5_gated():
-    import transformers
-    config = transformers.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                   num_heads=2, dropout_rate=0.0,
-                                   feed_forward_proj="gated-gelu_pytorch_tanh")
-    torch.manual_seed(0)
-    return LastHidden(transformers.T5EncoderModel(config)), (torch.randint(0, 99, (3, 7)),), 21
+def _t5_gated(dropout: float):
+    def factory():
+        import transformers
+        config = transformers.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                       num_heads=2, dropout_rate=dropout,
+                                       feed_forward_proj="gated-gelu_pytorch_tanh")
+        torch.manual_seed(0)
+        return LastHidden(transformers.T5EncoderModel(config)), \
+            (torch.randint(0, 99, (3, 7)),), 21
+    return factory
 
 
-@model("t5 encoder, gated-gelu_pytorch_tanh, dropout 0.1 in training", requires="transformers")
-def _t5_gated_dropout():
-    import transformers
-    config = transformers.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                   num_heads=2, dropout_rate=0.1,
-                                   feed_forward_proj="gated-gelu_pytorch_tanh")
-    torch.manual_seed(0)
-    return LastHidden(transformers.T5EncoderModel(config)), (torch.randint(0, 99, (3, 7)),), 21
+model("t5 encoder, gated-gelu_pytorch_tanh", requires="transformers")(_t5_gated(0.0))
+model("t5 encoder, gated-gelu_pytorch_tanh, dropout 0.1 in training",
+      requires="transformers")(_t5_gated(0.1))
 
 
 class GatedMLP(nn.Module):
