@@ -95,6 +95,10 @@ def _in_sequential(seq: nn.Module, spath: str, name: str) -> Optional[str]:
         return f"it is the last element of {spath or '<model>'}: no activation follows it there"
     nxt = seq._modules[names[i + 1]]
     found = module_activation(nxt)
+    if isinstance(nxt, nn.modules.dropout._DropoutNd) and nxt.p > 0 and nxt.training:
+        return (f"dropout p>0 between it and its activation: {join_path(spath, names[i + 1])} "
+                f"(p={nxt.p}) draws a mask in training that the fused op would not (in eval() "
+                f"it is fused)")
     if found is None:
         return (f"{join_path(spath, names[i + 1])} ({type(nxt).__name__}) follows it, not an "
                 f"activation fuse computes")

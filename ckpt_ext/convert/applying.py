@@ -42,7 +42,7 @@ def _apply_run(analysis: ModelAnalysis, plan: RunPlan, decision: Decision,
             + [(s.module, s.label) for s in layer_calls],
             owner=plan.owner, calls=plan.calls,
             elements=[(s.container, s.name) for s in layer_calls if s.node is None],
-            decision=decision, passes=[(p.module, p.label) for p in plan.passes])
+            decision=decision, passes=[(slot.module, slot.label, k) for slot, k in plan.passes])
     for call, k in plan.members:
         m = call.module
         m.__class__ = member_class(type(m))  # a subclass: same object, parameters and keys

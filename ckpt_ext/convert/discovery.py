@@ -23,14 +23,15 @@ from .activations import Recognised, module_activation, node_activation
 from .consumers import Fate, elements_fate, node_fate, output_fate
 from .policy import Chain, LayerShape, item_misses, layer_shape
 from .report import Decision
-from .runtime import (RunLinear, Slot, foreign_forward, is_sequential, join_path, passes_through,
-                      stored_weight, unsupported_reason)
+from .runtime import (RunLinear, Slot, foreign_forward, is_sequential, join_path, may_pass,
+                      passes_through, stored_weight, unsupported_reason)
 from .tracing import ModelAnalysis, Trace, statement_source
 
 
 class LayerKind(enum.Enum):
     LINEAR = "Linear"
     ACTIVATION = "activation"
+    PASS = "pass"  # an Identity or Dropout between them, a member of a run in its owner's forward
 
 
 INSTANCE_FORWARD = ("its forward is set on the instance (an instance forward, as accelerate's "
@@ -197,8 +198,9 @@ class RunDiscovery:
     that single consumer. Crossing a Sequential or a module needs it to have no hooks, to be held
     at one place and, when a forward calls it, to be called once there, directly; a module's own
     forward must be one whose guards can be checked: otherwise the run stops there and the report
-    says why. A module that returns its input (``nn.Identity``, an ``nn.Dropout`` with p = 0 or
-    in eval()) is stepped over; ``through[call]`` holds those between a call and the next."""
+    says why. ``nn.Identity`` and ``nn.Dropout`` modules are stepped over (``through[call]``
+    holds those between a call and the next), but a Dropout that draws a mask (p > 0, in
+    training) between a Linear and its activation stops the run."""
 
     def __init__(self, analysis: ModelAnalysis, taken_nodes: set) -> None:
         self.analysis = analysis
@@ -279,7 +281,7 @@ class RunDiscovery:
         e = seq._modules[name]
         if is_sequential(e) and depth < 64:
             return self._enter_seq(e, depth + 1)
-        if passes_through(e) and depth < 64:
+        if may_pass(e) and depth < 64:
             problem = self._pass(seq, name, e, join_path(self.analysis.path_of(seq), name))
             call, why = self._after_element(seq, list(seq._modules).index(name), depth + 1)
             return (call, problem or why) if call is not None else (None, None)
@@ -367,7 +369,7 @@ class RunDiscovery:
         if depth > 64:
             return None, None
         label = join_path(self.analysis.path_of(owner), u.target)
-        if passes_through(sub) and len(u.args) == 1 and "." not in u.target:
+        if may_pass(sub) and len(u.args) == 1 and "." not in u.target:
             problem = self._pass(owner, u.target, sub, label)
             call, why = self._after_node(owner, t, u, depth + 1)
             if call is None:
@@ -393,6 +395,13 @@ class RunDiscovery:
             nxt, problem = self.succ(s)
             if nxt is None or nxt.kind == s.kind:
                 continue
+            if s.kind is LayerKind.LINEAR:
+                drawing = [p for p in self.through[s] if not passes_through(p.module)]
+                if drawing:
+                    problem = problem or (
+                        f"dropout p>0 between it and its activation: {drawing[0].label} "
+                        f"(p={drawing[0].module.p}) draws a mask in training that the fused op "
+                        f"would not (in eval() it is fused)")
             if problem:
                 stops[s] = problem
             else:

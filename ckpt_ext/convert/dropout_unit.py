@@ -6,7 +6,7 @@ generator is left as it was. Design: docs/converter.md, "Dropout inside a unit".
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,28 @@ def gated(x: Tensor, gate_w: Tensor, up_w: Optional[Tensor], down_w: Tensor,
     (2I, H) weight, its halves (gate, up), or (up, gate) with ``gate_second``."""
     compute = functools.partial(_gated, activation, gate_second, tuple(ps))
     return _Recomputed.apply(compute, x, gate_w, up_w, down_w, gate_b, up_b, down_b)
+
+
+def plain(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Optional[Tensor]],
+          activations: Sequence[str], masks: Dict[int, Tuple[float, ...]]) -> Tensor:
+    """A run ``Linear, act, Linear, ...`` (``activations``: one per activated layer) with
+    ``F.dropout`` of each p in ``masks[k]`` after item k (Linear j is item 2j, its activation
+    2j + 1)."""
+    compute = functools.partial(_plain, tuple(activations), len(weights),
+                                {k: tuple(ps) for k, ps in masks.items()})
+    return _Recomputed.apply(compute, x, *weights, *biases)
+
+
+def _plain(acts, layers, masks, x, *params):
+    h = x
+    for j in range(layers):
+        h = F.linear(h, params[j], params[layers + j])
+        for k in (2 * j, 2 * j + 1)[:1 + (j < len(acts))]:
+            if k % 2:
+                h = activate(acts[j], h)
+            for p in masks.get(k, ()):
+                h = F.dropout(h, p, True)
+    return h
 
 
 def _gated(act, gate_second, ps, x, gate_w, up_w, down_w, gate_b, up_b, down_b):

@@ -11,13 +11,15 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from torch import nn
 
 from ..modules import LayerActivations
+from .activations import SAVES_INPUT
 from .consumers import Fate
 from .discovery import GatedCall, LayerCall, LayerKind, RunDiscovery, find_gated, graph_chains
-from .policy import (Chain, Unit, chain_problem, decide, gated_decision, item_misses,
-                     layer_shape, split_at_problems, sub_chain)
+from .policy import (Chain, LayerShape, Unit, chain_problem, decide, gated_decision,
+                     item_misses, layer_shape, split_at_problems, sub_chain)
 from .report import Decision
 from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, Slot, _Guard,
-                      _OwnerForward, _Run, is_sequential, join_path, parts_of)
+                      _OwnerForward, _Run, base_type, is_sequential, join_path, parts_of,
+                      passes_through, stored_weight)
 from .tracing import ModelAnalysis, Trace
 
 
@@ -64,8 +66,8 @@ class RunPlan:
     alone: Dict[int, List[LayerCall]] = field(default_factory=dict)
     note: str = ""
     gated: Optional[GatedCall] = None  # a gated MLP, computed by gated_mlp
-    passes: List[Slot] = field(default_factory=list)  # modules between its layers that return
-    #                                                  their input (Identity, Dropout)
+    # (Identity or Dropout, k): the modules between its layers, after its item k
+    passes: List[Tuple[Slot, int]] = field(default_factory=list)
 
     @property
     def key(self) -> Tuple[Any, ...]:
@@ -127,10 +129,12 @@ def _descent(analysis: ModelAnalysis, call: LayerCall, chain: List[nn.Module], l
 
 
 def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall],
-             activation: LayerActivations, last_act: bool, policy: str) -> Optional[RunPlan]:
+             activation: LayerActivations, last_act: bool, policy: str,
+             between: Sequence[Sequence[Slot]] = ()) -> Optional[RunPlan]:
     """Where the unit of these calls is computed: by the Sequential holding them all, or inside
-    the forward of their lowest common caller (the owner), whose calls become members; None when
-    no module calls them all."""
+    the forward of their lowest common caller (the owner), whose calls become members (an
+    Identity or Dropout a forward calls between them too: ``between[i]``, after call i); None
+    when no module calls them all."""
     chains, lca = _ancestry(analysis, layer_calls)
     if lca is None:
         return None
@@ -162,6 +166,10 @@ def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall],
 
     p.sequences = [c for c in inside.values() if is_sequential(c)]
     p.unhooked = list(inside.values())
+    p.passes = [(slot, i) for i, slots in enumerate(between) for slot in slots]
+    p.slots += [slot for slot, _ in p.passes]
+    p.unhooked += [slot.holder for slot, _ in p.passes
+                   if is_sequential(slot.holder) and slot.holder not in p.unhooked]
     crossed = [c for c in inside.values() if not is_sequential(c)]  # their forwards run it
     if is_sequential(lca):
         if crossed:  # a Sequential computes its elements: it marks no region
@@ -181,11 +189,15 @@ def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall],
     # module whose forward it crosses, or the outermost Sequential on the way down to a layer.
     # Each becomes a member of the run.
     units: List[Any] = []
-    for s, chain in zip(layer_calls, chains):
+    for i, (s, chain) in enumerate(zip(layer_calls, chains)):
         below = chain[:[id(c) for c in chain].index(id(lca))]
         u = next((c for c in reversed(below) if is_sequential(c)), s)
         if not units or units[-1] is not u:
             units.append(u)
+        # a module a forward calls between two calls of the run passes the run's output on
+        units += [LayerCall(slot.holder, slot.name, slot.module, LayerKind.PASS, slot.label)
+                  for slot in (between[i] if i < len(between) else ())
+                  if not is_sequential(slot.holder)]
     for c in crossed:
         holder, hpath, hname = analysis.parent[analysis.paths[id(c)][0]]
         p.slots.append(Slot(holder, hname, c, join_path(hpath, hname)))
@@ -195,7 +207,8 @@ def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall],
     for k, u in enumerate(units):
         if isinstance(u, LayerCall):
             p.members.append(MemberPlan(u, k))
-            p.slots.append(Slot(u.container, u.name, u.module, u.label))
+            if u.kind is not LayerKind.PASS:  # a pass's slot is there already
+                p.slots.append(Slot(u.container, u.name, u.module, u.label))
             p.calls.append(u.label)
             continue
         holder, hpath, hname = analysis.parent[analysis.paths[id(u)][0]]
@@ -416,7 +429,7 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
     shapes = [layer_shape(s.label, s.module) for s in layer_calls[0::2]]
     full = Chain(at, "", labels, layer_calls, shapes,
                  tuple(s.activation for s in layer_calls[1::2]), len(layer_calls) % 2 == 0,
-                 lambda: Fate(None, ""))
+                 lambda: Fate(None, ""), _inner_fates(discovery, layer_calls))
     for s, e in split_at_problems(problems, len(layer_calls)):
         last = layer_calls[e - 1]
         sub = sub_chain(full, s, e, lambda last=last: discovery.fate(last))
@@ -430,25 +443,23 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
         found += misses
         for u in units:
             a, b = sub.span(u.first, u.last, u.last_act)
-            run_plan = plan_run(analysis, sub.items[a:b], u.activation, u.last_act, policy)
+            between = [discovery.through[c] for c in sub.items[a:b - 1]]
+            run_plan = plan_run(analysis, sub.items[a:b], u.activation, u.last_act, policy,
+                                between)
             d = u.decision
             if run_plan is None:  # no module calls them all: no region to compute it in
                 found.append(dataclasses.replace(
                     d, action="left alone", unit="", how="", bytes_per_row=0,
                     why="its layers share no container that calls them in sequence"))
                 continue
-            run_plan.passes = [p for c in sub.items[a:b - 1] for p in discovery.through[c]]
-            run_plan.slots += run_plan.passes
-            run_plan.unhooked += [p.holder for p in run_plan.passes if is_sequential(p.holder)
-                                  and p.holder not in run_plan.unhooked]
             note = run_plan.note
             if run_plan.passes:
-                note = "; ".join(filter(None, [
-                    "through " + ", ".join(f"{p.label} ({_passing(p.module)})"
-                                           for p in run_plan.passes)
-                    + ", which return their input (a call in which one does not computes "
-                      "module by module)", note]))
+                note = "; ".join(filter(None, [_through(run_plan.passes), note]))
             d = dataclasses.replace(d, where=run_plan.where, how=run_plan.how,
+                                    bytes_per_row=d.bytes_per_row + _mask_bytes(
+                                        run_plan.passes, sub.layers[u.first:],
+                                        sub.activations[u.first:],
+                                        _on_cuda(sub.items[a].module)),
                                     why=d.why + (f"; {note}" if note else ""))
             already = in_place(analysis, run_plan, existing)
             plan.runs.append(PlannedRun(run_plan, d, already))
@@ -467,7 +478,56 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
 
 def _passing(m: nn.Module) -> str:
     return f"Dropout(p={m.p}{'' if m.training else ', eval'})" if isinstance(m, nn.Dropout) \
-        else type(m).__name__
+        else base_type(m).__name__
+
+
+def _on_cuda(lin: nn.Module) -> bool:
+    w = stored_weight(lin)
+    return w is not None and w.device.type == "cuda"
+
+
+def _through(passes: Sequence[Tuple[Slot, int]]) -> str:
+    slots = [slot for slot, _ in passes]
+    drawing = [slot.label for slot in slots if not passes_through(slot.module)]
+    return ("through " + ", ".join(f"{s.label} ({_passing(s.module)})" for s in slots) +
+            (f"; {', '.join(drawing)} " +
+             ("draws its mask" if len(drawing) == 1 else "draw their masks") +
+             " inside the unit, which keeps the generator's state and draws "
+             + ("it" if len(drawing) == 1 else "them") + " again in backward"
+             if drawing else "") +
+            "; a call in which one of them draws a mask fuse cannot draw computes module by "
+            "module")
+
+
+def _inner_fates(discovery: RunDiscovery, layer_calls: Sequence[LayerCall]) -> Dict[int, Fate]:
+    """Activation j's output goes to a Dropout drawing a mask, which keeps only that."""
+    out = {}
+    for j, call in enumerate(layer_calls[1::2]):
+        drawing = [p for p in discovery.through.get(call, ()) if not passes_through(p.module)]
+        if drawing:
+            out[j] = Fate(False, f"its user {drawing[0].label} (Dropout, p={drawing[0].module.p})"
+                                 f" keeps only its mask (in train(); in eval() it passes the "
+                                 f"value on)")
+    return out
+
+
+def _mask_bytes(passes: Sequence[Tuple[Slot, int]], layers: Sequence[LayerShape],
+                activations: Sequence[str], on_cuda: bool) -> int:
+    """What stock autograd keeps per row for the Dropouts drawing a mask after an activation:
+    each one's mask (the dtype's size on the CPU, a byte on CUDA), and their output, which the
+    next Linear keeps instead of the activation's output where the activation's backward keeps
+    that output too."""
+    masks: Dict[int, int] = {}
+    for slot, k in passes:
+        if not passes_through(slot.module):
+            masks[k] = masks.get(k, 0) + 1
+    total = 0
+    for k, n in masks.items():
+        layer = layers[k // 2]
+        keeps_output = not SAVES_INPUT[activations[k // 2]]
+        total += layer.out_features * (n * (1 if on_cuda else layer.itemsize)
+                                       + layer.itemsize * keeps_output)
+    return total
 
 
 def _refused(d: Decision, why: str) -> Decision:

@@ -6,7 +6,7 @@ its output; ``policy="all"``: every pair), the near misses, and the report's fig
 run may mix activations)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
@@ -59,6 +59,9 @@ class Chain:
     activations: Tuple[Optional[str], ...]  # per activation item: ckpt_ext.ACTIVATIONS' name
     ends_with_act: bool
     fate: Callable[[], Fate]      # what the consumer does with the chain's last output
+    # what becomes of activation j's output where a module between it and Linear j + 1 keeps
+    # something else (a Dropout drawing a mask keeps only that); else Linear j + 1 keeps it
+    inner_fates: Dict[int, Fate] = field(default_factory=dict)
 
     def span(self, first: int, last: int, last_act: bool) -> Tuple[int, int]:
         """Item indices [start, stop) of layers first..last, with last's activation if
@@ -143,8 +146,8 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
                 unit(j, j, True, True, f"policy='all' fuses every pair; {own_input(j)}")
                 continue
             if j < m - 1:
-                fate = Fate(True, f"kept by {chain.labels[2 * j + 2]} (nn.Linear keeps its "
-                                  f"input)")
+                fate = chain.inner_fates.get(j) or Fate(
+                    True, f"kept by {chain.labels[2 * j + 2]} (nn.Linear keeps its input)")
             else:
                 fate = chain.fate()
             note = "" if fate.kept is False else \
@@ -229,7 +232,8 @@ def split_at_problems(items_ok: List[Optional[str]], n: int) -> List[Tuple[int, 
 def sub_chain(chain: Chain, s: int, e: int, fate: Callable[[], Fate]) -> Chain:
     return Chain(chain.where, chain.how, chain.labels[s:e], chain.items[s:e],
                  chain.layers[s // 2:(e + 1) // 2], chain.activations[s // 2:e // 2],
-                 (e - s) % 2 == 0, fate)
+                 (e - s) % 2 == 0, fate,
+                 {j - s // 2: f for j, f in chain.inner_fates.items() if s <= 2 * j < e})
 
 
 def layer_shape(label: str, lin: nn.Linear) -> LayerShape:

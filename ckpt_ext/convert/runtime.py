@@ -66,7 +66,7 @@ class _Run:
                  calls: Sequence[str], elements: Sequence[Tuple[nn.Module, str]],
                  decision: Optional[Decision] = None,
                  activation: LayerActivations = "tanh",
-                 passes: Sequence[Tuple[nn.Module, str]] = ()) -> None:
+                 passes: Sequence[Tuple[nn.Module, str, int]] = ()) -> None:
         self.labels = tuple(labels)        # the layers' paths in call order, for messages
         self.key = (tuple(members), bool(last_activation))  # the modules fused (identity)
         self.layers = tuple(layers)        # its Linear modules, in order
@@ -82,12 +82,13 @@ class _Run:
         self.calls = tuple(calls)          # the members' labels in the owner's call order
         self.elements = tuple(elements)    # (Sequential, name) of its layers that are elements
         self.decision = decision           # what the report said when fuse applied it
-        # (module, label): Identity and Dropout modules between its layers, which must go on
-        # returning their input
+        # (module, label, k): the Identity and Dropout modules after its item k (Linear j is
+        # item 2j, its activation 2j + 1); a Dropout drawing a mask after an activation is
+        # computed as part of the run, any other must return its input
         self.passes = tuple(passes)
         self._region = _Region()
 
-    passes: Tuple[Tuple[nn.Module, str], ...] = ()  # what a run pickled without them has
+    passes: Tuple[Tuple[nn.Module, str, int], ...] = ()  # what a run pickled without them has
 
     # -- pickling and copying: the region is per process and per call, never state to keep -----
     def __getstate__(self):
@@ -128,15 +129,28 @@ class _Run:
             self._passes_problem() or self._weights_problem()
 
     def _passes_problem(self) -> Optional[str]:
-        for m, label in self.passes:
+        for m, label, k in self.passes:
             if foreign_forward(m):
                 return f"{label}'s forward was set on the instance, which the fused run would skip"
             if _has_hooks(m):
                 return f"{label} has hooks, which the fused run would not call"
-            if not passes_through(m):
-                return (f"{label} (Dropout, p={m.p}) draws a mask in training, which the fused "
-                        f"run would not")
+            if passes_through(m):
+                continue
+            if k % 2 == 0:
+                return (f"{label} (Dropout, p={m.p}) draws a mask in training between a Linear "
+                        f"and its activation, which the fused run does not compute")
+            why = dropout_unit.unsupported()
+            if why is not None:
+                return f"{label} (Dropout, p={m.p}) draws a mask in training and {why}"
         return None
+
+    def _masks(self) -> Dict[int, Tuple[float, ...]]:
+        """The p of each Dropout that draws a mask now, by the item it follows."""
+        out: Dict[int, Tuple[float, ...]] = {}
+        for m, _, k in self.passes:
+            if not passes_through(m):
+                out[k] = out.get(k, ()) + (m.p,)
+        return out
 
     def _placement_problem(self) -> Optional[str]:
         """What changed where the run's modules are held or in their hooks."""
@@ -181,6 +195,9 @@ class _Run:
         weights = [layer.weight for layer in self.layers]
         biases = [layer.bias for layer in self.layers]
         _as_linear_would(x, weights[0], biases[0])
+        masks = self._masks() if self.passes else None
+        if masks:
+            return dropout_unit.plain(x, weights, biases, self.activations, masks)
         if self.activation != "tanh":  # another name, or one per layer
             return ops.mlp(x, weights, biases, activation=as_mlp_argument(self.activation),
                            last_activation=self.last_activation)
@@ -279,13 +296,13 @@ class _GatedRun(_Run):
         for d in self.dropouts:
             if type(d) is not nn.Dropout:
                 return "a Dropout between the product and the down projection changed class"
-        if self._masks():
+        if self._gated_masks():
             why = dropout_unit.unsupported()
             if why is not None:
                 return f"its Dropout draws a mask in training and {why}"
         return None
 
-    def _masks(self) -> Tuple[float, ...]:
+    def _gated_masks(self) -> Tuple[float, ...]:
         """The p of each Dropout that draws a mask now (p > 0, in training), in order."""
         return tuple(d.p for d in self.dropouts if d.p > 0 and d.training)
 
@@ -293,7 +310,7 @@ class _GatedRun(_Run):
         first = self.members[0]
         _as_linear_would(x, first.weight, first.bias)
         gate, up, down = self.gate, self.up, self.down
-        masks = self._masks()
+        masks = self._gated_masks()
         if masks:
             return dropout_unit.gated(x, gate.weight, up.weight if up is not None else None,
                                       down.weight, gate.bias, up.bias if up is not None else None,
@@ -714,10 +731,21 @@ def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
     return None
 
 
+def base_type(m: nn.Module) -> type:
+    """The module's class, or the class fuse gave it a member class of."""
+    return getattr(type(m), "_ckpt_ext_base", type(m))
+
+
 def passes_through(m: nn.Module) -> bool:
     """Whether the module returns its input, the very tensor: ``nn.Identity``, or an
     ``nn.Dropout`` with p = 0 or in eval()."""
-    return type(m) is nn.Identity or (type(m) is nn.Dropout and not (m.p > 0 and m.training))
+    cls = base_type(m)
+    return cls is nn.Identity or (cls is nn.Dropout and not (m.p > 0 and m.training))
+
+
+def may_pass(m: nn.Module) -> bool:
+    """Whether a run may go through the module: ``nn.Identity`` or ``nn.Dropout``."""
+    return base_type(m) in (nn.Identity, nn.Dropout)
 
 
 def foreign_forward(m: nn.Module) -> bool:

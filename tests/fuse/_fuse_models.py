@@ -144,10 +144,22 @@ def _timm_mlp_eval():
     return TimmMlp(drop=0.1).eval(), (_x(16, 16),), 16
 
 
+@model("timm Mlp, dropout 0.1 in training")
+def _timm_mlp_dropout():
+    torch.manual_seed(0)
+    return TimmMlp(drop=0.1), (_x(16, 16),), 16
+
+
 @model("torchvision ops.MLP (dropout 0)")
 def _torchvision_mlp():
     torch.manual_seed(0)
     return torchvision_mlp(), (_x(16, 16),), 16
+
+
+@model("torchvision ops.MLP, dropout 0.1 in training")
+def _torchvision_mlp_dropout():
+    torch.manual_seed(0)
+    return torchvision_mlp(dropout=0.1), (_x(16, 16),), 16
 
 
 @model("relu, dropout p=0.1, linear")

@@ -86,8 +86,8 @@ MUST_SAY = {
     "gated, split by sizes": ("gated product",),
     "lora wrapper": ("LoRA wrapper",),
     "torch TransformerEncoderLayer": ("torch.nn.TransformerEncoderLayer",),
-    "relu, dropout p=0.1, linear": ("dropout p>0 between",),
-    "relu, dropout p=0, linear": ("through 2 (Dropout(p=0.0)), which return their input",),
+    "relu, dropout p=0.1, linear": ("2 draws its mask inside the unit",),
+    "relu, dropout p=0, linear": ("through 2 (Dropout(p=0.0))",),
 }
 
 
