@@ -15,6 +15,8 @@ from torch import nn
 
 from ckpt_ext import fuse
 from _ecosys import saved_activation_bytes
+from _fuse_models import TimmMlp, torchvision_mlp
+from _masks import record_masks
 from test_fuse_gated import H, I, _close, _gated, _t5
 
 transformers = pytest.importorskip("transformers")
@@ -46,11 +48,15 @@ class PackedDropMLP(nn.Module):
 
 
 def _pair(make):
+    """(unfused, fused) float64 copies of the model, and the report, which fuses one unit with
+    each Dropout inside (a gated MLP, or a plain run)."""
     torch.manual_seed(0)
     plain = make().double()
     fused = copy.deepcopy(plain)
     _, report = fuse(fused)
-    assert len(_gated(report)) >= 1, str(report)
+    assert report.fused and all("inside the unit, which keeps the generator" in d.why or
+                                "Dropout mask(s) drawn again" in d.why for d in report.fused), \
+        str(report)
     return plain, fused, report
 
 
@@ -83,19 +89,7 @@ def test_t5_in_training_is_one_unit_per_layer_with_its_mask(monkeypatch):
     bitwise the forward's, while the generator ends where the unfused one does."""
     plain, fused, report = _pair(lambda: _t5("gated-gelu", 0.1))
     assert len(_gated(report)) == 2 and all("Dropout mask" in d.why for d in _gated(report))
-    drawn, depth = [], [0]
-    real = F.dropout
-
-    def recording(x, p=0.5, training=True, inplace=False):
-        depth[0] += 1  # F.dropout calls itself again under a torch function mode
-        try:
-            out = real(x, p, training, inplace)
-        finally:
-            depth[0] -= 1
-        if not depth[0] and training and p > 0 and x.numel():
-            drawn.append((tuple(x.shape), out == 0))
-        return out
-    monkeypatch.setattr(F, "dropout", recording)
+    drawn = record_masks(monkeypatch)
     ids = torch.randint(0, 50, (2, 5))
     masks = []
     for model in (plain, fused):
@@ -174,8 +168,10 @@ def test_autocast_bf16_matches_the_unfused_model():
         assert torch.equal(y_, x_)
 
 
-def test_torch_func_and_forward_ad_compute_module_by_module():
-    plain, fused, _ = _pair(DropMLP)
+@pytest.mark.parametrize("make", [DropMLP, lambda: torchvision_mlp(d=H, dropout=0.1)],
+                         ids=["gated", "plain run"])
+def test_torch_func_and_forward_ad_compute_module_by_module(make):
+    plain, fused, _ = _pair(make)
     x = torch.randn(3, H, dtype=torch.float64)
     params = dict(fused.named_parameters())
     torch.manual_seed(4)
@@ -209,14 +205,17 @@ def test_compile_computes_module_by_module_with_the_same_masks():
     _close(compiled(x), a, "compiled")
 
 
-def test_float32_on_each_device_draws_the_unfused_models_masks(device):
+@pytest.mark.parametrize("make", [PackedDropMLP, lambda: TimmMlp(d=H, drop=0.25)],
+                         ids=["gated", "plain run"])
+def test_float32_on_each_device_draws_the_unfused_models_masks(make, device):
     """float32 on the device: the device's generator ends where the unfused model leaves it,
-    after forward and after backward (the Dropout module, called on the zero-width placeholder,
-    draws nothing), and outputs and gradients agree to float32 rounding."""
+    after forward and after backward (the Dropout module, called on the zero-width placeholder
+    of a gated MLP or as a member of a plain run, draws nothing), and outputs and gradients agree
+    to float32 rounding."""
     torch.manual_seed(0)
-    plain = PackedDropMLP().to(device)
+    plain = make().to(device)
     fused = copy.deepcopy(plain)
-    assert len(_gated(fuse(fused).report)) == 1
+    assert len(fuse(fused).report.fused) == 1
     x = torch.randn(33, H, device=device)
     state = torch.cuda.get_rng_state if device == "cuda" else torch.get_rng_state
     runs = []
