@@ -21,8 +21,8 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
     ``(model, report)`` with ``model`` the very object passed in.
 
     ``policy="memory"`` (default) fuses maximal runs, and lone pairs only where that frees memory
-    (an activation output its backward reads, kept anyway, does not); ``policy="all"`` fuses every pair on
-    its own. ``rewrite=True`` also rewrites forward code (``F.linear``, ``torch.tanh``,
+    (an activation output its backward reads, kept anyway, does not); ``policy="all"`` fuses the
+    same runs with their trailing activation and every lone pair, so it never frees less. ``rewrite=True`` also rewrites forward code (``F.linear``, ``torch.tanh``,
     ``F.gelu``, ...) of modules whose forward is safe to rewrite. ``dry_run=True`` changes
     nothing and reports what would be done. ``trace=False`` skips the fx analysis: only the
     insides of ``nn.Sequential`` are considered. ``print(report)`` shows every decision with its

@@ -129,7 +129,7 @@ def _descent(analysis: ModelAnalysis, call: LayerCall, chain: List[nn.Module], l
 
 
 def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall],
-             activation: LayerActivations, last_act: bool, policy: str,
+             activation: LayerActivations, last_act: bool,
              between: Sequence[Sequence[Slot]] = ()) -> Optional[RunPlan]:
     """Where the unit of these calls is computed: by the Sequential holding them all, or inside
     the forward of their lowest common caller (the owner), whose calls become members (an
@@ -225,7 +225,7 @@ def plan_run(analysis: ModelAnalysis, layer_calls: List[LayerCall],
                                     k, (), after(down[1:])))
         else:
             p.parts.append(PartPlan(u, tuple(names), PartRole.ON, k, (), ()))
-        alone = _alone(u, layer_calls) if policy == "memory" else None
+        alone = _alone(u, layer_calls)
         if alone:
             p.alone[id(u)] = alone
     p.how = "children" if all(isinstance(u, LayerCall) and u.container is lca for u in units) \
@@ -444,8 +444,7 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
         for u in units:
             a, b = sub.span(u.first, u.last, u.last_act)
             between = [discovery.through[c] for c in sub.items[a:b - 1]]
-            run_plan = plan_run(analysis, sub.items[a:b], u.activation, u.last_act, policy,
-                                between)
+            run_plan = plan_run(analysis, sub.items[a:b], u.activation, u.last_act, between)
             d = u.decision
             if run_plan is None:  # no module calls them all: no region to compute it in
                 found.append(dataclasses.replace(

@@ -1,7 +1,8 @@
 """The policy: which stretches of a chain fuse as one unit (``policy="memory"``: a maximal run,
 with its trailing activation and as a lone pair where that frees memory — always for an activation
 whose backward keeps its input, only where the consumer does not keep the output for one that keeps
-its output; ``policy="all"``: every pair), the near misses, and the report's figures for each
+its output; ``policy="all"``: the same runs with their trailing activation, and every lone
+pair), the near misses, and the report's figures for each
 (activation bytes freed and FLOPs added per row, each layer's from its own activation's row: a
 run may mix activations)."""
 from __future__ import annotations
@@ -139,20 +140,21 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
         return f"{DISPLAY[acts[j]]}'s backward keeps its input, the fused op does not"
 
     if policy == "all":
-        for j in range(m):
-            if 2 * j + 1 >= len(chain.items):
-                break  # the last Linear, without an activation
-            if keeps_z[j]:
-                unit(j, j, True, True, f"policy='all' fuses every pair; {own_input(j)}")
-                continue
-            if j < m - 1:
-                fate = chain.inner_fates.get(j) or Fate(
-                    True, f"kept by {chain.labels[2 * j + 2]} (nn.Linear keeps its input)")
-            else:
-                fate = chain.fate()
-            note = "" if fate.kept is False else \
-                f"; its output is {'kept anyway' if fate.kept else 'maybe kept'}: {fate.why}"
-            unit(j, j, True, fate.kept is False, "policy='all' fuses every pair" + note)
+        # what "memory" fuses, and what it leaves as a near miss fused too: a run's trailing
+        # activation and a lone pair, even where its output is kept anyway
+        if not chain.ends_with_act and m < 2:
+            return units, misses
+        last_act = chain.ends_with_act
+        kept, why = chain.fate() if last_act else (None, "")
+        note = "" if not last_act or kept is False or keeps_z[m - 1] else \
+            f"; its output is {'kept anyway' if kept else 'maybe kept'}: {why}"
+        if m >= 2:
+            unit(0, m - 1, last_act, kept is False,
+                 f"policy='all' fuses each run with its trailing activation: {m - 1} inner "
+                 f"{_inner_kept(acts[:m - 1])} are no longer kept, only the run's input" + note)
+        else:
+            unit(0, 0, True, kept is False, "policy='all' fuses every lone pair" +
+                 (f"; {own_input(0)}" if keeps_z[0] else note))
         return units, misses
 
     if m >= 2:

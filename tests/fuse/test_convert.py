@@ -222,23 +222,24 @@ def _mlp_policy(obs=8, hidden=64, act=4, dtype=torch.float32):
                          nn.Linear(hidden, act, dtype=dtype))
 
 
-def test_hazard_mlp_run_keeps_less_where_every_pair_kept_the_same():
-    """`Linear, Tanh, Linear, Tanh, Linear`: fusing every pair keeps what plain keeps (each tanh
-    output is the next Linear's input); the run keeps only its input. Exact bytes, two ways."""
+def test_mlp_run_keeps_only_its_input_with_either_policy():
+    """`Linear, Tanh, Linear, Tanh, Linear`: each tanh output is the next Linear's input, so
+    fusing pair by pair would keep what plain keeps; the run keeps only its input, under
+    policy="memory" and policy="all" alike. Exact bytes, two ways."""
     torch.manual_seed(0)
     plain = _mlp_policy()
     run, r_run = fuse(copy.deepcopy(plain))
-    pairs, r_pairs = fuse(copy.deepcopy(plain), policy="all")
+    every, r_all = fuse(copy.deepcopy(plain), policy="all")
     rows = 256
     x = torch.randn(rows, 8)
 
     saved = {name: saved_activation_bytes(m, x) for name, m in
-             (("plain", plain), ("run", run), ("pairs", pairs))}
+             (("plain", plain), ("run", run), ("all", every))}
     kept = {name: kept_bytes(m, x) for name, m in
-            (("plain", plain), ("run", run), ("pairs", pairs))}
+            (("plain", plain), ("run", run), ("all", every))}
     act = rows * 64 * 4  # one float32 hidden activation
-    assert saved["plain"] == saved["pairs"] == rows * 8 * 4 + 2 * act  # input + 2 tanh outputs
-    assert saved["run"] == rows * 8 * 4  # the run's input only
+    assert saved["plain"] == rows * 8 * 4 + 2 * act  # input + 2 tanh outputs
+    assert saved["run"] == saved["all"] == rows * 8 * 4  # the run's input only
     # The allocator meter agrees to the byte (it counts what forward allocated: not the input).
     assert kept == {k: v - rows * 8 * 4 for k, v in saved.items()}
 
@@ -248,10 +249,10 @@ def test_hazard_mlp_run_keeps_less_where_every_pair_kept_the_same():
     assert d.unit == "tanh_mlp, 3 layers 8->64->64->4" and d.how == "sequential"
     assert d.flops_per_row == 2 * (8 * 64 + 64 * 64)  # the two lower layers' forward GEMMs
     assert d.plain_flops_per_row == 6 * (8 * 64 + 64 * 64 + 64 * 4)
-    assert len(r_pairs) == 2 and r_pairs.bytes_per_row == 0
-    assert r_pairs.flops_per_row == d.flops_per_row  # same recompute, nothing freed
-    assert all("kept anyway" in p.why for p in r_pairs.fused)
+    assert [(e.layers, e.bytes_per_row, e.flops_per_row) for e in r_all.fused] == \
+        [(d.layers, d.bytes_per_row, d.flops_per_row)]
     assert_same_computation(plain, run, [x.double().float()], torch.float32)
+    assert_same_computation(plain, every, [x.double().float()], torch.float32)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -312,9 +313,9 @@ def test_writeup_net(dtype):
 
     every = Net(dtype=dtype)
     every.load_state_dict(before.state_dict())
-    _, report_all = fuse(every, policy="all")
-    assert len(report_all) == 3
-    assert [d.bytes_per_row for d in report_all.fused] == [0, 0, 40 * isz]
+    _, report_all = fuse(every, policy="all")  # the same run: never less than "memory"
+    assert fused_layers(report_all) == fused_layers(report)
+    assert report_all.bytes_per_row == report.bytes_per_row
     assert_same_computation(before, every, [torch.randn(9, 12, dtype=dtype)], dtype)
 
 
@@ -602,15 +603,12 @@ def test_rewrite_forms(form, policy):
     _, report = fuse(model, policy=policy, rewrite=True)
     # F.tanh is `input.tanh()` in Python, so fx records it as the method call.
     tanh = {"nn.Tanh": "act", "F.tanh": ".tanh()"}.get(form, form)
-    if policy == "memory":  # one run: lin, tanh, F.linear, tanh (the model's output)
-        assert fused_layers(report) == [("lin", tanh, "F.linear", "torch.tanh")]
-    else:
-        assert fused_layers(report) == [("lin", tanh), ("F.linear", "torch.tanh")]
+    # one run under either policy: lin, tanh, F.linear, tanh (the model's output)
+    assert fused_layers(report) == [("lin", tanh, "F.linear", "torch.tanh")]
     assert {d.how for d in report.fused} == {"rewrite"} and report.rewritten == [""]
     assert type(model) is FunctionalForms and type(model.lin) is nn.Linear
     source = model.forward.source
-    assert source.count("ckpt_ext_ops_tanh_mlp(") == (policy == "memory")
-    assert source.count("ckpt_ext_ops_linear_tanh(") == 2 * (policy == "all")
+    assert source.count("ckpt_ext_ops_tanh_mlp(") == 1
     assert "torch.tanh(" not in source and ".tanh()" not in source and "linear(" not in \
         source.replace("linear_tanh(", "")
     assert list(model.state_dict()) == list(before.state_dict())
@@ -1024,7 +1022,7 @@ def test_running_twice_changes_nothing(policy):
     model = _mixed_model()
     x = torch.randn(2, 3, 5)
     once, report1 = fuse(model, policy=policy, rewrite=True)
-    assert len(report1) == (3 if policy == "memory" else 4)
+    assert len(report1) == 3
     after_once = kinds(model)
     forward = vars(model)["forward"]
     runs = model.trunk._ckpt_ext_runs
@@ -1374,8 +1372,8 @@ def test_run_across_containers_falls_back_when_changed_after_fusing():
 
 def test_run_of_children_after_changes_and_a_later_fuse():
     """A hook registered after fusing on a member of a run of children runs on that member's own
-    output (the run falls back to computing member by member); a later fuse with another policy
-    plans the model again, and with the same policy changes nothing."""
+    output (the run falls back to computing member by member); a later fuse changes nothing,
+    with policy="all" too (the same runs: it never frees less)."""
     torch.manual_seed(0)
     model = ActorCritic(dtype=torch.float64)
     before = copy.deepcopy(model)
@@ -1389,11 +1387,9 @@ def test_run_of_children_after_changes_and_a_later_fuse():
     assert_same_computation(before, model, [obs], torch.float64)
     assert len(seen) == 1 and rel_err(seen[0], before.action_net(before.policy_net(obs))) <= 1e-14
     handle.remove()
-    _, pairs = fuse(model, policy="all")
-    assert [d.layers for d in pairs.fused] == [
-        ("policy_net.0", "policy_net.1"), ("policy_net.2", "policy_net.3"),
-        ("value_net.0", "value_net.1"), ("value_net.2", "value_net.3")]
-    assert type(model.action_net) is nn.Linear and "forward" not in vars(model)  # undone
+    _, every = fuse(model, policy="all")
+    assert [(d.layers, d.action) for d in every.decisions] == [
+        (d.layers, "already fused") for d in first.fused]
     assert_same_computation(before, model, [obs], torch.float64)
 
 

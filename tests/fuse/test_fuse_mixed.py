@@ -197,13 +197,15 @@ def test_children_and_a_rewrite_build_mixed_runs():
     assert freed(before, model, x) == 5 * d.bytes_per_row
 
 
-def test_policy_all_fuses_each_pair_with_its_own_activation():
+def test_policy_all_fuses_the_run_with_its_trailing_activation():
     torch.manual_seed(0)
     model = actor().double()
     before = copy.deepcopy(model)
+    _, memory = fuse(copy.deepcopy(model))
     _, report = fuse(model, policy="all")
     assert [(d.layers, d.activation) for d in report.fused] == [
-        (("0", "1"), "relu"), (("2", "3"), "relu"), (("4", "5"), "tanh")]
+        (("0", "1", "2", "3", "4", "5"), "relu, relu, tanh")]
+    assert report.bytes_per_row >= memory.bytes_per_row
     x = torch.randn(4, 11, dtype=F64)
     assert_same(before, model, x)
     assert freed(before, model, x) == 4 * report.bytes_per_row
