@@ -22,8 +22,9 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
 
     ``policy="memory"`` (default) fuses maximal runs, and lone pairs only where that frees memory
     (an activation output its backward reads, kept anyway, does not); ``policy="all"`` fuses the
-    same runs with their trailing activation and every lone pair, so it never frees less. ``rewrite=True`` also rewrites forward code (``F.linear``, ``torch.tanh``,
-    ``F.gelu``, ...) of modules whose forward is safe to rewrite. ``dry_run=True`` changes
+    same runs with their trailing activation and every lone pair, so it never frees less.
+    ``rewrite=True`` also rewrites forward code (``F.linear``, ``torch.tanh``, ``F.gelu``, ...)
+    of modules whose forward is safe to rewrite. ``dry_run=True`` changes
     nothing and reports what would be done. ``trace=False`` skips the fx analysis: only the
     insides of ``nn.Sequential`` are considered. ``print(report)`` shows every decision with its
     activation, the bytes it frees and the FLOPs it costs per row, every near miss and why, and
