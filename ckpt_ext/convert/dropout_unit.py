@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._activations import activate
+from .._gated_autograd import _gate_and_up
 
 
 def unsupported() -> Optional[str]:
@@ -60,10 +61,10 @@ def _plain(acts, layers, masks, x, *params):
 
 def _gated(act, gate_second, ps, x, gate_w, up_w, down_w, gate_b, up_b, down_b):
     if up_w is None:
-        first, second = F.linear(x, gate_w, gate_b).chunk(2, dim=-1)
-        g, u = (second, first) if gate_second else (first, second)
+        g, u = _gate_and_up(x, [gate_w, down_w], [gate_b, down_b])
+        g, u = (u, g) if gate_second else (g, u)
     else:
-        g, u = F.linear(x, gate_w, gate_b), F.linear(x, up_w, up_b)
+        g, u = _gate_and_up(x, [gate_w, up_w, down_w], [gate_b, up_b, down_b])
     h = activate(act, g) * u
     for p in ps:
         h = F.dropout(h, p, True)
