@@ -289,16 +289,19 @@ assert set(REGISTRY) == set(ACTIVATIONS) and len(REGISTRY) == len(_ROWS), \
 
 @functools.lru_cache(maxsize=None)
 def _stock_tensors(name: str) -> int:
-    """The (rows, width) tensors stock autograd keeps per layer for the row's f, as
-    saved_tensors_hooks sees them on a small non-leaf input (a Linear's output is one), its output
-    counted (the next Linear keeps it); no random draw, whatever grad mode the caller is in."""
-    row = REGISTRY[name]
+    return stock_tensors(REGISTRY[name].f)
+
+
+def stock_tensors(f: Callable[[Tensor], Tensor]) -> int:
+    """The (rows, width) tensors stock autograd keeps per layer for f, as saved_tensors_hooks
+    sees them on a small non-leaf input (a Linear's output is one), its output counted (the next
+    Linear keeps it); no random draw, whatever grad mode the caller is in."""
     with torch.inference_mode(False), torch.enable_grad():
         z = torch.linspace(-3, 3, 8, dtype=torch.float64, requires_grad=True) * 1.0
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
                                                       lambda t: t):
-            out = row.f(z)
+            out = f(z)
     storages = {t.untyped_storage().data_ptr() for t in saved if t.dim() > 0}
     storages.add(out.untyped_storage().data_ptr())
     return len(storages)

@@ -88,12 +88,12 @@ GatedGrads gated_backward(at::Tensor grad_out, at::Tensor x, at::TensorList weig
   if (!need_in) {  // only the down projection's weight: h, then its GEMM
     a = at::Tensor();
     gated_in_place(z, act);
-    out.grad_weights[L - 1] = at::mm(gy.t(), z.narrow(1, 0, I));
+    out.grad_weights[L - 1] = weight_grad(gy, z.narrow(1, 0, I), down);
     return out;
   }
   at::Tensor gh = at::mm(gy, down);  // the gradient w.r.t. h, (M, I); becomes h
   gated_backward_(z, gh, act);       // z = [dg | du]
-  if (need_down_w) out.grad_weights[L - 1] = at::mm(gy.t(), gh);
+  if (need_down_w) out.grad_weights[L - 1] = weight_grad(gy, gh, down);
   gy = at::Tensor();
   gh = at::Tensor();
 
@@ -102,7 +102,7 @@ GatedGrads gated_backward(at::Tensor grad_out, at::Tensor x, at::TensorList weig
   for (int64_t i = 0; i < parts; ++i) {
     const at::Tensor dz = packed ? z : z.narrow(1, i * I, width);
     if (need_b[i]) out.grad_biases[b.slot[i]] = bias_grad(dz);
-    if (need_weights[i]) out.grad_weights[i] = at::mm(dz.t(), a);
+    if (need_weights[i]) out.grad_weights[i] = weight_grad(dz, a, weights[i]);
   }
   a = at::Tensor();  // freed before grad_x exists
   if (need_x) {

@@ -12,6 +12,7 @@
 
 #include "checks.h"
 #include "gated.h"
+#include "stack.h"
 
 namespace ckpt_ext {
 
@@ -89,7 +90,7 @@ GatedBackwardResult gated_mlp_backward_meta(const at::Tensor& grad_out, const at
                  activation);
   std::vector<at::Tensor> gw, gb;
   for (size_t i = 0; i < weights.size(); ++i) {
-    if (need_weights[i]) gw.push_back(at::empty_symint(weights[i].sym_sizes(), x.options()));
+    if (need_weights[i]) gw.push_back(empty_weight_grad(weights[i], x.options()));
   }
   for (size_t j = 0; j < biases.size(); ++j) {
     if (need_biases[j]) gb.push_back(at::empty_symint(biases[j].sym_sizes(), x.options()));

@@ -84,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output(
   at::Tensor g = at::tanh_backward(grad_out.reshape({M, N}), output.reshape({M, N}));
   at::Tensor grad_b = output_mask[2] && bias.has_value() ? bias_grad(g) : at::Tensor();
   at::Tensor grad_x = output_mask[0] ? at::mm(g, weight).view(x.sizes()) : at::Tensor();
-  at::Tensor grad_w = output_mask[1] ? at::mm(g.t(), x2) : at::Tensor();
+  at::Tensor grad_w = output_mask[1] ? weight_grad(g, x2, weight) : at::Tensor();
   return {grad_x, grad_w, grad_b};
 }
 
@@ -94,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output_
     std::array<bool, 3> output_mask) {
   check_from_output_inputs(grad_out, x, output, weight, bias);
   return {output_mask[0] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
-          output_mask[1] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor(),
+          output_mask[1] ? empty_weight_grad(weight, x.options()) : at::Tensor(),
           output_mask[2] && bias.has_value()
               ? at::empty_symint({weight.sym_size(0)}, x.options())
               : at::Tensor()};

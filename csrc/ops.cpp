@@ -83,7 +83,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> stack_b
   check_grad_out(op, grad_out, x, weights.back().sym_size(0));
   std::vector<at::Tensor> gw, gb;
   for (size_t i = 0; i < weights.size(); ++i) {
-    if (need_weights[i]) gw.push_back(at::empty_symint(weights[i].sym_sizes(), x.options()));
+    if (need_weights[i]) gw.push_back(empty_weight_grad(weights[i], x.options()));
   }
   for (size_t j = 0; j < biases.size(); ++j) {
     if (need_biases[j]) gb.push_back(at::empty_symint(biases[j].sym_sizes(), x.options()));

@@ -29,6 +29,25 @@ at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
   return out;
 }
 
+namespace {
+
+bool transposed_layout(const at::Tensor& weight) {
+  return !weight.is_contiguous() && weight.t().is_contiguous();
+}
+
+}  // namespace
+
+at::Tensor weight_grad(const at::Tensor& g, const at::Tensor& a, const at::Tensor& weight) {
+  return transposed_layout(weight) ? at::mm(a.t(), g).t() : at::mm(g.t(), a);
+}
+
+at::Tensor empty_weight_grad(const at::Tensor& weight, const at::TensorOptions& options) {
+  if (transposed_layout(weight)) {
+    return at::empty_symint({weight.sym_size(1), weight.sym_size(0)}, options).t();
+  }
+  return at::empty_symint(weight.sym_sizes(), options);
+}
+
 std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t out_features) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(out_features);
@@ -171,7 +190,7 @@ StackGrads stack_backward(at::Tensor grad_out, at::Tensor x, at::TensorList weig
         a_i = new_buffer(held[i - 1].sizes(), held[i - 1].options());
         activation_to(held[i - 1], a_i, acts[i - 1]);
       }
-      out.grad_weights[i] = at::mm(g.t(), a_i);
+      out.grad_weights[i] = weight_grad(g, a_i, weights[i]);
     }
     if (i == lo) a_lo = at::Tensor();  // its last reader is done: freed before grad_x exists
     if (i > lo || need_x) grad = at::mm(g, weights[i]);  // (M, K_i)

@@ -29,6 +29,13 @@ at::Tensor pre_activation(const at::Tensor& a, const at::Tensor& weight,
 void linear_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& weight,
                  const std::optional<at::Tensor>& bias);
 
+// The gradient gᵀ·a (N, K) of a weight (N, K), for its output's gradient g (M, N) and its input
+// a (M, K), in the weight's layout: a weight that is the transpose of a contiguous (K, N) tensor
+// (transformers' Conv1D stores x·W + b so) gets (aᵀ·g)ᵀ, so that the stored tensor's gradient is
+// contiguous and autograd accumulates it without a copy. empty_weight_grad: the Meta kernels'.
+at::Tensor weight_grad(const at::Tensor& g, const at::Tensor& a, const at::Tensor& weight);
+at::Tensor empty_weight_grad(const at::Tensor& weight, const at::TensorOptions& options);
+
 // (..., N): x's leading dimensions and `out_features`.
 std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t out_features);
 

@@ -19,9 +19,9 @@ call.
 """
 from .api import POLICIES, fuse, unfuse
 from .report import Decision, FuseReport, Fused
-from .runtime import FusedSequential, RunActivation, RunLinear, RunTanh, member_class
+from .runtime import FusedSequential, RunActivation, RunLinear, RunMember, RunTanh, member_class
 # Pickles name the runtime classes at ``ckpt_ext.convert`` too; these keep such pickles loading.
 from .runtime import _GatedRun, _Guard, _OwnerForward, _Run, _RunPart  # noqa: F401
 
 __all__ = ["fuse", "unfuse", "Fused", "FuseReport", "Decision", "FusedSequential", "RunLinear",
-           "RunTanh", "RunActivation", "member_class", "POLICIES"]
+           "RunTanh", "RunActivation", "RunMember", "member_class", "POLICIES"]

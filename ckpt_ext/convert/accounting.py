@@ -15,17 +15,12 @@ from torch import fx, nn
 
 from .activations import module_activation
 from .discovery import LayerKind, linear_problem, node_kind, node_label
-from .runtime import foreign_forward, is_sequential, join_path
+from .runtime import foreign_forward, is_conv1d, is_sequential, join_path
 from .tracing import ModelAnalysis, Trace
 
 _VIEWS = {operator.getitem, torch.chunk, torch.split, torch.narrow, "chunk", "split", "view",
           "reshape", "narrow", "contiguous"}
 _PRODUCTS = {operator.mul, torch.mul, operator.imul, "mul", "mul_"}
-
-
-def is_conv1d(m: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (GPT-2's projections): x·W + b with W stored (in, out)."""
-    return type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers")
 
 
 def unaccounted(analysis: ModelAnalysis, named: Iterable[str]) -> List[Tuple[str, str]]:
@@ -55,9 +50,6 @@ def _why(analysis: ModelAnalysis, path: str, m: nn.Module) -> str:
     places = analysis.paths.get(id(m), [path])
     if len(places) > 1:
         return f"it is held at {len(places)} places ({', '.join(places)})"
-    if is_conv1d(m):
-        return ("a transformers Conv1D (x·W + b with W stored (in, out)), not an nn.Linear: the "
-                "fused ops compute nn.Linear runs only")
     if foreign_forward(m):
         return linear_problem(m)
     parent, ppath, target = _caller(analysis, path)

@@ -13,7 +13,7 @@ from ..modules import LayerActivations, collapse_activations
 from .discovery import LayerCall
 from .planning import PlannedRun, RunPlan
 from .report import Decision
-from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, _GatedRun, _Guard,
+from .runtime import (FusedSequential, PartRole, RunLinear, RunMember, _GatedRun, _Guard,
                       _OwnerForward, _Run, _RunPart, is_sequential, member_class, owner_wrappers,
                       parts_of)
 from .tracing import ModelAnalysis
@@ -99,7 +99,7 @@ def apply_plan(analysis: ModelAnalysis, planned: Sequence[PlannedRun],
             kept += [g for g in plan.guards if g not in kept]
         members.update(id(call.module) for call, _ in plan.members)
     for m in analysis.model.modules():
-        if isinstance(m, (RunLinear, RunActivation)) and id(m) not in members:
+        if isinstance(m, (RunLinear, RunMember)) and id(m) not in members:
             m.__class__ = type(m)._ckpt_ext_base
             for name in ("_ckpt_ext_run", "_ckpt_ext_index"):
                 vars(m).pop(name, None)
@@ -128,7 +128,7 @@ def undo_all(model: nn.Module) -> None:
     class -> its activation class, ``FusedSequential`` -> ``nn.Sequential``) and loses the
     attributes fuse set (its run, its place in it, the forward or method set on its instance)."""
     for m in model.modules():
-        if isinstance(m, (RunLinear, RunActivation)):
+        if isinstance(m, (RunLinear, RunMember)):
             m.__class__ = type(m)._ckpt_ext_base
         elif isinstance(m, FusedSequential):
             m.__class__ = nn.Sequential

@@ -19,7 +19,7 @@ from ..modules import FusedLinearTanh, FusedTanhMLP
 from ..ops import linear_tanh, tanh_mlp
 from .._activations import REGISTRY
 from .activations import SAVES_INPUT, module_activation
-from .runtime import is_sequential, join_path
+from .runtime import is_conv1d, is_sequential, join_path
 from .tracing import ModelAnalysis, Trace
 
 
@@ -243,7 +243,7 @@ def _module_input_fate(analysis: ModelAnalysis, sub: nn.Module, label: str,
                              on_output)
     if isinstance(sub, _FREEING_MODULES):
         return Fate(False, f"its user {label} ({type(sub).__name__}) does not keep it")
-    if isinstance(sub, _KEEPING_MODULES):
+    if isinstance(sub, _KEEPING_MODULES) or is_conv1d(sub):
         return Fate(True, f"kept by {label} ({type(sub).__name__} keeps its input)")
     found = module_activation(sub)
     if found is not None and found.name is not None:  # transformers' activation modules

@@ -23,8 +23,8 @@ from .activations import Recognised, module_activation, node_activation
 from .consumers import Fate, elements_fate, node_fate, output_fate
 from .policy import Chain, LayerShape, item_misses, layer_shape
 from .report import Decision
-from .runtime import (RunLinear, Slot, foreign_forward, is_sequential, join_path, may_pass,
-                      passes_through, stored_weight, unsupported_reason)
+from .runtime import (RunLinear, Slot, foreign_forward, is_conv1d, is_sequential, join_path,
+                      may_pass, passes_through, stored_weight, unsupported_reason)
 from .tracing import ModelAnalysis, Trace, statement_source
 
 
@@ -41,7 +41,7 @@ INSTANCE_FORWARD = ("its forward is set on the instance (an instance forward, as
 def linear_problem(lin: nn.Module) -> Optional[str]:
     if foreign_forward(lin):
         return f"the Linear: {INSTANCE_FORWARD}"
-    if type(lin) not in (nn.Linear, RunLinear):
+    if not is_conv1d(lin) and type(lin) not in (nn.Linear, RunLinear):
         name = type(lin).__name__
         if parametrize.is_parametrized(lin):
             return (f"{name}: its weight is computed by a parametrization "
@@ -160,7 +160,7 @@ def child_problem(analysis: ModelAnalysis, owner: nn.Module, t: Trace, target: s
 
 
 def _module_kind(m: Optional[nn.Module]) -> Optional[Tuple[LayerKind, Optional[Recognised]]]:
-    if isinstance(m, nn.Linear):
+    if isinstance(m, nn.Linear) or (m is not None and is_conv1d(m)):
         return LayerKind.LINEAR, None
     found = module_activation(m)
     return (LayerKind.ACTIVATION, found) if found is not None else None

@@ -11,13 +11,13 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from torch import nn
 
 from ..modules import LayerActivations
-from .activations import SAVES_INPUT
+from .activations import SAVES_INPUT, module_tensors
 from .consumers import Fate
 from .discovery import GatedCall, LayerCall, LayerKind, RunDiscovery, find_gated, graph_chains
 from .policy import (Chain, LayerShape, Unit, chain_problem, decide, gated_decision,
                      item_misses, layer_shape, split_at_problems, sub_chain)
 from .report import Decision
-from .runtime import (FusedSequential, PartRole, RunActivation, RunLinear, Slot, _Guard,
+from .runtime import (FusedSequential, PartRole, RunLinear, RunMember, Slot, _Guard,
                       _OwnerForward, _Run, base_type, is_sequential, join_path, parts_of,
                       passes_through, stored_weight)
 from .tracing import ModelAnalysis, Trace
@@ -274,7 +274,7 @@ def existing_runs(model: nn.Module) -> List[_Run]:
         if isinstance(m, FusedSequential):
             for part in m._ckpt_ext_runs:
                 runs.setdefault(id(part.run), part.run)
-        elif isinstance(m, (RunLinear, RunActivation)) and m._ckpt_ext_run is not None:
+        elif isinstance(m, (RunLinear, RunMember)) and m._ckpt_ext_run is not None:
             runs.setdefault(id(m._ckpt_ext_run), m._ckpt_ext_run)
     return list(runs.values())
 
@@ -429,7 +429,8 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
     shapes = [layer_shape(s.label, s.module) for s in layer_calls[0::2]]
     full = Chain(at, "", labels, layer_calls, shapes,
                  tuple(s.activation for s in layer_calls[1::2]), len(layer_calls) % 2 == 0,
-                 lambda: Fate(None, ""), _inner_fates(discovery, layer_calls))
+                 lambda: Fate(None, ""), _inner_fates(discovery, layer_calls),
+                 tuple(module_tensors(s.module, s.activation) for s in layer_calls[1::2]))
     for s, e in split_at_problems(problems, len(layer_calls)):
         last = layer_calls[e - 1]
         sub = sub_chain(full, s, e, lambda last=last: discovery.fate(last))

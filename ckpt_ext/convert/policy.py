@@ -16,7 +16,7 @@ from ..modules import LayerActivations, collapse_activations
 from .activations import DISPLAY, SAVES_INPUT, tensors_per_layer
 from .consumers import Fate
 from .report import Decision
-from .runtime import stored_weight
+from .runtime import features, stored_weight
 
 
 class LayerShape(NamedTuple):
@@ -63,6 +63,13 @@ class Chain:
     # what becomes of activation j's output where a module between it and Linear j + 1 keeps
     # something else (a Dropout drawing a mask keeps only that); else Linear j + 1 keeps it
     inner_fates: Dict[int, Fate] = field(default_factory=dict)
+    # per activation item: the tensors stock autograd keeps for it as called (module_tensors);
+    # empty: as the op computes it (tensors_per_layer)
+    kept: Tuple[int, ...] = ()
+
+    def tensors(self, j: int) -> int:
+        """What stock autograd keeps for activation j, its output counted (tensors_per_layer)."""
+        return self.kept[j] if self.kept else tensors_per_layer(self.activations[j])
 
     def span(self, first: int, last: int, last_act: bool) -> Tuple[int, int]:
         """Item indices [start, stop) of layers first..last, with last's activation if
@@ -102,13 +109,12 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
     misses: List[Decision] = []
 
     def figures(a: int, b: int, last_act: bool, last_freed: bool) -> Tuple[int, int, int]:
-        freed = sum(tensors_per_layer(acts[j]) * L[j].out_features * L[j].itemsize
-                    for j in range(a, b))
+        freed = sum(chain.tensors(j) * L[j].out_features * L[j].itemsize for j in range(a, b))
         if last_act:
             # what the trailing activation's backward keeps besides its output (z, and any
             # intermediate: tensors_per_layer counts its output too), and its output where the
             # activation keeps that and its consumer does not
-            kept = tensors_per_layer(acts[b]) - 1 + (0 if keeps_z[b] else int(last_freed))
+            kept = chain.tensors(b) - 1 + (0 if keeps_z[b] else int(last_freed))
             freed += kept * L[b].out_features * L[b].itemsize
         extra = sum(_gemm(L[j]) for j in range(a, b)) + (_gemm(L[b]) if last_act else 0)
         plain = sum(3 * _gemm(L[j]) for j in range(a, b + 1))
@@ -235,23 +241,23 @@ def sub_chain(chain: Chain, s: int, e: int, fate: Callable[[], Fate]) -> Chain:
     return Chain(chain.where, chain.how, chain.labels[s:e], chain.items[s:e],
                  chain.layers[s // 2:(e + 1) // 2], chain.activations[s // 2:e // 2],
                  (e - s) % 2 == 0, fate,
-                 {j - s // 2: f for j, f in chain.inner_fates.items() if s <= 2 * j < e})
+                 {j - s // 2: f for j, f in chain.inner_fates.items() if s <= 2 * j < e},
+                 chain.kept[s // 2:e // 2])
 
 
 def layer_shape(label: str, lin: nn.Linear) -> LayerShape:
     """Its widths and itemsize, from its attributes and stored weight: nothing is evaluated (a
     lazy Linear, whose weight does not exist yet, counts 0 bytes)."""
     w = stored_weight(lin)
-    return LayerShape(label, lin.in_features, lin.out_features,
-                      w.element_size() if w is not None else 0)
+    return LayerShape(label, *features(lin), w.element_size() if w is not None else 0)
 
 
 def chain_problem(layers: Sequence[nn.Module]) -> Optional[str]:
     """None when the Linear layers of a run chain (widths) and share one dtype and device."""
     for i, (a, b) in enumerate(zip(layers, layers[1:]), start=1):
-        if b.in_features != a.out_features:
-            return (f"layer {i}: in_features {b.in_features} does not match the previous "
-                    f"Linear's out_features {a.out_features}")
+        if features(b)[0] != features(a)[1]:
+            return (f"layer {i}: in_features {features(b)[0]} does not match the previous "
+                    f"Linear's out_features {features(a)[1]}")
         wa, wb = stored_weight(a), stored_weight(b)
         if wa is None or wb is None:
             return f"layer {i - (wa is None)}: its weight is not made yet (a lazy layer)"

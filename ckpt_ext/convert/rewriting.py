@@ -14,6 +14,7 @@ from .discovery import data_input, getattr_path, linear_args
 from .planning import ModelPlan
 from .policy import Unit
 from .report import FuseReport
+from .runtime import is_conv1d
 
 
 def rewrite_forwards(plan: ModelPlan, report: FuseReport) -> Dict[int, str]:
@@ -42,7 +43,8 @@ def _rewrite_source(owner: nn.Module, graph: fx.Graph, units: Sequence[Unit]) ->
             for n in lins:
                 if n.op == "call_module":
                     sub = owner.get_submodule(n.target)
-                    ws.append(graph.get_attr(f"{n.target}.weight"))
+                    w = graph.get_attr(f"{n.target}.weight")
+                    ws.append(graph.call_method("t", (w,)) if is_conv1d(sub) else w)
                     bs.append(graph.get_attr(f"{n.target}.bias") if sub.bias is not None else None)
                 else:
                     _, w, b = linear_args(n)

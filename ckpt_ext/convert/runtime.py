@@ -1,6 +1,6 @@
 """What ``fuse`` leaves inside users' models, and so in their pickles: the member classes set on
 the user's own objects (:class:`FusedSequential`, :class:`RunLinear`, :class:`RunTanh` and the
-other :class:`RunActivation` classes, made per activation class by :func:`member_class`), the
+other :class:`RunMember` classes, made per class by :func:`member_class`), the
 :class:`_Run` they share, the parts (:class:`_RunPart`) of a Sequential, and the
 :class:`_OwnerForward` set on an owner's instance with the guards (:class:`_Guard`) it checks at
 each call. Pickles name these classes by module and name, so both are part of the format:
@@ -192,9 +192,9 @@ class _Run:
         return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weights = [layer.weight for layer in self.layers]
+        weights = [linear_weight(layer) for layer in self.layers]
         biases = [layer.bias for layer in self.layers]
-        _as_linear_would(x, weights[0], biases[0])
+        _as_layer_would(x, self.layers[0], weights[0])
         masks = self._masks() if self.passes else None
         if masks:
             return dropout_unit.plain(x, weights, biases, self.activations, masks)
@@ -308,7 +308,7 @@ class _GatedRun(_Run):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         first = self.members[0]
-        _as_linear_would(x, first.weight, first.bias)
+        _as_layer_would(x, first, first.weight)
         gate, up, down = self.gate, self.up, self.down
         masks = self._gated_masks()
         if masks:
@@ -369,15 +369,16 @@ def _is_placeholder(h: Any, x: torch.Tensor) -> bool:
         h.shape[:-1] == x.shape[:-1] and not h.requires_grad
 
 
-def _as_linear_would(x: Any, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-    """Input the run's first Linear would refuse makes the unfused call raise: the error the
-    unfused model raises (F.linear's RuntimeError, message and all), not the fused op's own
-    ValueError/TypeError, which name arguments the user never passed."""
+def _as_layer_would(x: Any, layer: nn.Module, weight: torch.Tensor) -> None:
+    """Input the run's first Linear (``weight``: its (out, in) weight) would refuse makes the
+    unfused call raise: the error the unfused model raises (F.linear's RuntimeError, message and
+    all), not the fused op's own ValueError/TypeError, which name arguments the user never
+    passed."""
     if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] == weight.shape[1] and \
             x.device == weight.device and (x.dtype == weight.dtype or
                                            torch.is_autocast_enabled(x.device.type)):
         return
-    torch.nn.functional.linear(x, weight, bias)  # raises; if not, the op decides
+    base_type(layer).forward(layer, x)  # raises; if not, the op decides
 
 
 class PartRole(str, enum.Enum):
@@ -525,11 +526,11 @@ class RunLinear(nn.Linear):
         return super().extra_repr() + _member_repr(self)
 
 
-class RunActivation:
-    """The member class of an activation module (``nn.GELU``, transformers' ``GELUActivation``,
-    ...) that a module's forward calls as part of a fused run, mixed into that very class by
-    :func:`member_class` (so the module stays an instance of its class): inside its owner's
-    forward, in the analysed order, it passes the run's output on; called any other way it is
+class RunMember:
+    """The member class of a module other than ``nn.Linear`` that a module's forward calls as
+    part of a fused run, mixed into that very class by :func:`member_class` (so the module stays
+    an instance of its class): inside its owner's forward, in the analysed order, the first member
+    computes the run and a later one passes the run's output on; called any other way it is
     exactly its class. A member class made at run time pickles as its class's ``member_class``."""
 
     _ckpt_ext_run: Optional[_Run] = None
@@ -550,6 +551,11 @@ class RunActivation:
         if _named(cls) or not isinstance(reduced, tuple) or reduced[0] is not copyreg.__newobj__:
             return reduced
         return (_new_member, (cls._ckpt_ext_base,) + tuple(reduced[1][1:])) + reduced[2:]
+
+
+class RunActivation(RunMember):
+    """The member class of an activation module (``nn.GELU``, transformers' ``GELUActivation``,
+    ...): it passes the run's output on."""
 
 
 class RunTanh(RunActivation, nn.Tanh):
@@ -578,13 +584,14 @@ _MEMBER_CLASSES: Dict[type, type] = {nn.Linear: RunLinear, nn.Tanh: RunTanh}
 
 def member_class(cls: type) -> type:
     """The class ``fuse`` gives a member of class ``cls`` (or of ``cls``'s member class): a
-    subclass, made once per class — ``RunLinear``, ``RunTanh``, ``RunGELU``, ..."""
+    subclass, made once per class — ``RunLinear``, ``RunTanh``, ``RunGELU``, ``RunConv1D``..."""
     base = getattr(cls, "_ckpt_ext_base", cls)
     sub = _MEMBER_CLASSES.get(base)
     if sub is None:
         name = f"Run{base.__name__}"
-        sub = type(name, (RunActivation, base), {"__module__": __name__, "__qualname__": name,
-                                                 "_ckpt_ext_base": base})
+        mixin = RunMember if _conv1d_class(base) else RunActivation
+        sub = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name,
+                                         "_ckpt_ext_base": base})
         _MEMBER_CLASSES[base] = sub
     return sub
 
@@ -729,6 +736,28 @@ def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
     if weight.device.type not in ok:
         return f"device {weight.device} is not supported by this build of the fused op"
     return None
+
+
+def is_conv1d(m: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections): x·W + b with W stored (in, out)."""
+    return _conv1d_class(base_type(m))
+
+
+def _conv1d_class(cls: type) -> bool:
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
+
+
+def linear_weight(lin: nn.Module) -> torch.Tensor:
+    """The layer's weight as the ops take it, (out, in): a Conv1D's stored (in, out) weight
+    transposed, a view (the ops compute with either layout and give its gradient that layout)."""
+    return lin.weight.t() if is_conv1d(lin) else lin.weight
+
+
+def features(lin: nn.Module) -> Tuple[int, int]:
+    """(in, out) features of a Linear or a Conv1D."""
+    if is_conv1d(lin):
+        return tuple(lin.weight.shape)
+    return lin.in_features, lin.out_features
 
 
 def base_type(m: nn.Module) -> type:

@@ -26,8 +26,8 @@ from torch.nn.parameter import is_lazy
 
 from ..modules import FusedLinearTanh, FusedTanhMLP
 from .report import FuseReport
-from .runtime import (MISSING, RunActivation, RunLinear, _Guard, _OwnerForward, is_sequential,
-                      join_path)
+from .runtime import (MISSING, RunLinear, RunMember, _Guard, _OwnerForward, is_conv1d,
+                      is_sequential, join_path)
 
 
 _FX_DIR = os.path.dirname(fx.__file__)
@@ -408,7 +408,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
 # ------------------------------------------------------------------------------------------------
 # The analysis of one model: its module tree and a trace per user forward
 
-_OUR_MODULES = (FusedLinearTanh, FusedTanhMLP, RunLinear, RunActivation)
+_OUR_MODULES = (FusedLinearTanh, FusedTanhMLP, RunLinear, RunMember)
 
 
 class ModelAnalysis:
@@ -512,7 +512,8 @@ def _only_through_a_method(t: Trace) -> bool:
 
 
 def _wants_analysis(m: nn.Module) -> bool:
-    if is_sequential(m) or isinstance(m, (nn.ModuleList, nn.ModuleDict) + _OUR_MODULES):
+    if is_sequential(m) or isinstance(m, (nn.ModuleList, nn.ModuleDict) + _OUR_MODULES) or \
+            is_conv1d(m):
         return False
     if type(m).forward is nn.Module.forward:
         return False

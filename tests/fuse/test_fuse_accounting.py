@@ -81,7 +81,7 @@ def _models():
 
 
 MUST_SAY = {
-    "gpt2": ("Conv1D",),
+    "gpt2": ("mlp.c_fc -> ", "as mlp gelu_tanh"),
     "phi3": ("gated_mlp silu", "packed gate_up"),
     "gated, split by sizes": ("gated product",),
     "lora wrapper": ("LoRA wrapper",),

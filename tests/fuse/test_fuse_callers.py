@@ -227,7 +227,9 @@ def test_hook_on_a_writeup_block_and_on_a_child_run_member():
         ref_seen = []
         ref.get_submodule(where).register_forward_hook(lambda m, i, o: ref_seen.append(o))
         same_as_unfused(ref, model, torch.randn(3, width, dtype=F64))
-        assert len(seen) == 1 and torch.equal(seen[0], ref_seen[0]), where
+        # within rounding, not bitwise: a fused run before it computes tanh with ckpt_ext's
+        # kernel, 1 ulp from torch.tanh (Sleef's where torch dispatches to AVX-512)
+        assert len(seen) == 1 and rel_err(seen[0], ref_seen[0]) <= TOL, where
 
 
 # ------------------------------------------------------------------------------------------------
