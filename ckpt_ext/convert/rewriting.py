@@ -3,7 +3,7 @@ replaced by one ``tanh_mlp`` / ``linear_tanh`` call (``mlp`` for the other activ
 runs), as Python source that the owner's :class:`_OwnerForward` compiles (and pickles by)."""
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Sequence, Tuple
 
 from torch import fx, nn
 
@@ -23,7 +23,7 @@ def rewrite_forwards(plan: ModelPlan, report: FuseReport) -> Dict[int, str]:
     sources: Dict[int, str] = {}
     for path, m, t, units in plan.rewrites:
         try:
-            sources[id(m)] = _rewrite_source(m, t.graph, units)
+            sources[id(m)] = _rewrite_source(m, t.graph, units, t.counts)
         except Exception as e:
             report.rewritten.remove(path)
             report.not_analysed.append((path, f"forward not rewritten: {type(e).__name__}: {e}"))
@@ -31,8 +31,10 @@ def rewrite_forwards(plan: ModelPlan, report: FuseReport) -> Dict[int, str]:
     return sources
 
 
-def _rewrite_source(owner: nn.Module, graph: fx.Graph, units: Sequence[Unit]) -> str:
-    """Replace each unit's nodes by one fused call; return the source of the new forward."""
+def _rewrite_source(owner: nn.Module, graph: fx.Graph, units: Sequence[Unit],
+                    counts: Sequence[Tuple[str, str, int]] = ()) -> str:
+    """Replace each unit's nodes by one fused call; return the source of the new forward, which
+    first adds to each count (path, name, delta) what a call of the class's forward adds."""
     for u in units:
         s, e = u.chain.span(u.first, u.last, u.last_act)
         nodes = u.chain.items[s:e]
@@ -67,4 +69,11 @@ def _rewrite_source(owner: nn.Module, graph: fx.Graph, units: Sequence[Unit]) ->
     from torch.fx.graph_module import _format_import_block
     from torch.package import sys_importer
     code = graph.python_code(root_module="self")
-    return _format_import_block(code.globals, sys_importer) + "\n" + code.src
+    src = code.src
+    if counts:
+        head, sep, body = src.partition("):\n")  # after the def line
+        replay = "".join(f"    _ckpt_ext_m = self.get_submodule({path!r}); "
+                         f"_ckpt_ext_m.{name} = _ckpt_ext_m.{name} + {delta!r}\n"
+                         for path, name, delta in counts)
+        src = head + sep + replay + body
+    return _format_import_block(code.globals, sys_importer) + "\n" + src

@@ -84,6 +84,9 @@ class Trace:
     # The Python functions of neither torch nor the standard library that the traced method
     # called directly while traced: code whose paths the analysis does not look into.
     calls_out: Tuple[str, ...] = ()
+    # (path, name, delta): each pure count the method changes, by what one call adds to it; a
+    # rewritten forward replays them (rewriting.py)
+    counts: Tuple[Tuple[str, str, int], ...] = ()
 
 
 def analysis_copy(model: nn.Module) -> nn.Module:
@@ -270,11 +273,13 @@ def _guard_value(v: Any, depth: int = 0) -> Optional[bool]:
         return False
     if isinstance(v, enum.Enum):
         return True
+    # A container compares by value (a copy is kept): == on its functions, classes and enums is
+    # identity, so a list of activation functions (DeepXDE's per-layer list) is checked whole.
     if type(v) in (tuple, list, frozenset, set) and depth < 3:
-        return False if all(_guard_value(x, depth + 1) is False for x in v) else None
+        return False if all(_guard_value(x, depth + 1) is not None for x in v) else None
     if type(v) is dict and depth < 3:
-        return False if all(_guard_value(k, depth + 1) is False and
-                            _guard_value(x, depth + 1) is False for k, x in v.items()) else None
+        return False if all(_guard_value(k, depth + 1) is not None and
+                            _guard_value(x, depth + 1) is not None for k, x in v.items()) else None
     if inspect.isfunction(v) or inspect.isbuiltin(v) or isinstance(v, type):
         return True
     return None
@@ -336,6 +341,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     calls_out: Dict[str, None] = {}
     reads: Dict[Tuple[int, str], Any] = {}
     changed: set = set()
+    deltas: Dict[Tuple[str, str], set] = {}
     _Reads.observed = set()
     for mode in (True, False):
         clone.train(mode)
@@ -355,8 +361,13 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         finally:
             _Reads.log = None
         after = _snapshot(clone)
-        changed |= {(p, k) for (p, k) in set(before) | set(after)
-                    if before.get((p, k)) != after.get((p, k))}
+        now = {(p, k) for (p, k) in set(before) | set(after)
+               if before.get((p, k)) != after.get((p, k))}
+        changed |= now
+        for key in now:
+            a, b = before.get(key), after.get(key)
+            deltas.setdefault(key, set()).add(
+                b - a if type(a) is int and type(b) is int else None)
         codes.append(g.python_code(root_module="self").src)
         if graph is None:
             graph, indirect = g, tracer.indirect
@@ -400,8 +411,15 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     if method != "forward" and not t.rewrite_problem:
         t.rewrite_problem = f"fuse rewrites forward code only, and {method} is another method"
     if changed_names and not t.rewrite_problem:
-        t.rewrite_problem = (f"tracing its forward changed {', '.join(counted)}: a rewritten "
-                             f"forward would not replay that statement")
+        # a rewritten forward replays each pure count: one that grows by the same int per call
+        odd = sorted(join_path(p, k) for (p, k), d in deltas.items()
+                     if len(d) != 1 or None in d)
+        if odd:
+            t.rewrite_problem = (f"tracing its forward changed {', '.join(odd)} by different "
+                                 f"amounts in train() and eval(): a rewritten forward would not "
+                                 f"know what to replay")
+        else:
+            t.counts = tuple(sorted((p, k, next(iter(d))) for (p, k), d in deltas.items()))
     return t
 
 

@@ -427,14 +427,15 @@ def test_bert_mlp_fused(hidden_act, name, formula):
     apply_chunking_to_forward, feed_forward_chunk, is, and marks the region. The run crosses
     BertIntermediate.forward (its output) and BertOutput.forward (its first argument); dropout,
     the residual add and LayerNorm follow in BertOutput. It frees z and act(z). An activation
-    written as a Python formula (``formula``) keeps more than that unfused: fusing it frees more
-    than the report's figure."""
+    written as a Python formula (``formula``) keeps more than that unfused, and the report counts
+    what it keeps: fusing frees the report's figure either way."""
     model = _bert(hidden_act)
     before = copy.deepcopy(model)
     _, report = fuse(model)
     assert [(d.layers, d.how, d.activation) for d in report.fused] == [
         (run, "across", name) for run in _BERT_MLP]
-    assert all(d.bytes_per_row == 2 * 64 * 8 for d in report.fused)
+    assert all(d.bytes_per_row > 2 * 64 * 8 if formula else d.bytes_per_row == 2 * 64 * 8
+               for d in report.fused)
     assert all("inside encoder.layer." in d.why and ".feed_forward_chunk" in d.why
                for d in report.fused)
     for i in range(2):
@@ -448,10 +449,11 @@ def test_bert_mlp_fused(hidden_act, name, formula):
     assert [d.layers for d in report.near_misses] == [("pooler.dense", "pooler.activation")]
     ids = torch.randint(0, 99, (3, 7))
     plain, fused = _bert_matches(before, model, ids)
+    # a formula also keeps 0-dim scalars, which the allocator meter counts: saved tensors only
     saved = saved_activation_bytes(plain, ids) - saved_activation_bytes(fused, ids)
-    tokens = 3 * 7
-    assert saved > tokens * report.bytes_per_row if formula else \
-        freed(plain, fused, ids) == tokens * report.bytes_per_row
+    assert saved == 3 * 7 * report.bytes_per_row
+    if not formula:
+        assert freed(plain, fused, ids) == saved
 
 
 def test_bert_mlp_fused_in_chunks():
@@ -573,3 +575,26 @@ def test_deepxde_fnn_with_an_activation_fuse_has_not_is_left_alone(activation):
     _, report = fuse(net, rewrite=True)
     assert len(report) == 0 and not report.rewritten
     assert type(net.linears[0]) is nn.Linear
+
+
+def test_deepxde_fnn_with_one_activation_per_layer_is_one_mixed_run():
+    """FNN with a list of activations (one per hidden layer) reads that list at each call: the
+    guard holds a copy of it, so the rewritten forward runs while the list holds the same
+    functions, and the class's forward once an entry is replaced in place."""
+    dde = _deepxde()
+    torch.manual_seed(0)
+    net = dde.nn.FNN([1, 16, 16, 16, 1], ["tanh", "sin", "silu", "tanh"], "Glorot normal").double()
+    plain = copy.deepcopy(net)
+    _, report = fuse(net, rewrite=True)
+    assert [(d.how, d.activation) for d in report.fused] == [("rewrite", "tanh, sin, silu")], \
+        str(report)
+    x = torch.linspace(-1, 1, 33, dtype=F64).unsqueeze(1).requires_grad_(True)
+    a, b = plain(x), net(x)
+    assert rel_err(b, a) <= 1e-14
+    ga = torch.autograd.grad(a.sum(), [x, *plain.parameters()])
+    gb = torch.autograd.grad(b.sum(), [x, *net.parameters()])
+    assert all(rel_err(v, u) <= 1e-13 for u, v in zip(ga, gb))
+    assert freed(plain, net, x.detach()) == 33 * report.bytes_per_row > 0
+    net.activation[1] = torch.cos  # in place: the same list, another function
+    plain.activation[1] = torch.cos
+    assert torch.equal(net(x), plain(x))  # the class's forward: exactly the unfused model
