@@ -117,10 +117,11 @@ def apply_plan(analysis: ModelAnalysis, planned: Sequence[PlannedRun],
             continue
         guards = tuple(t.guards if t is not None else fwd.guards) + \
             tuple(crossed_guards.get(id(m), ()))
-        if isinstance(fwd, _OwnerForward) and (fwd.runs, fwd.guards, fwd.source) == \
-                (runs, guards, source):
+        arg_guard = t.arg_guard if t is not None else fwd.arg_guard
+        if isinstance(fwd, _OwnerForward) and (fwd.runs, fwd.guards, fwd.source,
+                                               fwd.arg_guard) == (runs, guards, source, arg_guard):
             continue  # as it is: keep the very object
-        setattr(m, method, _OwnerForward(m, runs, guards, source, method))
+        setattr(m, method, _OwnerForward(m, runs, guards, source, method, arg_guard))
 
 
 def undo_all(model: nn.Module) -> None:

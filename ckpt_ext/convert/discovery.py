@@ -272,6 +272,9 @@ class RunDiscovery:
             t = self.analysis.trace_of(c)
             if t.region_problem is not None:
                 return f"the run cannot cross {label}.forward: {t.region_problem}"
+            if t.arg_guard is not None:
+                return (f"the run cannot cross {label}.forward: what it assumes of its arguments "
+                        f"({t.arg_guard.describe()}) is checked only where it marks a region")
         return None
 
     def _enter(self, seq: nn.Module, name: str, depth: int):

@@ -624,12 +624,13 @@ class _OwnerForward:
 
     def __init__(self, owner: nn.Module, runs: Sequence[_Run] = (),
                  guards: Sequence[_Guard] = (), source: Optional[str] = None,
-                 method: str = "forward") -> None:
+                 method: str = "forward", arg_guard: Optional["_ArgGuard"] = None) -> None:
         self.owner, self.runs, self.guards, self.source = owner, tuple(runs), tuple(guards), source
-        self.method = method
+        self.method, self.arg_guard = method, arg_guard
         self._fn = _compile_forward(source) if source is not None else None
         # the class's method as analysed: one put on the class later is code fuse has not seen
         self._analysed = getattr(type(owner), method, None)
+        self._signature = inspect.signature(self._analysed) if arg_guard is not None else None
 
     def __call__(self, *args, **kwargs):
         owner = self.owner
@@ -639,6 +640,9 @@ class _OwnerForward:
         for guard in self.guards:
             if not guard.holds(owner):
                 return cls_fn(owner, *args, **kwargs)
+        if self.arg_guard is not None and \
+                not self.arg_guard.holds(self._signature, owner, args, kwargs):
+            return cls_fn(owner, *args, **kwargs)
         fn = self._fn if self._fn is not None else cls_fn
         runs = self.runs
         if not runs:
@@ -661,11 +665,11 @@ class _OwnerForward:
 
     def __getstate__(self):
         return {"owner": self.owner, "runs": self.runs, "guards": self.guards,
-                "source": self.source, "method": self.method}
+                "source": self.source, "method": self.method, "arg_guard": self.arg_guard}
 
     def __setstate__(self, state):
         self.__init__(state["owner"], state["runs"], state["guards"], state["source"],
-                      state.get("method", "forward"))
+                      state.get("method", "forward"), state.get("arg_guard"))
 
     def __deepcopy__(self, memo):
         new = _OwnerForward.__new__(_OwnerForward)
@@ -704,6 +708,23 @@ class _Guard(NamedTuple):
 
 
 MISSING = object()
+
+
+class _ArgGuard(NamedTuple):
+    """What the analysed forward assumed of its arguments (arguments.py): its ``**kwargs``,
+    ``varkw``, got no keyword, which it hands to children that may take another path with it."""
+    varkw: str
+
+    def holds(self, signature: inspect.Signature, owner: nn.Module, args: tuple,
+              kwargs: dict) -> bool:
+        try:
+            got = signature.bind(owner, *args, **kwargs).arguments
+        except TypeError:
+            return False  # the class's forward raises the caller's error
+        return not got.get(self.varkw)
+
+    def describe(self) -> str:
+        return f"no keyword in **{self.varkw}"
 
 
 def _compile_forward(source: str) -> Callable:

@@ -14,6 +14,7 @@ import inspect
 import operator
 import os
 import random
+import re
 import sys
 import textwrap
 import warnings
@@ -25,8 +26,9 @@ from torch import fx, nn
 from torch.nn.parameter import is_lazy
 
 from ..modules import FusedLinearTanh, FusedTanhMLP
+from .arguments import STAND_IN, plan_arguments
 from .report import FuseReport
-from .runtime import (MISSING, RunLinear, RunMember, _Guard, _OwnerForward, is_conv1d,
+from .runtime import (MISSING, RunLinear, RunMember, _ArgGuard, _Guard, _OwnerForward, is_conv1d,
                       is_sequential, join_path)
 
 
@@ -87,6 +89,9 @@ class Trace:
     # (path, name, delta): each pure count the method changes, by what one call adds to it; a
     # rewritten forward replays them (rewriting.py)
     counts: Tuple[Tuple[str, str, int], ...] = ()
+    # what the forward assumed of its optional arguments and **kwargs (arguments.py), checked at
+    # each call by the owner's forward; None where it takes none, or looks at none
+    arg_guard: Optional[_ArgGuard] = None
 
 
 def analysis_copy(model: nn.Module) -> nn.Module:
@@ -295,6 +300,9 @@ def _plain(v: Any) -> Any:
     return v
 
 
+_TRAINING_ARG = re.compile(r"training = (True|False)")
+
+
 def _signature_problem(m: nn.Module, method: str) -> Optional[str]:
     try:
         sig = inspect.signature(getattr(type(m), method))
@@ -333,9 +341,16 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         return Trace(False, f"its {method} is set on the instance (fx would trace its class's "
                             f"{method}, not what runs)")
     problem = _signature_problem(orig, method)
+    arguments = None
+    if problem and method == "forward":
+        arguments = plan_arguments(orig)
+        if isinstance(arguments, str):
+            return Trace(False, arguments)
+        problem = None
     if problem:
         return Trace(False, problem)
     code = getattr(inspect.unwrap(getattr(type(orig), method)), "__code__", None)
+    traced = method if arguments is None else STAND_IN
     codes, graph, indirect = [], None, {}
     ran: set = set()
     calls_out: Dict[str, None] = {}
@@ -346,8 +361,10 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     for mode in (True, False):
         clone.train(mode)
         before = _snapshot(clone)
-        tracer = _LocalTracer(code, method)
+        tracer = _LocalTracer(code, traced)
         _Reads.log = reads
+        if arguments is not None:
+            setattr(type(clone), STAND_IN, arguments.stand_in)
         try:
             # Warnings raised while fx runs the forward on placeholders (torch.utils.checkpoint:
             # "None of the inputs have requires_grad=True") are about that run, not the model.
@@ -360,6 +377,8 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
             return Trace(False, f"torch.fx cannot trace it ({type(e).__name__}: {msg[:160]})")
         finally:
             _Reads.log = None
+            if arguments is not None:
+                delattr(type(clone), STAND_IN)
         after = _snapshot(clone)
         now = {(p, k) for (p, k) in set(before) | set(after)
                if before.get((p, k)) != after.get((p, k))}
@@ -371,11 +390,15 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         codes.append(g.python_code(root_module="self").src)
         if graph is None:
             graph, indirect = g, tracer.indirect
-    if codes[0] != codes[1]:
+    # F.dropout(h, p, training=self.training): the same code in both modes but for that value,
+    # which fx records as a constant; the path is the same, so a region may be marked in it
+    hands_training = codes[0] != codes[1]
+    if hands_training and _TRAINING_ARG.sub("", codes[0]) != _TRAINING_ARG.sub("", codes[1]):
         return Trace(False, f"its {method} runs different code in train() and eval() (it reads "
                             f"self.training)")
     t = Trace(True, "", graph, method=method, already_rewritten=already, indirect=indirect,
-              unrun=_unrun(code, ran), calls_out=tuple(calls_out))
+              unrun=_unrun(code, ran), calls_out=tuple(calls_out),
+              arg_guard=arguments.guard if arguments is not None else None)
     # What the forward read, and what tracing changed: a region and a rewrite both rely on the
     # forward taking the path fx saw, so every attribute that could steer it is checked at call
     # time (a guard), and one that changes at every call must be a pure count.
@@ -398,7 +421,6 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
             want = getattr(orig.get_submodule(path), name, MISSING) if same else _plain(value)
             guards.append(_Guard(path, name, want, same))
     _Reads.observed = set()
-    t.guards = tuple(guards)
     counted = sorted(changed_names - set(steering))
     if steering:
         t.region_problem = (f"tracing its {method} changed {', '.join(sorted(steering))}, which it "
@@ -407,7 +429,20 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     elif unchecked:
         t.region_problem = (f"its {method} reads {', '.join(unchecked)}, a value fuse cannot check "
                             f"at each call")
+    if arguments is not None and getattr(orig, "gradient_checkpointing", False) is True:
+        # transformers' GradientCheckpointingLayer: its class's forward then re-runs the forward
+        # in backward, outside the region
+        t.region_problem = "gradient checkpointing is on for it (gradient_checkpointing=True)"
+    elif arguments is not None and isinstance(getattr(orig, "gradient_checkpointing", None), bool):
+        guards.append(_Guard("", "gradient_checkpointing", False, False))
+    t.guards = tuple(guards)
     t.rewrite_problem = t.region_problem
+    if hands_training and not t.rewrite_problem:
+        t.rewrite_problem = (f"its {method} hands self.training to a call (F.dropout(..., "
+                             f"training=self.training)), whose value a rewritten forward would fix")
+    if arguments is not None and not t.rewrite_problem:
+        t.rewrite_problem = ("its forward has optional arguments or **kwargs: fuse marks regions "
+                             "in it, but rewrites only forwards without them")
     if method != "forward" and not t.rewrite_problem:
         t.rewrite_problem = f"fuse rewrites forward code only, and {method} is another method"
     if changed_names and not t.rewrite_problem:

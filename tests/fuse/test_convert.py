@@ -774,8 +774,9 @@ def test_forward_with_optional_argument_is_not_used():
     model = M()
     fused, report = fuse(model, rewrite=True)
     assert fused is model and len(report) == 0 and type(model.lin) is nn.Linear
-    assert report.not_analysed == [("", "its forward has an optional argument scale=None; fx "
-                                        "would see only one value of it")]
+    assert report.not_analysed == [("", "its forward looks at its optional argument scale=None "
+                                        "(not only handing it to a child); fx would see only one "
+                                        "value of it")]
     x = torch.randn(2, 4)
     assert torch.equal(model(x, scale=3.0), torch.tanh(model.lin(x)) * 3.0)
 
@@ -816,7 +817,8 @@ def _forward_on_instance():
 
 @pytest.mark.parametrize("make,why", [
     (VarArgs, "its forward takes *xs; fx would see only the traced arity"),
-    (VarKwargs, "its forward takes **options; fx would see only the traced arity"),
+    (VarKwargs, "its forward uses **options other than to hand it to a child module; fx would "
+                "see only the traced keys"),
     (_forward_on_instance, "its forward is set on the instance (fx would trace its class's "
                            "forward, not what runs)"),
 ], ids=["star_args", "star_kwargs", "forward_on_instance"])

@@ -473,7 +473,8 @@ class Outer(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
 
     def forward(self, x, mask=None):
-        return self.mlp(self.pre(x))
+        h = self.pre(x)
+        return self.mlp(h if mask is None else h * mask)
 
 
 def test_not_analysed_lists_every_forward_not_analysed():
