@@ -98,9 +98,10 @@ def outputs_and_grads(model: nn.Module, *inputs, grad_input: bool = True):
 # What autograd keeps
 
 
-def saved_activation_bytes(model: nn.Module, *inputs) -> int:
-    """Bytes of the distinct storages autograd saves for backward while running ``model``, not
-    counting the parameters (which the model holds anyway). Exact: it sees every saved tensor."""
+def saved_activation_bytes(model: nn.Module, *inputs, run=None) -> int:
+    """Bytes of the distinct storages autograd saves for backward while running ``model`` (or
+    ``run(*inputs)``, a call of it), not counting the parameters (which the model holds anyway).
+    Exact: it sees every saved tensor."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
@@ -111,7 +112,7 @@ def saved_activation_bytes(model: nn.Module, *inputs) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(*inputs)
+        out = (run or model)(*inputs)
     del out
     return sum(saved.values())
 

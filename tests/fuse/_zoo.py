@@ -13,6 +13,7 @@ from torch import nn
 
 from ckpt_ext import fuse
 from ckpt_ext.memory import MemoryMeter
+from _ecosys import saved_activation_bytes
 
 H, I, V, S = 16, 64, 50, 7  # hidden, MLP width, vocabulary, sequence length
 
@@ -211,19 +212,7 @@ def mlp_kept_bytes(name: str, model: nn.Module, inputs: tuple) -> int:
 
 def saved_bytes(name: str, model: nn.Module, inputs: tuple) -> int:
     """Bytes of the distinct storages autograd saves for backward, parameters not counted."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: Dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = call(name, model, inputs)
-    del out
-    return sum(saved.values())
+    return saved_activation_bytes(model, *inputs, run=lambda *a: call(name, model, a))
 
 
 def peak_bytes(name: str, model: nn.Module, inputs: tuple) -> int:
@@ -267,9 +256,9 @@ def measure(name: str) -> Tuple[Row, nn.Module, nn.Module]:
     paths = {id(m): p for p, m in fused.named_modules()}
     firsts = {paths[id(f)] for f, _ in spans}
     units = sum(1 for d in report.fused if any(lay in firsts for lay in d.layers))
-    why = next((w for d in report.decisions if d.action != "fused" and firsts & set(d.layers)
-                for w in [d.why]), "") or next(
-        (w for p, w in report.other_layers if p in firsts), "")
+    whys = [d.why for d in report.decisions if d.action != "fused" and firsts & set(d.layers)]
+    whys += [w for p, w in report.other_layers if p in firsts]
+    why = "; ".join(dict.fromkeys(whys))
     torch.manual_seed(1)
     inputs = ZOO[name].inputs()
     torch.manual_seed(2)
