@@ -247,3 +247,25 @@ def test_gpt2_mlp_under_compile_fullgraph():
     for u, v in zip(ga, gb):
         torch.testing.assert_close(v, u, rtol=1e-13, atol=1e-13)
         assert v.is_contiguous()
+
+
+def test_transposed_weights_on_each_device(device):
+    """float32 on the device (cuda-marked on the GPU): the op with Conv1D-layout weights against
+    x·W + b, and each stored weight's gradient contiguous in its (in, out) layout."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 24, generator=gen).to(device).requires_grad_()
+    ws = [torch.randn(24, 40, generator=gen).mul_(0.2).to(device).requires_grad_(),
+          torch.randn(40, 9, generator=gen).mul_(0.2).to(device).requires_grad_()]
+    bs = [torch.randn(40, generator=gen).to(device).requires_grad_(),
+          torch.randn(9, generator=gen).to(device).requires_grad_()]
+    out = ckpt_ext.mlp(x, [w.t() for w in ws], bs, activation="gelu_tanh", last_activation=False)
+    act = lambda z: F.gelu(z, approximate="tanh")  # noqa: E731
+    ref = _reference(*(t.double() for t in (x,)), [w.double() for w in ws],
+                     [b.double() for b in bs], act)
+    # measured on the CPU: 6e-7 of the output's scale, 1.6e-7 of each gradient's
+    assert (out.double() - ref).abs().max() <= 5e-6 * ref.abs().max()
+    got = torch.autograd.grad(out.square().sum(), [x, *ws, *bs])
+    want = torch.autograd.grad(ref.square().sum(), [x, *ws, *bs])
+    for a, b in zip(got, want):
+        assert (a.double() - b.double()).abs().max() <= 2e-6 * b.abs().max()
+    assert got[1].is_contiguous() and got[2].is_contiguous()
