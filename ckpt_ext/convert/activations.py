@@ -28,12 +28,15 @@ def tensors_per_layer(name: str) -> int:
     return REGISTRY[name].tensors_per_layer
 
 
-def module_tensors(m: nn.Module, name: Optional[str]) -> int:
-    """:func:`tensors_per_layer` for activation module ``m`` computing ``name`` as its class
-    computes it: a formula of several ops (transformers' ``NewGELUActivation``) keeps more than
-    the one op. Its class's forward runs on 8 values; 0 where it computes no activation."""
+def module_tensors(m: Optional[nn.Module], name: Optional[str]) -> int:
+    """:func:`tensors_per_layer` for an activation as it is called: by module ``m`` computing
+    ``name`` as its class computes it (a formula of several ops, transformers'
+    ``NewGELUActivation``, keeps more than the one op: its class's forward runs on 8 values), or
+    by a function call (``m`` None: the op's own count); 0 where it computes no activation."""
     if name is None:
         return 0
+    if m is None:
+        return tensors_per_layer(name)
     cls = getattr(type(m), "_ckpt_ext_base", type(m))  # a member: the class it stands for
     try:
         return stock_tensors(lambda z: cls.forward(m, z))

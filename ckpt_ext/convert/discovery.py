@@ -19,7 +19,7 @@ from torch import fx, nn
 from torch.nn.utils import parametrize
 
 from ..modules import _has_hooks
-from .activations import Recognised, module_activation, node_activation
+from .activations import Recognised, module_activation, module_tensors, node_activation
 from .consumers import Fate, elements_fate, node_fate, output_fate
 from .policy import Chain, LayerShape, item_misses, layer_shape
 from .report import Decision
@@ -459,6 +459,9 @@ def graph_chains(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace,
         found = kinds[n][1] if kinds[n] else None
         return found.name if found is not None else None
 
+    def module_of(n: fx.Node) -> Optional[nn.Module]:
+        return owner.get_submodule(n.target) if n.op == "call_module" else None
+
     def nxt(n: fx.Node) -> Optional[fx.Node]:
         users = list(n.users)
         if len(users) != 1:
@@ -522,13 +525,13 @@ def graph_chains(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace,
         while nxt(whole[-1]) is not None:
             whole.append(nxt(whole[-1]))
         _graph_chain(whole, path, rewrite, graph_only, rewrite_problem, member_problem,
-                     layer_of, name_of, lambda last: node_fate(analysis, owner, t, last),
+                     layer_of, name_of, module_of, lambda last: node_fate(analysis, owner, t, last),
                      misses, taken, chains)
     return chains
 
 
 def _graph_chain(items: List[fx.Node], path: str, rewrite: bool, graph_only, rewrite_problem,
-                 member_problem, layer_of, name_of, fate_of, misses: List[Decision],
+                 member_problem, layer_of, name_of, module_of, fate_of, misses: List[Decision],
                  taken: set, chains: List[Chain]) -> None:
     """One chain of a graph: a chain to rewrite, or its misses."""
     only = [graph_only(x) for x in items]
@@ -539,9 +542,11 @@ def _graph_chain(items: List[fx.Node], path: str, rewrite: bool, graph_only, rew
     layers = [layer_of(x) for x in items[0::2]]
     if rewrite and all(p is None for p in rw) and all(lay is not None for lay in layers):
         last = items[-1]
-        chains.append(Chain(path, "rewrite", labels, items, layers,
-                            tuple(name_of(x) for x in items[1::2]), len(items) % 2 == 0,
-                            lambda last=last: fate_of(last)))
+        names = tuple(name_of(x) for x in items[1::2])
+        chains.append(Chain(path, "rewrite", labels, items, layers, names, len(items) % 2 == 0,
+                            lambda last=last: fate_of(last), {},
+                            tuple(module_tensors(module_of(x), n)
+                                  for x, n in zip(items[1::2], names))))
         taken.update(x for x in items if x.op == "call_module")
         return
     # Not rewritten: report the pairs that hold a function call or a Linear held in a list

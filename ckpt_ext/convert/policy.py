@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 from torch import nn
 
 from ..modules import LayerActivations, collapse_activations
-from .activations import DISPLAY, SAVES_INPUT, tensors_per_layer
+from .activations import DISPLAY, SAVES_INPUT, module_tensors
 from .consumers import Fate
 from .report import Decision
 from .runtime import features, stored_weight
@@ -63,13 +63,9 @@ class Chain:
     # what becomes of activation j's output where a module between it and Linear j + 1 keeps
     # something else (a Dropout drawing a mask keeps only that); else Linear j + 1 keeps it
     inner_fates: Dict[int, Fate] = field(default_factory=dict)
-    # per activation item: the tensors stock autograd keeps for it as called (module_tensors);
-    # empty: as the op computes it (tensors_per_layer)
+    # per activation item: the tensors stock autograd keeps for it as it is called, its output
+    # counted (module_tensors)
     kept: Tuple[int, ...] = ()
-
-    def tensors(self, j: int) -> int:
-        """What stock autograd keeps for activation j, its output counted (tensors_per_layer)."""
-        return self.kept[j] if self.kept else tensors_per_layer(self.activations[j])
 
     def span(self, first: int, last: int, last_act: bool) -> Tuple[int, int]:
         """Item indices [start, stop) of layers first..last, with last's activation if
@@ -109,12 +105,12 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
     misses: List[Decision] = []
 
     def figures(a: int, b: int, last_act: bool, last_freed: bool) -> Tuple[int, int, int]:
-        freed = sum(chain.tensors(j) * L[j].out_features * L[j].itemsize for j in range(a, b))
+        freed = sum(chain.kept[j] * L[j].out_features * L[j].itemsize for j in range(a, b))
         if last_act:
             # what the trailing activation's backward keeps besides its output (z, and any
-            # intermediate: tensors_per_layer counts its output too), and its output where the
+            # intermediate: chain.kept counts its output too), and its output where the
             # activation keeps that and its consumer does not
-            kept = chain.tensors(b) - 1 + (0 if keeps_z[b] else int(last_freed))
+            kept = chain.kept[b] - 1 + (0 if keeps_z[b] else int(last_freed))
             freed += kept * L[b].out_features * L[b].itemsize
         extra = sum(_gemm(L[j]) for j in range(a, b)) + (_gemm(L[b]) if last_act else 0)
         plain = sum(3 * _gemm(L[j]) for j in range(a, b + 1))
@@ -268,7 +264,7 @@ def chain_problem(layers: Sequence[nn.Module]) -> Optional[str]:
 
 
 def gated_figures(gate: LayerShape, up: Optional[LayerShape], down: LayerShape, activation: str,
-                  packed: bool, mask_bytes: int = 0) -> Tuple[int, int, int]:
+                  act_tensors: int, packed: bool, mask_bytes: int = 0) -> Tuple[int, int, int]:
     """(bytes freed, FLOPs added, plain FLOPs) per row of a gated MLP computed by ``gated_mlp``.
     Stock autograd keeps what the activation's backward keeps (its input, and its output where it
     reads that), the up projection's output and the product (the down projection's input), each
@@ -276,9 +272,9 @@ def gated_figures(gate: LayerShape, up: Optional[LayerShape], down: LayerShape, 
     output alive unless the activation keeps its input (that same output's other half) anyway.
     A Dropout drawing a mask keeps it (``mask_bytes`` per element in all: the CPU's mask is of the
     dtype, CUDA's a bool). The input x is kept either way. Backward recomputes the gate and up
-    GEMMs."""
+    GEMMs. ``act_tensors``: what the activation keeps as it is called (module_tensors)."""
     width = down.in_features
-    tensors = tensors_per_layer(activation) + 2 + (packed and not SAVES_INPUT[activation])
+    tensors = act_tensors + 2 + (packed and not SAVES_INPUT[activation])
     gemms = _gemm(gate) + (_gemm(up) if up is not None else 0)
     return (tensors * gate.itemsize + mask_bytes) * width, gemms, 3 * (gemms + _gemm(down))
 
@@ -294,7 +290,9 @@ def gated_decision(g: Any) -> Decision:
     masks = [d for d in map(g.child, g.dropouts) if d.p > 0 and d.training]
     weight = stored_weight(g.child(g.linears[0]))
     per_mask = 1 if weight is not None and weight.device.type == "cuda" else gate.itemsize
-    freed, extra, plain = gated_figures(gate, up, down, name, g.packed, len(masks) * per_mask)
+    act_tensors = module_tensors(g.act_module, name)
+    freed, extra, plain = gated_figures(gate, up, down, name, act_tensors, g.packed,
+                                        len(masks) * per_mask)
     if g.problems:
         return Decision(g.path, g.labels, "left alone", "", "", 0, extra, plain,
                         "a gated MLP: " + "; ".join(g.problems), activation=name)
@@ -302,7 +300,7 @@ def gated_decision(g: Any) -> Decision:
     unit = (f"gated_mlp {name}, {g.gate.in_features}->2x{down.in_features}->"
             f"{down.out_features}" + (", packed gate_up" if g.packed else ""))
     why = (f"a gated MLP, {act}(gate) * up -> down: the {act}'s "
-           f"{'input and output' if tensors_per_layer(name) > 1 else 'output'}, the up "
+           f"{'input and output' if act_tensors > 1 else 'output'}, the up "
            f"projection and their product are no longer kept, only the input"
            + (f"; the activation takes the second half of {labels[0]}" if g.gate_second else "")
            + (f"; {len(masks)} Dropout mask(s) drawn again in backward from the generator's "
