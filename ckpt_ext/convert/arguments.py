@@ -55,17 +55,22 @@ def plan_arguments(m: nn.Module) -> Union[ArgumentPlan, str]:
                     f"only handing it to a child); fx would see only one value of it")
         else:
             passed.append(p.name)
-    return ArgumentPlan(_stand_in(fn, required + passed),
-                        _ArgGuard(varkw) if varkw is not None else None)
+    guard = None
+    if varkw is not None:
+        named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        guard = _ArgGuard(frozenset(p.name for p in named),
+                          sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in named))
+    return ArgumentPlan(_stand_in(fn, required + passed), guard)
 
 
 def _looked_at(fn: ast.AST, names: Set[str], children: Set[str]) -> Set[str]:
     """The names among ``names`` that the function's body uses other than as an argument of a
     call of a child module ``self.<child>(...)`` (assigning to one counts as a use)."""
+    own = fn.args.args[0].arg if fn.args.args else "self"  # what the method calls itself
     handed: Set[int] = set()
     for call in ast.walk(fn):
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and \
-                isinstance(call.func.value, ast.Name) and call.func.value.id == "self" and \
+                isinstance(call.func.value, ast.Name) and call.func.value.id == own and \
                 call.func.attr in children:
             handed.update(id(a) for a in call.args if isinstance(a, ast.Name))
             handed.update(id(k.value) for k in call.keywords if isinstance(k.value, ast.Name))

@@ -630,7 +630,6 @@ class _OwnerForward:
         self._fn = _compile_forward(source) if source is not None else None
         # the class's method as analysed: one put on the class later is code fuse has not seen
         self._analysed = getattr(type(owner), method, None)
-        self._signature = inspect.signature(self._analysed) if arg_guard is not None else None
 
     def __call__(self, *args, **kwargs):
         owner = self.owner
@@ -640,8 +639,7 @@ class _OwnerForward:
         for guard in self.guards:
             if not guard.holds(owner):
                 return cls_fn(owner, *args, **kwargs)
-        if self.arg_guard is not None and \
-                not self.arg_guard.holds(self._signature, owner, args, kwargs):
+        if self.arg_guard is not None and not self.arg_guard.holds(args, kwargs):
             return cls_fn(owner, *args, **kwargs)
         fn = self._fn if self._fn is not None else cls_fn
         runs = self.runs
@@ -711,20 +709,18 @@ MISSING = object()
 
 
 class _ArgGuard(NamedTuple):
-    """What the analysed forward assumed of its arguments (arguments.py): its ``**kwargs``,
-    ``varkw``, got no keyword, which it hands to children that may take another path with it."""
-    varkw: str
+    """What the analysed forward assumed of its arguments (arguments.py): its ``**kwargs`` got no
+    keyword (it hands them to children, which may take another path with one). A call does when
+    it passes a keyword none of ``names`` (the parameters a keyword may name) is; more than
+    ``positional`` positional arguments is an error the class's forward raises."""
+    names: frozenset
+    positional: int
 
-    def holds(self, signature: inspect.Signature, owner: nn.Module, args: tuple,
-              kwargs: dict) -> bool:
-        try:
-            got = signature.bind(owner, *args, **kwargs).arguments
-        except TypeError:
-            return False  # the class's forward raises the caller's error
-        return not got.get(self.varkw)
+    def holds(self, args: tuple, kwargs: dict) -> bool:
+        return len(args) <= self.positional and all(k in self.names for k in kwargs)
 
     def describe(self) -> str:
-        return f"no keyword in **{self.varkw}"
+        return "no keyword in its **kwargs"
 
 
 def _compile_forward(source: str) -> Callable:

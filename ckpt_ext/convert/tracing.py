@@ -421,7 +421,6 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
             want = getattr(orig.get_submodule(path), name, MISSING) if same else _plain(value)
             guards.append(_Guard(path, name, want, same))
     _Reads.observed = set()
-    counted = sorted(changed_names - set(steering))
     if steering:
         t.region_problem = (f"tracing its {method} changed {', '.join(sorted(steering))}, which it "
                             f"also reads other than to count: fuse cannot tell that its path "

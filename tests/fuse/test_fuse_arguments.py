@@ -51,6 +51,19 @@ class LooksAtMask(Layer):
         return h + self.fc2(self.act(self.fc1(h)))
 
 
+class OtherSelfName(Layer):
+    """The method's first parameter is not called ``self``: handing to ``layer.attn`` still counts."""
+
+    def forward(layer, x, mask=None, **kwargs):  # noqa: N805
+        h = x + layer.attn(x, mask=mask, **kwargs)
+        return h + layer.fc2(layer.act(layer.fc1(h)))
+
+
+def test_the_first_parameter_is_what_the_method_calls_itself():
+    _, report = fuse(OtherSelfName())
+    assert [d.layers for d in report.fused] == [("fc1", "act", "fc2")], str(report)
+
+
 def _pair():
     torch.manual_seed(0)
     plain = Layer().double()
