@@ -176,16 +176,20 @@ def mlp_spans(name: str, model: nn.Module) -> List[Tuple[nn.Module, nn.Module]]:
     return out
 
 
-def mlp_kept_bytes(name: str, model: nn.Module, inputs: tuple) -> int:
+def mlp_kept_bytes(name: str, model: nn.Module, inputs: tuple) -> Tuple[int, Dict[str, int]]:
     """Bytes of the distinct storages autograd saves between each MLP's first Linear's call and
     its last Linear's return, less the MLP's input and the parameters: what the MLPs keep for
-    backward beyond their input, unfused (``model`` must be unfused: its hooks count)."""
+    backward beyond their input, unfused (``model`` must be unfused: its hooks count); and the
+    rows each first Linear took, by its path."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    paths = {id(m): p for p, m in model.named_modules()}
     state = {"inside": False, "input": None}
     saved: Dict[int, int] = {}
+    rows: Dict[str, int] = {}
 
     def pre(m, args):
         state["inside"], state["input"] = True, args[0].untyped_storage().data_ptr()
+        rows[paths[id(m)]] = args[0].numel() // args[0].shape[-1]
 
     def post(m, args, out):
         state["inside"] = False
@@ -207,7 +211,7 @@ def mlp_kept_bytes(name: str, model: nn.Module, inputs: tuple) -> int:
     finally:
         for h in handles:
             h.remove()
-    return sum(saved.values())
+    return sum(saved.values()), rows
 
 
 def saved_bytes(name: str, model: nn.Module, inputs: tuple) -> int:
@@ -237,6 +241,7 @@ class Row:
     mlps: int
     mlp_kept: int         # bytes the MLPs keep beyond their input, unfused
     freed: int            # saved bytes of the whole model, plain less fused
+    claimed: int          # what the report's fused MLP decisions say they free, for these rows
     kept: Tuple[int, int]  # saved bytes, plain and fused
     peak: Tuple[int, int]  # peak bytes of a step, plain and fused
     why: str              # why an MLP is left alone, from the report; "" when all are fused
@@ -262,7 +267,9 @@ def measure(name: str) -> Tuple[Row, nn.Module, nn.Module]:
     torch.manual_seed(1)
     inputs = ZOO[name].inputs()
     torch.manual_seed(2)
-    mlp_kept = mlp_kept_bytes(name, plain, inputs)
+    mlp_kept, rows = mlp_kept_bytes(name, plain, inputs)
+    claimed = sum(d.bytes_per_row * rows[d.layers[0]] for d in report.fused
+                  if d.layers[0] in firsts)
     torch.manual_seed(2)
     kept_plain = saved_bytes(name, plain, inputs)
     torch.manual_seed(2)
@@ -271,7 +278,7 @@ def measure(name: str) -> Tuple[Row, nn.Module, nn.Module]:
     peak_plain = peak_bytes(name, plain, inputs)
     torch.manual_seed(2)
     peak_fused = peak_bytes(name, fused, inputs)
-    row = Row(name, units, len(spans), mlp_kept, kept_plain - kept_fused,
+    row = Row(name, units, len(spans), mlp_kept, kept_plain - kept_fused, claimed,
               (kept_plain, kept_fused), (peak_plain, peak_fused), why if units < len(spans) else "")
     return row, plain, fused
 

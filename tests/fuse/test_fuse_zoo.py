@@ -1,6 +1,7 @@
 """The zoo (tests/fuse/_zoo.py): for each model, ``fuse`` keeps outputs and every gradient of the
 unfused copy (float64, train with its dropouts and eval), and frees at least 90 % of the bytes
-its MLPs keep for backward beyond their input (float32, measured with saved-tensor hooks), or
+its MLPs keep for backward beyond their input (float32, measured with saved-tensor hooks), the
+report's figures to the byte, or
 leaves its MLPs alone for the reason listed here, which the report gives. The table in
 docs/fuse-usage.md is scripts/zoo_table.py's; its rows must name each model and its fused MLPs."""
 from __future__ import annotations
@@ -40,6 +41,7 @@ def test_zoo_model_frees_its_mlps_or_says_why(name):
     else:
         assert row.units == row.mlps, row
         assert row.share >= 0.9, row
+        assert row.freed == row.claimed, row  # the report's figures, to the byte
         assert row.kept[1] < row.kept[0], row
 
 
