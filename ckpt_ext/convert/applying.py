@@ -14,6 +14,7 @@ from .discovery import LayerCall
 from .planning import PlannedRun, RunPlan
 from .report import Decision
 from .runtime import (FusedSequential, PartRole, RunLinear, RunMember, _GatedRun, _Guard,
+                      _InlineRun,
                       _OwnerForward, _Run, _RunPart, is_sequential, member_class, owner_wrappers,
                       parts_of)
 from .tracing import ModelAnalysis
@@ -32,6 +33,16 @@ def _apply_run(analysis: ModelAnalysis, plan: RunPlan, decision: Decision,
             dropouts=[g.child(n) for n in g.dropouts], gate_second=g.gate_second,
             slots=plan.slots, unhooked=[(m, analysis.path_of(m)) for m in plan.unhooked],
             owner=plan.owner, calls=plan.calls, decision=decision)
+    elif run is None and plan.inline is not None:
+        c = plan.inline
+        run = _InlineRun(
+            labels=c.labels, members=[s.module for s in layer_calls],
+            activation=plan.activation,
+            acts=[(sub, analysis.path_of(sub), found.name) for found, _, sub in c.acts
+                  if sub is not None],
+            drops=c.drops, slots=plan.slots,
+            unhooked=[(m, analysis.path_of(m)) for m in plan.unhooked], owner=plan.owner,
+            calls=plan.calls, decision=decision)
     elif run is None:
         run = _Run(
             labels=[s.label for s in layer_calls], members=[s.module for s in layer_calls],

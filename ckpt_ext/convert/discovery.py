@@ -11,7 +11,7 @@ import enum
 import inspect
 import operator
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -730,22 +730,32 @@ def _gated_problems(analysis: ModelAnalysis, g: GatedCall):
         yield ("its Linears' weights are of different dtypes or devices ("
                + ", ".join(f"{g.label(n)}: {w.dtype} on {w.device}"
                            for n, w in zip(g.linears, weights)) + ")")
+    yield from placeholder_problems(g.path, owner, t, g.linears,
+                                    lambda stmt: _dtype_cast(stmt, g.linears[-1].target))
+
+
+def placeholder_problems(path: str, owner: nn.Module, t: Trace, linears: Sequence[fx.Node],
+                         excused: Callable[[Any], bool] = lambda stmt: False):
+    """Why the traced method may compute something between a unit's Linears that the analysis
+    did not see (the unit's members pass zero-width placeholders there, so such code would work
+    on nothing): a Python function it calls, a statement tracing did not run whole (unless
+    ``excused``), source that cannot be read, or a forward an earlier fuse rewrote."""
     code = getattr(inspect.unwrap(getattr(type(owner), t.method)), "__code__", None)
     for name in t.calls_out:
-        yield (f"{g.path or '<model>'}.{t.method} calls {name}, whose paths fuse does not "
+        yield (f"{path or '<model>'}.{t.method} calls {name}, whose paths fuse does not "
                f"follow (the fused op would skip what it does between the Linears)")
     if t.unrun is None:
-        yield (f"the source of {g.path or '<model>'}.{t.method} cannot be read, so fuse cannot "
+        yield (f"the source of {path or '<model>'}.{t.method} cannot be read, so fuse cannot "
                f"check that tracing saw every statement it runs")
     for line in t.unrun or ():
-        if not _dtype_cast(statement_source(code, line), g.linears[-1].target):
-            yield (f"{g.path or '<model>'}.{t.method} may run code that fx did not see run "
+        if not excused(statement_source(code, line)):
+            yield (f"{path or '<model>'}.{t.method} may run code that fx did not see run "
                    f"(line {line}: a branch, or a part of a conditional expression), which at "
                    f"call time would work on what the fused op does not compute")
     if t.already_rewritten:
         source = vars(owner)[t.method].source
-        if any(f"self.{n.target}(" not in source for n in g.linears):
-            yield f"{g.path or '<model>'}.forward was rewritten by an earlier fuse"
+        if any(f"self.{n.target}(" not in source for n in linears):
+            yield f"{path or '<model>'}.forward was rewritten by an earlier fuse"
 
 
 def _dtype_cast(stmt: Any, down: str) -> bool:

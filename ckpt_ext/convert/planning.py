@@ -10,12 +10,14 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..modules import LayerActivations
-from .activations import SAVES_INPUT, module_tensors
+from ..modules import LayerActivations, collapse_activations
+from .activations import module_tensors
 from .consumers import Fate
-from .discovery import GatedCall, LayerCall, LayerKind, RunDiscovery, find_gated, graph_chains
+from .discovery import (GatedCall, LayerCall, LayerKind, RunDiscovery, find_gated, graph_chains,
+                        node_label)
+from .inline import InlineCall, find_inline, inline_decision
 from .policy import (Chain, LayerShape, Unit, chain_problem, decide, gated_decision,
-                     item_misses, layer_shape, split_at_problems, sub_chain)
+                     item_misses, layer_shape, mask_bytes, split_at_problems, sub_chain)
 from .report import Decision
 from .runtime import (FusedSequential, PartRole, RunLinear, RunMember, Slot, _Guard,
                       _OwnerForward, _Run, base_type, is_sequential, join_path, parts_of,
@@ -66,6 +68,7 @@ class RunPlan:
     alone: Dict[int, List[LayerCall]] = field(default_factory=dict)
     note: str = ""
     gated: Optional[GatedCall] = None  # a gated MLP, computed by gated_mlp
+    inline: Optional[InlineCall] = None  # a run with function calls between its Linears
     # (Identity or Dropout, k): the modules between its layers, after its item k
     passes: List[Tuple[Slot, int]] = field(default_factory=list)
 
@@ -75,6 +78,8 @@ class RunPlan:
         if g is not None:
             return ("gated", tuple(c.module for c in self.layer_calls), g.act.name,
                     g.gate_second)
+        if self.inline is not None:
+            return ("inline", tuple(c.module for c in self.layer_calls), self.activation)
         return (tuple(c.module for c in self.layer_calls), self.last_act)
 
     def part_keys(self) -> List[Tuple[nn.Module, Tuple[Any, ...]]]:
@@ -354,9 +359,18 @@ def plan_model(analysis: ModelAnalysis, policy: str, rewrite: bool) -> ModelPlan
         t = analysis.trace_of(m) if not is_sequential(m) else None
         if t is not None:
             _plan_gated(analysis, path, m, t, existing, taken_nodes, plan)
-    for path, m in analysis.model.named_modules():
-        t = analysis.trace_of(m) if not is_sequential(m) else None
-        if t is not None and not t.already_rewritten:
+    traced = [(path, m, analysis.trace_of(m)) for path, m in analysis.model.named_modules()
+              if not is_sequential(m) and analysis.trace_of(m) is not None]
+    # a forward to rewrite is rewritten first; in the others a run with function calls between
+    # child Linears is computed in a region, and what is left is a near miss
+    first = {id(m): rewrite and t.rewrite_problem is None for _, m, t in traced}
+    for path, m, t in traced:
+        if first[id(m)] and not t.already_rewritten:
+            _plan_rewrite(analysis, path, m, t, policy, rewrite, taken_nodes, plan)
+    for path, m, t in traced:
+        _plan_inline(analysis, path, m, t, policy, existing, taken_nodes, plan)
+    for path, m, t in traced:
+        if not first[id(m)] and not t.already_rewritten:
             _plan_rewrite(analysis, path, m, t, policy, rewrite, taken_nodes, plan)
     discovery = RunDiscovery(analysis, taken_nodes)
     runs, stops = discovery.runs()
@@ -397,6 +411,42 @@ def plan_gated(analysis: ModelAnalysis, g: GatedCall) -> RunPlan:
         sub = g.child(n)
         p.slots.append(Slot(g.owner, n.target, sub, g.label(n)))
         p.unhooked.append(sub)
+    return p
+
+
+def _plan_inline(analysis: ModelAnalysis, path: str, m: nn.Module, t: Trace, policy: str,
+                 existing: Dict[Any, _Run], taken_nodes: set, plan: ModelPlan) -> None:
+    """The runs of ``m``'s traced method with function calls between its child Linears, each
+    fused as one unit computed in its region (whose nodes are then no other unit's), or
+    reported with why not."""
+    for c in find_inline(analysis, path, m, t, taken_nodes):
+        d = inline_decision(c, policy)
+        if c.problems:
+            plan.add(d)
+            continue
+        rp = plan_inline(analysis, c)
+        already = in_place(analysis, rp, existing)
+        plan.runs.append(PlannedRun(rp, d, already))
+        plan.add(_already(d) if already is not None else d)
+        taken_nodes.update(c.nodes)
+
+
+def plan_inline(analysis: ModelAnalysis, c: InlineCall) -> RunPlan:
+    """A run with function calls between its Linears, computed inside its owner's method: the
+    Linears are the members; its activation and Dropout modules stay in place and unhooked."""
+    calls = [LayerCall(c.owner, n.target, c.child(n), LayerKind.LINEAR,
+                       node_label(n, c.path), node=n, trace=c.trace) for n in c.linears]
+    p = RunPlan("children", c.path, calls,
+                collapse_activations([found.name for found, _, _ in c.acts]), False,
+                owner=c.owner, inline=c)
+    for k, call in enumerate(calls):
+        p.members.append(MemberPlan(call, k))
+        p.calls.append(call.label)
+    for n in c.nodes:
+        if n.op == "call_module":
+            sub = c.child(n)
+            p.slots.append(Slot(c.owner, n.target, sub, node_label(n, c.path)))
+            p.unhooked.append(sub)
     return p
 
 
@@ -513,21 +563,12 @@ def _inner_fates(discovery: RunDiscovery, layer_calls: Sequence[LayerCall]) -> D
 
 def _mask_bytes(passes: Sequence[Tuple[Slot, int]], layers: Sequence[LayerShape],
                 activations: Sequence[str], on_cuda: bool) -> int:
-    """What stock autograd keeps per row for the Dropouts drawing a mask after an activation:
-    each one's mask (the dtype's size on the CPU, a byte on CUDA), and their output, which the
-    next Linear keeps instead of the activation's output where the activation's backward keeps
-    that output too."""
+    """What stock autograd keeps per row for the Dropouts drawing a mask after an activation."""
     masks: Dict[int, int] = {}
     for slot, k in passes:
         if not passes_through(slot.module):
             masks[k] = masks.get(k, 0) + 1
-    total = 0
-    for k, n in masks.items():
-        layer = layers[k // 2]
-        keeps_output = not SAVES_INPUT[activations[k // 2]]
-        total += layer.out_features * (n * (1 if on_cuda else layer.itemsize)
-                                       + layer.itemsize * keeps_output)
-    return total
+    return mask_bytes(masks, layers, activations, on_cuda)
 
 
 def _refused(d: Decision, why: str) -> Decision:

@@ -263,6 +263,21 @@ def chain_problem(layers: Sequence[nn.Module]) -> Optional[str]:
     return None
 
 
+def mask_bytes(masks: Dict[int, int], layers: Sequence[LayerShape],
+               activations: Sequence[str], on_cuda: bool) -> int:
+    """What stock autograd keeps per row for ``masks[k]`` Dropouts drawing a mask after item k
+    (activation k // 2): each one's mask (the dtype's size on the CPU, a byte on CUDA), and
+    their output, which the next Linear keeps instead of the activation's output where the
+    activation's backward keeps that output too."""
+    total = 0
+    for k, n in masks.items():
+        layer = layers[k // 2]
+        keeps_output = not SAVES_INPUT[activations[k // 2]]
+        total += layer.out_features * (n * (1 if on_cuda else layer.itemsize)
+                                       + layer.itemsize * keeps_output)
+    return total
+
+
 def gated_figures(gate: LayerShape, up: Optional[LayerShape], down: LayerShape, activation: str,
                   act_tensors: int, packed: bool, mask_bytes: int = 0) -> Tuple[int, int, int]:
     """(bytes freed, FLOPs added, plain FLOPs) per row of a gated MLP computed by ``gated_mlp``.

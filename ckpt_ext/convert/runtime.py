@@ -195,7 +195,7 @@ class _Run:
         weights = [linear_weight(layer) for layer in self.layers]
         biases = [layer.bias for layer in self.layers]
         _as_layer_would(x, self.layers[0], weights[0])
-        masks = self._masks() if self.passes else None
+        masks = self._masks()
         if masks:
             return dropout_unit.plain(x, weights, biases, self.activations, masks)
         if self.activation != "tanh":  # another name, or one per layer
@@ -255,7 +255,50 @@ class _Run:
                 f"or make that state an attribute of the module")
 
 
-class _GatedRun(_Run):
+class _PlaceholderRun(_Run):
+    """A unit whose owner's forward computes something between its Linear members (a gated MLP's
+    product; an activation function, ``F.dropout``): inside the region the first member computes
+    the whole op and returns a zero-width placeholder of x's rows, which what the forward does
+    between runs on at no cost; each later member checks it received one (:meth:`_carried`) and
+    passes a placeholder on, the last one returns the op's output."""
+
+    def enter(self) -> None:
+        # [the next member, x, the state of an enclosing call, the op's output until returned]
+        self._region.state = [0, None, self._region.state, None]
+
+    def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
+        state = self._region.state
+        if state is None:
+            return None
+        expected, last = state[0], len(self.calls) - 1
+        if expected == index == 0:
+            if self.problem() is not None:
+                state[0] = -1  # computed module by module for the rest of this call
+                return None
+            out = self(x)
+            state[0], state[1], state[3] = 1, x, out
+            return _placeholder(x, out)
+        if expected == index and 0 < index < last and self._carried(x, state[1]):
+            state[0] = index + 1
+            return _placeholder(x, state[3])
+        if expected == index == last and _is_placeholder(x, state[1]):
+            out, state[3] = state[3], None
+            state[0], state[1] = index + 1, out
+            return out
+        if 0 < expected <= last:
+            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called with "
+                                                       f"another value"
+                                             if expected == index else
+                                             f"{self.calls[index]} was called"))
+        return None
+
+    def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
+        """Whether a member between the first and the last received what the analysed forward
+        hands it."""
+        return _is_placeholder(x, first_input)
+
+
+class _GatedRun(_PlaceholderRun):
     """A gated MLP as fuse applied it: ``down(act(gate(x)) * up(x))`` in its owner's forward,
     computed by ``gated_mlp`` keeping only x. Its members are the Linears, in call order. Inside
     the owner's region the first computes the whole op and returns a zero-width placeholder;
@@ -302,6 +345,9 @@ class _GatedRun(_Run):
                 return f"its Dropout draws a mask in training and {why}"
         return None
 
+    def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
+        return x is first_input  # the up projection takes the gate's input
+
     def _gated_masks(self) -> Tuple[float, ...]:
         """The p of each Dropout that draws a mask now (p > 0, in training), in order."""
         return tuple(d.p for d in self.dropouts if d.p > 0 and d.training)
@@ -327,35 +373,73 @@ class _GatedRun(_Run):
         return ops.gated_mlp(x, w_gate, w_up, down.weight, b_gate, b_up, down.bias,
                              activation=self.activation)
 
-    def enter(self) -> None:
-        # [the next member, x, the state of an enclosing call, the op's output until returned]
-        self._region.state = [0, None, self._region.state, None]
 
-    def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
-        state = self._region.state
-        if state is None:
-            return None
-        expected, last = state[0], len(self.calls) - 1
-        if expected == index == 0:
-            if self.problem() is not None:
-                state[0] = -1  # computed module by module for the rest of this call
-                return None
-            out = self(x)
-            state[0], state[1], state[3] = 1, x, out
-            return _placeholder(x, out)
-        if expected == index and 0 < index < last and x is state[1]:
-            state[0] = index + 1
-            return _placeholder(x, state[3])
-        if expected == index == last and _is_placeholder(x, state[1]):
-            out, state[3] = state[3], None
-            state[0], state[1] = index + 1, out
-            return out
-        if 0 < expected <= last:
-            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called with "
-                                                       f"another value"
-                                             if expected == index else
-                                             f"{self.calls[index]} was called"))
+class InlineDrop(NamedTuple):
+    """A Dropout between activation ``item // 2`` and the next Linear: a child module
+    (``module``), or an ``F.dropout`` call with its ``p`` and whether it draws in train() and in
+    eval() (``training=self.training`` draws in train() only)."""
+    item: int
+    label: str
+    module: Optional[nn.Module]
+    p: float
+    draws: Tuple[bool, bool]
+
+    def drawing(self, owner_training: bool) -> bool:
+        if self.module is not None:
+            return isinstance(self.module, nn.Dropout) and self.module.training and \
+                self.module.p > 0
+        return self.p > 0 and self.draws[0 if owner_training else 1]
+
+
+class _InlineRun(_PlaceholderRun):
+    """A run whose Linears its owner's forward calls with function calls between them (an
+    activation function, ``F.dropout``): ``Linear, act, [Dropout ...], Linear, ...`` ending with
+    a Linear, computed by the plain run's op (with its Dropouts' masks drawn inside the unit
+    while they draw). The members are the Linears; the activations and Dropouts run on
+    placeholders. ``acts``: (module, label, name) of each activation that is a child module;
+    ``drops``: each Dropout. Design: docs/converter.md, "Function calls
+    inside a run"."""
+
+    def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
+                 activation: LayerActivations, acts: Sequence[Tuple[nn.Module, str, str]],
+                 drops: Sequence[InlineDrop], slots: Sequence[Slot],
+                 unhooked: Sequence[Tuple[nn.Module, str]], owner: nn.Module,
+                 calls: Sequence[str], decision: Optional[Decision] = None) -> None:
+        super().__init__(labels, members, members, False, (), slots, unhooked, owner, calls, (),
+                         decision, activation)
+        self.key = ("inline", tuple(members), activation)
+        self.acts = tuple(acts)
+        self.drops = tuple(drops)
+
+    def problem(self) -> Optional[str]:
+        if torch.jit.is_tracing():
+            return "torch.jit.trace is recording the model"
+        for m, label in self.unhooked:
+            if foreign_forward(m):
+                return f"{label}'s forward was set on the instance, which the fused op would skip"
+        return self._placement_problem() or self._activation_problem() or self._weights_problem()
+
+    def _activation_problem(self) -> Optional[str]:
+        for m, label, name in self.acts:
+            found = module_activation(m)
+            if found is None or found.name != name or found.problem is not None:
+                return f"{label} no longer computes {name}"
+        for d in self.drops:
+            if d.module is not None and type(d.module) not in (nn.Dropout, nn.Identity):
+                return f"{d.label} changed class"
+        if self._masks():
+            why = dropout_unit.unsupported()
+            if why is not None:
+                return f"a Dropout of the run draws a mask in training and {why}"
         return None
+
+    def _masks(self) -> Dict[int, Tuple[float, ...]]:
+        out: Dict[int, Tuple[float, ...]] = {}
+        for d in self.drops:
+            if d.drawing(self.owner.training):
+                out[d.item] = out.get(d.item, ()) + (d.module.p if d.module is not None
+                                                     else d.p,)
+        return out
 
 
 def _placeholder(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,8 @@ class _LocalTracer(fx.Tracer):
 class Trace:
     ok: bool
     reason: str = ""
-    graph: Optional[fx.Graph] = None
+    graph: Optional[fx.Graph] = None  # in train(); ``eval_graph`` in eval(), node for node
+    eval_graph: Optional[fx.Graph] = None
     method: str = "forward"  # or the method forward names that was analysed in its place
     already_rewritten: bool = False
     calls: Optional[Dict[str, int]] = None  # call_module counts per target, filled on first use
@@ -351,7 +352,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         return Trace(False, problem)
     code = getattr(inspect.unwrap(getattr(type(orig), method)), "__code__", None)
     traced = method if arguments is None else STAND_IN
-    codes, graph, indirect = [], None, {}
+    codes, graph, eval_graph, indirect = [], None, None, {}
     ran: set = set()
     calls_out: Dict[str, None] = {}
     reads: Dict[Tuple[int, str], Any] = {}
@@ -390,13 +391,16 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         codes.append(g.python_code(root_module="self").src)
         if graph is None:
             graph, indirect = g, tracer.indirect
+        else:
+            eval_graph = g
     # F.dropout(h, p, training=self.training): the same code in both modes but for that value,
     # which fx records as a constant; the path is the same, so a region may be marked in it
     hands_training = codes[0] != codes[1]
     if hands_training and _TRAINING_ARG.sub("", codes[0]) != _TRAINING_ARG.sub("", codes[1]):
         return Trace(False, f"its {method} runs different code in train() and eval() (it reads "
                             f"self.training)")
-    t = Trace(True, "", graph, method=method, already_rewritten=already, indirect=indirect,
+    t = Trace(True, "", graph, eval_graph, method=method, already_rewritten=already,
+              indirect=indirect,
               unrun=_unrun(code, ran), calls_out=tuple(calls_out),
               arg_guard=arguments.guard if arguments is not None else None)
     # What the forward read, and what tracing changed: a region and a rewrite both rely on the
@@ -569,8 +573,12 @@ def _wants_analysis(m: nn.Module) -> bool:
         return False
     if type(m).forward is nn.Module.forward:
         return False
-    # torch.nn's own modules (Linear, LSTM, TransformerEncoderLayer, ...): no user code to see.
-    return not type(m).__module__.startswith("torch.")
+    # torch.nn's own modules (Linear, LSTM, ...): no user code to see; but a transformer layer's
+    # feed-forward block is Python code calling its child Linears (``_ff_block``)
+    return not type(m).__module__.startswith("torch.") or type(m) in _TORCH_LAYERS
+
+
+_TORCH_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
 @contextlib.contextmanager

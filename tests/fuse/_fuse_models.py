@@ -185,7 +185,8 @@ def _pair_add():
 @model("tiny bert (torch encoder layer, pooler)")
 def _tiny_bert():
     torch.manual_seed(0)
-    return TinyBert(), (torch.randint(0, 50, (4, 5)),), 4
+    # one token per sequence: the encoder's MLP and the pooler both see 4 rows
+    return TinyBert(), (torch.randint(0, 50, (4, 1)),), 4
 
 
 @model("crossing child forwards")

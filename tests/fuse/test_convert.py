@@ -136,16 +136,15 @@ def test_hazard_ode_function_still_counts_its_evaluations(rewrite):
     out, ref = rk4(fused, y0), rk4(before, y0)
     assert fused.nfe == before.nfe == 16  # a traced GraphModule in its place would count 0
     assert fused is func and report.not_analysed == []  # analysed: a pure count is no obstacle
-    if not rewrite:
-        assert torch.equal(out, ref) and "forward" not in vars(func)
-        assert len(report) == 0
-        assert [d.layers for d in report.near_misses] == [("l1", "torch.tanh"),
-                                                          ("l2", "torch.tanh")]
-        return
-    # rewritten: the generated forward adds 1 to nfe first, as the class's forward does
+    # one run either way: computed in the forward's region (the tanh calls run on a zero-width
+    # placeholder, the class's forward counts), or by a rewritten forward that adds 1 to nfe
+    # first, as the class's forward does
     assert [d.layers for d in report.fused] == [("l1", "torch.tanh", "l2", "torch.tanh", "l3")]
-    assert report.rewritten == [""] and "forward" in vars(func)
+    assert [d.how for d in report.fused] == ["rewrite" if rewrite else "children"]
+    assert report.rewritten == ([""] if rewrite else []) and "forward" in vars(func)
     assert rel_err(out, ref) <= 1e-13
+    if not rewrite:
+        return
     func.nfe = 5
     func(0.0, y0)
     assert func.nfe == 6
@@ -339,9 +338,12 @@ def test_bert_pooler_inside_untraceable_model():
     dense_w = model.pooler.dense.weight
 
     # Default: the pooler's output leaves through a forward fx cannot use (an optional mask), so
-    # whether it is kept is unknown: left alone, and the report says why.
+    # whether it is kept is unknown: left alone, and the report says why. The encoder layer's
+    # feed-forward block (torch's _ff_block) is a run.
+    encoder_ff = (("encoder.linear1", "F.relu", "encoder.linear2"), "children")
     _, report = fuse(model)
-    assert len(report) == 0 and type(model.pooler.dense) is nn.Linear
+    assert [(d.layers, d.how) for d in report.fused] == [encoder_ff]
+    assert type(model.pooler.dense) is nn.Linear
     (miss,) = report.near_misses
     assert miss.layers == ("pooler.dense", "pooler.activation")
     assert "its caller <model> was not analysed" in miss.why and "attention_mask=None" in miss.why
@@ -349,6 +351,8 @@ def test_bert_pooler_inside_untraceable_model():
     _, report = fuse(model, policy="all")
     assert [(d.layers, d.how) for d in report.fused] == [
         (("pooler.dense", "pooler.activation"), "children")]
+    assert [(d.layers, d.how) for d in report.decisions if d.action == "already fused"] == \
+        [encoder_ff]
     assert type(model.pooler) is BertPooler  # the pooler's own class
     assert type(model.pooler.dense) is RunLinear and type(model.pooler.activation) is RunTanh
     assert model.pooler.dense.weight is dense_w

@@ -85,7 +85,9 @@ MUST_SAY = {
     "phi3": ("gated_mlp silu", "packed gate_up"),
     "gated, split by sizes": ("gated product",),
     "lora wrapper": ("LoRA wrapper",),
-    "torch TransformerEncoderLayer": ("torch.nn.TransformerEncoderLayer",),
+    "torch TransformerEncoderLayer": ("linear1 -> F.relu -> linear2",
+                                      "out_proj: its caller self_attn is "
+                                      "torch.nn.MultiheadAttention"),
     "relu, dropout p=0.1, linear": ("2 draws its mask inside the unit",),
     "relu, dropout p=0, linear": ("through 2 (Dropout(p=0.0))",),
 }

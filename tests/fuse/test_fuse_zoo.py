@@ -25,8 +25,6 @@ LEFT_ALONE = {
     # the decoder layer looks at encoder_hidden_states (None or not)
     "Bart": "torch.fx cannot trace it",
     "Whisper": "torch.fx cannot trace it",
-    "nn.TransformerEncoderLayer": "whose forward is torch's own code",
-    "nn.TransformerEncoderLayer, norm_first": "whose forward is torch's own code",
 }
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "fuse-usage.md")
 
