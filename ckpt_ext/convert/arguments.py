@@ -1,16 +1,17 @@
 """What a forward with optional arguments or ``**kwargs`` does with them, read from its source:
 an argument only handed to child modules (``self.self_attn(h, attention_mask=attention_mask,
-**kwargs)``) cannot change the forward's path, since fx keeps children opaque; any other use (``if
-mask is not None``, an expression) may, and the forward is then not analysed. It is traced through
-a stand-in that takes the optional arguments as placeholders and ``**kwargs`` empty; the owner's
-forward checks at each call that the call passed no keyword into ``**kwargs``
-(:class:`ckpt_ext.convert.runtime._ArgGuard`). Design: docs/converter.md, "Optional arguments"."""
+**kwargs)``) cannot change the forward's path, since fx keeps children opaque; one it only tests
+against None (``if encoder_hidden_states is not None``) is traced given, and the owner's forward
+checks at each call that it is (:class:`ckpt_ext.convert.runtime._ArgGuard`); any other use (an
+expression, a comparison with a value) may change the path, and the forward is then not analysed.
+It is traced through a stand-in that takes the optional arguments as placeholders and
+``**kwargs`` empty. Design: docs/converter.md, "Optional arguments"."""
 from __future__ import annotations
 
 import ast
 import inspect
 import textwrap
-from typing import Callable, List, NamedTuple, Optional, Set, Union
+from typing import Callable, List, NamedTuple, Optional, Set, Tuple, Union
 
 from torch import nn
 
@@ -37,8 +38,8 @@ def plan_arguments(m: nn.Module) -> Union[ArgumentPlan, str]:
     node = tree.body[0]
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return "its forward has optional arguments and its source cannot be read"
-    looked_at = _looked_at(node, {p.name for p in params}, set(m._modules))
-    required, passed, varkw = [], [], None
+    looked_at, tested = _looked_at(node, {p.name for p in params}, set(m._modules))
+    required, passed, given = [], [], []
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY):
             what = f"*{p.name}" if p.kind == p.VAR_POSITIONAL else f"a positional-only {p.name}"
@@ -47,25 +48,28 @@ def plan_arguments(m: nn.Module) -> Union[ArgumentPlan, str]:
             if p.name in looked_at:
                 return (f"its forward uses **{p.name} other than to hand it to a child module; "
                         f"fx would see only the traced keys")
-            varkw = p.name
         elif p.default is p.empty:
             required.append(p.name)
-        elif p.name in looked_at:
+        elif p.name in looked_at and not (p.name in tested and p.default is None):
             return (f"its forward looks at its optional argument {p.name}={p.default!r} (not "
                     f"only handing it to a child); fx would see only one value of it")
         else:
             passed.append(p.name)
+            if p.name in looked_at:  # only tested against None: traced given, guarded so
+                given.append(p.name)
     guard = None
-    if varkw is not None:
+    if given:
         named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        guard = _ArgGuard(frozenset(p.name for p in named),
-                          sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in named))
+        positional = [p.name for p in named if p.kind == p.POSITIONAL_OR_KEYWORD]
+        guard = _ArgGuard(frozenset(p.name for p in named), len(positional), tuple(given),
+                          tuple(positional))
     return ArgumentPlan(_stand_in(fn, required + passed), guard)
 
 
-def _looked_at(fn: ast.AST, names: Set[str], children: Set[str]) -> Set[str]:
+def _looked_at(fn: ast.AST, names: Set[str], children: Set[str]) -> Tuple[Set[str], Set[str]]:
     """The names among ``names`` that the function's body uses other than as an argument of a
-    call of a child module ``self.<child>(...)`` (assigning to one counts as a use)."""
+    call of a child module ``self.<child>(...)`` (assigning to one counts as a use), and those
+    of them it only tests against None (``x is None``, ``x is not None``)."""
     own = fn.args.args[0].arg if fn.args.args else "self"  # what the method calls itself
     handed: Set[int] = set()
     for call in ast.walk(fn):
@@ -74,12 +78,20 @@ def _looked_at(fn: ast.AST, names: Set[str], children: Set[str]) -> Set[str]:
                 call.func.attr in children:
             handed.update(id(a) for a in call.args if isinstance(a, ast.Name))
             handed.update(id(k.value) for k in call.keywords if isinstance(k.value, ast.Name))
-    used = set()
+    none_tests: Set[int] = set()
+    for c in ast.walk(fn):
+        if isinstance(c, ast.Compare) and len(c.ops) == 1 and \
+                isinstance(c.ops[0], (ast.Is, ast.IsNot)) and isinstance(c.left, ast.Name) and \
+                isinstance(c.comparators[0], ast.Constant) and c.comparators[0].value is None:
+            none_tests.add(id(c.left))
+    used, other = set(), set()
     for body in fn.body:
         for n in ast.walk(body):
             if isinstance(n, ast.Name) and n.id in names and id(n) not in handed:
                 used.add(n.id)
-    return used
+                if id(n) not in none_tests:
+                    other.add(n.id)
+    return used, used - other
 
 
 def _stand_in(fn: Callable, names: List[str]) -> Callable:

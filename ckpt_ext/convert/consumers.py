@@ -20,7 +20,7 @@ from ..ops import linear_tanh, tanh_mlp
 from .._activations import REGISTRY
 from .activations import SAVES_INPUT, module_activation
 from .runtime import is_conv1d, is_sequential, join_path
-from .tracing import ModelAnalysis, Trace
+from .tracing import ModelAnalysis, Trace, after_branch
 
 
 class Fate(NamedTuple):
@@ -130,6 +130,9 @@ def output_fate(analysis: ModelAnalysis, m: nn.Module, index: Optional[int] = No
         why = f" ({t.reason})" if t is not None else ""
         return Fate(None, f"its caller {ppath or '<model>'} was not analysed{why}")
     calls = [n for n in t.graph.nodes if n.op == "call_module" and n.target == name]
+    if not calls and t.cut_line is not None:
+        return Fate(None, f"{ppath or '<model>'}.{t.method} calls {name} after it branches on "
+                          f"a traced value (line {t.cut_line}), which fx cannot follow")
     if len(calls) != 1:
         return Fate(None, f"{ppath or '<model>'}.forward calls {name} {len(calls)} times")
     return node_fate(analysis, parent, t, calls[0], index, depth + 1)
@@ -185,6 +188,9 @@ def _use_fate(analysis: ModelAnalysis, owner: nn.Module, t: Trace, node: fx.Node
         def among(functions: set, methods: set) -> bool:
             return target in (functions if is_fn else methods)
 
+        if is_fn and target is after_branch:
+            return Fate(None, f"used after {opath or '<model>'}.{t.method} branches on a traced "
+                              f"value (line {t.cut_line}), which fx cannot follow")
         if is_fn and target in _DROPOUT_FUNCTIONS:
             try:
                 bound = _DROPOUT_SIGNATURE.bind(*u.args, **u.kwargs)

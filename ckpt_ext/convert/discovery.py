@@ -748,6 +748,8 @@ def placeholder_problems(path: str, owner: nn.Module, t: Trace, linears: Sequenc
         yield (f"the source of {path or '<model>'}.{t.method} cannot be read, so fuse cannot "
                f"check that tracing saw every statement it runs")
     for line in t.unrun or ():
+        if t.cut_line is not None and line > t.cut_line:
+            continue  # after the branch fx could not follow: the unit ran whole before it
         if not excused(statement_source(code, line)):
             yield (f"{path or '<model>'}.{t.method} may run code that fx did not see run "
                    f"(line {line}: a branch, or a part of a conditional expression), which at "

@@ -391,6 +391,7 @@ def _plan_gated(analysis: ModelAnalysis, path: str, m: nn.Module, t: Trace,
             plan.add(d)
             continue
         rp = plan_gated(analysis, g)
+        d = _arguments_note(analysis, rp, d)
         already = in_place(analysis, rp, existing)
         plan.runs.append(PlannedRun(rp, d, already))
         plan.add(_already(d) if already is not None else d)
@@ -425,6 +426,7 @@ def _plan_inline(analysis: ModelAnalysis, path: str, m: nn.Module, t: Trace, pol
             plan.add(d)
             continue
         rp = plan_inline(analysis, c)
+        d = _arguments_note(analysis, rp, d)
         already = in_place(analysis, rp, existing)
         plan.runs.append(PlannedRun(rp, d, already))
         plan.add(_already(d) if already is not None else d)
@@ -511,6 +513,7 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
                                         sub.activations[u.first:],
                                         _on_cuda(sub.items[a].module)),
                                     why=d.why + (f"; {note}" if note else ""))
+            d = _arguments_note(analysis, run_plan, d)
             already = in_place(analysis, run_plan, existing)
             plan.runs.append(PlannedRun(run_plan, d, already))
             found.append(_already(d) if already is not None else d)
@@ -524,6 +527,17 @@ def _plan_calls(analysis: ModelAnalysis, discovery: RunDiscovery, layer_calls: L
             d = dataclasses.replace(
                 d, why=f"{d.why}; the run stops after {layer_calls[-1].label}: {stop}")
         plan.add(d)
+
+
+def _arguments_note(analysis: ModelAnalysis, rp: RunPlan, d: Decision) -> Decision:
+    """A unit whose owner's forward was traced with an argument given that it tests against
+    None is computed fused only in calls where it is given: the report says so."""
+    t = analysis.trace_of(rp.owner) if rp.owner is not None else None
+    if t is None or t.arg_guard is None or not t.arg_guard.given:
+        return d
+    return dataclasses.replace(d, why=f"{d.why}; computed fused in calls giving "
+                                      f"{', '.join(t.arg_guard.given)} (not None), module by "
+                                      f"module in others")
 
 
 def _passing(m: nn.Module) -> str:

@@ -793,18 +793,28 @@ MISSING = object()
 
 
 class _ArgGuard(NamedTuple):
-    """What the analysed forward assumed of its arguments (arguments.py): its ``**kwargs`` got no
-    keyword (it hands them to children, which may take another path with one). A call does when
-    it passes a keyword none of ``names`` (the parameters a keyword may name) is; more than
-    ``positional`` positional arguments is an error the class's forward raises."""
+    """What the analysed forward assumed of its arguments (arguments.py): each argument of
+    ``given`` is not None (the forward tests it, ``if x is not None``, and was traced with one).
+    ``order``: the parameters a positional argument binds, in order; a call with more than
+    ``positional`` positional arguments is an error the class's forward raises. Arguments and
+    ``**kwargs`` handed to children need no check: a child is opaque to the analysis, and what
+    it does with them cannot change which of the forward's own lines run."""
     names: frozenset
     positional: int
+    given: Tuple[str, ...] = ()
+    order: Tuple[str, ...] = ()
 
     def holds(self, args: tuple, kwargs: dict) -> bool:
-        return len(args) <= self.positional and all(k in self.names for k in kwargs)
+        if len(args) > self.positional:
+            return False
+        for name in self.given:
+            k = self.order.index(name)
+            if (args[k] if k < len(args) else kwargs.get(name)) is None:
+                return False
+        return True
 
     def describe(self) -> str:
-        return "no keyword in its **kwargs"
+        return ", ".join(f"{name} given (not None)" for name in self.given)
 
 
 def _compile_forward(source: str) -> Callable:

@@ -46,6 +46,7 @@ class _LocalTracer(fx.Tracer):
         self.forward_code = forward_code
         self.traced_func_name = method
         self.indirect: Dict[str, str] = {}  # node name -> the function the call came from
+        self.cut: Optional[Tuple[int, int]] = None  # see to_bool
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return True
@@ -62,6 +63,20 @@ class _LocalTracer(fx.Tracer):
             module = frame.f_globals.get("__name__", "?")
             self.indirect[out.node.name] = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
         return out
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """A branch of the traced method's own code on a traced value (``if h.dtype ==
+        torch.float16 and ...``), which fx cannot decide: the trace goes on as if the value were
+        False, and :func:`_cut_at_branch` keeps only the nodes before it (``cut``: how many, and
+        the line). A branch elsewhere (in a helper) raises fx's error."""
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code is not self.forward_code:
+            frame = frame.f_back
+        if frame is None or self.forward_code is None or not _loopless(self.forward_code):
+            return super().to_bool(obj)
+        if self.cut is None:
+            self.cut = (len(self.graph.nodes), frame.f_lineno)
+        return False
 
 
 @dataclass
@@ -93,6 +108,9 @@ class Trace:
     # what the forward assumed of its optional arguments and **kwargs (arguments.py), checked at
     # each call by the owner's forward; None where it takes none, or looks at none
     arg_guard: Optional[_ArgGuard] = None
+    # the line where the method branches on a traced value (fx cannot decide it): the graph
+    # holds the nodes before that branch, their values used after it go to after_branch
+    cut_line: Optional[int] = None
 
 
 def analysis_copy(model: nn.Module) -> nn.Module:
@@ -352,7 +370,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         return Trace(False, problem)
     code = getattr(inspect.unwrap(getattr(type(orig), method)), "__code__", None)
     traced = method if arguments is None else STAND_IN
-    codes, graph, eval_graph, indirect = [], None, None, {}
+    codes, graph, eval_graph, indirect, cut_line = [], None, None, {}, None
     ran: set = set()
     calls_out: Dict[str, None] = {}
     reads: Dict[Tuple[int, str], Any] = {}
@@ -380,6 +398,9 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
             _Reads.log = None
             if arguments is not None:
                 delattr(type(clone), STAND_IN)
+        if tracer.cut is not None:
+            _cut_at_branch(g, tracer.cut[0])
+            cut_line = tracer.cut[1]
         after = _snapshot(clone)
         now = {(p, k) for (p, k) in set(before) | set(after)
                if before.get((p, k)) != after.get((p, k))}
@@ -402,7 +423,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     t = Trace(True, "", graph, eval_graph, method=method, already_rewritten=already,
               indirect=indirect,
               unrun=_unrun(code, ran), calls_out=tuple(calls_out),
-              arg_guard=arguments.guard if arguments is not None else None)
+              arg_guard=arguments.guard if arguments is not None else None, cut_line=cut_line)
     # What the forward read, and what tracing changed: a region and a rewrite both rely on the
     # forward taking the path fx saw, so every attribute that could steer it is checked at call
     # time (a guard), and one that changes at every call must be a pure count.
@@ -446,6 +467,9 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     if arguments is not None and not t.rewrite_problem:
         t.rewrite_problem = ("its forward has optional arguments or **kwargs: fuse marks regions "
                              "in it, but rewrites only forwards without them")
+    if cut_line is not None and not t.rewrite_problem:
+        t.rewrite_problem = (f"its {method} branches on a traced value at line {cut_line}, which "
+                             f"fx cannot follow")
     if method != "forward" and not t.rewrite_problem:
         t.rewrite_problem = f"fuse rewrites forward code only, and {method} is another method"
     if changed_names and not t.rewrite_problem:
@@ -459,6 +483,33 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         else:
             t.counts = tuple(sorted((p, k, next(iter(d))) for (p, k), d in deltas.items()))
     return t
+
+
+def after_branch(*values: Any) -> Any:
+    """Stands, in a graph cut at a branch fx cannot decide, for everything the method does from
+    that branch on with the values computed before it."""
+    return None
+
+
+def _cut_at_branch(g: fx.Graph, at: int) -> None:
+    """Keep the first ``at`` nodes of ``g``; the values among them that later nodes use go to
+    one ``after_branch`` call, whose result the graph returns."""
+    nodes = list(g.nodes)
+    kept = set(nodes[:at])
+    live = dict.fromkeys(a for n in nodes[at:] for a in n.all_input_nodes if a in kept)
+    for n in reversed(nodes[at:]):
+        g.erase_node(n)
+    g.output(g.call_function(after_branch, tuple(live)))
+
+
+def _loopless(code: Any) -> bool:
+    """Whether the function of ``code`` has no loop: its lines then run in the order they are
+    written, so what runs after a line is written below it."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return not any(isinstance(n, (ast.For, ast.AsyncFor, ast.While)) for n in ast.walk(tree))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -516,6 +567,10 @@ class ModelAnalysis:
             self.traces[id(m)] = t
             if not t.ok:
                 report.not_analysed.append((path, t.reason))
+            elif t.cut_line is not None:
+                report.not_analysed.append((path, f"fuse analysed its {t.method} up to line "
+                                                  f"{t.cut_line}, where it branches on a traced "
+                                                  f"value (fx cannot follow that)"))
             elif t.method != "forward":
                 report.not_analysed.append((path, f"{t.reason}; fuse analysed the method its "
                                                   f"forward names, {t.method}, in its place"))

@@ -1,7 +1,9 @@
 """A forward with optional arguments or ``**kwargs`` that it only hands to child modules (OPT's
 decoder layer: the mask, the cache and ``**kwargs`` go to its attention) is analysed: its MLP is a
-run; a call that passes a keyword into ``**kwargs`` computes the class's forward, unfused; one
-that looks at an optional argument is not analysed, and the report says which."""
+run, also in a call that passes a keyword into ``**kwargs`` (the child gets it); an argument it
+only tests against None is traced given, and a call passing None computes the class's forward,
+unfused; one that looks at an optional argument otherwise is not analysed, and the report says
+which."""
 from __future__ import annotations
 
 import copy
@@ -46,7 +48,7 @@ class Layer(nn.Module):
 class LooksAtMask(Layer):
     def forward(self, x, mask=None):
         h = x + self.attn(x, mask=mask)
-        if mask is not None:
+        if isinstance(mask, torch.Tensor):
             h = h * 2
         return h + self.fc2(self.act(self.fc1(h)))
 
@@ -90,14 +92,46 @@ def test_arguments_handed_to_children_leave_the_mlp_a_run():
         2 * 3 * 16 * 8 == 3 * report.bytes_per_row
 
 
-def test_a_keyword_into_kwargs_computes_the_class_forward():
+def test_a_keyword_into_kwargs_reaches_the_child_and_the_run_stays_fused():
     plain, fused, _ = _pair()
     x = torch.randn(3, 6, dtype=F64, requires_grad=True)
-    assert torch.equal(fused(x, scale=0.5), plain(x, scale=0.5))  # module by module: exact
-    assert saved_activation_bytes(fused, x, None, None) < saved_activation_bytes(plain, x)
+    a, b = plain(x, scale=0.5), fused(x, scale=0.5)
+    assert (a - b).abs().max() <= 1e-14 * a.abs().max()
+    assert not torch.equal(a, plain(x))  # the child used it
+    assert saved_activation_bytes(fused, x, run=lambda v: fused(v, scale=0.5)) < \
+        saved_activation_bytes(plain, x, run=lambda v: plain(v, scale=0.5))
     for copied in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
-        assert torch.equal(copied(x, scale=0.5), plain(x, scale=0.5))
-        assert saved_activation_bytes(copied, x) < saved_activation_bytes(plain, x)
+        assert (copied(x, scale=0.5) - a).abs().max() <= 1e-14 * a.abs().max()
+
+
+class TestsEncoderStates(Layer):
+    """A decoder layer: cross-attention only when encoder states are given."""
+
+    def forward(self, x, mask=None, enc=None, **kwargs):
+        h = x + self.attn(x, mask=mask, **kwargs)
+        if enc is not None:
+            h = h + self.attn(enc)
+        return h + self.fc2(self.act(self.fc1(h)))
+
+
+def test_an_argument_tested_against_none_is_traced_given_and_guarded():
+    torch.manual_seed(0)
+    plain = TestsEncoderStates().double()
+    fused = copy.deepcopy(plain)
+    _, report = fuse(fused)
+    assert [d.layers for d in report.fused] == [("fc1", "act", "fc2")], str(report)
+    x = torch.randn(3, 6, dtype=F64)
+    enc = torch.randn(3, 6, dtype=F64)
+    given = (lambda m: m(x, enc=enc), lambda m: m(x, None, enc))
+    for call in given:  # traced so: fused, within rounding
+        a, b = call(plain), call(fused)
+        assert (a - b).abs().max() <= 1e-14 * a.abs().max()
+        assert saved_activation_bytes(fused, x, run=lambda v: call(fused)) < \
+            saved_activation_bytes(plain, x, run=lambda v: call(plain))
+    for call in (lambda m: m(x), lambda m: m(x, enc=None)):  # the class's forward: exact
+        assert torch.equal(call(fused), call(plain))
+        assert saved_activation_bytes(fused, x, run=lambda v: call(fused)) == \
+            saved_activation_bytes(plain, x, run=lambda v: call(plain))
 
 
 def test_an_optional_argument_the_forward_looks_at_is_reported():

@@ -484,7 +484,7 @@ def test_not_analysed_lists_every_forward_not_analysed():
     _, report = fuse(model)
     assert [p for p, _ in report.not_analysed] == ["", "pre"]
     assert "optional argument mask=None" in report.not_analysed[0][1]
-    assert "torch.fx cannot trace it" in report.not_analysed[1][1]
+    assert "where it branches on a traced value" in report.not_analysed[1][1]
     assert "its caller <model> was not analysed" in report.near_misses[0].why
     same_as_unfused(ref, model, torch.randn(3, 4, dtype=F64).abs())
 
