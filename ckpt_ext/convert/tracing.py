@@ -46,7 +46,7 @@ class _LocalTracer(fx.Tracer):
         self.forward_code = forward_code
         self.traced_func_name = method
         self.indirect: Dict[str, str] = {}  # node name -> the function the call came from
-        self.cut: Optional[Tuple[int, int]] = None  # see to_bool
+        self.cut: Optional[Tuple[int, int, Tuple[fx.Node, ...]]] = None  # see to_bool
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return True
@@ -75,7 +75,11 @@ class _LocalTracer(fx.Tracer):
         if frame is None or self.forward_code is None or not _loopless(self.forward_code):
             return super().to_bool(obj)
         if self.cut is None:
-            self.cut = (len(self.graph.nodes), frame.f_lineno)
+            # what the code from the branch on can read: the method's local variables (the
+            # nodes it then traces on the False side are only one of its paths)
+            live: Dict[fx.Node, None] = {}
+            _proxies_in(list(frame.f_locals.values()), live, 0)
+            self.cut = (len(self.graph.nodes), frame.f_lineno, tuple(live))
         return False
 
 
@@ -399,7 +403,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
             if arguments is not None:
                 delattr(type(clone), STAND_IN)
         if tracer.cut is not None:
-            _cut_at_branch(g, tracer.cut[0])
+            _cut_at_branch(g, tracer.cut[0], tracer.cut[2])
             cut_line = tracer.cut[1]
         after = _snapshot(clone)
         now = {(p, k) for (p, k) in set(before) | set(after)
@@ -491,12 +495,26 @@ def after_branch(*values: Any) -> Any:
     return None
 
 
-def _cut_at_branch(g: fx.Graph, at: int) -> None:
-    """Keep the first ``at`` nodes of ``g``; the values among them that later nodes use go to
-    one ``after_branch`` call, whose result the graph returns."""
+def _proxies_in(v: Any, out: Dict[fx.Node, None], depth: int) -> None:
+    """The nodes of the fx proxies in ``v`` (in lists, tuples, sets and dicts, a few deep)."""
+    if isinstance(v, fx.Proxy):
+        out[v.node] = None
+    elif depth < 4 and isinstance(v, (list, tuple, set, frozenset)):
+        for x in v:
+            _proxies_in(x, out, depth + 1)
+    elif depth < 4 and isinstance(v, dict):
+        for x in v.values():
+            _proxies_in(x, out, depth + 1)
+
+
+def _cut_at_branch(g: fx.Graph, at: int, live_at_branch: Tuple[fx.Node, ...]) -> None:
+    """Keep the first ``at`` nodes of ``g``; those the method's local variables held at the
+    branch, and those later nodes use, go to one ``after_branch`` call, whose result the graph
+    returns."""
     nodes = list(g.nodes)
     kept = set(nodes[:at])
-    live = dict.fromkeys(a for n in nodes[at:] for a in n.all_input_nodes if a in kept)
+    live = dict.fromkeys(n for n in live_at_branch if n in kept)
+    live.update(dict.fromkeys(a for n in nodes[at:] for a in n.all_input_nodes if a in kept))
     for n in reversed(nodes[at:]):
         g.erase_node(n)
     g.output(g.call_function(after_branch, tuple(live)))

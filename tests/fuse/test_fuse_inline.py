@@ -240,3 +240,101 @@ def test_fast_path_still_runs_in_eval_without_grad(monkeypatch):
     finally:
         torch.set_default_device(device)
     assert len(calls) == 2 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("make", [InlineMLP, _encoder], ids=["hand-written", "encoder layer"])
+def test_float32_on_each_device(make, device):
+    """float32 on the device (cuda-marked on the GPU): the F.dropout called on the zero-width
+    placeholder draws nothing, so the device's generator ends where the unfused model leaves
+    it, after forward and after backward; outputs and gradients agree to float32 rounding."""
+    torch.manual_seed(0)
+    plain = make().to(device)
+    fused = copy.deepcopy(plain)
+    assert len(fuse(fused)[1].fused) == 1
+    x = torch.randn(3, 11, 16, device=device) if make is _encoder else \
+        torch.randn(33, 6, device=device)
+    state = torch.cuda.get_rng_state if device == "cuda" else torch.get_rng_state
+    runs = []
+    for model in (plain, fused):
+        torch.manual_seed(7)
+        y = model(x)
+        after_forward = state()
+        grads = torch.autograd.grad(y.square().sum(), list(model.parameters()))
+        runs.append((y, grads, after_forward, state()))
+    (a, ga, fa, ba), (b, gb, fb, bb) = runs
+    assert torch.equal(fa, fb) and torch.equal(ba, bb)
+    assert (b - a).abs().max() <= 1e-5 * a.abs().max()
+    for r, g in zip(ga, gb):
+        assert (g - r).abs().max() <= 1e-5 * r.abs().max()
+
+
+# -- a forward branching on a traced value: analysed up to the branch ----------------------------
+
+class _Branching(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(4, 8), nn.Linear(8, 4), nn.Tanh()
+
+
+class BranchBetween(_Branching):
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        if h.sum() > 0:
+            h = h * 2
+        return self.fc2(h)
+
+
+class BranchReadsTheMiddle(_Branching):
+    """The branch fx does not trace reads the run's middle value: a local variable at the
+    branch, so it is used there."""
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        y = self.fc2(h)
+        if y.sum() > 0:
+            y = y + h[..., :4]
+        return y
+
+
+class BranchReadsTheMiddleOfModules(BranchReadsTheMiddle):
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        y = self.fc2(h)
+        if y.sum() > 0:
+            y = y + h[..., :4]
+        return y
+
+
+class BranchAfter(_Branching):
+    def forward(self, x):
+        h = self.fc2(F.relu(self.fc1(x)))
+        if h.sum() > 0:
+            return self.fc2(F.relu(self.fc1(h)))
+        return h
+
+
+class BranchAfterModules(_Branching):
+    def forward(self, x):
+        h = self.fc2(self.act(self.fc1(x)))
+        return self.fc2(self.act(self.fc1(h))) if h.sum() > 0 else h
+
+
+BRANCHING = {BranchBetween: [], BranchReadsTheMiddle: [],
+             BranchReadsTheMiddleOfModules: [],
+             BranchAfter: [("fc1", "F.relu", "fc2")], BranchAfterModules: [("fc1", "act", "fc2")]}
+
+
+@pytest.mark.parametrize("cls", list(BRANCHING), ids=lambda c: c.__name__)
+def test_a_branch_on_a_traced_value_ends_the_analysis_there(cls):
+    """Only calls before the branch can be members, and what the forward's local variables hold
+    at the branch may be read after it: both sides of the branch, exact."""
+    plain, fused, report = _pair(cls)
+    assert [d.layers for d in report.fused] == BRANCHING[cls], str(report)
+    assert any("where it branches on a traced value" in why for _, why in report.not_analysed)
+    x = torch.randn(5, 4, dtype=F64)
+    for bias in (100.0, -100.0):  # sets the sign of what each forward branches on
+        for m in (plain, fused):
+            with torch.no_grad():
+                m.fc1.bias.fill_(bias)
+                m.fc2.bias.fill_(bias)
+        _same(plain, fused, (x,))
