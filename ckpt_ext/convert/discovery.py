@@ -709,12 +709,19 @@ def _gated_at(analysis, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
     return g
 
 
+def members_problems(analysis: ModelAnalysis, owner: nn.Module, path: str, t: Trace,
+                     linears: Sequence[fx.Node]):
+    """What keeps each child Linear a forward calls from being a member of a unit its region
+    computes (a gated MLP, a run with function calls between its Linears)."""
+    for n in linears:
+        sub = owner._modules[n.target]
+        yield linear_problem(sub)
+        yield child_problem(analysis, owner, t, n.target, node_label(n, path), sub)
+
+
 def _gated_problems(analysis: ModelAnalysis, g: GatedCall):
     owner, t = g.owner, g.trace
-    for n in g.linears:
-        sub = g.child(n)
-        yield linear_problem(sub)
-        yield child_problem(analysis, owner, t, n.target, g.label(n), sub)
+    yield from members_problems(analysis, owner, g.path, t, g.linears)
     yield g.act.problem
     if g.act_module is not None:
         yield activation_problem(g.act_module)

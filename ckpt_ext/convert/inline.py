@@ -18,7 +18,7 @@ from torch import fx, nn
 from .activations import Recognised, module_tensors
 from .consumers import Fate
 from .discovery import (_activation_of, _one_input, activation_problem, child_problem,
-                        data_input, linear_problem, node_label, placeholder_problems)
+                        data_input, members_problems, node_label, placeholder_problems)
 from .policy import Chain, chain_problem, decide, layer_shape, mask_bytes
 from .report import Decision
 from .runtime import InlineDrop, is_conv1d, stored_weight
@@ -142,10 +142,7 @@ def find_inline(analysis: ModelAnalysis, path: str, owner: nn.Module, t: Trace,
 
 def _problems(analysis: ModelAnalysis, c: InlineCall):
     owner, t = c.owner, c.trace
-    for n in c.linears:
-        sub = c.child(n)
-        yield linear_problem(sub)
-        yield child_problem(analysis, owner, t, n.target, node_label(n, c.path), sub)
+    yield from members_problems(analysis, owner, c.path, t, c.linears)
     for found, n, sub in c.acts:
         yield found.problem
         if sub is not None:

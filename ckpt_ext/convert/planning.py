@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -358,7 +358,8 @@ def plan_model(analysis: ModelAnalysis, policy: str, rewrite: bool) -> ModelPlan
     for path, m in analysis.model.named_modules():
         t = analysis.trace_of(m) if not is_sequential(m) else None
         if t is not None:
-            _plan_gated(analysis, path, m, t, existing, taken_nodes, plan)
+            _plan_placeheld(analysis, find_gated(analysis, path, m, t), gated_decision,
+                            plan_gated, existing, taken_nodes, plan)
     traced = [(path, m, analysis.trace_of(m)) for path, m in analysis.model.named_modules()
               if not is_sequential(m) and analysis.trace_of(m) is not None]
     # a forward to rewrite is rewritten first; in the others a run with function calls between
@@ -368,7 +369,9 @@ def plan_model(analysis: ModelAnalysis, policy: str, rewrite: bool) -> ModelPlan
         if first[id(m)] and not t.already_rewritten:
             _plan_rewrite(analysis, path, m, t, policy, rewrite, taken_nodes, plan)
     for path, m, t in traced:
-        _plan_inline(analysis, path, m, t, policy, existing, taken_nodes, plan)
+        _plan_placeheld(analysis, find_inline(analysis, path, m, t, taken_nodes),
+                        lambda c: inline_decision(c, policy), plan_inline, existing,
+                        taken_nodes, plan)
     for path, m, t in traced:
         if not first[id(m)] and not t.already_rewritten:
             _plan_rewrite(analysis, path, m, t, policy, rewrite, taken_nodes, plan)
@@ -380,22 +383,24 @@ def plan_model(analysis: ModelAnalysis, policy: str, rewrite: bool) -> ModelPlan
     return plan
 
 
-def _plan_gated(analysis: ModelAnalysis, path: str, m: nn.Module, t: Trace,
-                existing: Dict[Any, _Run], taken_nodes: set, plan: ModelPlan) -> None:
-    """The gated MLPs of ``m``'s forward: each one fused is one unit of its Linears, whose nodes
-    are then no other unit's (the gate and its activation are no lone pair); one left alone is
+def _plan_placeheld(analysis: ModelAnalysis, found: Sequence[Any],
+                    decision: Callable[[Any], Decision], make: Callable[..., RunPlan],
+                    existing: Dict[Any, _Run], taken_nodes: set, plan: ModelPlan) -> None:
+    """The gated MLPs (``GatedCall``) or runs with function calls between their Linears
+    (``InlineCall``) found in one forward: each fused is one unit of its Linears, whose nodes are
+    then no other unit's (a gate and its activation are no lone pair); one left alone is
     reported, and its nodes stay free for the rest of the discovery."""
-    for g in find_gated(analysis, path, m, t):
-        d = gated_decision(g)
-        if g.problems:
+    for c in found:
+        d = decision(c)
+        if c.problems:
             plan.add(d)
             continue
-        rp = plan_gated(analysis, g)
+        rp = make(analysis, c)
         d = _arguments_note(analysis, rp, d)
         already = in_place(analysis, rp, existing)
         plan.runs.append(PlannedRun(rp, d, already))
         plan.add(_already(d) if already is not None else d)
-        taken_nodes.update(g.nodes)
+        taken_nodes.update(c.nodes)
 
 
 def plan_gated(analysis: ModelAnalysis, g: GatedCall) -> RunPlan:
@@ -413,24 +418,6 @@ def plan_gated(analysis: ModelAnalysis, g: GatedCall) -> RunPlan:
         p.slots.append(Slot(g.owner, n.target, sub, g.label(n)))
         p.unhooked.append(sub)
     return p
-
-
-def _plan_inline(analysis: ModelAnalysis, path: str, m: nn.Module, t: Trace, policy: str,
-                 existing: Dict[Any, _Run], taken_nodes: set, plan: ModelPlan) -> None:
-    """The runs of ``m``'s traced method with function calls between its child Linears, each
-    fused as one unit computed in its region (whose nodes are then no other unit's), or
-    reported with why not."""
-    for c in find_inline(analysis, path, m, t, taken_nodes):
-        d = inline_decision(c, policy)
-        if c.problems:
-            plan.add(d)
-            continue
-        rp = plan_inline(analysis, c)
-        d = _arguments_note(analysis, rp, d)
-        already = in_place(analysis, rp, existing)
-        plan.runs.append(PlannedRun(rp, d, already))
-        plan.add(_already(d) if already is not None else d)
-        taken_nodes.update(c.nodes)
 
 
 def plan_inline(analysis: ModelAnalysis, c: InlineCall) -> RunPlan:

@@ -262,6 +262,14 @@ class _PlaceholderRun(_Run):
     between runs on at no cost; each later member checks it received one (:meth:`_carried`) and
     passes a placeholder on, the last one returns the op's output."""
 
+    def problem(self) -> Optional[str]:
+        if torch.jit.is_tracing():
+            return "torch.jit.trace is recording the model"
+        for m, label in self.unhooked:
+            if foreign_forward(m):
+                return f"{label}'s forward was set on the instance, which the fused op would skip"
+        return self._placement_problem() or self._activation_problem() or self._weights_problem()
+
     def enter(self) -> None:
         # [the next member, x, the state of an enclosing call, the op's output until returned]
         self._region.state = [0, None, self._region.state, None]
@@ -321,14 +329,6 @@ class _GatedRun(_PlaceholderRun):
         self.act_module = act_module
         self.dropouts = tuple(dropouts)
         self.gate_second = bool(gate_second)
-
-    def problem(self) -> Optional[str]:
-        if torch.jit.is_tracing():
-            return "torch.jit.trace is recording the model"
-        for m, label in self.unhooked:
-            if foreign_forward(m):
-                return f"{label}'s forward was set on the instance, which the fused op would skip"
-        return self._placement_problem() or self._activation_problem() or self._weights_problem()
 
     def _activation_problem(self) -> Optional[str]:
         name = self.activation
@@ -410,14 +410,6 @@ class _InlineRun(_PlaceholderRun):
         self.key = ("inline", tuple(members), activation)
         self.acts = tuple(acts)
         self.drops = tuple(drops)
-
-    def problem(self) -> Optional[str]:
-        if torch.jit.is_tracing():
-            return "torch.jit.trace is recording the model"
-        for m, label in self.unhooked:
-            if foreign_forward(m):
-                return f"{label}'s forward was set on the instance, which the fused op would skip"
-        return self._placement_problem() or self._activation_problem() or self._weights_problem()
 
     def _activation_problem(self) -> Optional[str]:
         for m, label, name in self.acts:

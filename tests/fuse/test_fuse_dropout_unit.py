@@ -16,7 +16,7 @@ from torch import nn
 from ckpt_ext import fuse
 from _ecosys import saved_activation_bytes
 from _fuse_models import TimmMlp, torchvision_mlp
-from _masks import record_masks
+from _masks import record_masks, same_draws_on_device
 from test_fuse_gated import H, I, _close, _gated, _t5
 
 transformers = pytest.importorskip("transformers")
@@ -217,16 +217,4 @@ def test_float32_on_each_device_draws_the_unfused_models_masks(make, device):
     fused = copy.deepcopy(plain)
     assert len(fuse(fused).report.fused) == 1
     x = torch.randn(33, H, device=device)
-    state = torch.cuda.get_rng_state if device == "cuda" else torch.get_rng_state
-    runs = []
-    for model in (plain, fused):
-        torch.manual_seed(7)
-        y = model(x)
-        after_forward = state()
-        grads = torch.autograd.grad(y.square().sum(), list(model.parameters()))
-        runs.append((y, grads, after_forward, state()))
-    (a, ga, fa, ba), (b, gb, fb, bb) = runs
-    assert torch.equal(fa, fb) and torch.equal(ba, bb)
-    assert (b - a).abs().max() <= 1e-5 * a.abs().max()
-    for r, g in zip(ga, gb):
-        assert (g - r).abs().max() <= 1e-5 * r.abs().max()
+    same_draws_on_device(plain, fused, x, device)

@@ -18,7 +18,7 @@ from torch import nn
 from ckpt_ext import fuse, unfuse
 from ckpt_ext.convert import RunLinear
 from _ecosys import kept_bytes, saved_activation_bytes
-from _masks import record_masks
+from _masks import record_masks, same_draws_on_device
 
 F64 = torch.float64
 # Measured (CPU, float64): outputs and every gradient within 4e-16 of the unfused copy's,
@@ -253,19 +253,7 @@ def test_float32_on_each_device(make, device):
     assert len(fuse(fused)[1].fused) == 1
     x = torch.randn(3, 11, 16, device=device) if make is _encoder else \
         torch.randn(33, 6, device=device)
-    state = torch.cuda.get_rng_state if device == "cuda" else torch.get_rng_state
-    runs = []
-    for model in (plain, fused):
-        torch.manual_seed(7)
-        y = model(x)
-        after_forward = state()
-        grads = torch.autograd.grad(y.square().sum(), list(model.parameters()))
-        runs.append((y, grads, after_forward, state()))
-    (a, ga, fa, ba), (b, gb, fb, bb) = runs
-    assert torch.equal(fa, fb) and torch.equal(ba, bb)
-    assert (b - a).abs().max() <= 1e-5 * a.abs().max()
-    for r, g in zip(ga, gb):
-        assert (g - r).abs().max() <= 1e-5 * r.abs().max()
+    same_draws_on_device(plain, fused, x, device)
 
 
 # -- a forward branching on a traced value: analysed up to the branch ----------------------------
