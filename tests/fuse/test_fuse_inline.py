@@ -326,37 +326,3 @@ def test_a_branch_on_a_traced_value_ends_the_analysis_there(cls):
                 m.fc1.bias.fill_(bias)
                 m.fc2.bias.fill_(bias)
         _same(plain, fused, (x,))
-
-
-# -- compile and torch.func -----------------------------------------------------------------------
-
-@pytest.mark.parametrize("mode", ["train", "eval"])
-def test_compile_fullgraph(mode):
-    """In eval() the fused op is in the graph; in train() the dropout's mask cannot be drawn
-    inside the unit under compile, so the call computes module by module with the same masks."""
-    plain, fused, _ = _pair(lambda: _encoder().train(mode == "train"))
-    ops = []
-
-    def backend(gm, inputs):
-        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm
-    compiled = torch.compile(fused, fullgraph=True, backend=backend)
-    (x,) = _inputs(1)
-    torch.manual_seed(4)
-    a = plain(x)
-    torch.manual_seed(4)
-    _close(compiled(x), a, "compiled")
-    assert ops.count("ckpt_ext.mlp.default") == (mode == "eval"), ops
-
-
-def test_torch_func_grad_and_vmap():
-    plain, fused, _ = _pair(lambda: InlineMLP().eval())
-    x = torch.randn(7, 6, dtype=F64)
-
-    def loss(model):
-        return lambda params: torch.func.functional_call(model, params, (x,)).square().sum()
-    ga = torch.func.grad(loss(plain))(dict(plain.named_parameters()))
-    gb = torch.func.grad(loss(fused))(dict(fused.named_parameters()))
-    for name in ga:
-        _close(gb[name], ga[name], f"grad of {name}")
-    _close(torch.func.vmap(fused)(x.unsqueeze(1)).squeeze(1), plain(x), "vmap")
