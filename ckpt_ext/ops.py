@@ -87,6 +87,15 @@ def _stack(where: str, x: Tensor, weights: List[Tensor],
         bool(last))
 
 
+def named_form(activation: Union[str, Sequence[str]], layers: int, last_activation: bool):
+    """The public function a run of ``layers`` Linear layers with ``activation`` is named by:
+    tanh's named forms where they apply (:func:`linear_tanh` for one layer with its tanh,
+    :func:`tanh_mlp` for tanh throughout), else :func:`mlp`. All three run the one mlp op."""
+    if activation != "tanh":
+        return mlp
+    return linear_tanh if layers == 1 and last_activation else tanh_mlp
+
+
 def gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Optional[Tensor], down_weight: Tensor,
               gate_bias: Optional[Tensor] = None, up_bias: Optional[Tensor] = None,
               down_bias: Optional[Tensor] = None, activation: str = "silu") -> Tensor:
@@ -117,3 +126,7 @@ def gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Optional[Tensor], down_
     return torch.ops.ckpt_ext.gated_mlp.default(
         x, weights, [b for b in biases if b is not None], [b is not None for b in biases], act)
 
+
+
+#: The public ops; each keeps its input x for backward, as a Linear does.
+PUBLIC_OPS = (linear_tanh, tanh_mlp, mlp, gated_mlp)

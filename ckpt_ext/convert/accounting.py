@@ -13,48 +13,35 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
-from .activations import module_activation
-from .discovery import LayerKind, linear_problem, node_kind, node_label
-from .runtime import foreign_forward, is_conv1d, is_sequential, join_path
-from .tracing import ModelAnalysis, Trace
+from .conditions import linear_problem
+from .facts import foreign_forward, is_linear, is_sequential, join_path, module_activation, \
+    node_label
+from .graph import LayerKind, ModelGraph, node_kind
+from .tracing import Trace
 
 _VIEWS = {operator.getitem, torch.chunk, torch.split, torch.narrow, "chunk", "split", "view",
           "reshape", "narrow", "contiguous"}
 _PRODUCTS = {operator.mul, torch.mul, operator.imul, "mul", "mul_"}
 
 
-def unaccounted(analysis: ModelAnalysis, named: Iterable[str]) -> List[Tuple[str, str]]:
+def unaccounted(graph: ModelGraph, named: Iterable[str]) -> List[Tuple[str, str]]:
     """(path, why) for each Linear or Conv1D of the model that ``named`` (the paths the report's
     decisions and not_analysed entries name) does not hold, in module order."""
     named = set(named)
-    out = []
-    for path, m in analysis.model.named_modules():
-        if path in named or not (isinstance(m, nn.Linear) or is_conv1d(m)):
-            continue
-        out.append((path, _why(analysis, path, m)))
-    return out
+    return [(path, _why(graph, path, m)) for path, m in graph.modules
+            if path not in named and is_linear(m)]
 
 
-def _caller(analysis: ModelAnalysis, path: str):
-    """(the module whose forward calls the one at ``path``, its path, the call's target)."""
-    if path not in analysis.parent:
-        return None, "", ""
-    parent, ppath, target = analysis.parent[path]
-    while isinstance(parent, (nn.ModuleList, nn.ModuleDict)) and ppath in analysis.parent:
-        parent, ppath, holder = analysis.parent[ppath]
-        target = f"{holder}.{target}"
-    return parent, ppath, target
-
-
-def _why(analysis: ModelAnalysis, path: str, m: nn.Module) -> str:
-    places = analysis.paths.get(id(m), [path])
+def _why(graph: ModelGraph, path: str, m: nn.Module) -> str:
+    places = graph.paths.get(id(m), [path])
     if len(places) > 1:
         return f"it is held at {len(places)} places ({', '.join(places)})"
     if foreign_forward(m):
         return linear_problem(m)
-    parent, ppath, target = _caller(analysis, path)
-    if parent is None:
+    caller = graph.caller_of(m)
+    if caller is None:
         return "it is the model itself: nothing follows it"
+    parent, ppath, target = caller
     caller = ppath or "<model>"
     if hasattr(parent, "lora_A") and hasattr(parent, "lora_B"):
         return (f"inside the LoRA wrapper {caller} ({type(parent).__name__}): base_layer(x) + "
@@ -65,12 +52,12 @@ def _why(analysis: ModelAnalysis, path: str, m: nn.Module) -> str:
     if type(parent).__module__.startswith("torch."):
         return (f"its caller {caller} is torch.nn.{type(parent).__name__}, whose forward is "
                 f"torch's own code, which fuse does not analyse")
-    t = analysis.traces.get(id(parent))
+    t = graph.traces.get(id(parent))
     if t is None:
         return f"its caller {caller} was not analysed (trace=False)"
     if not t.ok:
         return f"its caller {caller} was not analysed: {t.reason}"
-    return _in_graph(analysis, parent, caller, t, target) or linear_problem(m) or \
+    return _in_graph(graph, parent, caller, t, target) or linear_problem(m) or \
         "no activation fuse computes follows it"
 
 
@@ -97,9 +84,9 @@ def _in_sequential(seq: nn.Module, spath: str, name: str) -> Optional[str]:
     return None
 
 
-def _in_graph(analysis: ModelAnalysis, owner: nn.Module, caller: str, t: Trace,
+def _in_graph(graph: ModelGraph, owner: nn.Module, caller: str, t: Trace,
               target: str) -> Optional[str]:
-    calls = [n for n in t.graph.nodes if n.op == "call_module" and n.target == target]
+    calls = graph.calls_of(owner, target)
     if len(calls) != 1:
         return f"{caller}.{t.method} calls it {len(calls)} times"
     node = calls[0]

@@ -1,5 +1,5 @@
-"""``fuse(model)``: analyse the model, plan every unit, then apply the plan in place;
-``unfuse(model)``: take it out again. The stages are the package's modules; the contract is
+"""``fuse(model)``: trace each forward, build the model's value graph, plan every unit, then apply
+the plan in place and report it; ``unfuse(model)``: take it out again. The contract is
 ``docs/converter.md``."""
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ from torch import nn
 
 from .accounting import unaccounted
 from .applying import apply_plan, undo_all
-from .planning import plan_model
+from .graph import ModelGraph
+from .planning import make_plan
+from .policy import Policy
 from .report import FuseReport, Fused
-from .rewriting import rewrite_forwards
-from .tracing import ModelAnalysis
+from .tracing import trace_model
+from .units import Options
 
-POLICIES = ("memory", "all")
+POLICIES = tuple(p.value for p in Policy)
 
 
 def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
@@ -24,9 +26,9 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
     (an activation output its backward reads, kept anyway, does not); ``policy="all"`` fuses the
     same runs with their trailing activation and every lone pair, so it never frees less.
     ``rewrite=True`` also rewrites forward code (``F.linear``, ``torch.tanh``, ``F.gelu``, ...)
-    of modules whose forward is safe to rewrite. ``dry_run=True`` changes
-    nothing and reports what would be done. ``trace=False`` skips the fx analysis: only the
-    insides of ``nn.Sequential`` are considered. ``print(report)`` shows every decision with its
+    of modules whose forward is safe to rewrite. ``dry_run=True`` changes nothing and reports
+    what would be done. ``trace=False`` skips the fx analysis: only the insides of
+    ``nn.Sequential`` are considered. ``print(report)`` shows every decision with its
     activation, the bytes it frees and the FLOPs it costs per row, every near miss and why, and
     every module whose forward was not used. The full contract: ``docs/converter.md``.
     """
@@ -35,16 +37,16 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
     if policy not in POLICIES:
         raise ValueError(f"ckpt_ext.fuse: policy must be one of {', '.join(map(repr, POLICIES))},"
                          f" got {policy!r}")
-    report = FuseReport(dry_run=dry_run, policy=policy, rewrite=rewrite)
-    analysis = ModelAnalysis(model, trace, report)  # traces on a meta copy; model untouched
-    plan = plan_model(analysis, policy, rewrite)     # every decision, before anything changes
-    report.rewritten = [r.path for r in plan.rewrites]
+    traces, not_analysed = trace_model(model) if trace else ({}, [])  # on a meta copy
+    graph = ModelGraph(model, traces)
+    plan = make_plan(graph, Options(Policy(policy), rewrite))  # before anything changes
     if not dry_run:
-        sources = rewrite_forwards(plan, report)     # a rewrite that fails is left alone
-        apply_plan(analysis, plan.runs, sources)
-    report.decisions = plan.decisions(model)
-    named = [layer for d in report.decisions for layer in d.layers]
-    report.other_layers = unaccounted(analysis, named + [p for p, _ in report.not_analysed])
+        apply_plan(graph, plan)
+    decisions = plan.decisions(model)
+    not_analysed += plan.not_analysed
+    named = [layer for d in decisions for layer in d.layers] + [p for p, _ in not_analysed]
+    report = FuseReport(dry_run, Policy(policy).value, rewrite, decisions, not_analysed,
+                        plan.rewritten, unaccounted(graph, named))
     return Fused(model, report)
 
 

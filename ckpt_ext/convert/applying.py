@@ -1,83 +1,39 @@
-"""Applying a plan to the user's model, in place: each run is made (or the one an earlier fuse put
-in place is kept), its child Linear/activation members get their member class, each Sequential
-exactly its parts, each owner an :class:`_OwnerForward` with its runs, guards and rewritten
-source; what an earlier fuse put in place and this plan no longer holds is undone.
+"""Applying a plan to the user's model, in place: each unit's run is made by its kind (or the one
+an earlier fuse put in place is kept), its child members get their member class, each
+Sequential exactly its parts, each owner an :class:`_OwnerForward` with its runs, guards and
+rewritten source; what an earlier fuse put in place and this plan no longer holds is undone.
 :func:`undo_all` takes everything fuse put in place out again (``ckpt_ext.unfuse``)."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List
 
 from torch import nn
 
-from ..modules import LayerActivations, collapse_activations
-from .discovery import LayerCall
-from .planning import PlannedRun, RunPlan
-from .report import Decision
-from .runtime import (FusedSequential, PartRole, RunLinear, RunMember, _GatedRun, _Guard,
-                      _InlineRun,
-                      _OwnerForward, _Run, _RunPart, is_sequential, member_class, owner_wrappers,
-                      parts_of)
-from .tracing import ModelAnalysis
+from ..modules import collapse_activations
+from .graph import ModelGraph
+from .planning import Plan
+from .plain import PLAIN
+from .facts import is_sequential
+from .runtime import (FusedSequential, PartRole, RunLinear, RunMember, _Guard, _OwnerForward,
+                      _Run, _RunPart, member_class, owner_wrappers, parts_of)
+from .units import Placement
 
 
-def _apply_run(analysis: ModelAnalysis, plan: RunPlan, decision: Decision,
-               run: Optional[_Run]) -> Tuple[_Run, list]:
-    """Make the plan's run (or keep ``run``, the same run already in place), give its child
-    Linear/activation members their member class; returns the run and its (Sequential, part)s."""
-    layer_calls = plan.layer_calls
-    g = plan.gated
-    if run is None and g is not None:
-        run = _GatedRun(
-            labels=g.labels, members=[s.module for s in layer_calls], gate=g.gate, up=g.up,
-            down=g.down, activation=g.act.name, act_module=g.act_module,
-            dropouts=[g.child(n) for n in g.dropouts], gate_second=g.gate_second,
-            slots=plan.slots, unhooked=[(m, analysis.path_of(m)) for m in plan.unhooked],
-            owner=plan.owner, calls=plan.calls, decision=decision)
-    elif run is None and plan.inline is not None:
-        c = plan.inline
-        run = _InlineRun(
-            labels=c.labels, members=[s.module for s in layer_calls],
-            activation=plan.activation,
-            acts=[(sub, analysis.path_of(sub), found.name) for found, _, sub in c.acts
-                  if sub is not None],
-            drops=c.drops, slots=plan.slots,
-            unhooked=[(m, analysis.path_of(m)) for m in plan.unhooked], owner=plan.owner,
-            calls=plan.calls, decision=decision)
-    elif run is None:
-        run = _Run(
-            labels=[s.label for s in layer_calls], members=[s.module for s in layer_calls],
-            layers=[s.module for s in layer_calls[0::2]], last_activation=plan.last_act,
-            activation=plan.activation,
-            sequences=[(seq, analysis.path_of(seq)) for seq in plan.sequences], slots=plan.slots,
-            unhooked=[(m, analysis.path_of(m)) for m in plan.unhooked]
-            + [(s.module, s.label) for s in layer_calls],
-            owner=plan.owner, calls=plan.calls,
-            elements=[(s.container, s.name) for s in layer_calls if s.node is None],
-            decision=decision, passes=[(slot.module, slot.label, k) for slot, k in plan.passes])
-    for call, k in plan.members:
-        m = call.module
-        m.__class__ = member_class(type(m))  # a subclass: same object, parameters and keys
-        m._ckpt_ext_run, m._ckpt_ext_index = run, k
+def _parts(graph: ModelGraph, p: Placement, run: _Run) -> List[tuple]:
+    """(Sequential, part) for each Sequential the unit covers; a member Sequential's part
+    computes its own stretch of the run fused when it is called on its own (``alone``)."""
     parts = []
-    for seq, names, role, index, before, after in plan.parts:
+    for seq, names, role, index, before, after in p.parts:
         part = _RunPart(run, names, role, index, before, after)
-        alone = plan.alone.get(id(seq))
+        alone = p.alone.get(id(seq))
         if alone:
-            part.alone = _RunPart(_Run(
-                labels=[s.label for s in alone], members=[s.module for s in alone],
-                layers=[s.module for s in alone[0::2]], last_activation=False,
-                activation=_activations_of(alone),
-                sequences=[(seq, analysis.path_of(seq))], slots=(),
-                unhooked=[(s.module, s.label) for s in alone], owner=None, calls=(),
-                elements=[(seq, s.name) for s in alone]), [s.name for s in alone], PartRole.WHOLE,
-                0, (), ())
+            own = Placement("sequential", "", alone,
+                            collapse_activations([s.activation for s in alone[1::2]]), False,
+                            PLAIN, sequences=[seq])
+            part.alone = _RunPart(PLAIN.runtime(graph, own, None), [s.name for s in alone],
+                                  PartRole.WHOLE, 0, (), ())
         parts.append((seq, part))
-    return run, parts
-
-
-def _activations_of(layer_calls: Sequence[LayerCall]) -> LayerActivations:
-    """What a stretch of a run's calls computes after its layers (their activation calls')."""
-    return collapse_activations([s.activation for s in layer_calls[1::2]])
+    return parts
 
 
 def _set_parts(seq: nn.Module, parts: List[_RunPart]) -> None:
@@ -92,31 +48,38 @@ def _set_parts(seq: nn.Module, parts: List[_RunPart]) -> None:
     seq._ckpt_ext_runs = tuple(sorted(parts, key=lambda p: order.get(p.names[0], -1)))
 
 
-def apply_plan(analysis: ModelAnalysis, planned: Sequence[PlannedRun],
-               sources: Dict[int, str]) -> None:
-    """Put the planned runs in place (keeping those already in place as they are), undo the runs
+def apply_plan(graph: ModelGraph, plan: Plan) -> None:
+    """Put the planned units in place (keeping runs already in place as they are), undo the runs
     of an earlier fuse that are no longer planned, and set each owner's forward."""
     parts: Dict[int, List[_RunPart]] = {}
     owner_runs: Dict[int, List[_Run]] = {}
     crossed_guards: Dict[int, List[_Guard]] = {}
+    sources: Dict[int, str] = {}
     members = set()
-    for plan, d, run in planned:
-        run, plan_parts = _apply_run(analysis, plan, d, run)
-        for seq, part in plan_parts:
+    for p, d, run in plan.placed:
+        if p.source is not None:
+            sources[id(p.owner)] = p.source
+            continue
+        run = run if run is not None else p.kind.runtime(graph, p, d)
+        for call, k in p.members:
+            m = call.module
+            m.__class__ = member_class(type(m))  # a subclass: same object, parameters and keys
+            m._ckpt_ext_run, m._ckpt_ext_index = run, k
+            members.add(id(m))
+        for seq, part in _parts(graph, p, run):
             parts.setdefault(id(seq), []).append(part)
-        if plan.owner is not None:
-            owner_runs.setdefault(id(plan.owner), []).append(run)
-            kept = crossed_guards.setdefault(id(plan.owner), [])
-            kept += [g for g in plan.guards if g not in kept]
-        members.update(id(call.module) for call, _ in plan.members)
-    for m in analysis.model.modules():
+        if p.owner is not None:
+            owner_runs.setdefault(id(p.owner), []).append(run)
+            kept = crossed_guards.setdefault(id(p.owner), [])
+            kept += [g for g in p.guards if g not in kept]
+    for m in graph.model.modules():
         if isinstance(m, (RunLinear, RunMember)) and id(m) not in members:
             m.__class__ = type(m)._ckpt_ext_base
             for name in ("_ckpt_ext_run", "_ckpt_ext_index"):
                 vars(m).pop(name, None)
         if is_sequential(m):
             _set_parts(m, parts.get(id(m), []))
-        t = analysis.trace_of(m)
+        t = graph.trace_of(m)
         method = t.method if t is not None else "forward"
         for name, wrapper in owner_wrappers(m).items():
             if name != method or (id(m) not in owner_runs and wrapper.source is None):

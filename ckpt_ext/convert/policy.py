@@ -1,22 +1,30 @@
-"""The policy: which stretches of a chain fuse as one unit (``policy="memory"``: a maximal run,
-with its trailing activation and as a lone pair where that frees memory — always for an activation
-whose backward keeps its input, only where the consumer does not keep the output for one that keeps
-its output; ``policy="all"``: the same runs with their trailing activation, and every lone
-pair), the near misses, and the report's figures for each
+"""The policy: which stretches of a chain of Linear/activation calls fuse as one unit
+(``Policy.MEMORY``: a maximal run, with its trailing activation and as a lone pair where that
+frees memory — always for an activation whose backward keeps its input, only where the consumer
+does not keep the output for one that keeps its output; ``Policy.ALL``: the same runs with their
+trailing activation, and every lone pair), the near misses, and the report's figures for each
 (activation bytes freed and FLOPs added per row, each layer's from its own activation's row: a
 run may mix activations)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
+from .. import ops
 from ..modules import LayerActivations, collapse_activations
-from .activations import DISPLAY, SAVES_INPUT, module_tensors
-from .consumers import Fate
+from .conditions import OneDtypeDevice
+from .facts import DISPLAY, SAVES_INPUT, features, stored_weight
+from .graph import Fate
 from .report import Decision
-from .runtime import features, stored_weight
+
+
+class Policy(str, enum.Enum):
+    """What fuse fuses (a ``str``: ``fuse(policy="all")`` names it)."""
+    MEMORY = "memory"
+    ALL = "all"
 
 
 class LayerShape(NamedTuple):
@@ -27,8 +35,15 @@ class LayerShape(NamedTuple):
     itemsize: int   # bytes per element of its activations
 
 
-def _gemm(layer: LayerShape) -> int:
-    # FLOPs per row of one x·Wᵀ (bias and tanh not counted)
+def layer_shape(label: str, lin: nn.Module) -> LayerShape:
+    """Its widths and itemsize, from its attributes and stored weight: nothing is evaluated (a
+    lazy Linear, whose weight does not exist yet, counts 0 bytes)."""
+    w = stored_weight(lin)
+    return LayerShape(label, *features(lin), w.element_size() if w is not None else 0)
+
+
+def gemm(layer: LayerShape) -> int:
+    """FLOPs per row of one x·Wᵀ (bias and activation not counted)."""
     return 2 * layer.in_features * layer.out_features
 
 
@@ -38,13 +53,13 @@ def _unit_name(layers: Sequence[LayerShape], activations: Sequence[str], last_ac
     if len(set(activations)) > 1:
         return f"mlp mixed ({', '.join(activations)}), {len(layers)} layers {sizes}" + \
             (f", last {activations[-1]}" if last_act else "")
-    activation = activations[0]
-    if activation != "tanh":
-        return f"mlp {activation}, {len(layers)} layer{'s' if len(layers) > 1 else ''} " \
-               f"{sizes}" + (f", last {activation}" if last_act else "")
-    if len(layers) == 1 and last_act:
+    act = activations[0]
+    form = ops.named_form(act, len(layers), last_act).__name__
+    if form == "linear_tanh":
         return f"linear_tanh {sizes}"
-    return f"tanh_mlp, {len(layers)} layers {sizes}" + (", last tanh" if last_act else "")
+    name = "tanh_mlp" if form == "tanh_mlp" else f"mlp {act}"
+    s = "s" if len(layers) > 1 or form == "tanh_mlp" else ""
+    return f"{name}, {len(layers)} layer{s} {sizes}" + (f", last {act}" if last_act else "")
 
 
 @dataclass
@@ -53,9 +68,9 @@ class Chain:
     candidates the policy makes units of. Item ``2j`` is Linear ``j``, item ``2j + 1`` its
     activation, which ``activations[j]`` names (each layer its own: a run may mix them)."""
     where: str                    # the module holding its items
-    how: str                      # "rewrite", or "" for module calls (the plan says how)
+    how: str                      # "rewrite", "children", or "" for module calls (placed later)
     labels: List[str]             # one per item, in call order
-    items: List[Any]              # LayerCall (module calls) or fx nodes (rewrite)
+    items: List[Any]              # LayerCall (module calls) or fx nodes
     layers: List[LayerShape]      # one per Linear item
     activations: Tuple[Optional[str], ...]  # per activation item: ckpt_ext.ACTIVATIONS' name
     ends_with_act: bool
@@ -64,7 +79,7 @@ class Chain:
     # something else (a Dropout drawing a mask keeps only that); else Linear j + 1 keeps it
     inner_fates: Dict[int, Fate] = field(default_factory=dict)
     # per activation item: the tensors stock autograd keeps for it as it is called, its output
-    # counted (module_tensors)
+    # counted (facts.module_tensors)
     kept: Tuple[int, ...] = ()
 
     def span(self, first: int, last: int, last_act: bool) -> Tuple[int, int]:
@@ -75,6 +90,14 @@ class Chain:
     def unit_activations(self, first: int, last: int, last_act: bool) -> Tuple[str, ...]:
         """The activations of layers first..last that the unit computes (last's if last_act)."""
         return tuple(self.activations[first:last + (1 if last_act else 0)])
+
+    def sub(self, s: int, e: int, fate: Callable[[], Fate]) -> "Chain":
+        """Items [s, e), ending where ``fate`` says its last output goes."""
+        return Chain(self.where, self.how, self.labels[s:e], self.items[s:e],
+                     self.layers[s // 2:(e + 1) // 2], self.activations[s // 2:e // 2],
+                     (e - s) % 2 == 0, fate,
+                     {j - s // 2: f for j, f in self.inner_fates.items() if s <= 2 * j < e},
+                     self.kept[s // 2:e // 2])
 
 
 class Unit(NamedTuple):
@@ -92,8 +115,13 @@ class Unit(NamedTuple):
         return collapse_activations(self.chain.unit_activations(self.first, self.last,
                                                                 self.last_act))
 
+    @property
+    def items(self) -> List[Any]:
+        s, e = self.chain.span(self.first, self.last, self.last_act)
+        return self.chain.items[s:e]
 
-def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
+
+def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
     """The units to fuse in a chain and the near misses, with their figures."""
     L = chain.layers
     m = len(L)
@@ -112,8 +140,8 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
             # activation keeps that and its consumer does not
             kept = chain.kept[b] - 1 + (0 if keeps_z[b] else int(last_freed))
             freed += kept * L[b].out_features * L[b].itemsize
-        extra = sum(_gemm(L[j]) for j in range(a, b)) + (_gemm(L[b]) if last_act else 0)
-        plain = sum(3 * _gemm(L[j]) for j in range(a, b + 1))
+        extra = sum(gemm(L[j]) for j in range(a, b)) + (gemm(L[b]) if last_act else 0)
+        plain = sum(3 * gemm(L[j]) for j in range(a, b + 1))
         return freed, extra, plain
 
     def labels(a: int, b: int, last_act: bool) -> Tuple[str, ...]:
@@ -141,7 +169,7 @@ def decide(chain: Chain, policy: str) -> Tuple[List[Unit], List[Decision]]:
     def own_input(j: int) -> str:
         return f"{DISPLAY[acts[j]]}'s backward keeps its input, the fused op does not"
 
-    if policy == "all":
+    if policy is Policy.ALL:
         # what "memory" fuses, and what it leaves as a near miss fused too: a run's trailing
         # activation and a lone pair, even where its output is kept anyway
         if not chain.ends_with_act and m < 2:
@@ -202,29 +230,23 @@ def _inner_kept(inner: Sequence[str]) -> str:
                                              else "")
 
 
-def _pair_labels(labels: List[str], k: int) -> Tuple[str, ...]:
-    """The Linear/activation pair that item k belongs to (k even: a Linear and its activation)."""
-    s = k - (k % 2)
-    return tuple(labels[s:s + 2])
-
-
-def item_misses(where: str, labels: List[str], problems: List[Optional[str]],
-                 misses: List[Decision]) -> None:
-    """One near miss per pair that holds an item with a problem, with all its reasons."""
+def item_misses(where: str, labels: List[str], problems: List[Optional[str]]) -> List[Decision]:
+    """One near miss per Linear/activation pair that holds an item with a problem, with all its
+    reasons."""
     groups: Dict[Tuple[str, ...], List[str]] = {}
     for k, p in enumerate(problems):
         if p is not None:
-            groups.setdefault(_pair_labels(labels, k), []).append(p)
-    for pair, whys in groups.items():
-        misses.append(Decision(where, pair, "left alone", "", "", 0, 0, 0,
-                               "; ".join(dict.fromkeys(whys))))
+            s = k - (k % 2)
+            groups.setdefault(tuple(labels[s:s + 2]), []).append(p)
+    return [Decision(where, pair, "left alone", "", "", 0, 0, 0, "; ".join(dict.fromkeys(whys)))
+            for pair, whys in groups.items()]
 
 
-def split_at_problems(items_ok: List[Optional[str]], n: int) -> List[Tuple[int, int]]:
+def split_at_problems(problems: List[Optional[str]], n: int) -> List[Tuple[int, int]]:
     """Maximal item ranges [s, e) without a problem, starting at a Linear (even index)."""
     ranges, s = [], 0
     for i in range(n + 1):
-        if i == n or items_ok[i] is not None:
+        if i == n or problems[i] is not None:
             if s % 2:
                 s += 1  # a range must start at a Linear
             if i - s >= 2:
@@ -233,34 +255,14 @@ def split_at_problems(items_ok: List[Optional[str]], n: int) -> List[Tuple[int, 
     return ranges
 
 
-def sub_chain(chain: Chain, s: int, e: int, fate: Callable[[], Fate]) -> Chain:
-    return Chain(chain.where, chain.how, chain.labels[s:e], chain.items[s:e],
-                 chain.layers[s // 2:(e + 1) // 2], chain.activations[s // 2:e // 2],
-                 (e - s) % 2 == 0, fate,
-                 {j - s // 2: f for j, f in chain.inner_fates.items() if s <= 2 * j < e},
-                 chain.kept[s // 2:e // 2])
-
-
-def layer_shape(label: str, lin: nn.Linear) -> LayerShape:
-    """Its widths and itemsize, from its attributes and stored weight: nothing is evaluated (a
-    lazy Linear, whose weight does not exist yet, counts 0 bytes)."""
-    w = stored_weight(lin)
-    return LayerShape(label, *features(lin), w.element_size() if w is not None else 0)
-
-
-def chain_problem(layers: Sequence[nn.Module]) -> Optional[str]:
+def chain_problem(layers: Sequence[nn.Module], labels: Sequence[str]) -> Optional[str]:
     """None when the Linear layers of a run chain (widths) and share one dtype and device."""
     for i, (a, b) in enumerate(zip(layers, layers[1:]), start=1):
         if features(b)[0] != features(a)[1]:
             return (f"layer {i}: in_features {features(b)[0]} does not match the previous "
                     f"Linear's out_features {features(a)[1]}")
-        wa, wb = stored_weight(a), stored_weight(b)
-        if wa is None or wb is None:
-            return f"layer {i - (wa is None)}: its weight is not made yet (a lazy layer)"
-        if wb.dtype != wa.dtype or wb.device != wa.device:
-            return (f"layer {i}: weight is {wb.dtype} on {wb.device}, the previous "
-                    f"Linear's is {wa.dtype} on {wa.device}")
-    return None
+    same = OneDtypeDevice(tuple(layers), tuple(labels))
+    return None if same.holds() else same.describe()
 
 
 def mask_bytes(masks: Dict[int, int], layers: Sequence[LayerShape],
@@ -276,49 +278,3 @@ def mask_bytes(masks: Dict[int, int], layers: Sequence[LayerShape],
         total += layer.out_features * (n * (1 if on_cuda else layer.itemsize)
                                        + layer.itemsize * keeps_output)
     return total
-
-
-def gated_figures(gate: LayerShape, up: Optional[LayerShape], down: LayerShape, activation: str,
-                  act_tensors: int, packed: bool, mask_bytes: int = 0) -> Tuple[int, int, int]:
-    """(bytes freed, FLOPs added, plain FLOPs) per row of a gated MLP computed by ``gated_mlp``.
-    Stock autograd keeps what the activation's backward keeps (its input, and its output where it
-    reads that), the up projection's output and the product (the down projection's input), each
-    ``I`` wide; with a packed gate_up weight the up half is a view that keeps the whole packed
-    output alive unless the activation keeps its input (that same output's other half) anyway.
-    A Dropout drawing a mask keeps it (``mask_bytes`` per element in all: the CPU's mask is of the
-    dtype, CUDA's a bool). The input x is kept either way. Backward recomputes the gate and up
-    GEMMs. ``act_tensors``: what the activation keeps as it is called (module_tensors)."""
-    width = down.in_features
-    tensors = act_tensors + 2 + (packed and not SAVES_INPUT[activation])
-    gemms = _gemm(gate) + (_gemm(up) if up is not None else 0)
-    return (tensors * gate.itemsize + mask_bytes) * width, gemms, 3 * (gemms + _gemm(down))
-
-
-def gated_decision(g: Any) -> Decision:
-    """The report's decision for a gated MLP (``discovery.GatedCall``): fused, or left alone with
-    its problems."""
-    labels = [g.label(n) for n in g.linears]
-    gate = layer_shape("gate", g.gate)
-    up = layer_shape("up", g.up) if g.up is not None else None
-    down = layer_shape(labels[-1], g.down)
-    name = g.act.name
-    masks = [d for d in map(g.child, g.dropouts) if d.p > 0 and d.training]
-    weight = stored_weight(g.child(g.linears[0]))
-    per_mask = 1 if weight is not None and weight.device.type == "cuda" else gate.itemsize
-    act_tensors = module_tensors(g.act_module, name)
-    freed, extra, plain = gated_figures(gate, up, down, name, act_tensors, g.packed,
-                                        len(masks) * per_mask)
-    if g.problems:
-        return Decision(g.path, g.labels, "left alone", "", "", 0, extra, plain,
-                        "a gated MLP: " + "; ".join(g.problems), activation=name)
-    act = DISPLAY[name]
-    unit = (f"gated_mlp {name}, {g.gate.in_features}->2x{down.in_features}->"
-            f"{down.out_features}" + (", packed gate_up" if g.packed else ""))
-    why = (f"a gated MLP, {act}(gate) * up -> down: the {act}'s "
-           f"{'input and output' if act_tensors > 1 else 'output'}, the up "
-           f"projection and their product are no longer kept, only the input"
-           + (f"; the activation takes the second half of {labels[0]}" if g.gate_second else "")
-           + (f"; {len(masks)} Dropout mask(s) drawn again in backward from the generator's "
-              f"saved state" if masks else ""))
-    return Decision(g.path, g.labels, "fused", unit, "children", freed, extra, plain, why,
-                    activation=name)

@@ -1,10 +1,11 @@
 """What ``fuse`` leaves inside users' models, and so in their pickles: the member classes set on
 the user's own objects (:class:`FusedSequential`, :class:`RunLinear`, :class:`RunTanh` and the
-other :class:`RunMember` classes, made per class by :func:`member_class`), the
-:class:`_Run` they share, the parts (:class:`_RunPart`) of a Sequential, and the
-:class:`_OwnerForward` set on an owner's instance with the guards (:class:`_Guard`) it checks at
-each call. Pickles name these classes by module and name, so both are part of the format:
-``ckpt_ext.convert.runtime.<name>``."""
+other :class:`RunMember` classes, made per class by :func:`member_class`), the runs they share
+(:class:`_Run`, :class:`_GatedRun`, :class:`_InlineRun`), the parts (:class:`_RunPart`) of a
+Sequential, and the :class:`_OwnerForward` set on an owner's instance with the guards
+(:class:`_Guard`, :class:`_ArgGuard`) it checks at each call. A run checks its conditions
+(conditions.py, built from what it keeps) at every call. Pickles name these classes by module and
+name, so both are part of the format: ``ckpt_ext.convert.runtime.<name>``."""
 from __future__ import annotations
 
 import copy
@@ -16,28 +17,19 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.modules.module as _module_hooks  # the hooks registered for every module
 from torch import nn
-from torch.nn.parameter import is_lazy
-from torch.nn.utils import parametrize
 
-from .. import _C, ops
-from ..modules import LayerActivations, _has_hooks, as_mlp_argument, each_layer
-from ..ops import SUPPORTED_DTYPES, linear_tanh, tanh_mlp
+from .. import ops
+from ..modules import LayerActivations, as_mlp_argument, each_layer
 from . import dropout_unit
-from .activations import module_activation
+from .conditions import (GLOBAL, Computes, Elements, MaskInside, MasksDrawable, NoHooks, OfClass,
+                         OwnForward, Slot, failing, of_weights)
+from .facts import SetByFuse, base_type, conv1d_class, join_path, linear_weight, passes_through
 
 if TYPE_CHECKING:
     from .report import Decision
 
-
-class Slot(NamedTuple):
-    """Where a member of a run is held: ``holder._modules[name] is module`` while the run may be
-    computed fused; ``label`` is its path, for messages."""
-    holder: nn.Module
-    name: str
-    module: nn.Module
-    label: str
+__all__ = ["Slot"]  # a run's slots pickle as conditions.Slot; older pickles name it here
 
 
 class _Region(threading.local):
@@ -50,13 +42,14 @@ class _Region(threading.local):
 
 class _Run:
     """One run of Linear/activation layers as fuse applied it: the modules whose weights it reads,
-    what must stay as it was for the fused op to compute it (:meth:`problem`), and that op (calling
+    the conditions under which the fused op computes it (:meth:`problem`), and that op (calling
     the run). With ``owner`` None, the Sequential holding the run computes it. Otherwise the
     owner's forward marks a region (:meth:`enter`, :meth:`leave`; per thread, for one call) in
     which each member takes its :meth:`turn` in the analysed order: the first computes the run,
     each later one passes its output on. Design: docs/converter.md, "Where a run is computed"."""
 
     activation = "tanh"  # what a run pickled without one computes
+    passes: Tuple[Tuple[nn.Module, str, int], ...] = ()  # what a run pickled without them has
 
     def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
                  layers: Sequence[nn.Module], last_activation: bool,
@@ -88,12 +81,41 @@ class _Run:
         self.passes = tuple(passes)
         self._region = _Region()
 
-    passes: Tuple[Tuple[nn.Module, str, int], ...] = ()  # what a run pickled without them has
+    @property
+    def conditions(self) -> tuple:
+        """What must hold at a call for the fused op to compute the run (made once)."""
+        made = self.__dict__.get("_made_conditions")
+        if made is None:
+            made = self.__dict__["_made_conditions"] = tuple(self._conditions())
+        return made
 
-    # -- pickling and copying: the region is per process and per call, never state to keep -----
+    def _conditions(self):
+        """What must hold at a call for the fused op to compute the run."""
+        yield from GLOBAL
+        for m, label in zip(self.key[0], self.labels):
+            yield OwnForward(m, label)
+        yield from self._placement()
+        for m, label, name in zip(self.key[0][1::2], self.labels[1::2], self.activations):
+            yield Computes(m, label, name)
+        for m, label, k in self.passes:
+            yield from (OwnForward(m, label), NoHooks(m, label), MaskInside(m, label, k))
+        yield MasksDrawable(self)
+        yield from of_weights(self.layers, self.labels[0::2])
+
+    def _placement(self):
+        """Where the run's modules are held, and no hooks on them."""
+        for seq, label, names, modules in self.sequences:
+            yield from (OwnForward(seq, label or "<model>"), Elements(seq, label, names, modules))
+        yield from self.slots
+        for m, label in self.unhooked:
+            yield NoHooks(m, label or "<model>", "which the fused run would not call")
+
+    # -- pickling and copying: the region is per process and per call, never state to keep, and
+    # the conditions are made again from what the run keeps --------------------------------------
     def __getstate__(self):
         state = dict(self.__dict__)
         del state["_region"]
+        state.pop("_made_conditions", None)
         return state
 
     def __setstate__(self, state):
@@ -101,6 +123,12 @@ class _Run:
             state["last_activation"] = state.pop("last_tanh")
         self.__dict__.update(state)
         self._region = _Region()
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
 
     @property
     def last_tanh(self) -> bool:
@@ -112,39 +140,11 @@ class _Run:
         """The activation of each activated layer, in order."""
         return each_layer(self.activation, len(self.layers) - (not self.last_activation))
 
-    def __deepcopy__(self, memo):
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        return new
-
     def problem(self) -> Optional[str]:
         """None while the run can be computed fused, else what changed since fuse."""
-        if torch.jit.is_tracing():  # it records what each module computes on its own
-            return "torch.jit.trace is recording the model"
-        for m, label in zip(self.key[0], self.labels):
-            if foreign_forward(m):
-                return f"{label}'s forward was set on the instance, which the fused run would skip"
-        return self._placement_problem() or self._activation_problem() or \
-            self._passes_problem() or self._weights_problem()
+        return failing(self.conditions)
 
-    def _passes_problem(self) -> Optional[str]:
-        for m, label, k in self.passes:
-            if foreign_forward(m):
-                return f"{label}'s forward was set on the instance, which the fused run would skip"
-            if _has_hooks(m):
-                return f"{label} has hooks, which the fused run would not call"
-            if passes_through(m):
-                continue
-            if k % 2 == 0:
-                return (f"{label} (Dropout, p={m.p}) draws a mask in training between a Linear "
-                        f"and its activation, which the fused run does not compute")
-            why = dropout_unit.unsupported()
-            if why is not None:
-                return f"{label} (Dropout, p={m.p}) draws a mask in training and {why}"
-        return None
-
-    def _masks(self) -> Dict[int, Tuple[float, ...]]:
+    def masks(self) -> Dict[int, Tuple[float, ...]]:
         """The p of each Dropout that draws a mask now, by the item it follows."""
         out: Dict[int, Tuple[float, ...]] = {}
         for m, _, k in self.passes:
@@ -152,59 +152,15 @@ class _Run:
                 out[k] = out.get(k, ()) + (m.p,)
         return out
 
-    def _placement_problem(self) -> Optional[str]:
-        """What changed where the run's modules are held or in their hooks."""
-        for seq, label, _, _ in self.sequences:
-            if foreign_forward(seq):
-                return f"{label or '<model>'}'s forward was set on the instance"
-        for seq, label, names, modules in self.sequences:
-            if len(seq._modules) != len(names):
-                return f"the elements of {label or '<model>'} changed"
-            for (name, m), want_name, want in zip(seq._modules.items(), names, modules):
-                if name != want_name or m is not want:
-                    return f"{join_path(label, want_name)} was replaced"
-        for holder, name, want, label in self.slots:
-            if holder._modules.get(name) is not want:
-                return f"{label} was replaced"
-        for m, label in self.unhooked:
-            if _has_hooks(m):
-                return f"{label or '<model>'} has hooks, which the fused run would not call"
-        if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks or \
-                _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks:
-            return "hooks registered for every module, which the fused run would not call"
-        return None
-
-    def _activation_problem(self) -> Optional[str]:
-        for m, label, name in zip(self.key[0][1::2], self.labels[1::2], self.activations):
-            found = module_activation(m)
-            if found is None or found.name != name:
-                return f"{label} no longer computes {name}"
-        return None
-
-    def _weights_problem(self) -> Optional[str]:
-        w0 = self.layers[0].weight
-        problem = unsupported_reason(w0)
-        if problem is not None:
-            return problem
-        for layer in self.layers[1:]:
-            if layer.weight.dtype != w0.dtype or layer.weight.device != w0.device:
-                return "its layers' weights no longer share one dtype and device"
-        return None
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights = [linear_weight(layer) for layer in self.layers]
         biases = [layer.bias for layer in self.layers]
         _as_layer_would(x, self.layers[0], weights[0])
-        masks = self._masks()
+        masks = self.masks()
         if masks:
             return dropout_unit.plain(x, weights, biases, self.activations, masks)
-        if self.activation != "tanh":  # another name, or one per layer
-            return ops.mlp(x, weights, biases, activation=as_mlp_argument(self.activation),
-                           last_activation=self.last_activation)
-        if len(weights) == 1 and self.last_activation:
-            return linear_tanh(x, weights[0], biases[0])  # a lone pair: the op a pair is
-        # What FusedTanhMLP.forward runs: the stack op, keeping only x for backward.
-        return tanh_mlp(x, weights, biases, self.last_activation)
+        return ops.mlp(x, weights, biases, activation=as_mlp_argument(self.activation),
+                       last_activation=self.last_activation)
 
     # -- the region --------------------------------------------------------------------------
     def enter(self) -> None:
@@ -262,13 +218,14 @@ class _PlaceholderRun(_Run):
     between runs on at no cost; each later member checks it received one (:meth:`_carried`) and
     passes a placeholder on, the last one returns the op's output."""
 
-    def problem(self) -> Optional[str]:
-        if torch.jit.is_tracing():
-            return "torch.jit.trace is recording the model"
+    def _conditions(self):
+        yield from GLOBAL
         for m, label in self.unhooked:
-            if foreign_forward(m):
-                return f"{label}'s forward was set on the instance, which the fused op would skip"
-        return self._placement_problem() or self._activation_problem() or self._weights_problem()
+            yield OwnForward(m, label)
+        yield from self._placement()
+        yield from self._own()
+        yield MasksDrawable(self)
+        yield from of_weights(self.layers, self.calls)
 
     def enter(self) -> None:
         # [the next member, x, the state of an enclosing call, the op's output until returned]
@@ -330,25 +287,17 @@ class _GatedRun(_PlaceholderRun):
         self.dropouts = tuple(dropouts)
         self.gate_second = bool(gate_second)
 
-    def _activation_problem(self) -> Optional[str]:
-        name = self.activation
+    def _own(self):
         if self.act_module is not None:
-            found = module_activation(self.act_module)
-            if found is None or found.name != name or found.problem is not None:
-                return f"its activation module no longer computes {name}"
+            yield Computes(self.act_module, "its activation module", self.activation)
         for d in self.dropouts:
-            if type(d) is not nn.Dropout:
-                return "a Dropout between the product and the down projection changed class"
-        if self._gated_masks():
-            why = dropout_unit.unsupported()
-            if why is not None:
-                return f"its Dropout draws a mask in training and {why}"
-        return None
+            yield OfClass(d, "a Dropout between the product and the down projection",
+                          (nn.Dropout,))
 
     def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
         return x is first_input  # the up projection takes the gate's input
 
-    def _gated_masks(self) -> Tuple[float, ...]:
+    def masks(self) -> Tuple[float, ...]:
         """The p of each Dropout that draws a mask now (p > 0, in training), in order."""
         return tuple(d.p for d in self.dropouts if d.p > 0 and d.training)
 
@@ -356,7 +305,7 @@ class _GatedRun(_PlaceholderRun):
         first = self.members[0]
         _as_layer_would(x, first, first.weight)
         gate, up, down = self.gate, self.up, self.down
-        masks = self._gated_masks()
+        masks = self.masks()
         if masks:
             return dropout_unit.gated(x, gate.weight, up.weight if up is not None else None,
                                       down.weight, gate.bias, up.bias if up is not None else None,
@@ -411,21 +360,14 @@ class _InlineRun(_PlaceholderRun):
         self.acts = tuple(acts)
         self.drops = tuple(drops)
 
-    def _activation_problem(self) -> Optional[str]:
+    def _own(self):
         for m, label, name in self.acts:
-            found = module_activation(m)
-            if found is None or found.name != name or found.problem is not None:
-                return f"{label} no longer computes {name}"
+            yield Computes(m, label, name)
         for d in self.drops:
-            if d.module is not None and type(d.module) not in (nn.Dropout, nn.Identity):
-                return f"{d.label} changed class"
-        if self._masks():
-            why = dropout_unit.unsupported()
-            if why is not None:
-                return f"a Dropout of the run draws a mask in training and {why}"
-        return None
+            if d.module is not None:
+                yield OfClass(d.module, d.label, (nn.Dropout, nn.Identity))
 
-    def _masks(self) -> Dict[int, Tuple[float, ...]]:
+    def masks(self) -> Dict[int, Tuple[float, ...]]:
         out: Dict[int, Tuple[float, ...]] = {}
         for d in self.drops:
             if d.drawing(self.owner.training):
@@ -554,6 +496,7 @@ class FusedSequential(nn.Sequential):
     that forward (see :class:`_Run`): called on its own, this Sequential computes its own elements.
     """
 
+    _ckpt_ext_base = nn.Sequential
     _ckpt_ext_runs: Tuple[_RunPart, ...] = ()
 
     def forward(self, input):
@@ -665,7 +608,7 @@ def member_class(cls: type) -> type:
     sub = _MEMBER_CLASSES.get(base)
     if sub is None:
         name = f"Run{base.__name__}"
-        mixin = RunMember if _conv1d_class(base) else RunActivation
+        mixin = RunMember if conv1d_class(base) else RunActivation
         sub = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name,
                                          "_ckpt_ext_base": base})
         _MEMBER_CLASSES[base] = sub
@@ -686,7 +629,7 @@ def _named(cls: type) -> bool:
     return obj is cls
 
 
-class _OwnerForward:
+class _OwnerForward(SetByFuse):
     """The forward ``fuse`` sets on one module instance (its class is untouched) when that module's
     forward calls the members of a run one after the other, or its code was rewritten
     (``rewrite=True``); or, set as ``method``, the method the forward names (handed to a helper
@@ -813,86 +756,6 @@ def _compile_forward(source: str) -> Callable:
     scope: Dict[str, Any] = {}
     exec(compile(source, "<ckpt_ext.fuse rewritten forward>", "exec", dont_inherit=True), scope)
     return scope["forward"]
-
-
-def stored_weight(lin: nn.Module) -> Optional[torch.Tensor]:
-    """The tensor a Linear's weight is stored in, read without evaluating anything: the parameter
-    itself, or a parametrization's original (``spectral_norm``'s ``original``, ``weight_norm``'s
-    ``original0``), whose dtype and device the computed weight has. Reading ``lin.weight`` would
-    run the parametrization (spectral_norm in train mode moves its ``_u``, ``_v``). None for a
-    lazy, uninitialised parameter."""
-    w = lin._parameters.get("weight")
-    if w is None and parametrize.is_parametrized(lin, "weight"):
-        w = next(iter(lin.parametrizations["weight"].parameters()), None)
-    if w is None or is_lazy(w):
-        return None
-    return w
-
-
-def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
-    """None when the op runs on this weight's device and dtype, else why not."""
-    if weight is None:
-        return None
-    if weight.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {weight.dtype} is not supported by the fused op"
-    ok = {"cpu", "meta"} | ({"cuda"} if _C.WITH_CUDA else set())
-    if weight.device.type not in ok:
-        return f"device {weight.device} is not supported by this build of the fused op"
-    return None
-
-
-def is_conv1d(m: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (GPT-2's projections): x·W + b with W stored (in, out)."""
-    return _conv1d_class(base_type(m))
-
-
-def _conv1d_class(cls: type) -> bool:
-    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
-
-
-def linear_weight(lin: nn.Module) -> torch.Tensor:
-    """The layer's weight as the ops take it, (out, in): a Conv1D's stored (in, out) weight
-    transposed, a view (the ops compute with either layout and give its gradient that layout)."""
-    return lin.weight.t() if is_conv1d(lin) else lin.weight
-
-
-def features(lin: nn.Module) -> Tuple[int, int]:
-    """(in, out) features of a Linear or a Conv1D."""
-    if is_conv1d(lin):
-        return tuple(lin.weight.shape)
-    return lin.in_features, lin.out_features
-
-
-def base_type(m: nn.Module) -> type:
-    """The module's class, or the class fuse gave it a member class of."""
-    return getattr(type(m), "_ckpt_ext_base", type(m))
-
-
-def passes_through(m: nn.Module) -> bool:
-    """Whether the module returns its input, the very tensor: ``nn.Identity``, or an
-    ``nn.Dropout`` with p = 0 or in eval()."""
-    cls = base_type(m)
-    return cls is nn.Identity or (cls is nn.Dropout and not (m.p > 0 and m.training))
-
-
-def may_pass(m: nn.Module) -> bool:
-    """Whether a run may go through the module: ``nn.Identity`` or ``nn.Dropout``."""
-    return base_type(m) in (nn.Identity, nn.Dropout)
-
-
-def foreign_forward(m: nn.Module) -> bool:
-    """Whether someone other than fuse set ``forward`` on this instance (accelerate's
-    ``add_hook_to_module`` does): a fused op computing this module's output would not call it."""
-    fwd = vars(m).get("forward")
-    return fwd is not None and not isinstance(fwd, _OwnerForward)
-
-
-def join_path(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def is_sequential(m: nn.Module) -> bool:
-    return type(m) in (nn.Sequential, FusedSequential)
 
 
 def parts_of(seq: nn.Module) -> Tuple[_RunPart, ...]:

@@ -25,11 +25,9 @@ import torch
 from torch import fx, nn
 from torch.nn.parameter import is_lazy
 
-from ..modules import FusedLinearTanh, FusedTanhMLP
 from .arguments import STAND_IN, plan_arguments
-from .report import FuseReport
-from .runtime import (MISSING, RunLinear, RunMember, _ArgGuard, _Guard, _OwnerForward, is_conv1d,
-                      is_sequential, join_path)
+from .facts import OUR_MODULES, is_conv1d, is_sequential, join_path
+from .runtime import MISSING, RunLinear, RunMember, _ArgGuard, _Guard, _OwnerForward
 
 
 _FX_DIR = os.path.dirname(fx.__file__)
@@ -531,88 +529,59 @@ def _loopless(code: Any) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------
-# The analysis of one model: its module tree and a trace per user forward
+# Every user forward of one model, traced
 
-_OUR_MODULES = (FusedLinearTanh, FusedTanhMLP, RunLinear, RunMember)
-
-
-class ModelAnalysis:
-    """The model's module tree (every place each module is held) and, per module with a forward of
-    its own, its :class:`Trace`. ``consumers`` asks it what the consumers of a value do with it;
-    ``discovery`` and ``planning`` where runs go."""
-
-    def __init__(self, model: nn.Module, trace: bool, report: FuseReport) -> None:
-        self.model = model
-        self.paths: Dict[int, List[str]] = {}
-        self.parent: Dict[str, Tuple[nn.Module, str, str]] = {}  # path -> (parent, its path, name)
-        self.slots: Dict[int, set] = {}  # id(module) -> {(id(parent), name)}: where it is held
-        for path, m in model.named_modules(remove_duplicate=False):
-            self.paths.setdefault(id(m), []).append(path)
-            for name, child in m._modules.items():
-                if child is not None:
-                    self.parent[join_path(path, name)] = (m, path, name)
-                    self.slots.setdefault(id(child), set()).add((id(m), name))
-        self.traces: Dict[int, Trace] = {}
-        if trace:
-            self._trace_all(report)
-
-    def path_of(self, m: nn.Module) -> str:
-        return self.paths[id(m)][0]
-
-    def _trace_all(self, report: FuseReport) -> None:
-        wanted = [(p, m) for p, m in self.model.named_modules() if _wants_analysis(m)]
-        if not wanted:
-            return
-        with _rng_kept():
-            self._trace_wanted(wanted, report)
-
-    def _trace_wanted(self, wanted: List[Tuple[str, nn.Module]], report: FuseReport) -> None:
+def trace_model(model: nn.Module) -> Tuple[Dict[int, Trace], List[Tuple[str, str]]]:
+    """The :class:`Trace` of each module with a forward of its own (by id; ``ok`` False where it
+    was not analysed), and (path, why) for each one not analysed, or analysed in part."""
+    traces: Dict[int, Trace] = {}
+    not_analysed: List[Tuple[str, str]] = []
+    wanted = [(p, m) for p, m in model.named_modules() if _wants_analysis(m)]
+    if not wanted:
+        return traces, not_analysed
+    with _rng_kept():
         try:
-            clone = analysis_copy(self.model)
+            clone = analysis_copy(model)
         except Exception as e:
-            report.not_analysed.append(("", f"the model could not be copied for analysis "
-                                            f"({type(e).__name__}: {e}); only nn.Sequential "
-                                            f"contents were considered"))
-            return
+            return traces, [("", f"the model could not be copied for analysis "
+                                 f"({type(e).__name__}: {e}); only nn.Sequential contents were "
+                                 f"considered")]
         clones = dict(clone.named_modules())
         unrecorded = record_reads(clone)
         for path, m in wanted:
             t = trace_module(clones[path], m)
             if not t.ok or _only_through_a_method(t):
-                t = self._method_trace(clones[path], m, t)
+                t = _method_trace(clones[path], m, t)
             if t.ok and unrecorded:
                 t.region_problem = t.rewrite_problem = unrecorded
-            self.traces[id(m)] = t
+            traces[id(m)] = t
             if not t.ok:
-                report.not_analysed.append((path, t.reason))
+                not_analysed.append((path, t.reason))
             elif t.cut_line is not None:
-                report.not_analysed.append((path, f"fuse analysed its {t.method} up to line "
-                                                  f"{t.cut_line}, where it branches on a traced "
-                                                  f"value (fx cannot follow that)"))
+                not_analysed.append((path, f"fuse analysed its {t.method} up to line "
+                                           f"{t.cut_line}, where it branches on a traced value "
+                                           f"(fx cannot follow that)"))
             elif t.method != "forward":
-                report.not_analysed.append((path, f"{t.reason}; fuse analysed the method its "
-                                                  f"forward names, {t.method}, in its place"))
+                not_analysed.append((path, f"{t.reason}; fuse analysed the method its forward "
+                                           f"names, {t.method}, in its place"))
+    return traces, not_analysed
 
-    @staticmethod
-    def _method_trace(clone: nn.Module, m: nn.Module, t: Trace) -> Trace:
-        """The trace of the one method the forward names that calls children, else ``t``, the
-        forward's. Such a method is handed to a helper (transformers'
-        ``apply_chunking_to_forward``) by a forward fx cannot follow (optional or variadic
-        arguments), or by one that calls no child but through it."""
-        found = []
-        for name in named_methods(m):
-            mt = trace_module(clone, m, name)
-            if mt.ok and any(n.op == "call_module" for n in mt.graph.nodes):
-                found.append(mt)
-        if len(found) != 1:
-            return t
-        found[0].reason = t.reason if not t.ok else \
-            f"its forward calls its children only through {found[0].method}"
-        return found[0]
 
-    def trace_of(self, m: nn.Module) -> Optional[Trace]:
-        t = self.traces.get(id(m))
-        return t if t is not None and t.ok else None
+def _method_trace(clone: nn.Module, m: nn.Module, t: Trace) -> Trace:
+    """The trace of the one method the forward names that calls children, else ``t``, the
+    forward's. Such a method is handed to a helper (transformers' ``apply_chunking_to_forward``)
+    by a forward fx cannot follow (optional or variadic arguments), or by one that calls no
+    child but through it."""
+    found = []
+    for name in named_methods(m):
+        mt = trace_module(clone, m, name)
+        if mt.ok and any(n.op == "call_module" for n in mt.graph.nodes):
+            found.append(mt)
+    if len(found) != 1:
+        return t
+    found[0].reason = t.reason if not t.ok else \
+        f"its forward calls its children only through {found[0].method}"
+    return found[0]
 
 
 @contextlib.contextmanager
@@ -641,7 +610,8 @@ def _only_through_a_method(t: Trace) -> bool:
 
 
 def _wants_analysis(m: nn.Module) -> bool:
-    if is_sequential(m) or isinstance(m, (nn.ModuleList, nn.ModuleDict) + _OUR_MODULES) or \
+    if is_sequential(m) or isinstance(m, (nn.ModuleList, nn.ModuleDict, RunLinear, RunMember)
+                                      + OUR_MODULES) or \
             is_conv1d(m):
         return False
     if type(m).forward is nn.Module.forward:

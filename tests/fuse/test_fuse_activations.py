@@ -20,7 +20,7 @@ from torch import nn
 from ckpt_ext import fuse
 from ckpt_ext.convert import RunActivation, RunLinear, member_class
 from ckpt_ext.convert.runtime import _OwnerForward
-from ckpt_ext.convert.activations import module_activation
+from ckpt_ext.convert.facts import module_activation
 from _ecosys import kept_bytes, outputs_and_grads, rel_err, saved_activation_bytes
 from _fuse_models import bert, distilbert
 from reference import ACTIVATION_REF, measured

@@ -13,7 +13,7 @@ from torch import nn
 import ckpt_ext
 from ckpt_ext._activation_modules import module_activation
 from ckpt_ext._activations import REGISTRY
-from ckpt_ext.convert.activations import SAVES_INPUT, tensors_per_layer
+from ckpt_ext.convert.facts import SAVES_INPUT, tensors_per_layer
 
 ACTS = list(ckpt_ext.ACTIVATIONS)
 

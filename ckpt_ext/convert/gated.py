@@ -1,0 +1,246 @@
+"""The gated MLP kind: ``down(act(gate(x)) * up(x))`` that one forward computes from its direct
+child Linears (Llama, Mistral, Qwen2, Gemma, T5's gated act; a hand-written one), or with one
+packed ``gate_up`` Linear split by ``chunk(2, dim=-1)`` (Phi-3), with any ``nn.Dropout`` between
+the product and ``down``: one unit computed by ``gated_mlp`` in the owner's region, applied as
+``_GatedRun``. Design: docs/converter.md, "Gated MLPs"."""
+from __future__ import annotations
+
+import ast
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import fx, nn
+
+from .conditions import activation_problem, linear_problem, of_weights
+from .facts import (DISPLAY, SAVES_INPUT, Recognised, activation_of, child, data_input,
+                    module_tensors, node_label, one_input, stored_weight)
+from .graph import ModelGraph
+from .policy import LayerShape, gemm, layer_shape
+from .report import Decision
+from .runtime import _GatedRun
+from .tracing import Trace
+from .units import Options, Placement, UnitKind, child_members, placed_units
+
+_PRODUCTS = {operator.mul, torch.mul, "mul", "mul_"}
+_CHUNK = inspect.signature(lambda input, chunks, dim=0: None)
+
+
+@dataclass(eq=False)
+class GatedCall:
+    """One gated MLP in one forward; ``packed``: one gate_up Linear (``gate_second``: the
+    activation takes the second chunk)."""
+    owner: nn.Module
+    path: str
+    trace: Trace
+    linears: Tuple[fx.Node, ...]      # the Linears in call order: gate, up, down or gate_up, down
+    gate: nn.Linear                   # the packed Linear when packed
+    up: Optional[nn.Linear]
+    down: nn.Linear
+    act: Recognised
+    act_node: fx.Node
+    act_module: Optional[nn.Module]   # the activation's child module; None for a call
+    dropouts: Tuple[fx.Node, ...]
+    packed: bool
+    gate_second: bool
+    nodes: Tuple[fx.Node, ...]        # every node of the pattern
+    labels: Tuple[str, ...]           # the Linears and the activation, in call order
+    problems: Tuple[str, ...] = ()
+
+    def child(self, n: fx.Node) -> nn.Module:
+        return self.owner._modules[n.target]
+
+    def label(self, n: fx.Node) -> str:
+        return node_label(n, self.path)
+
+
+def _is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear)
+
+
+def _chunk_input(c: Any) -> Optional[fx.Node]:
+    """The input of ``chunk(input, 2, dim=-1)`` (method or function), else None: another count
+    or dim (the default dim 0 is not the feature dim) is no gated split."""
+    if not isinstance(c, fx.Node) or not (
+            (c.op == "call_method" and c.target == "chunk") or
+            (c.op == "call_function" and c.target is torch.chunk)):
+        return None
+    try:
+        bound = _CHUNK.bind(*c.args, **c.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    a = bound.arguments
+    return a["input"] if a["chunks"] == 2 and a["dim"] == -1 and \
+        isinstance(a["input"], fx.Node) else None
+
+
+def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
+    act = activation_of(owner, a)
+    if act is None or len(a.users) != 1 or len(b.users) != 1:
+        return None
+    y = data_input(a)
+    if not isinstance(y, fx.Node) or len(y.users) != 1:
+        return None
+    packed = gate_second = False
+    gate = child(owner, y, _is_linear)
+    if gate is not None:  # two Linears of the same input
+        up = child(owner, b, _is_linear)
+        x = one_input(y)
+        if up is None or x is None or one_input(b) is not x:
+            return None
+        linears, between = [y, b], []
+    else:  # gate, up = gate_up(x).chunk(2, dim=-1)
+        if not (y.op == "call_function" and y.target is operator.getitem and
+                b.op == "call_function" and b.target is operator.getitem and
+                y.args[0] is b.args[0] and {y.args[1], b.args[1]} == {0, 1}):
+            return None
+        c = y.args[0]
+        p = _chunk_input(c)
+        gate, up = child(owner, p, _is_linear), None
+        if gate is None or set(c.users) != {y, b} or len(p.users) != 1 or one_input(p) is None:
+            return None
+        packed, gate_second = True, y.args[1] == 1
+        linears, between = [p], [c, y, b]
+    cur, dropouts = m, []
+    while True:  # through Dropouts to the down projection
+        if len(cur.users) != 1:
+            return None
+        u = next(iter(cur.users))
+        if child(owner, u, lambda d: type(d) is nn.Dropout) is not None and one_input(u) is cur:
+            dropouts.append(u)
+            cur = u
+            continue
+        down = child(owner, u, _is_linear)
+        if down is None or one_input(u) is not cur:
+            return None
+        break
+    width = down.in_features
+    if (up is not None and (up.in_features != gate.in_features or up.out_features != width or
+                            gate.out_features != width)) or \
+            (up is None and gate.out_features != 2 * width) or width == 0:
+        return None
+    linears = sorted(linears, key=order.get) + [u]
+    labels = tuple(node_label(n, path) for n in sorted(linears + [a], key=order.get))
+    g = GatedCall(owner, path, t, tuple(linears), gate, up, down, act[0], a, act[1],
+                  tuple(dropouts), packed, gate_second,
+                  tuple(linears + [a, m] + between + dropouts), labels)
+    g.problems = tuple(dict.fromkeys(p for p in _problems(graph, g) if p))
+    return g
+
+
+def _problems(graph: ModelGraph, g: GatedCall):
+    owner, t = g.owner, g.trace
+    yield from graph.members_problems(owner, g.path, t, g.linears, linear_problem)
+    yield g.act.problem
+    if g.act_module is not None:
+        yield activation_problem(g.act_module)
+        yield graph.child_problem(owner, t, g.act_node.target, g.label(g.act_node),
+                                  g.act_module)
+    for n in g.dropouts:
+        yield graph.child_problem(owner, t, n.target, g.label(n), g.child(n))
+    same = of_weights([g.child(n) for n in g.linears], [g.label(n) for n in g.linears])[1]
+    yield None if same.holds() else same.describe()
+    yield from graph.placeholder_problems(g.path, owner, t, g.linears,
+                                          lambda stmt: _dtype_cast(stmt, g.linears[-1].target))
+
+
+def _dtype_cast(stmt: Any, down: str) -> bool:
+    """``h = h.to(self.<down>.weight.dtype)``: T5's cast to its down projection's dtype, which
+    changes nothing where the unit is fused (its Linears share one dtype; under autocast the down
+    projection casts back)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and
+            isinstance(stmt.targets[0], ast.Name) and isinstance(stmt.value, ast.Call)):
+        return False
+    call, name = stmt.value, stmt.targets[0].id
+    return isinstance(call.func, ast.Attribute) and call.func.attr == "to" and \
+        isinstance(call.func.value, ast.Name) and call.func.value.id == name and \
+        len(call.args) == 1 and not call.keywords and \
+        ast.unparse(call.args[0]) == f"self.{down}.weight.dtype"
+
+
+def gated_figures(gate: LayerShape, up: Optional[LayerShape], down: LayerShape, activation: str,
+                  act_tensors: int, packed: bool, mask_bytes: int = 0) -> Tuple[int, int, int]:
+    """(bytes freed, FLOPs added, plain FLOPs) per row. Stock autograd keeps what the
+    activation's backward keeps (``act_tensors``: its input, and its output where it reads that),
+    the up projection's output and the product, each ``I`` wide; with a packed gate_up weight the
+    up half is a view that keeps the whole packed output alive unless the activation keeps its
+    input (that same output's other half) anyway; a Dropout drawing a mask keeps it
+    (``mask_bytes`` per element). Backward recomputes the gate and up GEMMs."""
+    width = down.in_features
+    tensors = act_tensors + 2 + (packed and not SAVES_INPUT[activation])
+    gemms = gemm(gate) + (gemm(up) if up is not None else 0)
+    return (tensors * gate.itemsize + mask_bytes) * width, gemms, 3 * (gemms + gemm(down))
+
+
+class Gated(UnitKind):
+    def find(self, graph: ModelGraph, taken: set, options: Options) -> List[GatedCall]:
+        found: List[GatedCall] = []
+        for path, owner, t in graph.analysed:
+            order = {n: i for i, n in enumerate(t.graph.nodes)}
+            for m in t.graph.nodes:
+                if m.op not in ("call_function", "call_method") or m.target not in _PRODUCTS or \
+                        m.kwargs or len(m.args) != 2 or \
+                        not all(isinstance(a, fx.Node) for a in m.args):
+                    continue
+                for k in (0, 1):
+                    g = _gated_at(graph, path, owner, t, m, m.args[k], m.args[1 - k], order)
+                    if g is not None:
+                        found.append(g)
+                        break
+        return found
+
+    def decide(self, graph: ModelGraph, g: GatedCall, options: Options):
+        labels = [g.label(n) for n in g.linears]
+        gate = layer_shape("gate", g.gate)
+        up = layer_shape("up", g.up) if g.up is not None else None
+        down = layer_shape(labels[-1], g.down)
+        name = g.act.name
+        masks = [d for d in map(g.child, g.dropouts) if d.p > 0 and d.training]
+        weight = stored_weight(g.child(g.linears[0]))
+        per_mask = 1 if weight is not None and weight.device.type == "cuda" else gate.itemsize
+        act_tensors = module_tensors(g.act_module, name)
+        freed, extra, plain = gated_figures(gate, up, down, name, act_tensors, g.packed,
+                                            len(masks) * per_mask)
+        if g.problems:
+            return [], [Decision(g.path, g.labels, "left alone", "", "", 0, extra, plain,
+                                 "a gated MLP: " + "; ".join(g.problems), activation=name)]
+        act = DISPLAY[name]
+        unit = (f"gated_mlp {name}, {g.gate.in_features}->2x{down.in_features}->"
+                f"{down.out_features}" + (", packed gate_up" if g.packed else ""))
+        why = (f"a gated MLP, {act}(gate) * up -> down: the {act}'s "
+               f"{'input and output' if act_tensors > 1 else 'output'}, the up "
+               f"projection and their product are no longer kept, only the input"
+               + (f"; the activation takes the second half of {labels[0]}" if g.gate_second
+                  else "")
+               + (f"; {len(masks)} Dropout mask(s) drawn again in backward from the generator's "
+                  f"saved state" if masks else ""))
+        return [Decision(g.path, g.labels, "fused", unit, "children", freed, extra, plain, why,
+                         activation=name)], []
+
+    def place(self, graph: ModelGraph, g: GatedCall, units: Sequence[Decision],
+              misses: Sequence[Decision]):
+        others = ([g.act_node] if g.act_module is not None else []) + list(g.dropouts)
+        return placed_units(graph, units, misses, lambda: child_members(
+            graph, self, g, g.path, g.owner, g.trace, g.linears, others, g.act.name))
+
+    def nodes(self, g: GatedCall, units: Sequence[Decision]):
+        return g.nodes if units else ()
+
+    def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _GatedRun:
+        g = p.found
+        return _GatedRun(
+            labels=g.labels, members=[s.module for s in p.layer_calls], gate=g.gate, up=g.up,
+            down=g.down, activation=g.act.name, act_module=g.act_module,
+            dropouts=[g.child(n) for n in g.dropouts], gate_second=g.gate_second,
+            slots=p.slots, unhooked=[(m, graph.path_of(m)) for m in p.unhooked],
+            owner=p.owner, calls=p.calls, decision=decision)
+
+    def key(self, p: Placement):
+        return ("gated", tuple(c.module for c in p.layer_calls), p.found.act.name,
+                p.found.gate_second)
+
+
+GATED = Gated()

@@ -1,0 +1,385 @@
+"""The plain kind: runs of Linear/activation *module* calls — elements of Sequentials, children an
+analysed forward calls one after the other, across Sequentials and through the forwards of
+child modules (graph.follow) — each computed by the Sequential holding it or inside the forward
+of its lowest common caller, whose calls become the run's members; applied as ``_Run`` (with
+``FusedSequential`` parts). Design: docs/converter.md, "Where a run is computed"."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from torch import nn
+
+from ..modules import LayerActivations, collapse_activations
+from .conditions import Slot, activation_problem, linear_problem, of_layer, failing
+from .facts import (INSTANCE_FORWARD, foreign_forward, is_sequential, join_path, module_tensors,
+                    passes_through, passing_name, stored_weight)
+from .graph import Fate, LayerCall, LayerKind, ModelGraph
+from .policy import Chain, Unit, chain_problem, decide, item_misses, layer_shape, mask_bytes, \
+    split_at_problems
+from .report import Decision
+from .runtime import PartRole, _Run
+from .units import MemberPlan, Options, PartPlan, Placement, UnitKind, arguments_note
+
+
+class Run(NamedTuple):
+    """A maximal run of layer calls ``Linear, Act, Linear, ...``: the value of each goes to the
+    next only; ``through[k]`` are the Identity and Dropout modules between call k and the next;
+    ``stop`` says why it does not go on after its last call."""
+    calls: List[LayerCall]
+    through: Dict[LayerCall, Tuple[Slot, ...]]
+    stop: Optional[str]
+
+
+class Plain(UnitKind):
+    def find(self, graph: ModelGraph, taken: set, options: Options) -> List[Run]:
+        """Maximal alternating paths Linear, Act, Linear, ... (from a Linear; each activation
+        its own), with why each stops where it does."""
+        calls = [s for s in graph.layer_calls if s.node is None or s.node not in taken]
+        at = {(id(s.container), s.name if s.node is None else s.node): s for s in calls}
+        links: Dict[LayerCall, LayerCall] = {}
+        stops: Dict[LayerCall, str] = {}
+        through: Dict[LayerCall, Tuple[Slot, ...]] = {}
+        for s in calls:
+            nxt, problem, through[s] = graph.follow(s, at)
+            if nxt is None or nxt.kind == s.kind:
+                continue
+            if s.kind is LayerKind.LINEAR:
+                drawing = [p for p in through[s] if not passes_through(p.module)]
+                if drawing:
+                    problem = problem or (
+                        f"dropout p>0 between it and its activation: {drawing[0].label} "
+                        f"(p={drawing[0].module.p}) draws a mask in training that the fused op "
+                        f"would not (in eval() it is fused)")
+            if problem:
+                stops[s] = problem
+            else:
+                links[s] = nxt
+        has_prev = set(links.values())
+        runs = []
+        for s in calls:
+            if s in has_prev:
+                continue
+            path, seen = [s], {s}
+            while path[-1] in links and links[path[-1]] not in seen:
+                path.append(links[path[-1]])
+                seen.add(path[-1])
+            while path and path[0].kind is not LayerKind.LINEAR:
+                path.pop(0)
+            if len(path) >= 2:
+                runs.append(Run(path, through, stops.get(path[-1])))
+        return runs
+
+    def decide(self, graph: ModelGraph, run: Run, options: Options):
+        """The units of one run, split where a call has a problem, and its near misses."""
+        layer_calls = run.calls
+        at = _where(graph, layer_calls)
+        labels = [s.label for s in layer_calls]
+        problems = [_problem(graph, s) for s in layer_calls]
+        misses = item_misses(at, labels, problems)
+        shapes = [layer_shape(s.label, s.module) for s in layer_calls[0::2]]
+        full = Chain(at, "", labels, layer_calls, shapes,
+                     tuple(s.activation for s in layer_calls[1::2]), len(layer_calls) % 2 == 0,
+                     lambda: Fate(None, ""), _inner_fates(run),
+                     tuple(module_tensors(s.module, s.activation) for s in layer_calls[1::2]))
+        units: List[Unit] = []
+        for s, e in split_at_problems(problems, len(layer_calls)):
+            last = layer_calls[e - 1]
+            sub = full.sub(s, e, lambda last=last: graph.fate(last))
+            sub.where = _where(graph, sub.items)
+            problem = chain_problem([x.module for x in sub.items[0::2]],
+                                    [x.label for x in sub.items[0::2]])
+            if problem is not None:
+                misses.append(Decision(sub.where, tuple(sub.labels), "left alone", "", "", 0, 0,
+                                       0, problem))
+                continue
+            sub_units, sub_misses = decide(sub, options.policy)
+            units += sub_units
+            misses += sub_misses
+        return units, misses
+
+    def place(self, graph: ModelGraph, run: Run, units: Sequence[Unit],
+              misses: Sequence[Decision]):
+        """Each unit placed, its decision saying where and how it is computed; the near misses
+        at the module holding their own layers; all in call order, and the decisions holding the
+        run's last call saying why it stops there."""
+        placed: List[Tuple[Decision, Optional[Placement]]] = [(d, None) for d in misses]
+        for u in units:
+            a, b = u.chain.span(u.first, u.last, u.last_act)
+            calls = u.chain.items[a:b]
+            between = [run.through[c] for c in calls[:-1]]
+            p = _placement(graph, self, calls, u.activation, u.last_act, between)
+            d = u.decision
+            if p is None:  # no module calls them all: no region to compute it in
+                placed.append((dataclasses.replace(
+                    d, action="left alone", unit="", how="", bytes_per_row=0,
+                    why="its layers share no container that calls them in sequence"), None))
+                continue
+            note = p.note
+            if p.passes:
+                note = "; ".join(filter(None, [_through(p.passes), note]))
+            masks: Dict[int, int] = {}
+            for slot, k in p.passes:
+                if not passes_through(slot.module):
+                    masks[k] = masks.get(k, 0) + 1
+            w = stored_weight(calls[0].module)
+            freed = mask_bytes(masks, u.chain.layers[u.first:], u.chain.activations[u.first:],
+                               w is not None and w.device.type == "cuda")
+            d = dataclasses.replace(d, where=p.where, how=p.how,
+                                    bytes_per_row=d.bytes_per_row + freed,
+                                    why=d.why + (f"; {note}" if note else ""))
+            placed.append((arguments_note(graph, p, d), p))
+        labels = [s.label for s in run.calls]
+        position = {label: i for i, label in enumerate(labels)}
+        by_label = {s.label: s for s in run.calls}
+        out = []
+        for d, p in sorted(placed, key=lambda dp: position.get(dp[0].layers[0], len(labels))):
+            if p is None:
+                d = dataclasses.replace(d, where=_where(graph, [by_label[x] for x in d.layers]))
+            if run.stop and labels[-1] in d.layers:
+                d = dataclasses.replace(d, why=f"{d.why}; the run stops after {labels[-1]}: "
+                                               f"{run.stop}")
+            out.append((d, p))
+        return out
+
+    def runtime(self, graph: ModelGraph, p: Placement, decision: Optional[Decision]) -> _Run:
+        layer_calls = p.layer_calls
+        return _Run(
+            labels=[s.label for s in layer_calls], members=[s.module for s in layer_calls],
+            layers=[s.module for s in layer_calls[0::2]], last_activation=p.last_act,
+            activation=p.activation,
+            sequences=[(seq, graph.path_of(seq)) for seq in p.sequences], slots=p.slots,
+            unhooked=[(m, graph.path_of(m)) for m in p.unhooked]
+            + [(s.module, s.label) for s in layer_calls],
+            owner=p.owner, calls=p.calls,
+            elements=[(s.container, s.name) for s in layer_calls if s.node is None],
+            decision=decision, passes=[(slot.module, slot.label, k) for slot, k in p.passes])
+
+
+def _problem(graph: ModelGraph, s: LayerCall) -> Optional[str]:
+    """What keeps a call from a run: its module, or how it is called."""
+    if s.node is None and foreign_forward(s.container):
+        return f"{graph.path_of(s.container) or '<model>'}: {INSTANCE_FORWARD}"
+    if s.node is not None:
+        p = graph.child_problem(s.container, s.trace, s.name, s.label, s.module)
+        if p is not None:
+            return p
+    return linear_problem(s.module) if s.kind is LayerKind.LINEAR else \
+        activation_problem(s.module)
+
+
+def _inner_fates(run: Run) -> Dict[int, Fate]:
+    """Activation j's output goes to a Dropout drawing a mask, which keeps only that."""
+    out = {}
+    for j, call in enumerate(run.calls[1::2]):
+        drawing = [p for p in run.through.get(call, ()) if not passes_through(p.module)]
+        if drawing:
+            out[j] = Fate(False, f"its user {drawing[0].label} (Dropout, p={drawing[0].module.p})"
+                                 f" keeps only its mask (in train(); in eval() it passes the "
+                                 f"value on)")
+    return out
+
+
+def _through(passes: Sequence[Tuple[Slot, int]]) -> str:
+    slots = [slot for slot, _ in passes]
+    drawing = [slot.label for slot in slots if not passes_through(slot.module)]
+    return ("through " + ", ".join(f"{s.label} ({passing_name(s.module)})" for s in slots) +
+            (f"; {', '.join(drawing)} " +
+             ("draws its mask" if len(drawing) == 1 else "draw their masks") +
+             " inside the unit, which keeps the generator's state and draws "
+             + ("it" if len(drawing) == 1 else "them") + " again in backward"
+             if drawing else "") +
+            "; a call in which one of them draws a mask fuse cannot draw computes module by "
+            "module")
+
+
+# ------------------------------------------------------------------------------------------------
+# Where a unit of module calls is computed
+
+def _call_parent(graph: ModelGraph, m: nn.Module) -> Optional[nn.Module]:
+    if len(graph.paths.get(id(m), [])) != 1:
+        return None
+    caller = graph.caller_of(m)
+    return caller[0] if caller is not None else None
+
+
+def _ancestry(graph: ModelGraph, layer_calls: Sequence[LayerCall]):
+    """Each call's containers from its own upward, and the lowest one they share."""
+    chains = []
+    for s in layer_calls:
+        chain = [s.container]
+        while len(chain) < 256:
+            p = _call_parent(graph, chain[-1])
+            if p is None:
+                break
+            chain.append(p)
+        chains.append(chain)
+    ids = [{id(c) for c in chain} for chain in chains]
+    lca = next((c for c in chains[0] if all(id(c) in x for x in ids)), None)
+    return chains, lca
+
+
+def _where(graph: ModelGraph, layer_calls: Sequence[LayerCall]) -> str:
+    _, lca = _ancestry(graph, layer_calls)
+    return graph.path_of(lca) if lca is not None else ""
+
+
+def _below(graph: ModelGraph, upper: nn.Module, lower: nn.Module) -> str:
+    """The name under which ``upper`` reaches ``lower`` ("2", or "blocks.0" through a
+    ModuleList)."""
+    up, low = graph.path_of(upper), graph.path_of(lower)
+    return low[len(up) + 1:] if up else low
+
+
+def _descent(graph: ModelGraph, call: LayerCall, chain: List[nn.Module], lca: nn.Module):
+    """[(container, name)] from the lca down to the call: each container on the way and the
+    name of what it holds next."""
+    ids = [id(c) for c in chain]
+    path = chain[:ids.index(id(lca)) + 1][::-1]  # lca, ..., call.container
+    steps = [(upper, _below(graph, upper, lower)) for upper, lower in zip(path, path[1:])]
+    return steps + [(call.container, call.name)]
+
+
+def _before(steps):
+    """The elements of each nested container before the run's first layer."""
+    out = []
+    for seq, name in steps:
+        names = list(seq._modules)
+        if names.index(name):
+            out.append((seq, tuple(names[:names.index(name)])))
+    return tuple(out)
+
+
+def _after(steps):
+    """... and after its last layer, innermost first."""
+    out = []
+    for seq, name in reversed(steps):
+        names = list(seq._modules)
+        if names.index(name) + 1 < len(names):
+            out.append((seq, tuple(names[names.index(name) + 1:])))
+    return tuple(out)
+
+
+def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
+               activation: LayerActivations, last_act: bool,
+               between: Sequence[Sequence[Slot]] = ()) -> Optional[Placement]:
+    """Where the unit of these calls is computed: by the Sequential holding them all, or inside
+    the forward of their lowest common caller (the owner), whose calls become members (an
+    Identity or Dropout a forward calls between them too: ``between[i]``, after call i); None
+    when no module calls them all."""
+    chains, lca = _ancestry(graph, layer_calls)
+    if lca is None:
+        return None
+    inside: Dict[int, nn.Module] = {}  # containers below the lca that hold layers of the run
+    for chain in chains:
+        for c in chain:
+            if c is lca:
+                break
+            inside[id(c)] = c
+    p = Placement("", graph.path_of(lca), layer_calls, activation, last_act, kind)
+    first = _descent(graph, layer_calls[0], chains[0], lca)
+    last = _descent(graph, layer_calls[-1], chains[-1], lca)
+    p.sequences = [c for c in inside.values() if is_sequential(c)]
+    p.unhooked = list(inside.values())
+    p.passes = [(slot, i) for i, slots in enumerate(between) for slot in slots]
+    p.slots += [slot for slot, _ in p.passes]
+    p.unhooked += [slot.holder for slot, _ in p.passes
+                   if is_sequential(slot.holder) and slot.holder not in p.unhooked]
+    crossed = [c for c in inside.values() if not is_sequential(c)]  # their forwards run it
+    if is_sequential(lca):
+        if crossed:  # a Sequential computes its elements: it marks no region
+            return None
+        names = list(lca._modules)
+        i0, i1 = names.index(first[0][1]), names.index(last[0][1])
+        p.parts.append(PartPlan(lca, tuple(names[i0:i1 + 1]), PartRole.WHOLE, 0,
+                                _before(first[1:]), _after(last[1:])))
+        p.how = "sequential" if len(first) == 1 and len(last) == 1 else "across"
+        p.sequences.insert(0, lca)
+        if p.how == "across":
+            crossed = ", ".join(graph.path_of(c) for c in inside.values())
+            p.note = (f"it crosses {crossed} inside {p.where or '<model>'}, which computes the "
+                      f"whole run; called on its own, each of them computes its own layers")
+        return p
+    # The calls the run is made of, in order: child Linear/activation modules of the lca or of a
+    # module whose forward it crosses, or the outermost Sequential on the way down to a layer.
+    # Each becomes a member of the run.
+    units: List[Any] = []
+    for i, (s, chain) in enumerate(zip(layer_calls, chains)):
+        below = chain[:[id(c) for c in chain].index(id(lca))]
+        u = next((c for c in reversed(below) if is_sequential(c)), s)
+        if not units or units[-1] is not u:
+            units.append(u)
+        # a module a forward calls between two calls of the run passes the run's output on
+        units += [LayerCall(slot.holder, slot.name, slot.module, LayerKind.PASS, slot.label)
+                  for slot in (between[i] if i < len(between) else ())
+                  if not is_sequential(slot.holder)]
+    for c in crossed:
+        holder, hpath, hname = graph.parent[graph.paths[id(c)][0]]
+        p.slots.append(Slot(holder, hname, c, join_path(hpath, hname)))
+        at = _below(graph, lca, c)
+        p.guards += [g._replace(path=join_path(at, g.path) if g.path else at)
+                     for g in graph.trace_of(c).guards]
+    for k, u in enumerate(units):
+        if isinstance(u, LayerCall):
+            p.members.append(MemberPlan(u, k))
+            if u.kind is not LayerKind.PASS:  # a pass's slot is there already
+                p.slots.append(Slot(u.container, u.name, u.module, u.label))
+            p.calls.append(u.label)
+            continue
+        holder, hpath, hname = graph.parent[graph.paths[id(u)][0]]
+        p.slots.append(Slot(holder, hname, u, join_path(hpath, hname)))
+        p.calls.append(graph.path_of(u))
+        names = list(u._modules)
+        if k == 0:
+            down = _descent(graph, layer_calls[0], chains[0], u)
+            p.parts.append(PartPlan(u, tuple(names[names.index(down[0][1]):]), PartRole.FIRST,
+                                    0, _before(down[1:]), ()))
+        elif k == len(units) - 1:
+            down = _descent(graph, layer_calls[-1], chains[-1], u)
+            p.parts.append(PartPlan(u, tuple(names[:names.index(down[0][1]) + 1]), PartRole.ON,
+                                    k, (), _after(down[1:])))
+        else:
+            p.parts.append(PartPlan(u, tuple(names), PartRole.ON, k, (), ()))
+        alone = _alone(u, layer_calls)
+        if alone:
+            p.alone[id(u)] = alone
+    p.how = "children" if all(isinstance(u, LayerCall) and u.container is lca for u in units) \
+        else "across"
+    p.owner = lca
+    where = p.where or "<model>"
+    method = graph.trace_of(lca).method
+    if p.how == "across":
+        crosses = ", ".join([graph.path_of(c) for c in crossed] or p.calls)
+        p.note = (f"it crosses {crosses} in {where}: inside {where}.{method}, "
+                  f"{p.calls[0]} computes the whole run and {', '.join(p.calls[1:])} "
+                  f"pass{'es' if len(p.calls) == 2 else ''} its output on; called any other "
+                  f"way, each computes its own layers")
+        for alone_calls in p.alone.values():
+            p.note += (f" ({alone_calls[0].label}..{alone_calls[-1].label} as one run of "
+                       f"its own)")
+    return p
+
+
+def _alone(seq: nn.Module, layer_calls: Sequence[LayerCall]) -> Optional[List[LayerCall]]:
+    """The longest stretch of the run's layers that are consecutive elements of ``seq``, from a
+    Linear to a Linear with at least two of them: a run seq computes fused when called on its own
+    (its inner activations feed only its next Linear; where its output goes is not known
+    there)."""
+    best: List[LayerCall] = []
+    stretch: List[LayerCall] = []
+    for s in list(layer_calls) + [None]:
+        if s is not None and s.node is None and s.container is seq and \
+                (not stretch or s.index == stretch[-1].index + 1):
+            stretch.append(s)
+            continue
+        while stretch and stretch[0].kind is not LayerKind.LINEAR:
+            stretch.pop(0)
+        while stretch and stretch[-1].kind is not LayerKind.LINEAR:
+            stretch.pop()
+        if len(stretch) >= 3 and len(stretch) > len(best):
+            best = stretch
+        stretch = [s] if s is not None and s.node is None and s.container is seq else []
+    return best or None
+
+
+PLAIN = Plain()

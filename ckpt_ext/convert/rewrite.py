@@ -1,0 +1,241 @@
+"""The rewrite kind (``rewrite=True``): chains in a forward's code that hold a function call
+(``F.linear``, ``torch.tanh``, ``F.gelu``, ...) or a Linear held in a list, fused by replacing
+the forward's code with code generated from its graph, each unit one fused call; the owner's
+``_OwnerForward`` compiles (and pickles by) that source. The code is generated when the plan is
+made, so a forward that cannot be rewritten is refused before anything changes. Without
+``rewrite=True``, or where a forward cannot be rewritten, such chains are near misses."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from torch import fx, nn
+
+from ..modules import as_mlp_argument
+from .. import ops
+from .conditions import activation_problem, linear_problem
+from .facts import (LINEAR_FUNCTIONS, data_input, is_conv1d, linear_args, module_tensors,
+                    node_activation, node_label, unsupported_reason)
+from .graph import LayerKind, ModelGraph, node_kind
+from .policy import Chain, LayerShape, Unit, decide, item_misses, layer_shape
+from .report import Decision
+from .tracing import Trace
+from .units import Options, Placement, UnitKind
+
+
+@dataclass
+class ForwardChains:
+    """The chains of one module's forward that hold a function call, and their near misses."""
+    path: str
+    owner: nn.Module
+    trace: Trace
+    chains: List[Chain] = field(default_factory=list)
+    misses: List[Decision] = field(default_factory=list)
+    failure: Optional[str] = None  # why its forward could not be rewritten
+
+
+def _getattr_path(root: Any, target: str) -> Any:
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _stored_attr(root: nn.Module, target: str) -> Any:
+    """``getattr`` along a dotted path that evaluates nothing: a parametrized attribute gives its
+    stored original, not the tensor its parametrization would compute."""
+    from torch.nn.utils import parametrize
+
+    *parents, name = target.split(".")
+    obj = _getattr_path(root, ".".join(parents)) if parents else root
+    if isinstance(obj, nn.Module) and parametrize.is_parametrized(obj, name):
+        return next(iter(obj.parametrizations[name].parameters()), None)
+    return getattr(obj, name)
+
+
+def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rewrite: bool,
+                   taken: set) -> ForwardChains:
+    """Chains in one module's graph that hold a function call or a Linear held in a list: to
+    rewrite (``rewrite`` and the forward can be rewritten), else near misses. Chains of direct
+    child modules only are other kinds'."""
+    kinds = {n: None if n in taken else node_kind(n, owner) for n in t.graph.nodes}
+    kind = {n: k[0] if k else None for n, k in kinds.items()}
+    where = path or "<model>"
+
+    def nxt(n: fx.Node) -> Optional[fx.Node]:
+        users = list(n.users)
+        if len(users) != 1:
+            return None
+        u = users[0]
+        want = LayerKind.ACTIVATION if kind[n] is LayerKind.LINEAR else LayerKind.LINEAR
+        return u if kind[u] == want and data_input(u) is n else None
+
+    def own_problem(n: fx.Node) -> Optional[str]:
+        """What the layer itself keeps from being fused, wherever it is called."""
+        if n.op == "call_module":
+            sub = owner.get_submodule(n.target)
+            return linear_problem(sub) if kind[n] is LayerKind.LINEAR else \
+                activation_problem(sub)
+        if kind[n] is LayerKind.ACTIVATION:
+            return kinds[n][1].problem
+        _, w, _ = linear_args(n)
+        if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+            return f"{node_label(n, path)}'s weight is not an attribute of {where}"
+        return unsupported_reason(_stored_attr(owner, w.target))
+
+    def member_problem(n: fx.Node) -> Optional[str]:
+        label = node_label(n, path)
+        if n.op != "call_module":
+            return (f"{label} is a function call: fusing it rewrites {where}.forward"
+                    + ("" if rewrite else "; pass rewrite=True to allow that"))
+        if "." in n.target:
+            return f"{label} is not a direct child of {where}"
+        return graph.child_problem(owner, t, n.target, label, owner.get_submodule(n.target)) \
+            or own_problem(n)
+
+    def rewrite_problem(n: fx.Node) -> Optional[str]:
+        if t.rewrite_problem is not None:
+            return f"{where}.forward cannot be rewritten: {t.rewrite_problem}"
+        return own_problem(n)
+
+    def layer_of(n: fx.Node) -> Optional[LayerShape]:
+        if n.op == "call_module":
+            return layer_shape(node_label(n, path), owner.get_submodule(n.target))
+        _, w, _ = linear_args(n)
+        if isinstance(w, fx.Node) and w.op == "get_attr":
+            wt = _stored_attr(owner, w.target)
+            return LayerShape("F.linear", wt.shape[1], wt.shape[0], wt.element_size())
+        return None
+
+    has_prev = {nxt(n) for n in t.graph.nodes if kind[n] is not None} - {None}
+    out = ForwardChains(path, owner, t)
+    for n in t.graph.nodes:
+        if kind[n] is LayerKind.LINEAR and len(n.users) > 1 and \
+                any(kind[u] is LayerKind.ACTIVATION for u in n.users):
+            out.misses.append(Decision(path, (node_label(n, path),), "left alone", "", "", 0, 0,
+                                       0, f"its output has {len(n.users)} users, so it is kept "
+                                          f"for the others anyway"))
+        if kind[n] is not LayerKind.LINEAR or n in has_prev or nxt(n) is None:
+            continue
+        items = [n]
+        while nxt(items[-1]) is not None:
+            items.append(nxt(items[-1]))
+        only = [x.op != "call_module" or "." in x.target for x in items]
+        if not any(only):
+            continue  # module calls only: another kind's
+        labels = [node_label(x, path) for x in items]
+        rw = [rewrite_problem(x) for x in items]
+        layers = [layer_of(x) for x in items[0::2]]
+        if rewrite and all(p is None for p in rw) and all(lay is not None for lay in layers):
+            names = tuple(kinds[x][1].name for x in items[1::2])
+            last = items[-1]
+            modules = [owner.get_submodule(x.target) if x.op == "call_module" else None
+                       for x in items[1::2]]
+            out.chains.append(Chain(
+                path, "rewrite", labels, items, layers, names, len(items) % 2 == 0,
+                lambda last=last: graph.node_fate(owner, t, last), {},
+                tuple(module_tensors(m, name) for m, name in zip(modules, names))))
+            continue
+        # Not rewritten: the pairs that hold a function call or a Linear held in a list (pairs
+        # of child modules are other kinds', which report their problems themselves).
+        problems = [rw[k] if (rewrite and rw[k] is not None) else member_problem(x)
+                    for k, x in enumerate(items)]
+        in_pair = [only[k - k % 2] or (k - k % 2 + 1 < len(items) and only[k - k % 2 + 1])
+                   for k in range(len(items))]
+        out.misses.extend(item_misses(path, labels, [p if in_pair[k] else None
+                                                     for k, p in enumerate(problems)]))
+    return out
+
+
+class Rewrite(UnitKind):
+    def find(self, graph: ModelGraph, taken: set, options: Options) -> List[ForwardChains]:
+        return [forward_chains(graph, path, m, t, options.rewrite, taken)
+                for path, m, t in graph.analysed if not t.already_rewritten]
+
+    def decide(self, graph: ModelGraph, f: ForwardChains, options: Options):
+        units: List[Unit] = []
+        misses: List[Decision] = []
+        for chain in f.chains:
+            chain_units, chain_misses = decide(chain, options.policy)
+            units += chain_units
+            misses += chain_misses
+        return units, misses + f.misses
+
+    def place(self, graph: ModelGraph, f: ForwardChains, units: Sequence[Unit],
+              misses: Sequence[Decision]):
+        if not units:
+            return [(d, None) for d in misses]
+        try:
+            source = _rewritten(f.owner, f.trace.graph, units, f.trace.counts)
+        except Exception as e:  # refused rather than guessed: the forward is left alone
+            f.failure = f"forward not rewritten: {type(e).__name__}: {e}"
+            return [(dataclasses.replace(u.decision, action="left alone", unit="", how="",
+                                         why=f"the forward rewrite failed: {e}"), None)
+                    for u in units] + [(d, None) for d in misses]
+        p = Placement("rewrite", f.path, [], "", False, self, f, owner=f.owner, source=source)
+        return [(u.decision, p) for u in units] + [(d, None) for d in misses]
+
+    def nodes(self, f: ForwardChains, units: Sequence[Unit]):
+        return [x for chain in f.chains for x in chain.items if x.op == "call_module"]
+
+    def not_analysed(self, f: ForwardChains) -> List[Tuple[str, str]]:
+        return [(f.path, f.failure)] if f.failure else []
+
+    def key(self, p: Placement):
+        return ("rewrite", p.owner)
+
+
+def _rewritten(owner: nn.Module, traced: fx.Graph, units: Sequence[Unit],
+               counts: Sequence[Tuple[str, str, int]] = ()) -> str:
+    """The source of ``owner``'s forward with each unit's nodes replaced by one fused call (on a
+    copy of the traced graph), which first adds to each count (path, name, delta) what a call of
+    the class's forward adds."""
+    graph = fx.Graph()
+    copied: Dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(traced, copied))
+    for u in units:
+        nodes = [copied[n] for n in u.items]
+        lins = nodes[0::2]
+        x = data_input(lins[0])
+        with graph.inserting_before(nodes[-1]):  # after every weight's own get_attr
+            ws, bs = [], []
+            for n in lins:
+                if n.op == "call_module":
+                    sub = owner.get_submodule(n.target)
+                    w = graph.get_attr(f"{n.target}.weight")
+                    ws.append(graph.call_method("t", (w,)) if is_conv1d(sub) else w)
+                    bs.append(graph.get_attr(f"{n.target}.bias") if sub.bias is not None else None)
+                else:
+                    _, w, b = linear_args(n)
+                    ws.append(w)
+                    bs.append(b)
+            fn = ops.named_form(u.activation, len(lins), u.last_act)
+            if fn is ops.mlp:
+                new = graph.call_function(fn, (x, ws, bs), {
+                    "activation": as_mlp_argument(u.activation), "last_activation": u.last_act})
+            elif fn is ops.linear_tanh:
+                new = graph.call_function(fn, (x, ws[0], bs[0]))
+            else:
+                new = graph.call_function(fn, (x, ws, bs, u.last_act))
+        nodes[-1].replace_all_uses_with(new)
+        for n in reversed(nodes):
+            graph.erase_node(n)
+    graph.lint()
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            _getattr_path(owner, n.target)  # AttributeError: a constant fx made on the copy
+    from torch.fx.graph_module import _format_import_block
+    from torch.package import sys_importer
+    code = graph.python_code(root_module="self")
+    src = code.src
+    if counts:
+        head, sep, body = src.partition("):\n")  # after the def line
+        replay = "".join(f"    _ckpt_ext_m = self.get_submodule({path!r}); "
+                         f"_ckpt_ext_m.{name} = _ckpt_ext_m.{name} + {delta!r}\n"
+                         for path, name, delta in counts)
+        src = head + sep + replay + body
+    return _format_import_block(code.globals, sys_importer) + "\n" + src
+
+
+REWRITE = Rewrite()
