@@ -13,10 +13,9 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
-from .conditions import linear_problem
-from .facts import foreign_forward, is_linear, is_sequential, join_path, module_activation, \
-    node_label
-from .graph import LayerKind, ModelGraph, node_kind
+from .facts import OUR_MODULES, LayerKind, foreign_forward, join_path, linear_problem, \
+    module_activation
+from .graph import ModelGraph
 from .tracing import Trace
 
 _VIEWS = {operator.getitem, torch.chunk, torch.split, torch.narrow, "chunk", "split", "view",
@@ -29,7 +28,7 @@ def unaccounted(graph: ModelGraph, named: Iterable[str]) -> List[Tuple[str, str]
     decisions and not_analysed entries name) does not hold, in module order."""
     named = set(named)
     return [(path, _why(graph, path, m)) for path, m in graph.modules
-            if path not in named and is_linear(m)]
+            if path not in named and graph.facts[id(m)].kind is LayerKind.LINEAR]
 
 
 def _why(graph: ModelGraph, path: str, m: nn.Module) -> str:
@@ -38,7 +37,7 @@ def _why(graph: ModelGraph, path: str, m: nn.Module) -> str:
         return f"it is held at {len(places)} places ({', '.join(places)})"
     if foreign_forward(m):
         return linear_problem(m)
-    caller = graph.caller_of(m)
+    caller = graph.caller.get(id(m))
     if caller is None:
         return "it is the model itself: nothing follows it"
     parent, ppath, target = caller
@@ -46,9 +45,11 @@ def _why(graph: ModelGraph, path: str, m: nn.Module) -> str:
     if hasattr(parent, "lora_A") and hasattr(parent, "lora_B"):
         return (f"inside the LoRA wrapper {caller} ({type(parent).__name__}): base_layer(x) + "
                 f"lora_B(lora_A(x))·scaling is a sum, not a Linear/activation run")
-    if is_sequential(parent):
+    if graph.facts[id(parent)].sequential:
         return _in_sequential(parent, ppath, target) or linear_problem(m) or \
             "no activation fuse computes follows it"
+    if isinstance(parent, OUR_MODULES):
+        return f"its caller {caller} is ckpt_ext's {type(parent).__name__}, which computes it fused"
     if type(parent).__module__.startswith("torch."):
         return (f"its caller {caller} is torch.nn.{type(parent).__name__}, whose forward is "
                 f"torch's own code, which fuse does not analyse")
@@ -99,7 +100,7 @@ def _in_graph(graph: ModelGraph, owner: nn.Module, caller: str, t: Trace,
     users = list(node.users)
     if len(users) != 1:
         return f"its output has {len(users)} users in {caller}.{t.method}"
-    gated = _gated(owner, users[0], 0)
+    gated = _gated(graph, users[0], 0)
     if gated:
         return (f"gated product: {gated} (a GLU MLP) of a form fuse does not compute fused: only "
                 f"down(act(gate(x)) * up(x)) of child Linears, or of one Linear split by "
@@ -107,23 +108,23 @@ def _in_graph(graph: ModelGraph, owner: nn.Module, caller: str, t: Trace,
     return f"its output goes to {_describe(owner, caller, users[0])}, not an activation"
 
 
-def _gated(owner: nn.Module, u: fx.Node, depth: int) -> Optional[str]:
+def _gated(graph: ModelGraph, u: fx.Node, depth: int) -> Optional[str]:
     """'act(x) * y' when u (through views) is an activation whose output is multiplied by
     another tensor, or u is that product itself."""
     if depth > 4:
         return None
     if _is(u, _PRODUCTS) and sum(isinstance(a, fx.Node) for a in u.args) == 2:
         return "its output is multiplied by another tensor"
-    kind = node_kind(u, owner)
-    if kind is not None and kind[0] is LayerKind.ACTIVATION or \
-            (u.op == "call_module" and module_activation(owner.get_submodule(u.target))):
+    nf = graph.nodes[u]
+    if nf.kind is LayerKind.ACTIVATION:
         for v in u.users:
             if _is(v, _PRODUCTS) and sum(isinstance(a, fx.Node) for a in v.args) == 2:
-                return f"{node_label(u, '') if kind else u.target}(its output) * another tensor"
+                what = u.target if u.op == "call_module" else nf.label
+                return f"{what}(its output) * another tensor"
         return None
     if _is(u, _VIEWS):
         for v in u.users:
-            found = _gated(owner, v, depth + 1)
+            found = _gated(graph, v, depth + 1)
             if found:
                 return found
     return None

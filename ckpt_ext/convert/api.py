@@ -7,6 +7,7 @@ from torch import nn
 
 from .accounting import unaccounted
 from .applying import apply_plan, undo_all
+from .facts import survey
 from .graph import ModelGraph
 from .planning import make_plan
 from .policy import Policy
@@ -37,8 +38,9 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
     if policy not in POLICIES:
         raise ValueError(f"ckpt_ext.fuse: policy must be one of {', '.join(map(repr, POLICIES))},"
                          f" got {policy!r}")
-    traces, not_analysed = trace_model(model) if trace else ({}, [])  # on a meta copy
-    graph = ModelGraph(model, traces)
+    facts = survey(model)
+    traces, not_analysed = trace_model(model, facts) if trace else ({}, [])  # on a meta copy
+    graph = ModelGraph(model, facts, traces)
     plan = make_plan(graph, Options(Policy(policy), rewrite))  # before anything changes
     if not dry_run:
         apply_plan(graph, plan)

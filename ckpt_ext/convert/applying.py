@@ -13,9 +13,8 @@ from ..modules import collapse_activations
 from .graph import ModelGraph
 from .planning import Plan
 from .plain import PLAIN
-from .facts import is_sequential
 from .runtime import (FusedSequential, PartRole, RunLinear, RunMember, _Guard, _OwnerForward,
-                      _Run, _RunPart, member_class, owner_wrappers, parts_of)
+                      _Run, _RunPart, member_class)
 from .units import Placement
 
 
@@ -38,7 +37,7 @@ def _parts(graph: ModelGraph, p: Placement, run: _Run) -> List[tuple]:
 
 def _set_parts(seq: nn.Module, parts: List[_RunPart]) -> None:
     """Give seq exactly these parts (in element order); leave it as it is if it has them."""
-    if [p.key for p in parts_of(seq)] == [p.key for p in parts]:
+    if [p.key for p in getattr(seq, "_ckpt_ext_runs", ())] == [p.key for p in parts]:
         return
     if not parts and type(seq) is nn.Sequential:
         return
@@ -55,7 +54,7 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
     owner_runs: Dict[int, List[_Run]] = {}
     crossed_guards: Dict[int, List[_Guard]] = {}
     sources: Dict[int, str] = {}
-    members = set()
+    members, classes = set(), {}
     for p, d, run in plan.placed:
         if p.source is not None:
             sources[id(p.owner)] = p.source
@@ -63,7 +62,9 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
         run = run if run is not None else p.kind.runtime(graph, p, d)
         for call, k in p.members:
             m = call.module
-            m.__class__ = member_class(type(m))  # a subclass: same object, parameters and keys
+            if type(m) not in classes:
+                classes[type(m)] = member_class(type(m))
+            m.__class__ = classes[type(m)]  # a subclass: same object, parameters and keys
             m._ckpt_ext_run, m._ckpt_ext_index = run, k
             members.add(id(m))
         for seq, part in _parts(graph, p, run):
@@ -77,11 +78,11 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
             m.__class__ = type(m)._ckpt_ext_base
             for name in ("_ckpt_ext_run", "_ckpt_ext_index"):
                 vars(m).pop(name, None)
-        if is_sequential(m):
+        if graph.facts[id(m)].sequential:
             _set_parts(m, parts.get(id(m), []))
-        t = graph.trace_of(m)
+        t = graph.trace.get(id(m))
         method = t.method if t is not None else "forward"
-        for name, wrapper in owner_wrappers(m).items():
+        for name, wrapper in _owner_wrappers(m):
             if name != method or (id(m) not in owner_runs and wrapper.source is None):
                 del vars(m)[name]  # a region no run of this plan needs
         fwd = vars(m).get(method)
@@ -109,5 +110,10 @@ def undo_all(model: nn.Module) -> None:
             m.__class__ = nn.Sequential
         for name in ("_ckpt_ext_run", "_ckpt_ext_index", "_ckpt_ext_runs"):
             vars(m).pop(name, None)
-        for name in owner_wrappers(m):
+        for name, _ in _owner_wrappers(m):
             del vars(m)[name]
+
+
+def _owner_wrappers(m: nn.Module):
+    """(name, wrapper) of the forward and methods fuse set on this instance."""
+    return [(k, v) for k, v in vars(m).items() if isinstance(v, _OwnerForward)]

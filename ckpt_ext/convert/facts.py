@@ -1,18 +1,22 @@
-"""What the converter knows of modules, activations and ops, in one place: which module is a
-Linear of a run (``nn.Linear``, transformers' ``Conv1D``) and its weight as stored, which module
-or call computes which activation of ``ckpt_ext.ACTIVATIONS`` (read from the registry's rows,
-ckpt_ext/_activations.py), which modules return their input, and what an op or module does with
-the tensor it is given (keeps it for backward, frees it, views it): the tables the fates of
-values read. Derived from the registry and the ops wherever they can be; nothing here is
-evaluated on the user's tensors."""
+"""What fuse knows of modules and calls, and what must hold of them. Which module is a Linear of a
+run (``nn.Linear``, transformers' ``Conv1D``), which module or call computes which activation of
+``ckpt_ext.ACTIVATIONS`` (the registry's rows, ckpt_ext/_activations.py), which modules return
+their input, what an op does with the tensor it is given; :func:`survey` reads it of every
+module of a model at once, :func:`node_facts` of every node of a traced forward. The
+*conditions* are objects that check and describe themselves (``holds()``, ``describe()``): fuse
+refuses a unit with the description of one that does not hold, and the unit's run builds the
+same conditions from what it keeps and checks them at every call. Nothing here evaluates the
+user's tensors."""
 from __future__ import annotations
 
+import enum
 import inspect
 import operator
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+import torch.nn.modules.module as _module_hooks  # the hooks registered for every module
 from torch import fx, nn
 from torch.nn.parameter import UninitializedTensorMixin
 from torch.nn.utils import parametrize
@@ -20,7 +24,8 @@ from torch.nn.utils import parametrize
 from .. import _C, modules as _modules, ops
 from .._activation_modules import Recognised, module_activation
 from .._activations import REGISTRY, CallForm, stock_tensors
-from ..modules import _has_hooks as has_hooks  # noqa: F401  (the one hooks test)
+from ..modules import _has_hooks as has_hooks
+from . import dropout_unit
 
 __all__ = ["Recognised", "module_activation", "has_hooks"]
 
@@ -30,13 +35,11 @@ def join_path(prefix: str, name: str) -> str:
 
 
 class SetByFuse:
-    """The base of what fuse sets on a module instance (runtime's owner forward): any other
-    ``forward`` on an instance is someone else's."""
+    """The base of what fuse sets on a module instance: any other ``forward`` there is someone
+    else's (accelerate's ``add_hook_to_module``), which a fused op would not call."""
 
 
 def foreign_forward(m: nn.Module) -> bool:
-    """Whether someone other than fuse set ``forward`` on this instance (accelerate's
-    ``add_hook_to_module`` does): a fused op computing this module's output would not call it."""
     fwd = vars(m).get("forward")
     return fwd is not None and not isinstance(fwd, SetByFuse)
 
@@ -50,28 +53,24 @@ def is_sequential(m: Any) -> bool:
     return isinstance(m, nn.Module) and base_type(m) is nn.Sequential
 
 
-# ------------------------------------------------------------------------------------------------
-# Linears: nn.Linear and transformers' Conv1D (x·W + b, W stored (in, out))
-
 def conv1d_class(cls: type) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections): x·W + b with W stored (in, out)."""
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
 
 
 def is_conv1d(m: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (GPT-2's projections)."""
     return conv1d_class(base_type(m))
 
 
 def is_linear(m: Any) -> bool:
-    """A Linear of a run: an ``nn.Linear`` (any subclass: ``linear_problem`` says which it
-    refuses) or a transformers ``Conv1D``."""
+    """An ``nn.Linear`` (any subclass: :func:`linear_problem` says which it refuses) or a
+    ``Conv1D``."""
     return isinstance(m, nn.Linear) or (isinstance(m, nn.Module) and is_conv1d(m))
 
 
 def stored_weight(lin: nn.Module) -> Optional[torch.Tensor]:
-    """The tensor a Linear's weight is stored in, read without evaluating anything: the parameter,
-    or a parametrization's original (whose dtype and device the computed weight has). None for a
-    lazy, uninitialised parameter."""
+    """The tensor a Linear's weight is stored in, read without evaluating anything (a
+    parametrization's original has the computed weight's dtype and device); None while lazy."""
     w = lin._parameters.get("weight")
     if w is None and parametrize.is_parametrized(lin, "weight"):
         w = next(iter(lin.parametrizations["weight"].parameters()), None)
@@ -79,18 +78,15 @@ def stored_weight(lin: nn.Module) -> Optional[torch.Tensor]:
 
 
 def linear_weight(lin: nn.Module) -> torch.Tensor:
-    """The weight as the ops take it, (out, in): a Conv1D's transposed, a view (the ops compute
-    with either layout and give its gradient that layout)."""
+    """The weight as the ops take it, (out, in): a Conv1D's transposed, a view."""
     return lin.weight.t() if is_conv1d(lin) else lin.weight
 
 
 def features(lin: nn.Module) -> Tuple[int, int]:
-    """(in, out) features of a Linear or a Conv1D."""
     return tuple(lin.weight.shape) if is_conv1d(lin) else (lin.in_features, lin.out_features)
 
 
 def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
-    """None when the ops run on this weight's device and dtype, else why not."""
     if weight is None:
         return None
     if weight.dtype not in ops.SUPPORTED_DTYPES:
@@ -99,13 +95,6 @@ def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
         return f"device {weight.device} is not supported by this build of the fused op"
     return None
 
-
-INSTANCE_FORWARD = ("its forward is set on the instance (an instance forward, as accelerate's "
-                    "add_hook_to_module sets), which the fused op would not call")
-
-
-# ------------------------------------------------------------------------------------------------
-# Modules a run may go through: Identity and Dropout
 
 def passes_through(m: nn.Module) -> bool:
     """Whether the module returns its input, the very tensor: ``nn.Identity``, or an
@@ -119,17 +108,10 @@ def may_pass(m: nn.Module) -> bool:
     return base_type(m) in (nn.Identity, nn.Dropout)
 
 
-def draws_mask(m: nn.Module) -> bool:
-    return isinstance(m, nn.Dropout) and m.p > 0 and m.training
-
-
 def passing_name(m: nn.Module) -> str:
     return f"Dropout(p={m.p}{'' if m.training else ', eval'})" if isinstance(m, nn.Dropout) \
         else base_type(m).__name__
 
-
-# ------------------------------------------------------------------------------------------------
-# Activations: the registry's rows, as modules and as calls in forward code
 
 #: Whether stock autograd keeps z for each activation (its backward reads z, not the output).
 SAVES_INPUT = {name: row.saves_input for name, row in REGISTRY.items()}
@@ -144,8 +126,7 @@ def tensors_per_layer(name: str) -> int:
 def module_tensors(m: Optional[nn.Module], name: Optional[str]) -> int:
     """:func:`tensors_per_layer` for an activation as it is called: by module ``m`` as its class
     computes it (a formula of several ops, transformers' ``NewGELUActivation``, keeps more than
-    the one op: its class's forward runs on 8 values), or by a call (``m`` None: the op's own
-    count); 0 where it computes no activation."""
+    the one op: its class's forward runs on 8 values), or by a call (``m`` None)."""
     if name is None:
         return 0
     if m is None:
@@ -157,15 +138,272 @@ def module_tensors(m: Optional[nn.Module], name: Optional[str]) -> int:
         return tensors_per_layer(name)
 
 
+class LayerKind(enum.Enum):
+    LINEAR = "Linear"
+    ACTIVATION = "activation"
+    PASS = "pass"  # an Identity or Dropout between them, a member of a run in its owner's forward
+
+
+# ------------------------------------------------------------------------------------------------
+# Conditions
+
+INSTANCE_FORWARD = ("its forward is set on the instance (an instance forward, as accelerate's "
+                    "add_hook_to_module sets), which the fused op would not call")
+
+
+class OwnForward(NamedTuple):
+    module: nn.Module
+    who: str
+
+    def holds(self) -> bool:
+        return not foreign_forward(self.module)
+
+    def describe(self) -> str:
+        return f"{self.who}: {INSTANCE_FORWARD}"
+
+
+class NoHooks(NamedTuple):
+    module: nn.Module
+    who: str
+    because: str = "which the fused op would not call"
+
+    def holds(self) -> bool:
+        return not has_hooks(self.module)
+
+    def describe(self) -> str:
+        return f"{self.who} has hooks, {self.because}"
+
+
+class Slot(NamedTuple):
+    """A module of a unit held where fuse found it: ``holder._modules[name] is module``."""
+    holder: nn.Module
+    name: str
+    module: nn.Module
+    label: str
+
+    def holds(self) -> bool:
+        return self.holder._modules.get(self.name) is self.module
+
+    def describe(self) -> str:
+        return f"{self.label} was replaced"
+
+
+class Elements(NamedTuple):
+    """A Sequential a unit goes through, with exactly these elements."""
+    seq: nn.Module
+    label: str
+    names: Tuple[str, ...]
+    modules: Tuple[nn.Module, ...]
+
+    def holds(self) -> bool:
+        return len(self.seq._modules) == len(self.names) and all(
+            name == want and m is mod for (name, m), want, mod in
+            zip(self.seq._modules.items(), self.names, self.modules))
+
+    def describe(self) -> str:
+        return f"the elements of {self.label or '<model>'} changed"
+
+
+class Computes(NamedTuple):
+    """An activation module computing activation ``name``."""
+    module: nn.Module
+    label: str
+    name: str
+
+    def holds(self) -> bool:
+        found = module_activation(self.module)
+        return found is not None and found.name == self.name
+
+    def describe(self) -> str:
+        return f"{self.label} no longer computes {self.name}"
+
+
+class OfClass(NamedTuple):
+    module: nn.Module
+    label: str
+    classes: Tuple[type, ...]
+
+    def holds(self) -> bool:
+        return type(self.module) in self.classes
+
+    def describe(self) -> str:
+        return f"{self.label} changed class"
+
+
+class Supported(NamedTuple):
+    """A Linear whose weight's dtype and device the ops take."""
+    layer: nn.Module
+
+    def holds(self) -> bool:
+        return unsupported_reason(stored_weight(self.layer)) is None
+
+    def describe(self) -> str:
+        return unsupported_reason(stored_weight(self.layer)) or ""
+
+
+class OneDtypeDevice(NamedTuple):
+    """Linears whose weights share one dtype and device."""
+    layers: Tuple[nn.Module, ...]
+    labels: Tuple[str, ...]
+
+    def holds(self) -> bool:
+        weights = [stored_weight(layer) for layer in self.layers]
+        return None not in weights and len({(w.dtype, w.device) for w in weights}) == 1
+
+    def describe(self) -> str:
+        weights = [stored_weight(layer) for layer in self.layers]
+        if None in weights:
+            return "a weight is not made yet (a lazy layer)"
+        return ("its Linears' weights are of different dtypes or devices (" + ", ".join(
+            f"{label}: {w.dtype} on {w.device}" for label, w in zip(self.labels, weights)) + ")")
+
+
+class MaskInside(NamedTuple):
+    """A Dropout of a run after its item ``item`` (Linear j is item 2j, its activation 2j + 1)
+    that returns its input, or draws its mask after an activation, where the unit draws it."""
+    module: nn.Module
+    label: str
+    item: int
+
+    def holds(self) -> bool:
+        return passes_through(self.module) or self.item % 2 == 1
+
+    def describe(self) -> str:
+        return (f"{self.label} (Dropout, p={self.module.p}) draws a mask in training between a "
+                f"Linear and its activation, which the fused run does not compute")
+
+
+class MasksDrawable(NamedTuple):
+    """A unit whose Dropouts draw masks now can draw them inside (not while torch.compile traces,
+    a torch.func transform or forward-mode AD runs)."""
+    run: Any  # its masks(): the p of each Dropout drawing now
+
+    def holds(self) -> bool:
+        return not self.run.masks() or dropout_unit.unsupported() is None
+
+    def describe(self) -> str:
+        return f"a Dropout of the run draws a mask in training and {dropout_unit.unsupported()}"
+
+
+class NoGlobalHooks(NamedTuple):
+    def holds(self) -> bool:
+        return not (_module_hooks._global_forward_hooks or
+                    _module_hooks._global_forward_pre_hooks or
+                    _module_hooks._global_backward_hooks or
+                    _module_hooks._global_backward_pre_hooks)
+
+    def describe(self) -> str:
+        return "hooks registered for every module, which the fused run would not call"
+
+
+class NotJitTracing(NamedTuple):
+    def holds(self) -> bool:
+        return not torch.jit.is_tracing()  # it records what each module computes on its own
+
+    def describe(self) -> str:
+        return "torch.jit.trace is recording the model"
+
+
+GLOBAL = (NotJitTracing(), NoGlobalHooks())
+ACROSS = "which a run computed across it would not call"
+
+
+def of_weights(layers: Sequence[nn.Module], labels: Sequence[str]):
+    return [Supported(layers[0]), OneDtypeDevice(tuple(layers), tuple(labels))]
+
+
+def failing(conditions: Iterable) -> Optional[str]:
+    """The description of the first condition that does not hold, else None."""
+    for c in conditions:
+        if not c.holds():
+            return c.describe()
+    return None
+
+
+def linear_problem(lin: nn.Module) -> Optional[str]:
+    """What keeps a Linear from any unit, wherever it is called."""
+    if foreign_forward(lin):
+        return OwnForward(lin, "the Linear").describe()
+    if not is_conv1d(lin) and base_type(lin) is not nn.Linear:
+        name = type(lin).__name__
+        if parametrize.is_parametrized(lin):
+            return (f"{name}: its weight is computed by a parametrization "
+                    f"({', '.join(lin.parametrizations)}), which the fused op would not run")
+        if isinstance(lin, nn.modules.lazy.LazyModuleMixin):
+            return f"{name} is a lazy layer: its weight is made at its first call"
+        return f"{name} subclasses nn.Linear; its forward may not be F.linear"
+    return failing([NoHooks(lin, "the Linear"), Supported(lin)])
+
+
+def activation_problem(act: nn.Module, found: Optional[Recognised]) -> Optional[str]:
+    """What keeps an activation module (``found``: what it computes) from any unit."""
+    if found is None or found.problem is not None:
+        return found.problem if found is not None else f"{type(act).__name__} is no activation"
+    who = f"the {base_type(act).__name__}"
+    return failing([OwnForward(act, who), NoHooks(act, who)])
+
+
+# ------------------------------------------------------------------------------------------------
+# The survey of a model's modules
+
+class Fact(NamedTuple):
+    """What fuse knows of one module, read once per fuse()."""
+    kind: Optional[LayerKind]       # a Linear or an activation module, else None
+    found: Optional[Recognised]     # what an activation module computes
+    sequential: bool
+    passes: bool                    # an Identity or Dropout: a run may go through it
+    traced: bool                    # it has a forward of its own that fuse traces
+    problem: Optional[str]          # a Linear's or activation's: what keeps it from any unit
+    width: Tuple[int, int, int] = (0, 0, 0)  # a Linear's in, out, and its weight's itemsize
+
+
+#: torch.nn's own modules are not traced, but for a transformer layer's Python feed-forward block
+_TORCH_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+#: every module class of ckpt_ext.modules computes its own fused op
+OUR_MODULES = tuple(c for c in vars(_modules).values() if isinstance(c, type) and
+                    issubclass(c, nn.Module) and c.__module__ == _modules.__name__)
+
+
+def survey(model: nn.Module) -> Dict[int, Fact]:
+    """The :class:`Fact` of every module of ``model``, by id."""
+    out: Dict[int, Fact] = {}
+    for m in model.modules():
+        kind, found, problem, width = None, None, None, (0, 0, 0)
+        if is_linear(m):
+            kind, problem = LayerKind.LINEAR, linear_problem(m)
+            w = stored_weight(m)  # lazy: 0 bytes
+            width = (*features(m), w.element_size() if w is not None else 0)
+        else:
+            found = module_activation(m)
+            if found is not None:
+                kind, problem = LayerKind.ACTIVATION, activation_problem(m, found)
+        cls = type(m)
+        seq = is_sequential(m)
+        traced = not (seq or kind is LayerKind.LINEAR and is_conv1d(m) or
+                      isinstance(m, (nn.ModuleList, nn.ModuleDict) + OUR_MODULES) or
+                      hasattr(cls, "_ckpt_ext_base") or cls.forward is nn.Module.forward or
+                      cls.__module__.startswith("torch.") and cls not in _TORCH_LAYERS)
+        out[id(m)] = Fact(kind, found, seq, may_pass(m), traced, problem, width)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Calls in forward code: what each fx node of a traced forward computes
+
 def _sig(*params: Tuple[str, Any]) -> inspect.Signature:
     return inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                 default=d) for p, d in params])
 
 
 _INPUT = ("input", inspect.Parameter.empty)
+LINEAR_FUNCTIONS = (F.linear, torch._C._nn.linear)
+LINEAR_SIGNATURE = _sig(_INPUT, ("weight", inspect.Parameter.empty), ("bias", None))
+DROPOUT_SIGNATURE = _sig(_INPUT, ("p", 0.5), ("training", True), ("inplace", False))
+DROPOUT_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                     torch.dropout}
 
 
-def _reader(forms: List[Tuple[str, CallForm]]) -> Callable[[Dict[str, Any]], Recognised]:
+def _reader(forms: List[Tuple[str, CallForm]]):
     """The activation whose form's wanted values the call's other arguments have, else why not."""
     def read(args: Dict[str, Any]) -> Recognised:
         for name, form in forms:
@@ -220,16 +458,6 @@ def node_activation(node: fx.Node) -> Optional[Tuple[Recognised, Any, str]]:
     return read(args), x, label
 
 
-# ------------------------------------------------------------------------------------------------
-# Linears in forward code, and what a node of any spelling is
-
-LINEAR_FUNCTIONS = (F.linear, torch._C._nn.linear)
-LINEAR_SIGNATURE = _sig(_INPUT, ("weight", inspect.Parameter.empty), ("bias", None))
-DROPOUT_SIGNATURE = _sig(_INPUT, ("p", 0.5), ("training", True), ("inplace", False))
-DROPOUT_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
-                     torch.dropout}
-
-
 def linear_args(node: fx.Node):
     """(input, weight, bias) of an ``F.linear`` call; TypeError when they do not bind."""
     bound = LINEAR_SIGNATURE.bind(*node.args, **node.kwargs)
@@ -237,50 +465,46 @@ def linear_args(node: fx.Node):
     return bound.arguments["input"], bound.arguments["weight"], bound.arguments["bias"]
 
 
-def data_input(node: fx.Node) -> Any:
-    """The node's tensor input if it takes exactly one data input the usual way, else None."""
-    if node.op == "call_function" and node.target in LINEAR_FUNCTIONS:
-        x, w, b = linear_args(node)
-        return x if all(a is not x for a in (w, b)) else None
-    if node.op != "call_module":
-        found = node_activation(node)
-        if found is not None:
-            return found[1]
-    if len(node.args) == 1 and not node.kwargs:
-        return node.args[0]
-    return None
+class NodeFact(NamedTuple):
+    """What one node of a traced forward computes."""
+    kind: Optional[LayerKind]       # a Linear or an activation, of any spelling
+    found: Optional[Recognised]     # what an activation computes
+    label: str                      # "fc1" (a child's path), "F.linear", "torch.tanh", ...
+    input: Any                      # its one data input taken the usual way, else None
+    child: Optional[nn.Module]      # the direct child it calls (call_module, no dotted target)
+    only: Optional[fx.Node]         # its one positional node argument, else None
 
 
-def node_label(node: fx.Node, owner_path: str) -> str:
-    if node.op == "call_module":
-        return join_path(owner_path, node.target)
-    if node.op == "call_function" and node.target in LINEAR_FUNCTIONS:
-        return "F.linear"
-    return node_activation(node)[2]
-
-
-def one_input(n: fx.Node) -> Optional[fx.Node]:
-    return n.args[0] if len(n.args) == 1 and not n.kwargs and isinstance(n.args[0], fx.Node) \
-        else None
-
-
-def child(owner: nn.Module, n: Any, test: Callable[[nn.Module], bool]) -> Optional[nn.Module]:
-    """The direct child ``n`` calls, when ``n`` is a call_module node of one that passes
-    ``test``."""
-    if not isinstance(n, fx.Node) or n.op != "call_module" or "." in n.target:
-        return None
-    sub = owner._modules.get(n.target)
-    return sub if sub is not None and test(sub) else None
-
-
-def activation_of(owner: nn.Module, n: fx.Node) -> Optional[Tuple[Recognised, Any]]:
-    """(what it computes, its child module or None for a call) when ``n`` is an activation."""
-    if n.op == "call_module":
-        sub = owner._modules.get(n.target) if "." not in n.target else None
-        found = module_activation(sub) if sub is not None else None
-        return (found, sub) if found is not None else None
-    found = node_activation(n)
-    return (found[0], None) if found is not None else None
+def node_facts(graph: fx.Graph, owner: nn.Module, path: str,
+               facts: Dict[int, Fact]) -> Dict[fx.Node, NodeFact]:
+    out: Dict[fx.Node, NodeFact] = {}
+    for n in graph.nodes:
+        kind = found = sub = None
+        label, x = "", None
+        only = n.args[0] if len(n.args) == 1 and not n.kwargs and \
+            isinstance(n.args[0], fx.Node) else None
+        if n.op == "call_module":
+            m = owner.get_submodule(n.target)
+            sub = m if "." not in n.target else None
+            fact = facts.get(id(m))
+            if fact is not None and fact.kind is not None:
+                kind, found = fact.kind, fact.found
+            label = join_path(path, n.target)
+        elif n.op == "call_function" and n.target in LINEAR_FUNCTIONS:
+            try:
+                x, w, b = linear_args(n)
+                kind, label = LayerKind.LINEAR, "F.linear"
+                x = x if all(a is not x for a in (w, b)) else None
+            except TypeError:
+                pass
+        else:
+            act = node_activation(n)
+            if act is not None:
+                kind, (found, x, label) = LayerKind.ACTIVATION, act
+        if x is None and n.op == "call_module" or (kind is None and label == ""):
+            x = n.args[0] if len(n.args) == 1 and not n.kwargs else None
+        out[n] = NodeFact(kind, found, label, x, sub, only)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,16 +539,12 @@ FREEING_METHODS = {"add", "sub", "add_", "sub_", "neg", "sum", "mean", "clone", 
 SCALING_FUNCTIONS = {operator.mul, operator.truediv, operator.imul, operator.itruediv,
                      torch.mul, torch.div}
 SCALING_METHODS = {"mul", "div", "mul_", "div_"}
-#: the fused ops keep their input x, as a Linear does
 KEEPING_FUNCTIONS = {*LINEAR_FUNCTIONS, torch.matmul, torch.mm, torch.bmm, operator.matmul,
                      torch.einsum, F.layer_norm, F.mse_loss, torch.pow, operator.pow,
                      *ops.PUBLIC_OPS} | _acts(True, "calls")
 KEEPING_METHODS = {"matmul", "mm", "bmm", "pow"} | _acts(True, "methods")
 PASS_THROUGH_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten)
 FREEING_MODULES = (nn.Softmax, nn.LogSoftmax) + _act_modules(False)
-#: every module class of ckpt_ext.modules keeps its input, as an nn.Linear does
-OUR_MODULES = tuple(c for c in vars(_modules).values() if isinstance(c, type) and
-                    issubclass(c, nn.Module) and c.__module__ == _modules.__name__)
 KEEPING_MODULES = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.GroupNorm, nn.MultiheadAttention,
                    nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm) + OUR_MODULES + \
     _act_modules(True)

@@ -14,11 +14,10 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 from torch import fx, nn
 
-from .conditions import activation_problem, linear_problem, of_weights
-from .facts import (DISPLAY, SAVES_INPUT, Recognised, activation_of, child, data_input,
-                    module_tensors, node_label, one_input, stored_weight)
+from .facts import (DISPLAY, SAVES_INPUT, LayerKind, OneDtypeDevice, Recognised, module_tensors,
+                    stored_weight)
 from .graph import ModelGraph
-from .policy import LayerShape, gemm, layer_shape
+from .policy import LayerShape, gemm
 from .report import Decision
 from .runtime import _GatedRun
 from .tracing import Trace
@@ -48,16 +47,14 @@ class GatedCall:
     nodes: Tuple[fx.Node, ...]        # every node of the pattern
     labels: Tuple[str, ...]           # the Linears and the activation, in call order
     problems: Tuple[str, ...] = ()
+    not_analysed = ()
+
+    @property
+    def takes(self) -> Tuple[fx.Node, ...]:
+        return () if self.problems else self.nodes
 
     def child(self, n: fx.Node) -> nn.Module:
         return self.owner._modules[n.target]
-
-    def label(self, n: fx.Node) -> str:
-        return node_label(n, self.path)
-
-
-def _is_linear(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear)
 
 
 def _chunk_input(c: Any) -> Optional[fx.Node]:
@@ -78,18 +75,25 @@ def _chunk_input(c: Any) -> Optional[fx.Node]:
 
 
 def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
-    act = activation_of(owner, a)
-    if act is None or len(a.users) != 1 or len(b.users) != 1:
+    nodes = graph.nodes
+
+    def linear(n: Any) -> Optional[nn.Module]:
+        sub = nodes[n].child if isinstance(n, fx.Node) else None
+        return sub if isinstance(sub, nn.Linear) else None
+
+    fa = nodes[a]
+    if fa.kind is not LayerKind.ACTIVATION or (a.op == "call_module" and fa.child is None) or \
+            len(a.users) != 1 or len(b.users) != 1:
         return None
-    y = data_input(a)
+    y = fa.input
     if not isinstance(y, fx.Node) or len(y.users) != 1:
         return None
     packed = gate_second = False
-    gate = child(owner, y, _is_linear)
+    gate = linear(y)
     if gate is not None:  # two Linears of the same input
-        up = child(owner, b, _is_linear)
-        x = one_input(y)
-        if up is None or x is None or one_input(b) is not x:
+        up = linear(b)
+        x = nodes[y].only
+        if up is None or x is None or nodes[b].only is not x:
             return None
         linears, between = [y, b], []
     else:  # gate, up = gate_up(x).chunk(2, dim=-1)
@@ -99,8 +103,8 @@ def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
             return None
         c = y.args[0]
         p = _chunk_input(c)
-        gate, up = child(owner, p, _is_linear), None
-        if gate is None or set(c.users) != {y, b} or len(p.users) != 1 or one_input(p) is None:
+        gate, up = linear(p), None
+        if gate is None or set(c.users) != {y, b} or len(p.users) != 1 or nodes[p].only is None:
             return None
         packed, gate_second = True, y.args[1] == 1
         linears, between = [p], [c, y, b]
@@ -109,12 +113,12 @@ def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
         if len(cur.users) != 1:
             return None
         u = next(iter(cur.users))
-        if child(owner, u, lambda d: type(d) is nn.Dropout) is not None and one_input(u) is cur:
+        if type(nodes[u].child) is nn.Dropout and nodes[u].only is cur:
             dropouts.append(u)
             cur = u
             continue
-        down = child(owner, u, _is_linear)
-        if down is None or one_input(u) is not cur:
+        down = linear(u)
+        if down is None or nodes[u].only is not cur:
             return None
         break
     width = down.in_features
@@ -123,8 +127,8 @@ def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
             (up is None and gate.out_features != 2 * width) or width == 0:
         return None
     linears = sorted(linears, key=order.get) + [u]
-    labels = tuple(node_label(n, path) for n in sorted(linears + [a], key=order.get))
-    g = GatedCall(owner, path, t, tuple(linears), gate, up, down, act[0], a, act[1],
+    labels = tuple(nodes[n].label for n in sorted(linears + [a], key=order.get))
+    g = GatedCall(owner, path, t, tuple(linears), gate, up, down, fa.found, a, fa.child,
                   tuple(dropouts), packed, gate_second,
                   tuple(linears + [a, m] + between + dropouts), labels)
     g.problems = tuple(dict.fromkeys(p for p in _problems(graph, g) if p))
@@ -133,15 +137,14 @@ def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
 
 def _problems(graph: ModelGraph, g: GatedCall):
     owner, t = g.owner, g.trace
-    yield from graph.members_problems(owner, g.path, t, g.linears, linear_problem)
+    yield from graph.members_problems(owner, t, g.linears)
     yield g.act.problem
     if g.act_module is not None:
-        yield activation_problem(g.act_module)
-        yield graph.child_problem(owner, t, g.act_node.target, g.label(g.act_node),
-                                  g.act_module)
+        yield from graph.members_problems(owner, t, [g.act_node])
     for n in g.dropouts:
-        yield graph.child_problem(owner, t, n.target, g.label(n), g.child(n))
-    same = of_weights([g.child(n) for n in g.linears], [g.label(n) for n in g.linears])[1]
+        yield graph.child_problem(owner, t, n.target, graph.nodes[n].label, g.child(n))
+    same = OneDtypeDevice(tuple(map(g.child, g.linears)),
+                          tuple(graph.nodes[n].label for n in g.linears))
     yield None if same.holds() else same.describe()
     yield from graph.placeholder_problems(g.path, owner, t, g.linears,
                                           lambda stmt: _dtype_cast(stmt, g.linears[-1].target))
@@ -193,10 +196,11 @@ class Gated(UnitKind):
         return found
 
     def decide(self, graph: ModelGraph, g: GatedCall, options: Options):
-        labels = [g.label(n) for n in g.linears]
-        gate = layer_shape("gate", g.gate)
-        up = layer_shape("up", g.up) if g.up is not None else None
-        down = layer_shape(labels[-1], g.down)
+        labels = [graph.nodes[n].label for n in g.linears]
+        width = graph.facts
+        gate = LayerShape("gate", *width[id(g.gate)].width)
+        up = LayerShape("up", *width[id(g.up)].width) if g.up is not None else None
+        down = LayerShape(labels[-1], *width[id(g.down)].width)
         name = g.act.name
         masks = [d for d in map(g.child, g.dropouts) if d.p > 0 and d.training]
         weight = stored_weight(g.child(g.linears[0]))
@@ -226,16 +230,13 @@ class Gated(UnitKind):
         return placed_units(graph, units, misses, lambda: child_members(
             graph, self, g, g.path, g.owner, g.trace, g.linears, others, g.act.name))
 
-    def nodes(self, g: GatedCall, units: Sequence[Decision]):
-        return g.nodes if units else ()
-
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _GatedRun:
         g = p.found
         return _GatedRun(
             labels=g.labels, members=[s.module for s in p.layer_calls], gate=g.gate, up=g.up,
             down=g.down, activation=g.act.name, act_module=g.act_module,
             dropouts=[g.child(n) for n in g.dropouts], gate_second=g.gate_second,
-            slots=p.slots, unhooked=[(m, graph.path_of(m)) for m in p.unhooked],
+            slots=p.slots, unhooked=[(m, graph.path[id(m)]) for m in p.unhooked],
             owner=p.owner, calls=p.calls, decision=decision)
 
     def key(self, p: Placement):

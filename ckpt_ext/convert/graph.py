@@ -4,7 +4,7 @@ is isolated): the module tree (every place a module is held), the calls of each 
 forward and each Sequential's elements, and where a value goes across module boundaries — into
 the first element of a Sequential or the forward of a module it is passed to, out of a forward
 that returns it to the call of its module, on to the next element. The queries every unit kind
-asks are methods here: ``caller_of(m)``, ``calls_of(owner, target)``, ``child_problem`` (may a
+asks are here: ``caller[id(m)]``, ``calls[id(owner)][target]``, ``child_problem`` (may a
 run reach this call), ``fate(value)`` (do the consumers keep it for backward), ``follow(call)``
 (the one call that receives a layer's output, and why a run may not take that step),
 ``placeholder_problems`` (may a unit's members pass placeholders in this forward).
@@ -14,7 +14,6 @@ element of a Sequential or a direct child an analysed forward calls; a value's *
 (:class:`Fate`) says whether its consumers keep it for backward."""
 from __future__ import annotations
 
-import enum
 import inspect
 import operator
 from dataclasses import dataclass
@@ -22,21 +21,13 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from torch import fx, nn
 
-from .conditions import NoHooks, OwnForward, Slot, failing
-from .facts import (DROPOUT_FUNCTIONS, DROPOUT_SIGNATURE, FREEING_FUNCTIONS, FREEING_METHODS,
-                    FREEING_MODULES, INSTANCE_FORWARD, KEEPING_FUNCTIONS, KEEPING_METHODS,
-                    KEEPING_MODULES, LINEAR_FUNCTIONS, META_FUNCTIONS, META_METHODS,
-                    PASS_THROUGH_MODULES, linear_args, node_activation,
-                    SAVES_INPUT, SCALING_FUNCTIONS, SCALING_METHODS, VIEW_FUNCTIONS, VIEW_METHODS,
-                    Recognised, is_conv1d, is_linear, is_sequential, join_path, may_pass,
-                    module_activation, passes_through)
+from .facts import (ACROSS, DROPOUT_FUNCTIONS, DROPOUT_SIGNATURE, FREEING_FUNCTIONS,
+                    FREEING_METHODS, FREEING_MODULES, INSTANCE_FORWARD, KEEPING_FUNCTIONS,
+                    KEEPING_METHODS, KEEPING_MODULES, META_FUNCTIONS, META_METHODS,
+                    PASS_THROUGH_MODULES, SAVES_INPUT, SCALING_FUNCTIONS, SCALING_METHODS,
+                    VIEW_FUNCTIONS, VIEW_METHODS, Fact, LayerKind, NodeFact, NoHooks, OwnForward,
+                    Recognised, Slot, failing, module_activation, node_facts)
 from .tracing import Trace, after_branch, statement_source
-
-
-class LayerKind(enum.Enum):
-    LINEAR = "Linear"
-    ACTIVATION = "activation"
-    PASS = "pass"  # an Identity or Dropout between them, a member of a run in its owner's forward
 
 
 @dataclass(eq=False)
@@ -52,10 +43,7 @@ class LayerCall:
     node: Optional[fx.Node] = None
     trace: Optional[Trace] = None
     found: Optional[Recognised] = None  # what an activation computes
-
-    @property
-    def activation(self) -> Optional[str]:
-        return self.found.name if self.found is not None else None
+    activation: Optional[str] = None    # its name
 
 
 class Fate(NamedTuple):
@@ -64,83 +52,56 @@ class Fate(NamedTuple):
     why: str
 
 
-def layer_kind(m: Optional[nn.Module]) -> Optional[Tuple[LayerKind, Optional[Recognised]]]:
-    if m is not None and is_linear(m):
-        return LayerKind.LINEAR, None
-    found = module_activation(m)
-    return (LayerKind.ACTIVATION, found) if found is not None else None
-
-
-def node_kind(node: fx.Node, owner: nn.Module):
-    """(kind, what an activation computes) of a linear / activation node of any spelling
-    (``self.fc``, ``F.linear``, ``torch.tanh``, ``.relu()``), else None."""
-    if node.op == "call_module":
-        return layer_kind(owner.get_submodule(node.target))
-    if node.op == "call_function" and node.target in LINEAR_FUNCTIONS:
-        try:
-            linear_args(node)
-            return LayerKind.LINEAR, None
-        except TypeError:
-            return None
-    found = node_activation(node)
-    return (LayerKind.ACTIVATION, found[0]) if found is not None else None
-
-
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 class ModelGraph:
     """One model's module tree, its traces and the calls they make, and the queries on them."""
 
-    def __init__(self, model: nn.Module, traces: Dict[int, Trace]) -> None:
-        self.model = model
-        self.traces = traces
-        self.paths: Dict[int, List[str]] = {}
+    def __init__(self, model: nn.Module, facts: Dict[int, Fact],
+                 traces: Dict[int, Trace]) -> None:
+        self.model, self.facts, self.traces = model, facts, traces
+        self.paths: Dict[int, List[str]] = {}  # id(module) -> every path it is held at
         self.parent: Dict[str, Tuple[nn.Module, str, str]] = {}  # path -> (parent, path, name)
         self.slots: Dict[int, set] = {}  # id(module) -> {(id(parent), name)}: where it is held
         for path, m in model.named_modules(remove_duplicate=False):
             self.paths.setdefault(id(m), []).append(path)
             for name, c in m._modules.items():
                 if c is not None:
-                    self.parent[join_path(path, name)] = (m, path, name)
+                    self.parent[f"{path}.{name}" if path else name] = (m, path, name)
                     self.slots.setdefault(id(c), set()).add((id(m), name))
         self.modules = list(model.named_modules())
-        self.analysed = [(p, m, self.traces[id(m)]) for p, m in self.modules
-                         if not is_sequential(m) and self.trace_of(m) is not None]
-        self._calls: Dict[int, Dict[str, List[fx.Node]]] = {}
-        self.layer_calls = self._layer_calls()
-
-    # -- the module tree --------------------------------------------------------------------------
-    def path_of(self, m: nn.Module) -> str:
-        return self.paths[id(m)][0]
-
-    def trace_of(self, m: nn.Module) -> Optional[Trace]:
-        t = self.traces.get(id(m))
-        return t if t is not None and t.ok else None
-
-    def caller_of(self, m: nn.Module) -> Optional[Tuple[nn.Module, str, str]]:
-        """(the Sequential or module whose forward calls ``m``, its path, the name it calls ``m``
-        by: "blocks.0" through a ModuleList), from the first place ``m`` is held; None for the
-        model itself."""
-        places = self.paths.get(id(m), [])
-        if not places or places[0] not in self.parent:
-            return None
-        parent, ppath, target = self.parent[places[0]]
-        while isinstance(parent, _CONTAINERS) and ppath in self.parent:
-            parent, ppath, holder = self.parent[ppath]
-            target = f"{holder}.{target}"
-        return parent, ppath, target
-
-    def calls_of(self, owner: nn.Module, target: str) -> List[fx.Node]:
-        """The nodes of ``owner``'s analysed forward that call its submodule ``target``."""
-        calls = self._calls.get(id(owner))
-        if calls is None:
-            calls = self._calls[id(owner)] = {}
-            t = self.trace_of(owner)
-            for n in t.graph.nodes if t is not None else ():
+        #: id(module) -> its (first) path
+        self.path = {id(m): p for p, m in self.modules}
+        #: id(module) -> its analysed trace, where it has one
+        self.trace = {id(m): t for p, m in self.modules
+                      for t in [traces.get(id(m))] if t is not None and t.ok}
+        #: id(module) -> (the Sequential or module whose forward calls it, that one's path, the
+        #: name it calls it by: "blocks.0" through a ModuleList), from its first place
+        self.caller: Dict[int, Tuple[nn.Module, str, str]] = {}
+        for p, m in self.modules:
+            if p in self.parent:
+                parent, ppath, target = self.parent[p]
+                while isinstance(parent, _CONTAINERS) and ppath in self.parent:
+                    parent, ppath, holder = self.parent[ppath]
+                    target = f"{holder}.{target}"
+                self.caller[id(m)] = (parent, ppath, target)
+        self.analysed = [(p, m, self.trace[id(m)]) for p, m in self.modules
+                         if not facts[id(m)].sequential and id(m) in self.trace]
+        #: what each node of every analysed forward computes
+        self.nodes: Dict[fx.Node, NodeFact] = {}
+        #: id(owner) -> {target: the nodes of its analysed forward calling that submodule}
+        self.calls: Dict[int, Dict[str, List[fx.Node]]] = {}
+        for p, m, t in self.analysed:
+            self.nodes.update(node_facts(t.graph, m, p, facts))
+            calls = self.calls[id(m)] = {}
+            for n in t.graph.nodes:
                 if n.op == "call_module":
                     calls.setdefault(n.target, []).append(n)
-        return calls.get(target, [])
+        self.layer_calls = self._layer_calls()
+
+    def calls_of(self, owner: nn.Module, target: str) -> List[fx.Node]:
+        return self.calls.get(id(owner), {}).get(target, [])
 
     def child_problem(self, owner: nn.Module, t: Trace, target: str, label: str,
                       sub: nn.Module) -> Optional[str]:
@@ -149,7 +110,7 @@ class ModelGraph:
         calls = len(self.calls_of(owner, target))
         if calls != 1:
             return f"{label} is called {calls} times"
-        owner_label = self.path_of(owner) or "<model>"
+        owner_label = self.path[id(owner)] or "<model>"
         if t.region_problem is not None:
             return f"{owner_label} cannot mark the run's region: {t.region_problem}"
         node = self.calls_of(owner, target)[0]
@@ -161,14 +122,13 @@ class ModelGraph:
             return f"{label} is also held elsewhere: {', '.join(self.paths[id(sub)][1:])}"
         return None
 
-    def members_problems(self, owner: nn.Module, path: str, t: Trace,
-                         linears: Sequence[fx.Node], problem_of: Callable):
-        """What keeps each child Linear a forward calls from being a member of a unit its region
-        computes (``problem_of``: what keeps the Linear itself from any unit)."""
-        for n in linears:
+    def members_problems(self, owner: nn.Module, t: Trace, children: Sequence[fx.Node]):
+        """What keeps each child a forward calls (a Linear, an activation module) from being a
+        member of a unit its region computes."""
+        for n in children:
             sub = owner._modules[n.target]
-            yield problem_of(sub)
-            yield self.child_problem(owner, t, n.target, join_path(path, n.target), sub)
+            yield self.facts[id(sub)].problem
+            yield self.child_problem(owner, t, n.target, self.nodes[n].label, sub)
 
     def placeholder_problems(self, path: str, owner: nn.Module, t: Trace,
                              linears: Sequence[fx.Node],
@@ -202,29 +162,27 @@ class ModelGraph:
     def _layer_calls(self) -> List[LayerCall]:
         out = []
         for path, m in self.modules:
-            if is_sequential(m):
+            if self.facts[id(m)].sequential:
                 for i, (name, e) in enumerate(m._modules.items()):
-                    kind = layer_kind(e)
-                    if kind:
-                        out.append(LayerCall(m, name, e, kind[0], join_path(path, name), i,
-                                             found=kind[1]))
+                    f = self.facts.get(id(e))
+                    if f is not None and f.kind is not None:
+                        out.append(LayerCall(m, name, e, f.kind, f"{path}.{name}" if path
+                                             else name, i, found=f.found,
+                                             activation=f.found and f.found.name))
                 continue
-            t = self.trace_of(m)
+            t = self.trace.get(id(m))
             if t is None:
                 continue
             # A forward an earlier fuse rewrote calls the child modules its rewrite left alone.
             calls = vars(m)["forward"].source if t.already_rewritten else None
             for node in t.graph.nodes:
-                if node.op != "call_module" or "." in node.target:
+                nf = self.nodes[node]
+                if nf.child is None or nf.kind is None:
                     continue  # a Linear held in a list is only fused by a rewrite
-                if calls is not None and f"self.{node.target}(" not in calls:
-                    continue
-                sub = m._modules.get(node.target)
-                kind = layer_kind(sub)
-                if kind:
-                    out.append(LayerCall(m, node.target, sub, kind[0],
-                                         join_path(path, node.target), node=node, trace=t,
-                                         found=kind[1]))
+                if calls is None or f"self.{node.target}(" in calls:
+                    out.append(LayerCall(m, node.target, nf.child, nf.kind, nf.label, node=node,
+                                         trace=t, found=nf.found,
+                                         activation=nf.found and nf.found.name))
         return out
 
     # -- fates: what the consumers of a value do with it ------------------------------------------
@@ -232,7 +190,7 @@ class ModelGraph:
         """What consumes the call's output."""
         if s.node is None:
             seq = s.container
-            return self.elements_fate(seq, self.path_of(seq), s.index + 1,
+            return self.elements_fate(seq, self.path[id(seq)], s.index + 1,
                                       lambda: self.output_fate(seq), 0)
         return self.node_fate(s.container, s.trace, s.node)
 
@@ -246,8 +204,8 @@ class ModelGraph:
         paths = self.paths.get(id(m), [])
         if len(paths) != 1:
             return Fate(None, f"{paths[0] if paths else 'a module'} sits at {len(paths)} places")
-        parent, ppath, name = self.caller_of(m)
-        if is_sequential(parent) and "." not in name:
+        parent, ppath, name = self.caller[id(m)]
+        if self.facts[id(parent)].sequential and "." not in name:
             if index is not None:
                 return Fate(None, f"{paths[0]} returns a tuple inside an nn.Sequential")
             return self.elements_fate(parent, ppath, list(parent._modules).index(name) + 1,
@@ -284,7 +242,7 @@ class ModelGraph:
 
     def _use_fate(self, owner: nn.Module, t: Trace, node: fx.Node, u: fx.Node,
                   depth: int) -> Fate:
-        opath = self.path_of(owner)
+        opath = self.path[id(owner)]
         if u.op == "output":
             if t.method != "forward":
                 return Fate(None, f"{opath or '<model>'}.{t.method} returns it to callers fuse "
@@ -299,7 +257,7 @@ class ModelGraph:
             return Fate(None, f"{opath or '<model>'} returns it inside a nested structure")
         on_output = (lambda: self.node_fate(owner, t, u, None, depth + 1))
         if u.op == "call_module":
-            label = join_path(opath, u.target)
+            label = self.nodes[u].label
             others = list(u.args[1:]) + list(u.kwargs.values())
             if not u.args or u.args[0] is not node or any(a is node for a in others):
                 return Fate(None, f"passed to {label} other than as its only input")
@@ -346,7 +304,8 @@ class ModelGraph:
                            depth: int) -> Fate:
         """What module ``sub`` does with its input; ``on_output`` answers for its output when it
         only passes the input through."""
-        if is_sequential(sub):
+        fact = self.facts[id(sub)]
+        if fact.sequential:
             return self.elements_fate(sub, label, 0, on_output, depth + 1)
         if isinstance(sub, PASS_THROUGH_MODULES):
             return on_output()
@@ -355,14 +314,14 @@ class ModelGraph:
                                  sub.training, on_output)
         if isinstance(sub, FREEING_MODULES):
             return Fate(False, f"its user {label} ({type(sub).__name__}) does not keep it")
-        if isinstance(sub, KEEPING_MODULES) or is_conv1d(sub):
+        if isinstance(sub, KEEPING_MODULES) or fact.kind is LayerKind.LINEAR:
             return Fate(True, f"kept by {label} ({type(sub).__name__} keeps its input)")
-        found = module_activation(sub)
+        found = fact.found
         if found is not None and found.name is not None:  # transformers' activation modules
             if SAVES_INPUT[found.name]:
                 return Fate(True, f"kept by {label} ({type(sub).__name__} keeps its input)")
             return Fate(False, f"its user {label} ({type(sub).__name__}) does not keep it")
-        ts = self.trace_of(sub)
+        ts = self.trace.get(id(sub))
         if ts is not None and ts.method == "forward":  # a method's inputs are not the module's
             ph = [n for n in ts.graph.nodes if n.op == "placeholder"]
             if ph:
@@ -380,14 +339,15 @@ class ModelGraph:
             if isinstance(e, PASS_THROUGH_MODULES):
                 continue
             rest = (lambda i=i: self.elements_fate(seq, seq_path, i + 1, on_end, depth + 1))
-            return self._module_input_fate(e, join_path(seq_path, names[i]), rest, depth + 1)
+            label = f"{seq_path}.{names[i]}" if seq_path else names[i]
+            return self._module_input_fate(e, label, rest, depth + 1)
         return on_end()
 
     # -- where a layer's output goes next: the one call receiving it ------------------------------
-    def follow(self, s: LayerCall, at: Dict[Tuple[int, Any], LayerCall]) -> \
-            Tuple[Optional[LayerCall], Optional[str], Tuple[Slot, ...]]:
-        """(the call of ``at`` that receives ``s``'s output as its only consumer, why a run may
-        not take that step or None, the Identity and Dropout modules stepped over). The value
+    def follow(self, calls: Sequence[LayerCall]) -> \
+            Dict[LayerCall, Tuple[Optional[LayerCall], Optional[str], Tuple[Slot, ...]]]:
+        """For each of ``calls``: (the one of them that receives its output as its only consumer,
+        why a run may not take that step or None, the Identity and Dropout modules stepped over). The value
         goes between consecutive elements of a Sequential, from a Sequential's last element to
         what consumes the Sequential's output, into the first element of a Sequential it is
         passed to, between children an analysed forward calls, into and out of a child whose
@@ -395,26 +355,29 @@ class ModelGraph:
         Crossing a Sequential or a module needs it to have no hooks and no instance forward, to
         be held at one place and, when a forward calls it, to be called once there, directly;
         its own forward must be one whose guards can be checked."""
-        walk = _Walk(self, at)
-        if s.node is None:
-            found = walk.after_element(s.container, s.index, 0)
-        else:
-            found = walk.after_node(s.container, s.trace, s.node, 0)
-        return found[0], found[1], tuple(walk.passed)
+        at = {(id(s.container), s.name if s.node is None else s.node): s for s in calls}
+        out = {}
+        for s in calls:
+            walk = _Walk(self, at)
+            if s.node is None:
+                found = walk.after_element(s.container, s.index, 0)
+            else:
+                found = walk.after_node(s.container, s.trace, s.node, 0)
+            out[s] = (found[0], found[1], tuple(walk.passed))
+        return out
 
     def crossing_problem(self, c: nn.Module) -> Optional[str]:
         """Why a run may not cross container ``c`` (a Sequential, or a module whose analysed
         forward it passes through), else None."""
         places = self.paths.get(id(c), [])
         label = places[0] if places else f"<a {type(c).__name__}>"
-        problem = failing([NoHooks(c, label, "which a run computed across it would not call"),
-                           OwnForward(c, label)])
+        problem = failing([NoHooks(c, label, ACROSS), OwnForward(c, label)])
         if problem is not None:
             return problem
         if len(places) != 1:
             return f"{label} is held at {len(places)} places ({', '.join(places)})"
-        if not is_sequential(c):
-            t = self.trace_of(c)
+        if not self.facts[id(c)].sequential:
+            t = self.trace.get(id(c))
             if t.region_problem is not None:
                 return f"the run cannot cross {label}.forward: {t.region_problem}"
             if t.arg_guard is not None:
@@ -429,23 +392,24 @@ class _Walk:
     may not take the step) or (None, None) where the value has no single layer call to go to."""
 
     def __init__(self, graph: ModelGraph, at: Dict[Tuple[int, Any], LayerCall]) -> None:
-        self.graph, self.at, self.passed = graph, at, []
+        self.graph, self.at, self.passed, self.facts = graph, at, [], graph.facts
 
     def passing(self, holder: nn.Module, name: str, m: nn.Module, label: str) -> Optional[str]:
         """Note a module the value passes through; why a run may not pass it, else None."""
         self.passed.append(Slot(holder, name, m, label))
-        return failing([NoHooks(m, label, "which a run computed across it would not call"),
-                        OwnForward(m, label)])
+        return failing([NoHooks(m, label, ACROSS), OwnForward(m, label)])
 
     def enter(self, seq: nn.Module, name: str, depth: int):
         call = self.at.get((id(seq), name))
         if call is not None:
             return call, None
         e = seq._modules[name]
-        if is_sequential(e) and depth < 64:
+        fact = self.facts[id(e)]
+        if fact.sequential and depth < 64:
             return self.enter_seq(e, depth + 1)
-        if may_pass(e) and depth < 64:
-            problem = self.passing(seq, name, e, join_path(self.graph.path_of(seq), name))
+        if fact.passes and depth < 64:
+            path = self.graph.path[id(seq)]
+            problem = self.passing(seq, name, e, f"{path}.{name}" if path else name)
             call, why = self.after_element(seq, list(seq._modules).index(name), depth + 1)
             return (call, problem or why) if call is not None else (None, None)
         return None, None
@@ -462,7 +426,7 @@ class _Walk:
     def enter_module(self, m: nn.Module, position: int, n_args: int, depth: int):
         """Into the analysed forward of a module that receives the value as argument
         ``position`` of ``n_args``, all positional."""
-        t = self.graph.trace_of(m)
+        t = self.graph.trace.get(id(m))
         if t is None or t.method != "forward" or t.already_rewritten or depth > 64:
             return None, None
         placeholders = [n for n in t.graph.nodes if n.op == "placeholder"]
@@ -483,28 +447,28 @@ class _Walk:
         """From the output of a Sequential, or of a module whose analysed forward returns the
         value, to where its caller sends it."""
         graph = self.graph
-        caller = graph.caller_of(c)
+        caller = graph.caller.get(id(c))
         if caller is None or depth > 64:
             return None, None  # the model itself
         problem = graph.crossing_problem(c)
         parent, ppath, target = caller
-        if is_sequential(parent) and "." not in target:
-            if not is_sequential(c):  # a Sequential computes its elements: no region in there
+        if self.facts[id(parent)].sequential and "." not in target:
+            if not self.facts[id(c)].sequential:  # a Sequential computes its elements: no region
                 return None, None
             call, why = self.after_element(parent, list(parent._modules).index(target),
                                            depth + 1)
             return call, problem or why
         # A forward rewritten by an earlier fuse still calls its child Sequentials as its class
         # graph says (only function pairs became fused ops), so the run may go through it.
-        t = graph.trace_of(parent)
+        t = graph.trace.get(id(parent))
         calls = graph.calls_of(parent, target) if t is not None else []
         if not calls:
             return None, None
         call, why = self.after_node(parent, t, calls[0], depth + 1)
         if call is None:
             return None, None
-        return call, problem or graph.child_problem(parent, t, target, join_path(ppath, target),
-                                                    c) or why
+        return call, problem or graph.child_problem(
+            parent, t, target, f"{ppath}.{target}" if ppath else target, c) or why
 
     def after_node(self, owner: nn.Module, t: Trace, node: fx.Node, depth: int):
         users = list(node.users)
@@ -527,14 +491,14 @@ class _Walk:
         if depth > 64:
             return None, None
         graph = self.graph
-        label = join_path(graph.path_of(owner), u.target)
-        if may_pass(sub) and len(u.args) == 1 and "." not in u.target:
+        label, fact = graph.nodes[u].label, self.facts[id(sub)]
+        if fact.passes and len(u.args) == 1 and "." not in u.target:
             problem = self.passing(owner, u.target, sub, label)
             call, why = self.after_node(owner, t, u, depth + 1)
             if call is None:
                 return None, None
             return call, problem or graph.child_problem(owner, t, u.target, label, sub) or why
-        if is_sequential(sub):
+        if fact.sequential:
             call, why = self.enter_seq(sub, depth + 1) if len(u.args) == 1 else (None, None)
         else:
             call, why = self.enter_module(sub, at[0], len(u.args), depth + 1)

@@ -16,11 +16,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..modules import collapse_activations
-from .conditions import activation_problem, linear_problem
-from .facts import (Recognised, activation_of, bind, child, data_input, is_linear,
-                    module_tensors, node_label, one_input, stored_weight)
+from .facts import LayerKind, Recognised, bind, module_tensors, stored_weight
 from .graph import Fate, ModelGraph
-from .policy import Chain, chain_problem, decide, layer_shape, mask_bytes
+from .policy import Chain, LayerShape, chain_problem, decide, mask_bytes
 from .report import Decision
 from .runtime import InlineDrop, _InlineRun
 from .tracing import Trace
@@ -41,6 +39,11 @@ class InlineCall:
     nodes: Tuple[fx.Node, ...]   # every node of the run
     labels: Tuple[str, ...]      # its Linears and activations, in call order
     problems: Tuple[str, ...] = ()
+    not_analysed = ()
+
+    @property
+    def takes(self) -> Tuple[fx.Node, ...]:
+        return () if self.problems else self.nodes
 
     def child(self, n: fx.Node) -> nn.Module:
         return self.owner._modules[n.target]
@@ -55,16 +58,16 @@ _DROPOUT_CALLS = {F.dropout: inspect.signature(lambda input, p=0.5, training=Tru
                   torch.dropout: inspect.signature(lambda input, p, train: None)}
 
 
-def _dropout(owner: nn.Module, n: Optional[fx.Node], x: fx.Node, item: int, path: str,
+def _dropout(graph: ModelGraph, n: Optional[fx.Node], x: fx.Node, item: int,
              evals: Dict[fx.Node, fx.Node]) -> Optional[InlineDrop]:
     """``n`` as a Dropout of the run taking ``x``: a child ``nn.Dropout`` or ``nn.Identity``, or
     ``F.dropout`` / ``torch.dropout`` with a constant p and training (not in place)."""
     if n is None:
         return None
-    sub = child(owner, n, lambda m: type(m) in (nn.Dropout, nn.Identity))
-    if sub is not None:
-        return InlineDrop(item, node_label(n, path), sub, getattr(sub, "p", 0.0), (True, True)) \
-            if one_input(n) is x else None
+    nf = graph.nodes[n]
+    if type(nf.child) in (nn.Dropout, nn.Identity):
+        return InlineDrop(item, nf.label, nf.child, getattr(nf.child, "p", 0.0), (True, True)) \
+            if nf.only is x else None
     if n.op != "call_function" or n.target not in _DROPOUT_CALLS or n not in evals:
         return None
     args = bind(n, _DROPOUT_CALLS[n.target])
@@ -83,21 +86,21 @@ def _dropout(owner: nn.Module, n: Optional[fx.Node], x: fx.Node, item: int, path
 
 def _problems(graph: ModelGraph, c: InlineCall):
     owner, t = c.owner, c.trace
-    yield from graph.members_problems(owner, c.path, t, c.linears, linear_problem)
+    yield from graph.members_problems(owner, t, c.linears)
     for found, n, sub in c.acts:
         yield found.problem
         if sub is not None:
-            yield activation_problem(sub)
-            yield graph.child_problem(owner, t, n.target, node_label(n, c.path), sub)
+            yield from graph.members_problems(owner, t, [n])
     for n in c.nodes:
         if n.op == "call_module" and type(c.child(n)) in (nn.Dropout, nn.Identity):
-            yield graph.child_problem(owner, t, n.target, node_label(n, c.path), c.child(n))
-    layers = [c.child(n) for n in c.linears]
-    if any(stored_weight(lin) is None for lin in layers):
-        yield "a weight is not made yet (a lazy layer)"
-    else:
-        yield chain_problem(layers, [node_label(n, c.path) for n in c.linears])
+            yield graph.child_problem(owner, t, n.target, graph.nodes[n].label, c.child(n))
+    yield chain_problem(_shapes(graph, c), [c.child(n) for n in c.linears])
     yield from graph.placeholder_problems(c.path, owner, t, c.linears)
+
+
+def _shapes(graph: ModelGraph, c: InlineCall):
+    return [LayerShape(graph.nodes[n].label, *graph.facts[id(c.child(n))].width)
+            for n in c.linears]
 
 
 class Inline(UnitKind):
@@ -113,32 +116,38 @@ class Inline(UnitKind):
         nodes = list(t.graph.nodes)
         evals = dict(zip(nodes, t.eval_graph.nodes)) if t.eval_graph is not None else \
             {n: n for n in nodes}
+        facts = graph.nodes
+
+        def linear(n: Optional[fx.Node]) -> bool:
+            return n is not None and facts[n].child is not None and \
+                facts[n].kind is LayerKind.LINEAR
+
         found, seen = [], set()
         for n in nodes:
-            if n in taken or n in seen or child(owner, n, is_linear) is None:
+            if n in taken or n in seen or not linear(n):
                 continue
             linears, acts, drops, run = [n], [], [], [n]
             cur = n
             while True:
                 a = _single_user(cur)
-                act = activation_of(owner, a) if a is not None and a not in taken else None
-                if act is None or data_input(a) is not cur:
+                fa = facts[a] if a is not None and a not in taken else None
+                if fa is None or fa.kind is not LayerKind.ACTIVATION or fa.input is not cur or \
+                        (a.op == "call_module" and fa.child is None):
                     break
                 c, between, ds = a, [], []
                 while True:
                     u = _single_user(c)
-                    d = _dropout(owner, u, c, 2 * len(acts) + 1, path, evals)
+                    d = _dropout(graph, u, c, 2 * len(acts) + 1, evals)
                     if d is None:
                         break
                     ds.append(d)
                     between.append(u)
                     c = u
                 nxt = _single_user(c)
-                if nxt is None or nxt in taken or child(owner, nxt, is_linear) is None or \
-                        one_input(nxt) is not c:
+                if nxt is None or nxt in taken or not linear(nxt) or facts[nxt].only is not c:
                     break
                 linears.append(nxt)
-                acts.append((act[0], a, act[1]))
+                acts.append((fa.found, a, fa.child))
                 drops += ds
                 run += [a] + between + [nxt]
                 cur = nxt
@@ -147,9 +156,9 @@ class Inline(UnitKind):
                 continue
             labels = []
             for k, lin in enumerate(linears):
-                labels.append(node_label(lin, path))
+                labels.append(facts[lin].label)
                 if k < len(acts):
-                    labels.append(node_label(acts[k][1], path))
+                    labels.append(facts[acts[k][1]].label)
             call = InlineCall(owner, path, t, tuple(linears), tuple(acts), tuple(drops),
                               tuple(run), tuple(labels))
             call.problems = tuple(dict.fromkeys(p for p in _problems(graph, call) if p))
@@ -159,7 +168,7 @@ class Inline(UnitKind):
     def decide(self, graph: ModelGraph, c: InlineCall, options: Options):
         """The policy's unit over all its Linears (with the masks of the Dropouts drawing now
         counted), or left alone with its problems."""
-        layers = [layer_shape(node_label(n, c.path), c.child(n)) for n in c.linears]
+        layers = _shapes(graph, c)
         names = tuple(found.name for found, _, _ in c.acts)
         if c.problems:
             return [], [Decision(c.path, c.labels, "left alone", "", "", 0, 0, 0,
@@ -176,7 +185,7 @@ class Inline(UnitKind):
             masks[x.item] = masks.get(x.item, 0) + 1
         on_cuda = stored_weight(c.child(c.linears[0])).device.type == "cuda"
         freed = d.bytes_per_row + mask_bytes(masks, layers, names, on_cuda)
-        calls = [node_label(n, c.path) for _, n, sub in c.acts if sub is None] + \
+        calls = [graph.nodes[n].label for _, n, sub in c.acts if sub is None] + \
             [x.label for x in c.drops if x.module is None]
         why = (f"{d.why}; {', '.join(calls)}, between its Linears, "
                f"run on a zero-width placeholder" +
@@ -191,18 +200,15 @@ class Inline(UnitKind):
         return placed_units(graph, units, misses, lambda: child_members(
             graph, self, c, c.path, c.owner, c.trace, c.linears, others, activation))
 
-    def nodes(self, c: InlineCall, units: Sequence[Decision]):
-        return c.nodes if units else ()
-
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _InlineRun:
         c = p.found
         return _InlineRun(
             labels=c.labels, members=[s.module for s in p.layer_calls],
             activation=p.activation,
-            acts=[(sub, graph.path_of(sub), found.name) for found, _, sub in c.acts
+            acts=[(sub, graph.path[id(sub)], found.name) for found, _, sub in c.acts
                   if sub is not None],
             drops=c.drops, slots=p.slots,
-            unhooked=[(m, graph.path_of(m)) for m in p.unhooked], owner=p.owner,
+            unhooked=[(m, graph.path[id(m)]) for m in p.unhooked], owner=p.owner,
             calls=p.calls, decision=decision)
 
     def key(self, p: Placement):

@@ -11,11 +11,10 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from torch import nn
 
 from ..modules import LayerActivations, collapse_activations
-from .conditions import Slot, activation_problem, linear_problem, of_layer, failing
-from .facts import (INSTANCE_FORWARD, foreign_forward, is_sequential, join_path, module_tensors,
-                    passes_through, passing_name, stored_weight)
-from .graph import Fate, LayerCall, LayerKind, ModelGraph
-from .policy import Chain, Unit, chain_problem, decide, item_misses, layer_shape, mask_bytes, \
+from .facts import (LayerKind, OwnForward, Slot, join_path, module_tensors, passes_through,
+                    passing_name, stored_weight)
+from .graph import Fate, LayerCall, ModelGraph
+from .policy import Chain, LayerShape, Unit, chain_problem, decide, item_misses, mask_bytes, \
     split_at_problems
 from .report import Decision
 from .runtime import PartRole, _Run
@@ -29,6 +28,8 @@ class Run(NamedTuple):
     calls: List[LayerCall]
     through: Dict[LayerCall, Tuple[Slot, ...]]
     stop: Optional[str]
+    takes = ()
+    not_analysed = ()
 
 
 class Plain(UnitKind):
@@ -36,12 +37,10 @@ class Plain(UnitKind):
         """Maximal alternating paths Linear, Act, Linear, ... (from a Linear; each activation
         its own), with why each stops where it does."""
         calls = [s for s in graph.layer_calls if s.node is None or s.node not in taken]
-        at = {(id(s.container), s.name if s.node is None else s.node): s for s in calls}
         links: Dict[LayerCall, LayerCall] = {}
         stops: Dict[LayerCall, str] = {}
         through: Dict[LayerCall, Tuple[Slot, ...]] = {}
-        for s in calls:
-            nxt, problem, through[s] = graph.follow(s, at)
+        for s, (nxt, problem, through[s]) in graph.follow(calls).items():
             if nxt is None or nxt.kind == s.kind:
                 continue
             if s.kind is LayerKind.LINEAR:
@@ -77,7 +76,8 @@ class Plain(UnitKind):
         labels = [s.label for s in layer_calls]
         problems = [_problem(graph, s) for s in layer_calls]
         misses = item_misses(at, labels, problems)
-        shapes = [layer_shape(s.label, s.module) for s in layer_calls[0::2]]
+        shapes = [LayerShape(s.label, *graph.facts[id(s.module)].width)
+                  for s in layer_calls[0::2]]
         full = Chain(at, "", labels, layer_calls, shapes,
                      tuple(s.activation for s in layer_calls[1::2]), len(layer_calls) % 2 == 0,
                      lambda: Fate(None, ""), _inner_fates(run),
@@ -87,8 +87,7 @@ class Plain(UnitKind):
             last = layer_calls[e - 1]
             sub = full.sub(s, e, lambda last=last: graph.fate(last))
             sub.where = _where(graph, sub.items)
-            problem = chain_problem([x.module for x in sub.items[0::2]],
-                                    [x.label for x in sub.items[0::2]])
+            problem = chain_problem(sub.layers, [x.module for x in sub.items[0::2]])
             if problem is not None:
                 misses.append(Decision(sub.where, tuple(sub.labels), "left alone", "", "", 0, 0,
                                        0, problem))
@@ -148,8 +147,8 @@ class Plain(UnitKind):
             labels=[s.label for s in layer_calls], members=[s.module for s in layer_calls],
             layers=[s.module for s in layer_calls[0::2]], last_activation=p.last_act,
             activation=p.activation,
-            sequences=[(seq, graph.path_of(seq)) for seq in p.sequences], slots=p.slots,
-            unhooked=[(m, graph.path_of(m)) for m in p.unhooked]
+            sequences=[(seq, graph.path[id(seq)]) for seq in p.sequences], slots=p.slots,
+            unhooked=[(m, graph.path[id(m)]) for m in p.unhooked]
             + [(s.module, s.label) for s in layer_calls],
             owner=p.owner, calls=p.calls,
             elements=[(s.container, s.name) for s in layer_calls if s.node is None],
@@ -158,14 +157,15 @@ class Plain(UnitKind):
 
 def _problem(graph: ModelGraph, s: LayerCall) -> Optional[str]:
     """What keeps a call from a run: its module, or how it is called."""
-    if s.node is None and foreign_forward(s.container):
-        return f"{graph.path_of(s.container) or '<model>'}: {INSTANCE_FORWARD}"
-    if s.node is not None:
+    if s.node is None:
+        own = OwnForward(s.container, graph.path[id(s.container)] or "<model>")
+        if not own.holds():
+            return own.describe()
+    else:
         p = graph.child_problem(s.container, s.trace, s.name, s.label, s.module)
         if p is not None:
             return p
-    return linear_problem(s.module) if s.kind is LayerKind.LINEAR else \
-        activation_problem(s.module)
+    return graph.facts[id(s.module)].problem
 
 
 def _inner_fates(run: Run) -> Dict[int, Fate]:
@@ -199,7 +199,7 @@ def _through(passes: Sequence[Tuple[Slot, int]]) -> str:
 def _call_parent(graph: ModelGraph, m: nn.Module) -> Optional[nn.Module]:
     if len(graph.paths.get(id(m), [])) != 1:
         return None
-    caller = graph.caller_of(m)
+    caller = graph.caller.get(id(m))
     return caller[0] if caller is not None else None
 
 
@@ -221,13 +221,13 @@ def _ancestry(graph: ModelGraph, layer_calls: Sequence[LayerCall]):
 
 def _where(graph: ModelGraph, layer_calls: Sequence[LayerCall]) -> str:
     _, lca = _ancestry(graph, layer_calls)
-    return graph.path_of(lca) if lca is not None else ""
+    return graph.path[id(lca)] if lca is not None else ""
 
 
 def _below(graph: ModelGraph, upper: nn.Module, lower: nn.Module) -> str:
     """The name under which ``upper`` reaches ``lower`` ("2", or "blocks.0" through a
     ModuleList)."""
-    up, low = graph.path_of(upper), graph.path_of(lower)
+    up, low = graph.path[id(upper)], graph.path[id(lower)]
     return low[len(up) + 1:] if up else low
 
 
@@ -276,17 +276,18 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
             if c is lca:
                 break
             inside[id(c)] = c
-    p = Placement("", graph.path_of(lca), layer_calls, activation, last_act, kind)
+    p = Placement("", graph.path[id(lca)], layer_calls, activation, last_act, kind)
     first = _descent(graph, layer_calls[0], chains[0], lca)
     last = _descent(graph, layer_calls[-1], chains[-1], lca)
-    p.sequences = [c for c in inside.values() if is_sequential(c)]
+    p.sequences = [c for c in inside.values() if graph.facts[id(c)].sequential]
     p.unhooked = list(inside.values())
     p.passes = [(slot, i) for i, slots in enumerate(between) for slot in slots]
     p.slots += [slot for slot, _ in p.passes]
     p.unhooked += [slot.holder for slot, _ in p.passes
-                   if is_sequential(slot.holder) and slot.holder not in p.unhooked]
-    crossed = [c for c in inside.values() if not is_sequential(c)]  # their forwards run it
-    if is_sequential(lca):
+                   if graph.facts[id(slot.holder)].sequential and slot.holder not in p.unhooked]
+    # the modules whose forwards run it
+    crossed = [c for c in inside.values() if not graph.facts[id(c)].sequential]
+    if graph.facts[id(lca)].sequential:
         if crossed:  # a Sequential computes its elements: it marks no region
             return None
         names = list(lca._modules)
@@ -296,7 +297,7 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
         p.how = "sequential" if len(first) == 1 and len(last) == 1 else "across"
         p.sequences.insert(0, lca)
         if p.how == "across":
-            crossed = ", ".join(graph.path_of(c) for c in inside.values())
+            crossed = ", ".join(graph.path[id(c)] for c in inside.values())
             p.note = (f"it crosses {crossed} inside {p.where or '<model>'}, which computes the "
                       f"whole run; called on its own, each of them computes its own layers")
         return p
@@ -306,19 +307,19 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
     units: List[Any] = []
     for i, (s, chain) in enumerate(zip(layer_calls, chains)):
         below = chain[:[id(c) for c in chain].index(id(lca))]
-        u = next((c for c in reversed(below) if is_sequential(c)), s)
+        u = next((c for c in reversed(below) if graph.facts[id(c)].sequential), s)
         if not units or units[-1] is not u:
             units.append(u)
         # a module a forward calls between two calls of the run passes the run's output on
         units += [LayerCall(slot.holder, slot.name, slot.module, LayerKind.PASS, slot.label)
                   for slot in (between[i] if i < len(between) else ())
-                  if not is_sequential(slot.holder)]
+                  if not graph.facts[id(slot.holder)].sequential]
     for c in crossed:
         holder, hpath, hname = graph.parent[graph.paths[id(c)][0]]
         p.slots.append(Slot(holder, hname, c, join_path(hpath, hname)))
         at = _below(graph, lca, c)
         p.guards += [g._replace(path=join_path(at, g.path) if g.path else at)
-                     for g in graph.trace_of(c).guards]
+                     for g in graph.trace.get(id(c)).guards]
     for k, u in enumerate(units):
         if isinstance(u, LayerCall):
             p.members.append(MemberPlan(u, k))
@@ -328,7 +329,7 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
             continue
         holder, hpath, hname = graph.parent[graph.paths[id(u)][0]]
         p.slots.append(Slot(holder, hname, u, join_path(hpath, hname)))
-        p.calls.append(graph.path_of(u))
+        p.calls.append(graph.path[id(u)])
         names = list(u._modules)
         if k == 0:
             down = _descent(graph, layer_calls[0], chains[0], u)
@@ -347,9 +348,9 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
         else "across"
     p.owner = lca
     where = p.where or "<model>"
-    method = graph.trace_of(lca).method
+    method = graph.trace.get(id(lca)).method
     if p.how == "across":
-        crosses = ", ".join([graph.path_of(c) for c in crossed] or p.calls)
+        crosses = ", ".join([graph.path[id(c)] for c in crossed] or p.calls)
         p.note = (f"it crosses {crosses} in {where}: inside {where}.{method}, "
                   f"{p.calls[0]} computes the whole run and {', '.join(p.calls[1:])} "
                   f"pass{'es' if len(p.calls) == 2 else ''} its output on; called any other "

@@ -16,7 +16,7 @@ from .inline import INLINE
 from .plain import PLAIN
 from .report import Decision
 from .rewrite import REWRITE
-from .runtime import FusedSequential, RunLinear, RunMember, _OwnerForward, _Run, parts_of
+from .runtime import FusedSequential, RunLinear, RunMember, _OwnerForward, _Run
 from .units import Options, Placement
 
 #: The kinds of unit, in priority order: a node one takes is no later one's.
@@ -72,8 +72,8 @@ def make_plan(graph: ModelGraph, options: Options) -> Plan:
                 already = in_place(graph, p, existing)
                 plan.placed.append(Placed(p, d, already))
                 plan.add(dataclasses.replace(d, action="already fused") if already else d)
-            taken.update(kind.nodes(found, units))
-            plan.not_analysed += kind.not_analysed(found)
+            taken.update(found.takes)
+            plan.not_analysed += found.not_analysed
     return plan
 
 
@@ -93,18 +93,20 @@ def in_place(graph: ModelGraph, p: Placement, existing: Dict[Any, _Run]) -> Opti
     """The run an earlier fuse put in place for exactly this placement, if it is still whole."""
     if p.source is not None:
         return None
+    if not existing:
+        return None
     run = existing.get(p.key)
     if run is None or run.problem() is not None:
         return None
     for seq, key in p.part_keys():
-        if not any(part.key == key and part.run is run for part in parts_of(seq)):
+        if not any(part.key == key and part.run is run for part in getattr(seq, "_ckpt_ext_runs", ())):
             return None
     for call, k in p.members:
         m = call.module
         if getattr(m, "_ckpt_ext_run", None) is not run or m._ckpt_ext_index != k:
             return None
     if p.owner is not None:
-        fwd = vars(p.owner).get(graph.trace_of(p.owner).method)
+        fwd = vars(p.owner).get(graph.trace.get(id(p.owner)).method)
         if not isinstance(fwd, _OwnerForward) or run not in fwd.runs:
             return None
     return run

@@ -15,8 +15,7 @@ from torch import nn
 
 from .. import ops
 from ..modules import LayerActivations, collapse_activations
-from .conditions import OneDtypeDevice
-from .facts import DISPLAY, SAVES_INPUT, features, stored_weight
+from .facts import DISPLAY, SAVES_INPUT, OneDtypeDevice
 from .graph import Fate
 from .report import Decision
 
@@ -33,13 +32,6 @@ class LayerShape(NamedTuple):
     in_features: int
     out_features: int
     itemsize: int   # bytes per element of its activations
-
-
-def layer_shape(label: str, lin: nn.Module) -> LayerShape:
-    """Its widths and itemsize, from its attributes and stored weight: nothing is evaluated (a
-    lazy Linear, whose weight does not exist yet, counts 0 bytes)."""
-    w = stored_weight(lin)
-    return LayerShape(label, *features(lin), w.element_size() if w is not None else 0)
 
 
 def gemm(layer: LayerShape) -> int:
@@ -255,13 +247,13 @@ def split_at_problems(problems: List[Optional[str]], n: int) -> List[Tuple[int, 
     return ranges
 
 
-def chain_problem(layers: Sequence[nn.Module], labels: Sequence[str]) -> Optional[str]:
+def chain_problem(shapes: Sequence[LayerShape], layers: Sequence[nn.Module]) -> Optional[str]:
     """None when the Linear layers of a run chain (widths) and share one dtype and device."""
-    for i, (a, b) in enumerate(zip(layers, layers[1:]), start=1):
-        if features(b)[0] != features(a)[1]:
-            return (f"layer {i}: in_features {features(b)[0]} does not match the previous "
-                    f"Linear's out_features {features(a)[1]}")
-    same = OneDtypeDevice(tuple(layers), tuple(labels))
+    for i, (a, b) in enumerate(zip(shapes, shapes[1:]), start=1):
+        if b.in_features != a.out_features:
+            return (f"layer {i}: in_features {b.in_features} does not match the previous "
+                    f"Linear's out_features {a.out_features}")
+    same = OneDtypeDevice(tuple(layers), tuple(s.label for s in shapes))
     return None if same.holds() else same.describe()
 
 

@@ -14,11 +14,9 @@ from torch import fx, nn
 
 from ..modules import as_mlp_argument
 from .. import ops
-from .conditions import activation_problem, linear_problem
-from .facts import (LINEAR_FUNCTIONS, data_input, is_conv1d, linear_args, module_tensors,
-                    node_activation, node_label, unsupported_reason)
-from .graph import LayerKind, ModelGraph, node_kind
-from .policy import Chain, LayerShape, Unit, decide, item_misses, layer_shape
+from .facts import LayerKind, is_conv1d, linear_args, module_tensors, unsupported_reason
+from .graph import ModelGraph
+from .policy import Chain, LayerShape, Unit, decide, item_misses
 from .report import Decision
 from .tracing import Trace
 from .units import Options, Placement, UnitKind
@@ -32,7 +30,11 @@ class ForwardChains:
     trace: Trace
     chains: List[Chain] = field(default_factory=list)
     misses: List[Decision] = field(default_factory=list)
-    failure: Optional[str] = None  # why its forward could not be rewritten
+    not_analysed: List[Tuple[str, str]] = field(default_factory=list)  # a rewrite that failed
+
+    @property
+    def takes(self) -> List[fx.Node]:
+        return [x for chain in self.chains for x in chain.items if x.op == "call_module"]
 
 
 def _getattr_path(root: Any, target: str) -> Any:
@@ -59,8 +61,8 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
     """Chains in one module's graph that hold a function call or a Linear held in a list: to
     rewrite (``rewrite`` and the forward can be rewritten), else near misses. Chains of direct
     child modules only are other kinds'."""
-    kinds = {n: None if n in taken else node_kind(n, owner) for n in t.graph.nodes}
-    kind = {n: k[0] if k else None for n, k in kinds.items()}
+    facts = graph.nodes
+    kind = {n: None if n in taken else facts[n].kind for n in t.graph.nodes}
     where = path or "<model>"
 
     def nxt(n: fx.Node) -> Optional[fx.Node]:
@@ -69,23 +71,21 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
             return None
         u = users[0]
         want = LayerKind.ACTIVATION if kind[n] is LayerKind.LINEAR else LayerKind.LINEAR
-        return u if kind[u] == want and data_input(u) is n else None
+        return u if kind[u] == want and facts[u].input is n else None
 
     def own_problem(n: fx.Node) -> Optional[str]:
         """What the layer itself keeps from being fused, wherever it is called."""
         if n.op == "call_module":
-            sub = owner.get_submodule(n.target)
-            return linear_problem(sub) if kind[n] is LayerKind.LINEAR else \
-                activation_problem(sub)
+            return graph.facts[id(owner.get_submodule(n.target))].problem
         if kind[n] is LayerKind.ACTIVATION:
-            return kinds[n][1].problem
+            return facts[n].found.problem
         _, w, _ = linear_args(n)
         if not (isinstance(w, fx.Node) and w.op == "get_attr"):
-            return f"{node_label(n, path)}'s weight is not an attribute of {where}"
+            return f"{facts[n].label}'s weight is not an attribute of {where}"
         return unsupported_reason(_stored_attr(owner, w.target))
 
     def member_problem(n: fx.Node) -> Optional[str]:
-        label = node_label(n, path)
+        label = facts[n].label
         if n.op != "call_module":
             return (f"{label} is a function call: fusing it rewrites {where}.forward"
                     + ("" if rewrite else "; pass rewrite=True to allow that"))
@@ -101,7 +101,7 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
 
     def layer_of(n: fx.Node) -> Optional[LayerShape]:
         if n.op == "call_module":
-            return layer_shape(node_label(n, path), owner.get_submodule(n.target))
+            return LayerShape(facts[n].label, *graph.facts[id(owner.get_submodule(n.target))].width)
         _, w, _ = linear_args(n)
         if isinstance(w, fx.Node) and w.op == "get_attr":
             wt = _stored_attr(owner, w.target)
@@ -113,7 +113,7 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
     for n in t.graph.nodes:
         if kind[n] is LayerKind.LINEAR and len(n.users) > 1 and \
                 any(kind[u] is LayerKind.ACTIVATION for u in n.users):
-            out.misses.append(Decision(path, (node_label(n, path),), "left alone", "", "", 0, 0,
+            out.misses.append(Decision(path, (facts[n].label,), "left alone", "", "", 0, 0,
                                        0, f"its output has {len(n.users)} users, so it is kept "
                                           f"for the others anyway"))
         if kind[n] is not LayerKind.LINEAR or n in has_prev or nxt(n) is None:
@@ -124,11 +124,11 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
         only = [x.op != "call_module" or "." in x.target for x in items]
         if not any(only):
             continue  # module calls only: another kind's
-        labels = [node_label(x, path) for x in items]
+        labels = [facts[x].label for x in items]
         rw = [rewrite_problem(x) for x in items]
         layers = [layer_of(x) for x in items[0::2]]
         if rewrite and all(p is None for p in rw) and all(lay is not None for lay in layers):
-            names = tuple(kinds[x][1].name for x in items[1::2])
+            names = tuple(facts[x].found.name for x in items[1::2])
             last = items[-1]
             modules = [owner.get_submodule(x.target) if x.op == "call_module" else None
                        for x in items[1::2]]
@@ -150,8 +150,9 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
 
 class Rewrite(UnitKind):
     def find(self, graph: ModelGraph, taken: set, options: Options) -> List[ForwardChains]:
-        return [forward_chains(graph, path, m, t, options.rewrite, taken)
-                for path, m, t in graph.analysed if not t.already_rewritten]
+        found = [forward_chains(graph, path, m, t, options.rewrite, taken)
+                 for path, m, t in graph.analysed if not t.already_rewritten]
+        return [f for f in found if f.chains or f.misses]
 
     def decide(self, graph: ModelGraph, f: ForwardChains, options: Options):
         units: List[Unit] = []
@@ -169,21 +170,23 @@ class Rewrite(UnitKind):
         try:
             source = _rewritten(f.owner, f.trace.graph, units, f.trace.counts)
         except Exception as e:  # refused rather than guessed: the forward is left alone
-            f.failure = f"forward not rewritten: {type(e).__name__}: {e}"
+            f.not_analysed.append((f.path, f"forward not rewritten: {type(e).__name__}: {e}"))
             return [(dataclasses.replace(u.decision, action="left alone", unit="", how="",
                                          why=f"the forward rewrite failed: {e}"), None)
                     for u in units] + [(d, None) for d in misses]
         p = Placement("rewrite", f.path, [], "", False, self, f, owner=f.owner, source=source)
         return [(u.decision, p) for u in units] + [(d, None) for d in misses]
 
-    def nodes(self, f: ForwardChains, units: Sequence[Unit]):
-        return [x for chain in f.chains for x in chain.items if x.op == "call_module"]
-
-    def not_analysed(self, f: ForwardChains) -> List[Tuple[str, str]]:
-        return [(f.path, f.failure)] if f.failure else []
-
     def key(self, p: Placement):
         return ("rewrite", p.owner)
+
+
+def _input(n: fx.Node) -> Any:
+    """A Linear node's data input (a module call's one argument, F.linear's input)."""
+    if n.op == "call_module":
+        return n.args[0] if len(n.args) == 1 and not n.kwargs else None
+    x, w, b = linear_args(n)
+    return x if all(a is not x for a in (w, b)) else None
 
 
 def _rewritten(owner: nn.Module, traced: fx.Graph, units: Sequence[Unit],
@@ -197,7 +200,7 @@ def _rewritten(owner: nn.Module, traced: fx.Graph, units: Sequence[Unit],
     for u in units:
         nodes = [copied[n] for n in u.items]
         lins = nodes[0::2]
-        x = data_input(lins[0])
+        x = _input(lins[0])
         with graph.inserting_before(nodes[-1]):  # after every weight's own get_attr
             ws, bs = [], []
             for n in lins:

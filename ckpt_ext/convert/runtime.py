@@ -22,14 +22,14 @@ from torch import nn
 from .. import ops
 from ..modules import LayerActivations, as_mlp_argument, each_layer
 from . import dropout_unit
-from .conditions import (GLOBAL, Computes, Elements, MaskInside, MasksDrawable, NoHooks, OfClass,
-                         OwnForward, Slot, failing, of_weights)
-from .facts import SetByFuse, base_type, conv1d_class, join_path, linear_weight, passes_through
+from .facts import (GLOBAL, Computes, Elements, MaskInside, MasksDrawable, NoHooks, OfClass,
+                    OwnForward, SetByFuse, Slot, base_type, conv1d_class, failing, join_path,
+                    linear_weight, of_weights, passes_through)
 
 if TYPE_CHECKING:
     from .report import Decision
 
-__all__ = ["Slot"]  # a run's slots pickle as conditions.Slot; older pickles name it here
+__all__ = ["Slot"]  # a run's slots pickle as facts.Slot; older pickles name it here
 
 
 class _Region(threading.local):
@@ -695,11 +695,6 @@ class _OwnerForward(SetByFuse):
         return new
 
 
-def owner_wrappers(m: nn.Module) -> Dict[str, "_OwnerForward"]:
-    """The forward and methods fuse set on this instance, by name."""
-    return {k: v for k, v in vars(m).items() if isinstance(v, _OwnerForward)}
-
-
 class _Guard(NamedTuple):
     """An attribute the analysed forward read, and the value it read: ``path`` is the module
     holding it, relative to the owner; ``same`` compares by identity (functions, classes), else
@@ -756,7 +751,3 @@ def _compile_forward(source: str) -> Callable:
     scope: Dict[str, Any] = {}
     exec(compile(source, "<ckpt_ext.fuse rewritten forward>", "exec", dont_inherit=True), scope)
     return scope["forward"]
-
-
-def parts_of(seq: nn.Module) -> Tuple[_RunPart, ...]:
-    return seq._ckpt_ext_runs if isinstance(seq, FusedSequential) else ()

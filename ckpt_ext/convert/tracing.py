@@ -26,7 +26,7 @@ from torch import fx, nn
 from torch.nn.parameter import is_lazy
 
 from .arguments import STAND_IN, plan_arguments
-from .facts import OUR_MODULES, is_conv1d, is_sequential, join_path
+from .facts import Fact, join_path
 from .runtime import MISSING, RunLinear, RunMember, _ArgGuard, _Guard, _OwnerForward
 
 
@@ -531,12 +531,13 @@ def _loopless(code: Any) -> bool:
 # ------------------------------------------------------------------------------------------------
 # Every user forward of one model, traced
 
-def trace_model(model: nn.Module) -> Tuple[Dict[int, Trace], List[Tuple[str, str]]]:
+def trace_model(model: nn.Module, facts: Dict[int, Fact]) -> \
+        Tuple[Dict[int, Trace], List[Tuple[str, str]]]:
     """The :class:`Trace` of each module with a forward of its own (by id; ``ok`` False where it
     was not analysed), and (path, why) for each one not analysed, or analysed in part."""
     traces: Dict[int, Trace] = {}
     not_analysed: List[Tuple[str, str]] = []
-    wanted = [(p, m) for p, m in model.named_modules() if _wants_analysis(m)]
+    wanted = [(p, m) for p, m in model.named_modules() if facts[id(m)].traced]
     if not wanted:
         return traces, not_analysed
     with _rng_kept():
@@ -607,21 +608,6 @@ def _only_through_a_method(t: Trace) -> bool:
     """Whether the traced forward calls children, each through a function other than itself."""
     calls = [n for n in t.graph.nodes if n.op == "call_module"]
     return bool(calls) and all(n.name in t.indirect for n in calls)
-
-
-def _wants_analysis(m: nn.Module) -> bool:
-    if is_sequential(m) or isinstance(m, (nn.ModuleList, nn.ModuleDict, RunLinear, RunMember)
-                                      + OUR_MODULES) or \
-            is_conv1d(m):
-        return False
-    if type(m).forward is nn.Module.forward:
-        return False
-    # torch.nn's own modules (Linear, LSTM, ...): no user code to see; but a transformer layer's
-    # feed-forward block is Python code calling its child Linears (``_ff_block``)
-    return not type(m).__module__.startswith("torch.") or type(m) in _TORCH_LAYERS
-
-
-_TORCH_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
 @contextlib.contextmanager

@@ -12,8 +12,8 @@ from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Se
 from torch import fx, nn
 
 from ..modules import LayerActivations
-from .conditions import Slot
-from .graph import LayerCall, LayerKind, ModelGraph
+from .facts import LayerKind, Slot
+from .graph import LayerCall, ModelGraph
 from .policy import Policy
 from .report import Decision
 from .runtime import PartRole, _Guard
@@ -79,11 +79,13 @@ class Placement:
 
 class UnitKind:
     """One kind of unit. ``find`` gives its candidates on the graph that none of ``taken`` (the
-    fx nodes of units of the kinds before it) holds; ``decide`` the units to fuse of one
-    candidate and its near misses (with its problems: what keeps it from being fused);
-    ``place`` the candidate's decisions in the report's order, each unit's with its
-    :class:`Placement` (None: a near miss, or a unit left alone where it has none); ``nodes`` the fx nodes a candidate takes from the kinds after it; ``runtime`` the
-    object applying puts in the model; ``key`` what identifies that object."""
+    fx nodes of units of the kinds before it) holds: each has ``takes`` (the nodes it takes from
+    the kinds after it) and ``not_analysed`` ((path, why) of forwards it found it cannot use,
+    once placed). ``decide`` gives the units to fuse of one candidate and its near misses (with
+    its problems: what keeps it from being fused); ``place`` the candidate's decisions in the
+    report's order, each unit's with its :class:`Placement` (None: a near miss, or a unit left
+    alone where it has none); ``runtime`` the object applying puts in the model; ``key`` what
+    identifies that object."""
 
     def find(self, graph: ModelGraph, taken: set, options: Options) -> Iterable[Any]:
         raise NotImplementedError
@@ -95,13 +97,6 @@ class UnitKind:
     def place(self, graph: ModelGraph, found: Any, units: Sequence[Any],
               misses: Sequence[Decision]) -> List[Tuple[Decision, Optional[Placement]]]:
         raise NotImplementedError
-
-    def nodes(self, found: Any, units: Sequence[Any]) -> Iterable[fx.Node]:
-        return ()
-
-    def not_analysed(self, found: Any) -> List[Tuple[str, str]]:
-        """(path, why) of forwards this candidate found it could not use after all."""
-        return []
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> Any:
         raise NotImplementedError
@@ -118,14 +113,14 @@ def child_members(graph: ModelGraph, kind: UnitKind, found: Any, path: str, owne
     an activation module, Dropouts) held in place and unhooked: a gated MLP, a run with
     function calls between its Linears."""
     calls = [LayerCall(owner, n.target, owner._modules[n.target], LayerKind.LINEAR,
-                       graph_label(path, n), node=n, trace=t) for n in linears]
+                       graph.nodes[n].label, node=n, trace=t) for n in linears]
     p = Placement("children", path, calls, activation, False, kind, found, owner=owner)
     for k, c in enumerate(calls):
         p.members.append(MemberPlan(c, k))
         p.calls.append(c.label)
     for n in list(linears) + list(others):
         sub = owner._modules[n.target]
-        p.slots.append(Slot(owner, n.target, sub, graph_label(path, n)))
+        p.slots.append(Slot(owner, n.target, sub, graph.nodes[n].label))
         p.unhooked.append(sub)
     return p
 
@@ -143,13 +138,10 @@ def placed_units(graph: ModelGraph, units: Sequence[Decision], misses: Sequence[
 def arguments_note(graph: ModelGraph, p: Placement, d: Decision) -> Decision:
     """A unit whose owner's forward was traced with an argument given that it tests against
     None is computed fused only in calls where it is given: the decision says so."""
-    t = graph.trace_of(p.owner) if p.owner is not None else None
+    t = graph.trace.get(id(p.owner)) if p.owner is not None else None
     if t is None or t.arg_guard is None or not t.arg_guard.given:
         return d
     return dataclasses.replace(d, why=f"{d.why}; computed fused in calls giving "
                                       f"{', '.join(t.arg_guard.given)} (not None), module by "
                                       f"module in others")
 
-
-def graph_label(path: str, n: fx.Node) -> str:
-    return f"{path}.{n.target}" if path else n.target
