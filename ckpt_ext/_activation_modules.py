@@ -1,10 +1,11 @@
-"""Which ``nn`` modules compute an activation of the fused ops, and exactly which one:
-:func:`module_activation`, read from the registry's module forms (ckpt_ext/_activations.py) —
-torch's ``nn.GELU`` ..., ``Sin``, transformers' ``GELUActivation`` ... — and from a module of the
-user's own whose ``forward`` only returns one activation call of its input (``class Sin(nn.Module):
-def forward(self, x): return torch.sin(x)``, read from its source, never run). Used by the
-modules' ``from_modules`` and by the converter; tests/fuse/test_fuse_activations.py checks every
-form numerically against the reference formulas."""
+"""Which ``nn`` modules and calls compute an activation of the fused ops, and exactly which one,
+read from the registry's forms (ckpt_ext/_activations.py): :func:`module_activation` for
+torch's ``nn.GELU`` ..., ``Sin``, transformers' ``GELUActivation`` ..., and a module of the
+user's own whose ``forward`` only returns one activation call of its input (read from its
+source, never run); :func:`node_activation` for a call in an fx graph (``F.gelu``,
+``torch.sin``, ``.relu()``). Used by the modules' ``from_modules`` and by the converter;
+tests/fuse/test_fuse_activations.py checks every form numerically against the reference
+formulas."""
 from __future__ import annotations
 
 import ast
@@ -14,9 +15,9 @@ import sys
 import textwrap
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from torch import nn
+from torch import fx, nn
 
-from ._activations import NEAR_MISSES, REGISTRY, ModuleForm
+from ._activations import NEAR_MISSES, REGISTRY, CallForm, ModuleForm
 
 
 class Recognised(NamedTuple):
@@ -154,3 +155,70 @@ def _forward_activation(fwd: Any) -> Optional[str]:
     else:
         name = None
     return name
+
+
+# ------------------------------------------------------------------------------------------------
+# a call in an fx graph
+
+def sig(*params: Tuple[str, Any]) -> inspect.Signature:
+    """A signature of positional-or-keyword parameters (name, default)."""
+    return inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                default=d) for p, d in params])
+
+
+def bind(node: fx.Node, signature: inspect.Signature) -> Optional[Dict[str, Any]]:
+    """The node's arguments bound with defaults applied; None if they do not bind."""
+    try:
+        bound = signature.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+_INPUT = ("input", inspect.Parameter.empty)
+
+
+def _reader(forms: List[Tuple[str, CallForm]]):
+    """The activation whose form's wanted values the call's other arguments have, else why not."""
+    def read(args: Dict[str, Any]) -> Recognised:
+        for name, form in forms:
+            if all(args[k] == v for k, v in form.want.items()):
+                return Recognised(name)
+        shown = ", ".join(f"{a}={args[a]!r}" for a in forms[0][1].want)
+        wanted = " or ".join(f"{name} with " + ", ".join(f"{a}={b!r}" for a, b in f.want.items())
+                             for name, f in forms)
+        return Recognised(None, f"called with {shown}: the fused op computes {wanted}")
+    return read
+
+
+def _call_table():
+    forms: Dict[Any, List[Tuple[str, CallForm]]] = {}
+    for row in REGISTRY.values():
+        for form in row.calls:
+            forms.setdefault(form.fn, []).append((row.name, form))
+    return {fn: (fs[0][1].label, sig(_INPUT, *fs[0][1].params), _reader(fs))
+            for fn, fs in forms.items()}
+
+
+_FUNCTIONS = _call_table()
+_METHODS = {meth: row.name for row in REGISTRY.values() for meth in row.methods}
+
+
+def node_activation(node: fx.Node) -> Optional[Tuple[Recognised, Any, str]]:
+    """(what it computes, its data input, its label) for an activation call in an fx graph; None
+    when the node is no activation call fuse knows, or takes other tensors."""
+    if node.op == "call_function" and node.target in _FUNCTIONS:
+        label, signature, read = _FUNCTIONS[node.target]
+    elif node.op == "call_method" and node.target in _METHODS:
+        label, signature = f".{node.target}()", sig(_INPUT)
+        read = _reader([(_METHODS[node.target], CallForm(None, label))])
+    else:
+        return None
+    args = bind(node, signature)
+    if args is None:
+        return None
+    x = args.pop("input")
+    if any(isinstance(v, fx.Node) for v in args.values()):
+        return None
+    return read(args), x, label

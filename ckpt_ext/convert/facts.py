@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import inspect
 import operator
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,12 +22,12 @@ from torch.nn.parameter import UninitializedTensorMixin
 from torch.nn.utils import parametrize
 
 from .. import _C, modules as _modules, ops
-from .._activation_modules import Recognised, module_activation
-from .._activations import REGISTRY, CallForm, stock_tensors
+from .._activation_modules import Recognised, bind, module_activation, node_activation, sig
+from .._activations import REGISTRY, stock_tensors
 from ..modules import _has_hooks as has_hooks
 from . import dropout_unit
 
-__all__ = ["Recognised", "module_activation", "has_hooks"]
+__all__ = ["Recognised", "bind", "has_hooks", "module_activation", "node_activation"]
 
 
 def join_path(prefix: str, name: str) -> str:
@@ -390,72 +390,12 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
 # ------------------------------------------------------------------------------------------------
 # Calls in forward code: what each fx node of a traced forward computes
 
-def _sig(*params: Tuple[str, Any]) -> inspect.Signature:
-    return inspect.Signature([inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                default=d) for p, d in params])
-
-
-_INPUT = ("input", inspect.Parameter.empty)
 LINEAR_FUNCTIONS = (F.linear, torch._C._nn.linear)
-LINEAR_SIGNATURE = _sig(_INPUT, ("weight", inspect.Parameter.empty), ("bias", None))
-DROPOUT_SIGNATURE = _sig(_INPUT, ("p", 0.5), ("training", True), ("inplace", False))
+_NONE = inspect.Parameter.empty
+LINEAR_SIGNATURE = sig(("input", _NONE), ("weight", _NONE), ("bias", None))
+DROPOUT_SIGNATURE = sig(("input", _NONE), ("p", 0.5), ("training", True), ("inplace", False))
 DROPOUT_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
                      torch.dropout}
-
-
-def _reader(forms: List[Tuple[str, CallForm]]):
-    """The activation whose form's wanted values the call's other arguments have, else why not."""
-    def read(args: Dict[str, Any]) -> Recognised:
-        for name, form in forms:
-            if all(args[k] == v for k, v in form.want.items()):
-                return Recognised(name)
-        shown = ", ".join(f"{a}={args[a]!r}" for a in forms[0][1].want)
-        wanted = " or ".join(f"{name} with " + ", ".join(f"{a}={b!r}" for a, b in f.want.items())
-                             for name, f in forms)
-        return Recognised(None, f"called with {shown}: the fused op computes {wanted}")
-    return read
-
-
-def _call_table():
-    forms: Dict[Any, List[Tuple[str, CallForm]]] = {}
-    for row in REGISTRY.values():
-        for form in row.calls:
-            forms.setdefault(form.fn, []).append((row.name, form))
-    return {fn: (fs[0][1].label, _sig(_INPUT, *fs[0][1].params), _reader(fs))
-            for fn, fs in forms.items()}
-
-
-_FUNCTIONS = _call_table()
-_METHODS = {meth: row.name for row in REGISTRY.values() for meth in row.methods}
-
-
-def bind(node: fx.Node, sig: inspect.Signature) -> Optional[Dict[str, Any]]:
-    """The node's arguments bound to ``sig`` with defaults applied; None if they do not bind."""
-    try:
-        bound = sig.bind(*node.args, **node.kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def node_activation(node: fx.Node) -> Optional[Tuple[Recognised, Any, str]]:
-    """(what it computes, its data input, its label) for an activation call in an fx graph; None
-    when the node is no activation call fuse knows, or takes other tensors."""
-    if node.op == "call_function" and node.target in _FUNCTIONS:
-        label, sig, read = _FUNCTIONS[node.target]
-    elif node.op == "call_method" and node.target in _METHODS:
-        label, sig = f".{node.target}()", _sig(_INPUT)
-        read = _reader([(_METHODS[node.target], CallForm(None, label))])
-    else:
-        return None
-    args = bind(node, sig)
-    if args is None:
-        return None
-    x = args.pop("input")
-    if any(isinstance(v, fx.Node) for v in args.values()):
-        return None
-    return read(args), x, label
 
 
 def linear_args(node: fx.Node):

@@ -22,11 +22,11 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 from torch import fx, nn
 
 from .facts import (ACROSS, DROPOUT_FUNCTIONS, DROPOUT_SIGNATURE, FREEING_FUNCTIONS,
-                    FREEING_METHODS, FREEING_MODULES, INSTANCE_FORWARD, KEEPING_FUNCTIONS,
+                    FREEING_METHODS, FREEING_MODULES, KEEPING_FUNCTIONS,
                     KEEPING_METHODS, KEEPING_MODULES, META_FUNCTIONS, META_METHODS,
                     PASS_THROUGH_MODULES, SAVES_INPUT, SCALING_FUNCTIONS, SCALING_METHODS,
                     VIEW_FUNCTIONS, VIEW_METHODS, Fact, LayerKind, NodeFact, NoHooks, OwnForward,
-                    Recognised, Slot, failing, module_activation, node_facts)
+                    Recognised, Slot, failing, node_facts)
 from .tracing import Trace, after_branch, statement_source
 
 

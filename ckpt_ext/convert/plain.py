@@ -10,7 +10,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..modules import LayerActivations, collapse_activations
+from ..modules import LayerActivations
 from .facts import (LayerKind, OwnForward, Slot, join_path, module_tensors, passes_through,
                     passing_name, stored_weight)
 from .graph import Fate, LayerCall, ModelGraph

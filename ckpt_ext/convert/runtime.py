@@ -1,11 +1,11 @@
 """What ``fuse`` leaves inside users' models, and so in their pickles: the member classes set on
 the user's own objects (:class:`FusedSequential`, :class:`RunLinear`, :class:`RunTanh` and the
-other :class:`RunMember` classes, made per class by :func:`member_class`), the runs they share
+other :class:`RunMember` classes made by :func:`member_class`), the runs they share
 (:class:`_Run`, :class:`_GatedRun`, :class:`_InlineRun`), the parts (:class:`_RunPart`) of a
-Sequential, and the :class:`_OwnerForward` set on an owner's instance with the guards
-(:class:`_Guard`, :class:`_ArgGuard`) it checks at each call. A run checks its conditions
-(conditions.py, built from what it keeps) at every call. Pickles name these classes by module and
-name, so both are part of the format: ``ckpt_ext.convert.runtime.<name>``."""
+Sequential, and the :class:`_OwnerForward` set on an owner's instance with the guards it checks
+(:class:`_Guard`, :class:`_ArgGuard`). A run builds its conditions (facts.py) from what it keeps
+and checks them at every call. Pickles name these classes: ``ckpt_ext.convert.runtime.<name>``.
+Design: docs/converter.md, "Where a run is computed"."""
 from __future__ import annotations
 
 import copy
@@ -41,31 +41,26 @@ class _Region(threading.local):
 
 
 class _Run:
-    """One run of Linear/activation layers as fuse applied it: the modules whose weights it reads,
-    the conditions under which the fused op computes it (:meth:`problem`), and that op (calling
-    the run). With ``owner`` None, the Sequential holding the run computes it. Otherwise the
-    owner's forward marks a region (:meth:`enter`, :meth:`leave`; per thread, for one call) in
-    which each member takes its :meth:`turn` in the analysed order: the first computes the run,
-    each later one passes its output on. Design: docs/converter.md, "Where a run is computed"."""
+    """One run of Linear/activation layers as fuse applied it. With ``owner`` None the Sequential
+    holding it computes it; otherwise the owner's forward marks a region (:meth:`enter`,
+    :meth:`leave`; per thread, for one call) in which each member takes its :meth:`turn` in the
+    analysed order: the first computes the run, each later one passes its output on."""
 
     activation = "tanh"  # what a run pickled without one computes
-    passes: Tuple[Tuple[nn.Module, str, int], ...] = ()  # what a run pickled without them has
+    passes: Tuple[Tuple[nn.Module, str, int], ...] = ()
 
     def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
                  layers: Sequence[nn.Module], last_activation: bool,
-                 sequences: Sequence[Tuple[nn.Module, str]],
-                 slots: Sequence[Slot],
+                 sequences: Sequence[Tuple[nn.Module, str]], slots: Sequence[Slot],
                  unhooked: Sequence[Tuple[nn.Module, str]], owner: Optional[nn.Module],
                  calls: Sequence[str], elements: Sequence[Tuple[nn.Module, str]],
-                 decision: Optional[Decision] = None,
-                 activation: LayerActivations = "tanh",
+                 decision: Optional[Decision] = None, activation: LayerActivations = "tanh",
                  passes: Sequence[Tuple[nn.Module, str, int]] = ()) -> None:
-        self.labels = tuple(labels)        # the layers' paths in call order, for messages
+        self.labels = tuple(labels)        # the layers' paths in call order
         self.key = (tuple(members), bool(last_activation))  # the modules fused (identity)
         self.layers = tuple(layers)        # its Linear modules, in order
-        # one of ckpt_ext.ACTIVATIONS for every layer, or a tuple of one per activated layer
-        self.activation = activation
-        self.last_activation = bool(last_activation)  # the last Linear's activation included
+        self.activation = activation       # a name, or a tuple of one per activated layer
+        self.last_activation = bool(last_activation)
         # Sequentials whose elements must stay exactly these (name, module) pairs
         self.sequences = tuple((seq, label, tuple(seq._modules), tuple(seq._modules.values()))
                                for seq, label in sequences)
@@ -76,8 +71,7 @@ class _Run:
         self.elements = tuple(elements)    # (Sequential, name) of its layers that are elements
         self.decision = decision           # what the report said when fuse applied it
         # (module, label, k): the Identity and Dropout modules after its item k (Linear j is
-        # item 2j, its activation 2j + 1); a Dropout drawing a mask after an activation is
-        # computed as part of the run, any other must return its input
+        # item 2j, its activation 2j + 1)
         self.passes = tuple(passes)
         self._region = _Region()
 
@@ -90,7 +84,6 @@ class _Run:
         return made
 
     def _conditions(self):
-        """What must hold at a call for the fused op to compute the run."""
         yield from GLOBAL
         for m, label in zip(self.key[0], self.labels):
             yield OwnForward(m, label)
@@ -103,15 +96,13 @@ class _Run:
         yield from of_weights(self.layers, self.labels[0::2])
 
     def _placement(self):
-        """Where the run's modules are held, and no hooks on them."""
         for seq, label, names, modules in self.sequences:
             yield from (OwnForward(seq, label or "<model>"), Elements(seq, label, names, modules))
         yield from self.slots
         for m, label in self.unhooked:
             yield NoHooks(m, label or "<model>", "which the fused run would not call")
 
-    # -- pickling and copying: the region is per process and per call, never state to keep, and
-    # the conditions are made again from what the run keeps --------------------------------------
+    # pickles and copies keep neither the region (per process and call) nor the conditions
     def __getstate__(self):
         state = dict(self.__dict__)
         del state["_region"]
@@ -132,7 +123,6 @@ class _Run:
 
     @property
     def last_tanh(self) -> bool:
-        """Whether the run ends with a tanh."""
         return self.last_activation and self.activation == "tanh"
 
     @property
@@ -162,7 +152,6 @@ class _Run:
         return ops.mlp(x, weights, biases, activation=as_mlp_argument(self.activation),
                        last_activation=self.last_activation)
 
-    # -- the region --------------------------------------------------------------------------
     def enter(self) -> None:
         self._region.state = [0, None, self._region.state]
 
@@ -185,15 +174,13 @@ class _Run:
                 return None
             return state
         if 0 < expected < len(self.calls):
-            # The run was computed by its first member, but the forward did not go on as analysed
-            # (a path fx did not see: it branched on state outside the module). Its output
-            # already holds later layers: refuse to return it as anything else.
+            # computed by its first member, but the forward took a path fx did not see: the
+            # output holds later layers, so it is returned as nothing else
             raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called"))
         return None
 
     def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
-        """What member ``index`` returns when it takes its part in the run now (the first: the
-        run's output; a later one: ``x``, passed on), else None: it computes its own output."""
+        """What member ``index`` returns when it takes its part now, else None."""
         state = self.turn(index, x)
         if state is None:
             return None
@@ -214,9 +201,9 @@ class _Run:
 class _PlaceholderRun(_Run):
     """A unit whose owner's forward computes something between its Linear members (a gated MLP's
     product; an activation function, ``F.dropout``): inside the region the first member computes
-    the whole op and returns a zero-width placeholder of x's rows, which what the forward does
-    between runs on at no cost; each later member checks it received one (:meth:`_carried`) and
-    passes a placeholder on, the last one returns the op's output."""
+    the whole op and returns a zero-width placeholder of x's rows, on which what the forward does
+    between runs at no cost; each later member checks what it received (:meth:`_carried`), the
+    last returns the op's output."""
 
     def _conditions(self):
         yield from GLOBAL
@@ -251,26 +238,18 @@ class _PlaceholderRun(_Run):
             state[0], state[1] = index + 1, out
             return out
         if 0 < expected <= last:
-            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called with "
-                                                       f"another value"
-                                             if expected == index else
-                                             f"{self.calls[index]} was called"))
+            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called" +
+                                             (" with another value" if expected == index
+                                              else "")))
         return None
 
     def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
-        """Whether a member between the first and the last received what the analysed forward
-        hands it."""
         return _is_placeholder(x, first_input)
 
 
 class _GatedRun(_PlaceholderRun):
-    """A gated MLP as fuse applied it: ``down(act(gate(x)) * up(x))`` in its owner's forward,
-    computed by ``gated_mlp`` keeping only x. Its members are the Linears, in call order. Inside
-    the owner's region the first computes the whole op and returns a zero-width placeholder;
-    the up projection (called with that same x) returns another; what the forward does between
-    (the activation, chunk, the product, a Dropout that returns its input) runs on placeholders,
-    at no cost; the down projection checks it received a placeholder of x's rows and returns the
-    op's output. Design: docs/converter.md, "Gated MLPs"."""
+    """A gated MLP, ``down(act(gate(x)) * up(x))``, computed by ``gated_mlp``; the up projection
+    is called with the gate's very input. Design: docs/converter.md, "Gated MLPs"."""
 
     def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
                  gate: nn.Linear, up: Optional[nn.Linear], down: nn.Linear, activation: str,
@@ -295,31 +274,23 @@ class _GatedRun(_PlaceholderRun):
                           (nn.Dropout,))
 
     def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
-        return x is first_input  # the up projection takes the gate's input
+        return x is first_input
 
     def masks(self) -> Tuple[float, ...]:
-        """The p of each Dropout that draws a mask now (p > 0, in training), in order."""
         return tuple(d.p for d in self.dropouts if d.p > 0 and d.training)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        first = self.members[0]
-        _as_layer_would(x, first, first.weight)
         gate, up, down = self.gate, self.up, self.down
+        _as_layer_would(x, self.members[0], self.members[0].weight)
+        w_up, b_up = (up.weight, up.bias) if up is not None else (None, None)
+        w, b = gate.weight, gate.bias
         masks = self.masks()
         if masks:
-            return dropout_unit.gated(x, gate.weight, up.weight if up is not None else None,
-                                      down.weight, gate.bias, up.bias if up is not None else None,
-                                      down.bias, self.activation, self.gate_second, masks)
-        if up is not None:
-            return ops.gated_mlp(x, gate.weight, up.weight, down.weight, gate.bias, up.bias,
-                                 down.bias, activation=self.activation)
-        w, b = gate.weight, gate.bias
-        if not self.gate_second:
-            return ops.gated_mlp(x, w, None, down.weight, b, None, down.bias,
-                                 activation=self.activation)
-        w_up, w_gate = w.chunk(2)  # the activation takes the second half
-        b_up, b_gate = b.chunk(2) if b is not None else (None, None)
-        return ops.gated_mlp(x, w_gate, w_up, down.weight, b_gate, b_up, down.bias,
+            return dropout_unit.gated(x, w, w_up, down.weight, b, b_up, down.bias,
+                                      self.activation, self.gate_second, masks)
+        if up is None and self.gate_second:  # the activation takes the second half
+            (w_up, w), (b_up, b) = w.chunk(2), b.chunk(2) if b is not None else (None, None)
+        return ops.gated_mlp(x, w, w_up, down.weight, b, b_up, down.bias,
                              activation=self.activation)
 
 
@@ -341,13 +312,9 @@ class InlineDrop(NamedTuple):
 
 
 class _InlineRun(_PlaceholderRun):
-    """A run whose Linears its owner's forward calls with function calls between them (an
-    activation function, ``F.dropout``): ``Linear, act, [Dropout ...], Linear, ...`` ending with
-    a Linear, computed by the plain run's op (with its Dropouts' masks drawn inside the unit
-    while they draw). The members are the Linears; the activations and Dropouts run on
-    placeholders. ``acts``: (module, label, name) of each activation that is a child module;
-    ``drops``: each Dropout. Design: docs/converter.md, "Function calls
-    inside a run"."""
+    """A run ``Linear, act, [Dropout ...], Linear, ...`` whose owner's forward calls function calls
+    between its Linears, computed by the plain run's op; ``acts``: (module, label, name) of each
+    activation that is a child module. Design: docs/converter.md, "Function calls inside a run"."""
 
     def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
                  activation: LayerActivations, acts: Sequence[Tuple[nn.Module, str, str]],
@@ -377,8 +344,6 @@ class _InlineRun(_PlaceholderRun):
 
 
 def _placeholder(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """What a gated MLP's first members return inside the region: no elements, x's rows (the
-    forward's code between them and the down projection runs on it at no cost)."""
     return x.new_empty(x.shape[:-1] + (0,), dtype=out.dtype)
 
 
@@ -388,10 +353,8 @@ def _is_placeholder(h: Any, x: torch.Tensor) -> bool:
 
 
 def _as_layer_would(x: Any, layer: nn.Module, weight: torch.Tensor) -> None:
-    """Input the run's first Linear (``weight``: its (out, in) weight) would refuse makes the
-    unfused call raise: the error the unfused model raises (F.linear's RuntimeError, message and
-    all), not the fused op's own ValueError/TypeError, which name arguments the user never
-    passed."""
+    """Input the run's first Linear would refuse raises what the unfused call raises (F.linear's
+    RuntimeError), not the op's own errors, which name arguments the user never passed."""
     if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] == weight.shape[1] and \
             x.device == weight.device and (x.dtype == weight.dtype or
                                            torch.is_autocast_enabled(x.device.type)):
@@ -400,32 +363,22 @@ def _as_layer_would(x: Any, layer: nn.Module, weight: torch.Tensor) -> None:
 
 
 class PartRole(str, enum.Enum):
-    """What a FusedSequential does with the elements of a run it covers (a ``str``: it pickles,
-    compares and hashes as its value)."""
-    #: the Sequential holds the whole run (maybe in nested Sequentials) and computes it: the
-    #: elements of nested Sequentials before the run's first layer (``before``), the run, then
-    #: those after its last layer (``after``)
-    WHOLE = "whole"
-    #: member 0 of an owner's run: inside the owner's region, ``before``, then the run
-    FIRST = "first"
-    #: a later member: inside the region, passes the run's output on, then ``after``
-    ON = "on"
+    """What a FusedSequential does with the elements of a run it covers."""
+    WHOLE = "whole"  # it computes the whole run: ``before`` (of nested Sequentials), it, ``after``
+    FIRST = "first"  # member 0 of an owner's run: inside the region, ``before``, then the run
+    ON = "on"        # a later member: inside the region, passes the run on, then ``after``
 
 
 class _RunPart:
-    """The consecutive elements ``names`` of one FusedSequential that a run covers, and what the
-    Sequential does with them (``role``, a :class:`PartRole`).
-
-    Outside a region (or when the run cannot be computed) the Sequential runs these elements one
-    by one, as ``nn.Sequential`` does."""
+    """The consecutive elements ``names`` of one FusedSequential that a run covers, and its
+    ``role``; where the run is not computed the Sequential runs them one by one. ``alone``: the
+    stretch of its own elements a FIRST/ON part computes fused when it is not the owner's run."""
 
     def __init__(self, run: _Run, names: Sequence[str], role: PartRole, index: int,
                  before: Sequence[Tuple[nn.Module, Tuple[str, ...]]],
                  after: Sequence[Tuple[nn.Module, Tuple[str, ...]]]) -> None:
         self.run, self.names, self.role, self.index = run, tuple(names), role, index
         self.before, self.after = tuple(before), tuple(after)
-        # FIRST/ON: a run of the Sequential's own elements computed fused when this part is
-        # not computed as the owner's run (called on its own, or the run falls back)
         self.alone: Optional["_RunPart"] = None
 
     @property
@@ -433,16 +386,11 @@ class _RunPart:
         return self.run.last_tanh
 
     @property
-    def last_activation(self) -> bool:
-        return self.run.last_activation
-
-    @property
     def key(self) -> Tuple[Any, ...]:
         return (self.names, self.role, self.index, self.run.key)
 
     def compute(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The output of this part's elements computed as the run, or None to run them one by
-        one."""
+        """The output of this part's elements computed as the run, or None to run them."""
         run = self.run
         if self.role == PartRole.WHOLE:
             if run.problem() is not None:
@@ -459,17 +407,18 @@ class _RunPart:
     def describe(self) -> str:
         span = f"{self.names[0]}..{self.names[-1]}" if len(self.names) > 1 else self.names[0]
         run = self.run
+        whole = f"the run {run.labels[0]}..{run.labels[-1]}"
         if self.role == PartRole.WHOLE:
             if not self.before and not self.after and run.elements and \
                     all(seq is run.elements[0][0] for seq, _ in run.elements):
-                return span + (f" (last {run.activations[-1]})" if self.last_activation else "")
-            return f"{span} (computes the run {run.labels[0]}..{run.labels[-1]})"
+                return span + (f" (last {run.activations[-1]})" if run.last_activation else "")
+            return f"{span} (computes {whole})"
         where = f"inside {run.decision.where or '<model>'}.forward" if run.decision else \
             "inside its caller's forward"
         alone = "" if self.alone is None else \
             f"; otherwise {self.alone.names[0]}..{self.alone.names[-1]} as one run"
         if self.role == PartRole.FIRST:
-            return f"{span} (computes the run {run.labels[0]}..{run.labels[-1]} {where}{alone})"
+            return f"{span} (computes {whole} {where}{alone})"
         return f"{span} (passes the run from {run.labels[0]} on {where}{alone})"
 
 
@@ -481,20 +430,10 @@ def _elements(steps: Sequence[Tuple[nn.Module, Tuple[str, ...]]], x: torch.Tenso
 
 
 class FusedSequential(nn.Sequential):
-    """An ``nn.Sequential`` whose planned runs of ``Linear, Act, Linear, ...`` elements each run
-    through one fused op (``tanh_mlp``, or ``linear_tanh`` for a single pair; ``mlp`` for the other
-    activations and for a run mixing them).
-
-    ``fuse`` sets this class on the user's own ``nn.Sequential`` objects: same object, same
-    elements, same ``state_dict`` keys, same parameters. Only ``forward`` differs, and only for the
-    planned runs, which it re-checks at every call: a run whose elements were replaced, reordered or
-    given hooks since, or whose dtype the op does not support, runs element by element. Indexing
-    returns the real elements; a slice is a new FusedSequential without a plan, so it runs unfused.
-
-    A run that crosses into other containers is computed by the Sequential holding all of it, or,
-    when the run goes from this Sequential to what its caller's forward calls next, only inside
-    that forward (see :class:`_Run`): called on its own, this Sequential computes its own elements.
-    """
+    """The class fuse sets on the user's own ``nn.Sequential`` (same object, elements and keys):
+    its planned runs each compute through one fused op, re-checked at every call; a run that goes
+    on into its caller's forward only there (called on its own, it computes its elements). A slice
+    is a FusedSequential without a plan."""
 
     _ckpt_ext_base = nn.Sequential
     _ckpt_ext_runs: Tuple[_RunPart, ...] = ()
@@ -509,12 +448,11 @@ class FusedSequential(nn.Sequential):
         i = 0
         while i < len(items):
             for part in (starts.get(items[i][0]), alone.get(items[i][0])):
-                if part is not None:
-                    out = part.compute(input)
-                    if out is not None:
-                        input = out
-                        i += len(part.names)
-                        break
+                out = part.compute(input) if part is not None else None
+                if out is not None:
+                    input = out
+                    i += len(part.names)
+                    break
             else:
                 input = items[i][1](input)
                 i += 1
@@ -526,31 +464,11 @@ class FusedSequential(nn.Sequential):
         return "fused runs: " + ", ".join(p.describe() for p in self._ckpt_ext_runs)
 
 
-class RunLinear(nn.Linear):
-    """An ``nn.Linear`` that a module's forward calls as part of a fused run. ``fuse`` sets this
-    class on the user's own Linear (same object, parameters and keys). Inside its owner's forward,
-    in the analysed order, the first member computes the whole run and a later one passes the run's
-    output on; called any other way it is exactly ``nn.Linear``."""
-
-    _ckpt_ext_base = nn.Linear
-    _ckpt_ext_run: Optional[_Run] = None
-    _ckpt_ext_index: int = 0
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        run = self._ckpt_ext_run
-        out = run.take(self._ckpt_ext_index, input) if run is not None else None
-        return super().forward(input) if out is None else out
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + _member_repr(self)
-
-
 class RunMember:
-    """The member class of a module other than ``nn.Linear`` that a module's forward calls as
-    part of a fused run, mixed into that very class by :func:`member_class` (so the module stays
-    an instance of its class): inside its owner's forward, in the analysed order, the first member
-    computes the run and a later one passes the run's output on; called any other way it is
-    exactly its class. A member class made at run time pickles as its class's ``member_class``."""
+    """The class fuse gives a module that an owner's forward calls as a member of a run, mixed
+    into its own class by :func:`member_class` (a subclass: same object, parameters, keys):
+    inside the owner's forward, in the analysed order, the first member computes the run and a
+    later one passes it on; called any other way it is exactly its class."""
 
     _ckpt_ext_run: Optional[_Run] = None
     _ckpt_ext_index: int = 0
@@ -562,9 +480,19 @@ class RunMember:
 
     def extra_repr(self) -> str:
         own = super().extra_repr()
-        return own + _member_repr(self) if own else _member_repr(self).lstrip(", ")
+        run = self._ckpt_ext_run
+        if run is None:
+            return own
+        k = self._ckpt_ext_index
+        if isinstance(run, _GatedRun):
+            what = ("computes the gated MLP" if k == 0 else "returns the gated MLP's output"
+                    if k == len(run.calls) - 1 else "takes part in the gated MLP")
+        else:
+            what = ("computes" if k == 0 else "passes on") + " the run"
+        mine = f"{what} {run.labels[0]}..{run.labels[-1]} inside its owner's forward"
+        return f"{own}, {mine}" if own else mine
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol):  # a member class made at run time: by its base
         reduced = super().__reduce_ex__(protocol)
         cls = type(self)
         if _named(cls) or not isinstance(reduced, tuple) or reduced[0] is not copyreg.__newobj__:
@@ -572,38 +500,23 @@ class RunMember:
         return (_new_member, (cls._ckpt_ext_base,) + tuple(reduced[1][1:])) + reduced[2:]
 
 
+class RunLinear(RunMember, nn.Linear):
+    _ckpt_ext_base = nn.Linear
+
+
 class RunActivation(RunMember):
-    """The member class of an activation module (``nn.GELU``, transformers' ``GELUActivation``,
-    ...): it passes the run's output on."""
+    """The member class of an activation module: it passes the run's output on."""
 
 
 class RunTanh(RunActivation, nn.Tanh):
-    """An ``nn.Tanh`` that a module's forward calls as part of a fused run: inside its owner's
-    forward, in the analysed order, it passes the run's output on; called any other way it is
-    exactly ``nn.Tanh``."""
-
     _ckpt_ext_base = nn.Tanh
-
-
-def _member_repr(m: nn.Module) -> str:
-    run = getattr(m, "_ckpt_ext_run", None)
-    if run is None:
-        return ""
-    if isinstance(run, _GatedRun):
-        what = ("computes the gated MLP" if m._ckpt_ext_index == 0 else
-                "returns the gated MLP's output" if m._ckpt_ext_index == len(run.calls) - 1 else
-                "takes part in the gated MLP")
-        return f", {what} {run.labels[0]}..{run.labels[-1]} inside its owner's forward"
-    what = "computes" if m._ckpt_ext_index == 0 else "passes on"
-    return f", {what} the run {run.labels[0]}..{run.labels[-1]} inside its owner's forward"
 
 
 _MEMBER_CLASSES: Dict[type, type] = {nn.Linear: RunLinear, nn.Tanh: RunTanh}
 
 
 def member_class(cls: type) -> type:
-    """The class ``fuse`` gives a member of class ``cls`` (or of ``cls``'s member class): a
-    subclass, made once per class — ``RunLinear``, ``RunTanh``, ``RunGELU``, ``RunConv1D``..."""
+    """The class fuse gives a member of class ``cls``: a subclass made once per class."""
     base = getattr(cls, "_ckpt_ext_base", cls)
     sub = _MEMBER_CLASSES.get(base)
     if sub is None:
@@ -622,7 +535,6 @@ def _new_member(base: type, *args: Any) -> nn.Module:
 
 
 def _named(cls: type) -> bool:
-    """Whether pickle finds ``cls`` by its module and name."""
     obj = sys.modules.get(cls.__module__)
     for part in cls.__qualname__.split("."):
         obj = getattr(obj, part, None)
@@ -630,16 +542,10 @@ def _named(cls: type) -> bool:
 
 
 class _OwnerForward(SetByFuse):
-    """The forward ``fuse`` sets on one module instance (its class is untouched) when that module's
-    forward calls the members of a run one after the other, or its code was rewritten
-    (``rewrite=True``); or, set as ``method``, the method the forward names (handed to a helper
-    such as transformers' ``apply_chunking_to_forward``) that calls them.
-
-    At each call it first checks that every attribute the analysed method read still has the value
-    it had (``guards``): if one changed, the method may take another path, so it runs the class's
-    method as it is, unfused. Otherwise it runs the rewritten code (or the class's method) inside
-    the region of each of its runs. It pickles and deep-copies by its source, as
-    torch.fx.GraphModule does."""
+    """The forward fuse sets on an owner's instance (or, as ``method``, the method its forward
+    names): the class's method, or the rewritten ``source``, run inside the region of each of its
+    runs while every guard holds; the class's method as it is, unfused, when one does not or the
+    class's method is no longer the one analysed. Pickles and deep-copies by its source."""
 
     def __init__(self, owner: nn.Module, runs: Sequence[_Run] = (),
                  guards: Sequence[_Guard] = (), source: Optional[str] = None,
@@ -647,31 +553,24 @@ class _OwnerForward(SetByFuse):
         self.owner, self.runs, self.guards, self.source = owner, tuple(runs), tuple(guards), source
         self.method, self.arg_guard = method, arg_guard
         self._fn = _compile_forward(source) if source is not None else None
-        # the class's method as analysed: one put on the class later is code fuse has not seen
         self._analysed = getattr(type(owner), method, None)
 
     def __call__(self, *args, **kwargs):
         owner = self.owner
         cls_fn = getattr(type(owner), self.method)
-        if torch.jit.is_tracing() or cls_fn is not self._analysed:
+        if torch.jit.is_tracing() or cls_fn is not self._analysed or \
+                not all(guard.holds(owner) for guard in self.guards) or \
+                (self.arg_guard is not None and not self.arg_guard.holds(args, kwargs)):
             return cls_fn(owner, *args, **kwargs)  # the class's own code, exactly
-        for guard in self.guards:
-            if not guard.holds(owner):
-                return cls_fn(owner, *args, **kwargs)
-        if self.arg_guard is not None and not self.arg_guard.holds(args, kwargs):
-            return cls_fn(owner, *args, **kwargs)
         fn = self._fn if self._fn is not None else cls_fn
-        runs = self.runs
-        if not runs:
-            return fn(owner, *args, **kwargs)
-        for run in runs:
+        for run in self.runs:
             run.enter()
         completed = False
         try:
             out = fn(owner, *args, **kwargs)
             completed = True
         finally:
-            for run in runs:
+            for run in self.runs:
                 run.leave(completed)
         return out
 
@@ -695,10 +594,12 @@ class _OwnerForward(SetByFuse):
         return new
 
 
+MISSING = object()
+
+
 class _Guard(NamedTuple):
     """An attribute the analysed forward read, and the value it read: ``path`` is the module
-    holding it, relative to the owner; ``same`` compares by identity (functions, classes), else
-    by type and value."""
+    holding it, relative to the owner; ``same`` compares by identity, else by type and value."""
     path: str
     name: str
     value: Any
@@ -711,24 +612,16 @@ class _Guard(NamedTuple):
             if obj is None:
                 return False
         v = getattr(obj, self.name, MISSING)
-        if self.same:
-            return v is self.value
-        return type(v) is type(self.value) and v == self.value
+        return v is self.value if self.same else type(v) is type(self.value) and v == self.value
 
     def describe(self) -> str:
         return f"{join_path(self.path, self.name)} = {self.value!r}"
 
 
-MISSING = object()
-
-
 class _ArgGuard(NamedTuple):
     """What the analysed forward assumed of its arguments (arguments.py): each argument of
-    ``given`` is not None (the forward tests it, ``if x is not None``, and was traced with one).
-    ``order``: the parameters a positional argument binds, in order; a call with more than
-    ``positional`` positional arguments is an error the class's forward raises. Arguments and
-    ``**kwargs`` handed to children need no check: a child is opaque to the analysis, and what
-    it does with them cannot change which of the forward's own lines run."""
+    ``given`` is not None; ``order`` the parameters positional arguments bind; more than
+    ``positional`` of them is an error the class's forward raises."""
     names: frozenset
     positional: int
     given: Tuple[str, ...] = ()

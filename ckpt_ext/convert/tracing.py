@@ -1,9 +1,8 @@
-"""Tracing each user forward with ``torch.fx``, on a deep copy of the model whose parameters and
-buffers are on the ``meta`` device (no memory), every child kept opaque: one :class:`Trace` per
-module, once in train() and once in eval() mode. While fx runs the forward, each attribute it reads
-is recorded (:func:`_recording_class`; ints are handed out as :class:`_Counted` to tell a count
-from a value the forward branches on) and becomes a :class:`_Guard` the owner's forward checks at
-each call. Attributes changed by tracing are found by comparing snapshots before and after."""
+"""Tracing each user forward with ``torch.fx`` on a deep copy of the model whose parameters and
+buffers are on the ``meta`` device, every child opaque: one :class:`Trace` per module, in train()
+and in eval(). Each attribute the forward reads is recorded (ints as :class:`_Counted`, to tell a
+count from a value it branches on) and becomes a :class:`_Guard`; what tracing changed is found
+from snapshots; which statements ran, from a line tracer. Design: docs/converter.md, "Guards"."""
 from __future__ import annotations
 
 import ast
@@ -27,7 +26,7 @@ from torch.nn.parameter import is_lazy
 
 from .arguments import STAND_IN, plan_arguments
 from .facts import Fact, join_path
-from .runtime import MISSING, RunLinear, RunMember, _ArgGuard, _Guard, _OwnerForward
+from .runtime import MISSING, _ArgGuard, _Guard, _OwnerForward
 
 
 _FX_DIR = os.path.dirname(fx.__file__)
@@ -35,9 +34,8 @@ _MODULE_FILE = inspect.getsourcefile(nn.Module)
 
 
 class _LocalTracer(fx.Tracer):
-    """Keeps every child opaque, and notes each child call that does not come straight from the
-    traced method's own code (through ``torch.utils.checkpoint``, a helper, a lambda): such a
-    call may run again, on its own, outside that method (checkpoint re-runs it in backward)."""
+    """Every child opaque; notes each child call not made by the traced method's own code
+    (through ``torch.utils.checkpoint``, a helper, a lambda), which may run again on its own."""
 
     def __init__(self, forward_code: Any, method: str) -> None:
         super().__init__()
@@ -63,18 +61,15 @@ class _LocalTracer(fx.Tracer):
         return out
 
     def to_bool(self, obj: fx.Proxy) -> bool:
-        """A branch of the traced method's own code on a traced value (``if h.dtype ==
-        torch.float16 and ...``), which fx cannot decide: the trace goes on as if the value were
-        False, and :func:`_cut_at_branch` keeps only the nodes before it (``cut``: how many, and
-        the line). A branch elsewhere (in a helper) raises fx's error."""
+        """A branch of the traced method's own loopless code on a traced value: the trace goes on
+        as if it were False, and :func:`_cut_at_branch` keeps only the nodes before it. A branch
+        elsewhere (in a helper) raises fx's error."""
         frame = sys._getframe(1)
         while frame is not None and frame.f_code is not self.forward_code:
             frame = frame.f_back
         if frame is None or self.forward_code is None or not _loopless(self.forward_code):
             return super().to_bool(obj)
-        if self.cut is None:
-            # what the code from the branch on can read: the method's local variables (the
-            # nodes it then traces on the False side are only one of its paths)
+        if self.cut is None:  # what the code from the branch on can read: the local variables
             live: Dict[fx.Node, None] = {}
             _proxies_in(list(frame.f_locals.values()), live, 0)
             self.cut = (len(self.graph.nodes), frame.f_lineno, tuple(live))
@@ -89,44 +84,33 @@ class Trace:
     eval_graph: Optional[fx.Graph] = None
     method: str = "forward"  # or the method forward names that was analysed in its place
     already_rewritten: bool = False
-    calls: Optional[Dict[str, int]] = None  # call_module counts per target, filled on first use
     indirect: Dict[str, str] = field(default_factory=dict)  # see _LocalTracer
     guards: Tuple[_Guard, ...] = ()
-    # Why the forward may not mark a region (its children's run), or be rewritten; None if it may.
+    # why the forward may not mark a region (its children's run), or be rewritten; None if it may
     region_problem: Optional[str] = None
     rewrite_problem: Optional[str] = None
-    # The first lines of the traced method's simple statements that may not have run whole in
-    # either trace: a branch fx decided on a value it does not record (``isinstance(proxy,
-    # torch.Tensor)`` is False while tracing), or an expression that runs in part (a
-    # conditional expression on a global flag), which may run otherwise at call time. None where
-    # the method's source cannot be read, so that nothing is known. See :func:`_unrun`.
+    # first lines of its simple statements that may not have run whole in either trace (a branch
+    # fx decided on a value it does not record, a conditional expression); None: no source
     unrun: Optional[Tuple[int, ...]] = ()
-    # The Python functions of neither torch nor the standard library that the traced method
-    # called directly while traced: code whose paths the analysis does not look into.
+    # the Python functions of neither torch nor the standard library it called directly
     calls_out: Tuple[str, ...] = ()
-    # (path, name, delta): each pure count the method changes, by what one call adds to it; a
-    # rewritten forward replays them (rewriting.py)
+    # (path, name, delta): each pure count it changes, by what one call adds (a rewrite replays)
     counts: Tuple[Tuple[str, str, int], ...] = ()
-    # what the forward assumed of its optional arguments and **kwargs (arguments.py), checked at
-    # each call by the owner's forward; None where it takes none, or looks at none
+    # what it assumed of its optional arguments and **kwargs (arguments.py)
     arg_guard: Optional[_ArgGuard] = None
-    # the line where the method branches on a traced value (fx cannot decide it): the graph
-    # holds the nodes before that branch, their values used after it go to after_branch
+    # where it branches on a traced value: the graph holds the nodes before, then after_branch
     cut_line: Optional[int] = None
 
 
 def analysis_copy(model: nn.Module) -> nn.Module:
-    """A deep copy to trace, with parameters and buffers on the meta device: tracing never reads
-    their values, so the copy costs no tensor memory."""
+    """A deep copy to trace, its parameters and buffers on the meta device (never a full copy)."""
     memo: Dict[int, Any] = {}
-    for p in model.parameters():
-        # a lazy (uninitialised) parameter has no shape yet; reading its dtype would raise
+    for p in model.parameters():  # a lazy parameter has no shape yet
         memo[id(p)] = nn.UninitializedParameter(p.requires_grad, device="meta") if is_lazy(p) \
             else nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = nn.UninitializedBuffer(device="meta") if is_lazy(b) else \
             torch.empty_like(b, device="meta")
-    # No fallback to a full copy: that could double the memory of a large model.
     return copy.deepcopy(model, memo)
 
 
@@ -164,22 +148,21 @@ def _snapshot(m: nn.Module) -> Dict[Tuple[str, str], Any]:
 
 # -- what a forward reads: attributes of the traced copy, recorded while fx runs the forward ------
 
-# nn.Module's own bookkeeping (hooks, the dicts of parameters and children, ``training``, which is
-# checked by tracing in both modes) and fuse's: not state a forward branches on.
+# nn.Module's own bookkeeping (``training`` is checked by tracing in both modes) and fuse's
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {
     "forward", "_ckpt_ext_runs", "_ckpt_ext_run", "_ckpt_ext_index"}
 
 
 class _Reads:
-    """The attribute reads of one trace: {(id(module), name): (value, counted)}; None outside."""
+    """The attribute reads of one trace: {(id(module), name): value}; None outside."""
     log: Optional[Dict[Tuple[int, str], Any]] = None
     observed: set = set()   # (id(module), name) of counters whose value the forward looked at
 
 
 class _Counted(int):
-    """An int attribute's value as the traced forward sees it: adding or subtracting a number gives
-    another _Counted (``self.nfe += 1``); any other use — a comparison, a branch, an index, a
-    product — marks the attribute as one the forward looks at, so its value is not just a count."""
+    """An int attribute as the traced forward sees it: adding or subtracting a number gives
+    another (``self.nfe += 1``); any other use (a comparison, a branch, an index) marks it as one
+    the forward looks at, not just a count."""
 
     def __new__(cls, value: int, key: Tuple[int, str]):
         obj = super().__new__(cls, value)
@@ -239,9 +222,8 @@ _RECORDING: Dict[type, type] = {}
 
 
 def _recording_class(cls: type) -> type:
-    """A subclass of ``cls`` that logs, while a trace runs, each attribute the forward reads that
-    is state — of the instance, or a plain value of the user's class — (first value read), handing
-    out int values as _Counted."""
+    """A subclass of ``cls`` logging, while a trace runs, the first value of each attribute the
+    forward reads that is state: of the instance, or a plain value of the user's class."""
     sub = _RECORDING.get(cls)
     if sub is not None:
         return sub
@@ -269,8 +251,7 @@ def _recording_class(cls: type) -> type:
 
 
 def _class_value(cls: type, name: str) -> bool:
-    """Whether ``name`` is a plain value that a class of the user's (not torch's) defines, such as
-    a constant a forward branches on: read like an instance attribute, and set the same way."""
+    """Whether ``name`` is a plain value a class of the user's (not torch's) defines."""
     for klass in cls.__mro__:
         if name in vars(klass):
             if klass.__module__.startswith("torch.") or klass is object:
@@ -293,14 +274,13 @@ def record_reads(clone: nn.Module) -> Optional[str]:
 
 def _guard_value(v: Any, depth: int = 0) -> Optional[bool]:
     """How a guard compares a value a forward read: False by value, True by identity, None when
-    fuse cannot check it cheaply and exactly (a tensor, a module, an arbitrary object)."""
+    it cannot cheaply and exactly (a tensor, a module, an arbitrary object)."""
     if v is None or type(v) in (bool, int, float, complex, str, bytes, torch.dtype,
                                 torch.device, _Counted):
         return False
     if isinstance(v, enum.Enum):
         return True
-    # A container compares by value (a copy is kept): == on its functions, classes and enums is
-    # identity, so a list of activation functions (DeepXDE's per-layer list) is checked whole.
+    # a container compares by value (a copy): == on functions, classes, enums is identity
     if type(v) in (tuple, list, frozenset, set) and depth < 3:
         return False if all(_guard_value(x, depth + 1) is not None for x in v) else None
     if type(v) is dict and depth < 3:
@@ -340,8 +320,7 @@ def _signature_problem(m: nn.Module, method: str) -> Optional[str]:
 
 
 def named_methods(m: nn.Module) -> List[str]:
-    """The methods of ``m``'s class (not nn.Module's) that its forward's own code names, such as
-    ``self.feed_forward_chunk`` handed to a helper: analysed when the forward cannot be."""
+    """The methods of ``m``'s class (not nn.Module's) that its forward's own code names."""
     code = getattr(inspect.unwrap(type(m).forward), "__code__", None)
     names = []
     for name in dict.fromkeys(code.co_names if code is not None else ()):
@@ -353,11 +332,8 @@ def named_methods(m: nn.Module) -> List[str]:
 
 
 def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> Trace:
-    fwd = vars(orig).get(method)
+    fwd = vars(orig).get(method)  # one fuse set: its class's method is what fx traces
     already = isinstance(fwd, _OwnerForward) and fwd.source is not None
-    # A forward fuse set (a region, or code rewritten by an earlier fuse) came from its class's
-    # forward, which fx traces: that graph still says what the code does with each value, but
-    # nothing new is rewritten in it.
     if fwd is not None and not isinstance(fwd, _OwnerForward):
         return Trace(False, f"its {method} is set on the instance (fx would trace its class's "
                             f"{method}, not what runs)")
@@ -386,9 +362,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         _Reads.log = reads
         if arguments is not None:
             setattr(type(clone), STAND_IN, arguments.stand_in)
-        try:
-            # Warnings raised while fx runs the forward on placeholders (torch.utils.checkpoint:
-            # "None of the inputs have requires_grad=True") are about that run, not the model.
+        try:  # warnings of the run on placeholders are not the model's
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 with _lines_run(code, ran, calls_out):
@@ -416,8 +390,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
             graph, indirect = g, tracer.indirect
         else:
             eval_graph = g
-    # F.dropout(h, p, training=self.training): the same code in both modes but for that value,
-    # which fx records as a constant; the path is the same, so a region may be marked in it
+    # F.dropout(h, p, training=self.training): the same code in both modes but for that value
     hands_training = codes[0] != codes[1]
     if hands_training and _TRAINING_ARG.sub("", codes[0]) != _TRAINING_ARG.sub("", codes[1]):
         return Trace(False, f"its {method} runs different code in train() and eval() (it reads "
@@ -426,9 +399,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
               indirect=indirect,
               unrun=_unrun(code, ran), calls_out=tuple(calls_out),
               arg_guard=arguments.guard if arguments is not None else None, cut_line=cut_line)
-    # What the forward read, and what tracing changed: a region and a rewrite both rely on the
-    # forward taking the path fx saw, so every attribute that could steer it is checked at call
-    # time (a guard), and one that changes at every call must be a pure count.
+    # every attribute that could steer the forward is a guard; one it changes must be a count
     paths = {id(m): p for p, m in clone.named_modules()}
     changed_names = {join_path(p, k) for p, k in changed}
     guards, unchecked, steering = [], [], []
@@ -456,8 +427,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         t.region_problem = (f"its {method} reads {', '.join(unchecked)}, a value fuse cannot check "
                             f"at each call")
     if arguments is not None and getattr(orig, "gradient_checkpointing", False) is True:
-        # transformers' GradientCheckpointingLayer: its class's forward then re-runs the forward
-        # in backward, outside the region
+        # transformers' GradientCheckpointingLayer re-runs its forward in backward
         t.region_problem = "gradient checkpointing is on for it (gradient_checkpointing=True)"
     elif arguments is not None and isinstance(getattr(orig, "gradient_checkpointing", None), bool):
         guards.append(_Guard("", "gradient_checkpointing", False, False))
@@ -474,8 +444,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
                              f"fx cannot follow")
     if method != "forward" and not t.rewrite_problem:
         t.rewrite_problem = f"fuse rewrites forward code only, and {method} is another method"
-    if changed_names and not t.rewrite_problem:
-        # a rewritten forward replays each pure count: one that grows by the same int per call
+    if changed_names and not t.rewrite_problem:  # a rewrite replays what each count adds
         odd = sorted(join_path(p, k) for (p, k), d in deltas.items()
                      if len(d) != 1 or None in d)
         if odd:
@@ -488,13 +457,11 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
 
 
 def after_branch(*values: Any) -> Any:
-    """Stands, in a graph cut at a branch fx cannot decide, for everything the method does from
-    that branch on with the values computed before it."""
+    """Stands, in a graph cut at a branch, for all the method does from there on."""
     return None
 
 
 def _proxies_in(v: Any, out: Dict[fx.Node, None], depth: int) -> None:
-    """The nodes of the fx proxies in ``v`` (in lists, tuples, sets and dicts, a few deep)."""
     if isinstance(v, fx.Proxy):
         out[v.node] = None
     elif depth < 4 and isinstance(v, (list, tuple, set, frozenset)):
@@ -506,9 +473,8 @@ def _proxies_in(v: Any, out: Dict[fx.Node, None], depth: int) -> None:
 
 
 def _cut_at_branch(g: fx.Graph, at: int, live_at_branch: Tuple[fx.Node, ...]) -> None:
-    """Keep the first ``at`` nodes of ``g``; those the method's local variables held at the
-    branch, and those later nodes use, go to one ``after_branch`` call, whose result the graph
-    returns."""
+    """Keep the first ``at`` nodes of ``g``; those the local variables held at the branch, and
+    those later nodes use, go to one ``after_branch`` call, which the graph returns."""
     nodes = list(g.nodes)
     kept = set(nodes[:at])
     live = dict.fromkeys(n for n in live_at_branch if n in kept)
@@ -519,8 +485,7 @@ def _cut_at_branch(g: fx.Graph, at: int, live_at_branch: Tuple[fx.Node, ...]) ->
 
 
 def _loopless(code: Any) -> bool:
-    """Whether the function of ``code`` has no loop: its lines then run in the order they are
-    written, so what runs after a line is written below it."""
+    """Whether the function of ``code`` has no loop: its lines run in the order written."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
     except (OSError, TypeError, SyntaxError):
@@ -533,8 +498,8 @@ def _loopless(code: Any) -> bool:
 
 def trace_model(model: nn.Module, facts: Dict[int, Fact]) -> \
         Tuple[Dict[int, Trace], List[Tuple[str, str]]]:
-    """The :class:`Trace` of each module with a forward of its own (by id; ``ok`` False where it
-    was not analysed), and (path, why) for each one not analysed, or analysed in part."""
+    """The :class:`Trace` of each module with a forward of its own, by id, and (path, why) for
+    each one not analysed, or analysed in part."""
     traces: Dict[int, Trace] = {}
     not_analysed: List[Tuple[str, str]] = []
     wanted = [(p, m) for p, m in model.named_modules() if facts[id(m)].traced]
@@ -569,10 +534,8 @@ def trace_model(model: nn.Module, facts: Dict[int, Fact]) -> \
 
 
 def _method_trace(clone: nn.Module, m: nn.Module, t: Trace) -> Trace:
-    """The trace of the one method the forward names that calls children, else ``t``, the
-    forward's. Such a method is handed to a helper (transformers' ``apply_chunking_to_forward``)
-    by a forward fx cannot follow (optional or variadic arguments), or by one that calls no
-    child but through it."""
+    """The trace of the one method the forward names that calls children (handed to a helper
+    such as ``apply_chunking_to_forward``), else ``t``, the forward's."""
     found = []
     for name in named_methods(m):
         mt = trace_module(clone, m, name)
@@ -587,10 +550,8 @@ def _method_trace(clone: nn.Module, m: nn.Module, t: Trace) -> Trace:
 
 @contextlib.contextmanager
 def _rng_kept():
-    """Tracing runs the forward's Python code on placeholders: a call such as ``torch.rand([])``
-    (LayerDrop) runs for real and draws from a generator. Every generator the forward could draw
-    from — torch's CPU and initialised CUDA ones, Python's ``random``, numpy's global one — is
-    put back as it was, so the user's next random numbers are those of an unfused run."""
+    """Every generator a traced forward could draw from (``torch.rand`` for LayerDrop runs for
+    real) put back as it was: torch's CPU and CUDA ones, Python's, numpy's."""
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     py_state = random.getstate()
     np = sys.modules.get("numpy")
@@ -605,17 +566,15 @@ def _rng_kept():
 
 
 def _only_through_a_method(t: Trace) -> bool:
-    """Whether the traced forward calls children, each through a function other than itself."""
     calls = [n for n in t.graph.nodes if n.op == "call_module"]
     return bool(calls) and all(n.name in t.indirect for n in calls)
 
 
 @contextlib.contextmanager
 def _lines_run(code: Any, ran: set, calls_out: Dict[str, None]):
-    """Adds to ``ran`` each line of ``code`` (the traced method) that runs in the block, and to
-    ``calls_out`` the name of each Python function it calls directly that is neither torch's, the
-    standard library's nor ckpt_ext's. A tracer already installed (coverage, a debugger) still
-    gets every event."""
+    """Adds to ``ran`` each line of ``code`` that runs in the block, to ``calls_out`` each Python
+    function it calls that is not torch's, the standard library's or ckpt_ext's. A tracer already
+    installed (coverage, a debugger) still gets every event."""
     if code is None:
         yield
         return
@@ -653,23 +612,18 @@ _LIBRARY_DIRS = tuple(os.path.join(os.path.realpath(d), "") for d in
 
 
 def _library_code(code: Any) -> bool:
-    """Code of torch (fx's proxies, nn.Module's call, torch.nn.functional), of the standard
-    library or of ckpt_ext (the analysis' own attribute reads): it reads no state of the
-    user's, so what it does follows from its arguments."""
+    """torch's, the standard library's or ckpt_ext's code: it reads no state of the user's."""
     return os.path.realpath(code.co_filename).startswith(_LIBRARY_DIRS)
 
 
-# Expressions that run in part: one side of a conditional expression, the right of an `and`/
-# `or`, a comprehension's body per element. A statement holding one may run a part tracing did
-# not see.
+# expressions that run in part: a statement holding one may run a part tracing did not see
 _PARTIAL = (ast.IfExp, ast.BoolOp, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp,
             ast.Lambda)
 
 
 def _unrun(code: Any, ran: set) -> Optional[Tuple[int, ...]]:
-    """The first lines of the simple statements of ``code`` that may not have run whole while
-    traced: no line of theirs ran, or they hold an expression that runs in part (a conditional
-    expression, a short-circuit, a comprehension). None where the source cannot be read."""
+    """The first lines of the simple statements of ``code`` of which no line ran, or that hold an
+    expression that runs in part; None where the source cannot be read."""
     statements = _statement_lines(code)
     if statements is None:
         return None
@@ -678,9 +632,7 @@ def _unrun(code: Any, ran: set) -> Optional[Tuple[int, ...]]:
 
 def _statement_lines(code: Any) -> Optional[List[Tuple[int, set, bool]]]:
     """(first line, its lines, whether it holds an expression of _PARTIAL) of each simple
-    statement of ``code``'s function (not of functions or classes defined in it; the docstring
-    left out), read from its source; None where the source cannot be read or parsed as that
-    function."""
+    statement of ``code``'s function, its docstring left out; None without readable source."""
     if code is None:
         return None
     try:
@@ -718,8 +670,7 @@ def _statement_lines(code: Any) -> Optional[List[Tuple[int, set, bool]]]:
 
 
 def statement_source(code: Any, line: int) -> Optional[ast.stmt]:
-    """The simple statement of ``code``'s function that starts at ``line``, parsed; None if not
-    found."""
+    """The statement of ``code``'s function that starts at ``line``, parsed; None if not found."""
     try:
         lines, start = inspect.getsourcelines(code)
         tree = ast.parse(textwrap.dedent("".join(lines)))
