@@ -26,7 +26,7 @@ from .facts import (ACROSS, DROPOUT_FUNCTIONS, DROPOUT_SIGNATURE, FREEING_FUNCTI
                     KEEPING_METHODS, KEEPING_MODULES, META_FUNCTIONS, META_METHODS,
                     PASS_THROUGH_MODULES, SAVES_INPUT, SCALING_FUNCTIONS, SCALING_METHODS,
                     VIEW_FUNCTIONS, VIEW_METHODS, Fact, LayerKind, NodeFact, NoHooks, OwnForward,
-                    Recognised, Slot, failing, node_facts)
+                    Recognised, Slot, bind, failing, join_path, node_facts)
 from .tracing import Trace, after_branch, statement_source
 
 
@@ -52,7 +52,37 @@ class Fate(NamedTuple):
     why: str
 
 
+class Crossing(NamedTuple):
+    """A module a value enters or leaves (``out``) on its way to a consumer: ``caller`` calls it
+    ``target``, ``calls`` times; ``strict``: entered as the one argument of a call without
+    keywords (its forward's arity matching), or left for a caller that was analysed."""
+    module: nn.Module
+    out: bool
+    caller: nn.Module
+    target: str
+    calls: int
+    strict: bool
+    position: int = 0      # entered as this argument
+    by_place: bool = True  # left to where its (first) place's caller sends it
+
+
+class Use(NamedTuple):
+    """One consumer of a value: ``at``, an element index of the Sequential ``owner`` or a node of
+    ``owner``'s analysed forward, calling ``module`` (None: an op or an output), on ``value``
+    (the node it consumes); ``owner`` None: the model returns it, or, with ``why``, it goes
+    where nothing is known. ``crossed``: the modules it entered or left on the way, in order."""
+    owner: Optional[nn.Module]
+    at: Any
+    module: Optional[nn.Module]
+    value: Any
+    crossed: Tuple[Crossing, ...] = ()
+    why: str = ""
+
+
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+#: modules whose effect on a value the op tables give: the walk does not go into their forward
+_TABLED = PASS_THROUGH_MODULES + (nn.modules.dropout._DropoutNd,) + FREEING_MODULES + \
+    KEEPING_MODULES
 
 
 class ModelGraph:
@@ -185,103 +215,151 @@ class ModelGraph:
                                          activation=nf.found and nf.found.name))
         return out
 
-    # -- fates: what the consumers of a value do with it ------------------------------------------
-    def fate(self, s: LayerCall) -> Fate:
-        """What consumes the call's output."""
-        if s.node is None:
-            seq = s.container
-            return self.elements_fate(seq, self.path[id(seq)], s.index + 1,
-                                      lambda: self.output_fate(seq), 0)
-        return self.node_fate(s.container, s.trace, s.node)
-
-    def output_fate(self, m: nn.Module, index: Optional[int] = None, depth: int = 0) -> Fate:
-        """What the callers of module ``m`` do with its output (element ``index`` of a tuple)."""
+    # -- where a value goes: the one walker across module boundaries ---------------------------
+    def users(self, owner: nn.Module, at: Any, crossed: Tuple[Crossing, ...] = (),
+              entered: Tuple[Tuple[nn.Module, Any], ...] = (), depth: int = 0) -> List[Use]:
+        """The consumers of the value at ``at`` of ``owner`` (a node of its analysed forward, or
+        the output of its element ``at`` for a Sequential), across module boundaries: into the
+        first element of a Sequential or the forward of an analysed module it is handed to (not
+        a layer, a Dropout or a module of the op tables), on to the next element, out of a
+        forward returning it (or a Sequential's last element) to the call it was entered by
+        (``entered``), else to where the module's caller sends it."""
         if depth > 64:
-            return Fate(None, "the chain of callers is too deep to follow")
-        if m is self.model:
-            return Fate(False, "returned by the model (freed unless the loss keeps it: "
-                               ".mean()/.sum() do not, mse_loss does)")
-        paths = self.paths.get(id(m), [])
-        if len(paths) != 1:
-            return Fate(None, f"{paths[0] if paths else 'a module'} sits at {len(paths)} places")
-        parent, ppath, name = self.caller[id(m)]
-        if self.facts[id(parent)].sequential and "." not in name:
-            if index is not None:
-                return Fate(None, f"{paths[0]} returns a tuple inside an nn.Sequential")
-            return self.elements_fate(parent, ppath, list(parent._modules).index(name) + 1,
-                                      lambda: self.output_fate(parent, None, depth + 1),
+            return [Use(None, None, None, at, crossed, "the chain of users is too deep to "
+                                                       "follow")]
+        if self.facts[id(owner)].sequential:
+            if at + 1 < len(owner._modules):
+                return self._element(owner, at + 1, crossed, entered, depth)
+            return self._out_of(owner, crossed, entered, depth)
+        out: List[Use] = []
+        method = self.trace[id(owner)].method
+        for u in at.users:
+            if u.op == "output" and u.args[0] is at and method == "forward":
+                out += self._out_of(owner, crossed, entered, depth)
+            elif u.op == "call_module":
+                out += self._into(owner, at, u, crossed, entered, depth)
+            else:
+                out.append(Use(owner, u, None, at, crossed))
+        return out
+
+    def _element(self, seq: nn.Module, i: int, crossed, entered, depth) -> List[Use]:
+        name, e = list(seq._modules.items())[i]
+        if self.facts[id(e)].sequential and e._modules:
+            return self._element(e, 0, crossed + (Crossing(e, False, seq, name, 1, True),),
+                                 entered + ((seq, i),), depth + 1)
+        return [Use(seq, i, e, None, crossed)]
+
+    def _into(self, owner: nn.Module, node: fx.Node, u: fx.Node, crossed, entered,
+              depth) -> List[Use]:
+        sub = owner.get_submodule(u.target)
+        ks = [k for k, a in enumerate(u.args) if a is node]
+        if len(ks) == 1 and not any(v is node for v in u.kwargs.values()):
+            k, fact, t = ks[0], self.facts[id(sub)], self.trace.get(id(sub))
+            n = len(self.calls_of(owner, u.target))
+            if fact.sequential and sub._modules and k == 0:
+                c = Crossing(sub, False, owner, u.target, n, len(u.args) == 1 and not u.kwargs)
+                return self._element(sub, 0, crossed + (c,), entered + ((owner, u),), depth + 1)
+            if t is not None and t.method == "forward" and fact.kind is None and \
+                    not isinstance(sub, _TABLED):
+                ph = [p for p in t.graph.nodes if p.op == "placeholder"]
+                if k < len(ph):
+                    strict = not u.kwargs and len(ph) == len(u.args) and not t.already_rewritten
+                    c = Crossing(sub, False, owner, u.target, n, strict, k)
+                    return self.users(sub, ph[k], crossed + (c,), entered + ((owner, u),),
                                       depth + 1)
+        return [Use(owner, u, sub, node, crossed)]
+
+    def _out_of(self, m: nn.Module, crossed, entered, depth) -> List[Use]:
+        if entered:  # back to the call it came in by
+            caller, at = entered[-1]
+            target = at.target if isinstance(at, fx.Node) else list(caller._modules)[at]
+            c = Crossing(m, True, caller, target, 1, True, by_place=False)
+            return self.users(caller, at, crossed + (c,), entered[:-1], depth + 1)
+        site = self.returned(m, crossed)
+        return site if isinstance(site, list) else self.users(*site, (), depth + 1)
+
+    def returned(self, m: nn.Module, crossed: Tuple[Crossing, ...] = ()):
+        """(caller, the call or element of ``m`` there, the crossings) for the output of ``m``
+        from its first place; [a Use] where the model returns it or nothing is known."""
+        caller = self.caller.get(id(m))
+        if m is self.model or caller is None:
+            return [Use(None, None, None, None, crossed)]
+        parent, ppath, target = caller
+        if self.facts[id(parent)].sequential and "." not in target:
+            return parent, list(parent._modules).index(target), \
+                crossed + (Crossing(m, True, parent, target, 1, True),)
         t = self.traces.get(id(parent))
         if t is None or not t.ok:
             why = f" ({t.reason})" if t is not None else ""
-            return Fate(None, f"its caller {ppath or '<model>'} was not analysed{why}")
-        calls = self.calls_of(parent, name)
-        if not calls and t.cut_line is not None:
-            return Fate(None, f"{ppath or '<model>'}.{t.method} calls {name} after it branches "
-                              f"on a traced value (line {t.cut_line}), which fx cannot follow")
-        if len(calls) != 1:
-            return Fate(None, f"{ppath or '<model>'}.forward calls {name} {len(calls)} times")
-        return self.node_fate(parent, t, calls[0], index, depth + 1)
+            return [Use(None, None, None, None, crossed + (Crossing(m, True, parent, target, 1,
+                                                                    False),),
+                        f"its caller {ppath or '<model>'} was not analysed{why}")]
+        calls = self.calls_of(parent, target)
+        c = Crossing(m, True, parent, target, len(calls), True)
+        if not calls:
+            return [Use(None, None, None, None, crossed + (c,), (
+                f"{ppath or '<model>'}.{t.method} calls {target} after it branches on a traced "
+                f"value (line {t.cut_line}), which fx cannot follow" if t.cut_line is not None
+                else f"{ppath or '<model>'}.forward calls {target} 0 times"))]
+        return parent, calls[0], crossed + (c,)
 
-    def node_fate(self, owner: nn.Module, t: Trace, node: fx.Node, index: Optional[int] = None,
-                  depth: int = 0) -> Fate:
-        """What the users of ``node`` in ``owner``'s graph do with its value."""
-        if depth > 64:
-            return Fate(None, "the chain of users is too deep to follow")
-        results: List[Fate] = []
-        for u in node.users:
-            if index is None:
-                results.append(self._use_fate(owner, t, node, u, depth + 1))
-            elif u.op == "call_function" and u.target is operator.getitem and \
-                    u.args[0] is node and not isinstance(u.args[1], fx.Node):
-                if u.args[1] == index:
-                    results.append(self.node_fate(owner, t, u, None, depth + 1))
-            else:
-                results.append(Fate(None, f"output {index} is used as part of a whole"))
-        return _combine(results)
+    # -- fates: what the consumers of a value do with it ------------------------------------------
+    def fate(self, owner: nn.Module, at: Any, depth: int = 0) -> Fate:
+        """What the consumers of the value at ``at`` of ``owner`` (as :meth:`users` takes it) do
+        with it."""
+        return _combine([self._use_fate(u, depth + 1)
+                         for u in self.users(owner, at, (), (), depth)])
 
-    def _use_fate(self, owner: nn.Module, t: Trace, node: fx.Node, u: fx.Node,
-                  depth: int) -> Fate:
-        opath = self.path[id(owner)]
-        if u.op == "output":
+    def _use_fate(self, u: Use, depth: int) -> Fate:
+        for c in u.crossed:
+            if c.out and c.by_place:
+                places = self.paths.get(id(c.module), [])
+                if len(places) != 1:
+                    return Fate(None, f"{places[0] if places else 'a module'} sits at "
+                                      f"{len(places)} places")
+                if c.calls > 1:
+                    return Fate(None, f"{self.path[id(c.caller)] or '<model>'}.forward calls "
+                                      f"{c.target} {c.calls} times")
+            if not c.out and c.position:
+                return Fate(None, f"passed to {join_path(self.path[id(c.caller)], c.target)} "
+                                  f"other than as its only input")
+        if u.why:
+            return Fate(None, u.why)
+        if u.owner is None:
+            return Fate(False, "returned by the model (freed unless the loss keeps it: "
+                               ".mean()/.sum() do not, mse_loss does)")
+        if u.module is not None:
+            return self._module_fate(u, depth)
+        node, value, owner = u.at, u.value, u.owner
+        t, opath = self.trace[id(owner)], self.path[id(owner)] or "<model>"
+        if node.op == "output":
             if t.method != "forward":
-                return Fate(None, f"{opath or '<model>'}.{t.method} returns it to callers fuse "
-                                  f"did not analyse")
-            out = u.args[0]
-            if out is node:
-                return self.output_fate(owner, None, depth)
-            if isinstance(out, (tuple, list)):
-                where = [i for i, o in enumerate(out) if o is node]
-                if len(where) == 1:
-                    return self.output_fate(owner, where[0], depth)
-            return Fate(None, f"{opath or '<model>'} returns it inside a nested structure")
-        on_output = (lambda: self.node_fate(owner, t, u, None, depth + 1))
-        if u.op == "call_module":
-            label = self.nodes[u].label
-            others = list(u.args[1:]) + list(u.kwargs.values())
-            if not u.args or u.args[0] is not node or any(a is node for a in others):
-                return Fate(None, f"passed to {label} other than as its only input")
-            return self._module_input_fate(owner.get_submodule(u.target), label, on_output,
-                                           depth)
-        if u.op not in ("call_function", "call_method"):
-            return Fate(None, f"used by a {u.op} node")
-        target, is_fn = u.target, u.op == "call_function"
+                return Fate(None, f"{opath}.{t.method} returns it to callers fuse did not "
+                                  f"analyse")
+            out = node.args[0]
+            where = [i for i, o in enumerate(out) if o is value] \
+                if isinstance(out, (tuple, list)) else []
+            if len(where) != 1:
+                return Fate(None, f"{opath} returns it inside a nested structure")
+            return self._element_fate(owner, where[0], depth)
+        if node.op not in ("call_function", "call_method"):
+            return Fate(None, f"used by a {node.op} node")
+        target, is_fn = node.target, node.op == "call_function"
         name = _fn_name(target)
+        on_output = (lambda: self.fate(owner, node, depth + 1))
 
         def among(functions: set, methods: set) -> bool:
             return target in (functions if is_fn else methods)
 
         if is_fn and target is after_branch:
-            return Fate(None, f"used after {opath or '<model>'}.{t.method} branches on a traced "
-                              f"value (line {t.cut_line}), which fx cannot follow")
+            return Fate(None, f"used after {opath}.{t.method} branches on a traced value (line "
+                              f"{t.cut_line}), which fx cannot follow")
         if is_fn and target in DROPOUT_FUNCTIONS:
-            try:
-                bound = DROPOUT_SIGNATURE.bind(*u.args, **u.kwargs)
-            except TypeError:
+            args = bind(node, DROPOUT_SIGNATURE)
+            if args is None:
                 return Fate(None, f"used by {name} with arguments fuse cannot read")
-            bound.apply_defaults()
-            p, training = bound.arguments["p"], bound.arguments["training"]
-            if bound.arguments["input"] is not node or isinstance(p, fx.Node) or \
+            p, training = args["p"], args["training"]
+            if args["input"] is not value or isinstance(p, fx.Node) or \
                     isinstance(training, fx.Node):
                 return Fate(None, f"used by {name} with a p or training fuse cannot read")
             return _dropout_fate(f"{name}(p={p})", p, training, on_output)
@@ -293,21 +371,47 @@ class ModelGraph:
             what = " (a residual add)" if target in (operator.add, operator.iadd, "add") else ""
             return Fate(False, f"its user {name}{what} does not keep it")
         if among(SCALING_FUNCTIONS, SCALING_METHODS):
-            if any(isinstance(a, fx.Node) and a is not node for a in u.args):
+            if any(isinstance(a, fx.Node) and a is not value for a in node.args):
                 return Fate(True, f"kept by {name} with another tensor")
             return Fate(False, f"its user {name} by a constant does not keep it")
         if among(KEEPING_FUNCTIONS, KEEPING_METHODS):
             return Fate(True, f"kept by {name}")
         return Fate(None, f"used by {name}, not known to keep or free its input")
 
-    def _module_input_fate(self, sub: nn.Module, label: str, on_output: Callable[[], Fate],
-                           depth: int) -> Fate:
-        """What module ``sub`` does with its input; ``on_output`` answers for its output when it
-        only passes the input through."""
+    def _element_fate(self, m: nn.Module, index: int, depth: int) -> Fate:
+        """What the callers of ``m`` do with element ``index`` of the tuple it returns."""
+        site = self.returned(m)
+        if isinstance(site, list):
+            return self._use_fate(site[0], depth)
+        parent, call, crossed = site
+        bad = self._use_fate(Use(None, None, None, None, crossed, "-"), depth)
+        if bad.why != "-":
+            return bad
+        if self.facts[id(parent)].sequential:
+            return Fate(None, f"{self.path[id(m)]} returns a tuple inside an nn.Sequential")
+        fates = []
+        for g in call.users:
+            if g.op == "call_function" and g.target is operator.getitem and \
+                    g.args[0] is call and not isinstance(g.args[1], fx.Node):
+                if g.args[1] == index:
+                    fates.append(self.fate(parent, g, depth + 1))
+            else:
+                fates.append(Fate(None, f"output {index} is used as part of a whole"))
+        return _combine(fates)
+
+    def _module_fate(self, u: Use, depth: int) -> Fate:
+        """What module ``u.module`` does with the value it is given."""
+        sub, owner, at = u.module, u.owner, u.at
+        if isinstance(at, fx.Node):
+            label = self.nodes[at].label
+            others = list(at.args[1:]) + list(at.kwargs.values())
+            if not at.args or at.args[0] is not u.value or any(a is u.value for a in others):
+                return Fate(None, f"passed to {label} other than as its only input")
+        else:
+            label = join_path(self.path[id(owner)], list(owner._modules)[at])
         fact = self.facts[id(sub)]
-        if fact.sequential:
-            return self.elements_fate(sub, label, 0, on_output, depth + 1)
-        if isinstance(sub, PASS_THROUGH_MODULES):
+        on_output = (lambda: self.fate(owner, at, depth + 1))
+        if isinstance(sub, PASS_THROUGH_MODULES) or fact.sequential:  # an empty Sequential too
             return on_output()
         if isinstance(sub, nn.modules.dropout._DropoutNd):
             return _dropout_fate(f"{label} ({type(sub).__name__}(p={sub.p}))", sub.p,
@@ -321,50 +425,62 @@ class ModelGraph:
             if SAVES_INPUT[found.name]:
                 return Fate(True, f"kept by {label} ({type(sub).__name__} keeps its input)")
             return Fate(False, f"its user {label} ({type(sub).__name__}) does not keep it")
-        ts = self.trace.get(id(sub))
-        if ts is not None and ts.method == "forward":  # a method's inputs are not the module's
-            ph = [n for n in ts.graph.nodes if n.op == "placeholder"]
-            if ph:
-                return self.node_fate(sub, ts, ph[0], None, depth + 1)
         return Fate(None, f"its user {label} ({type(sub).__name__}) is not known to keep or "
                           f"free it")
-
-    def elements_fate(self, seq: nn.Module, seq_path: str, start: int,
-                      on_end: Callable[[], Fate], depth: int) -> Fate:
-        """What the elements of ``seq`` from ``start`` on do with their input; ``on_end``
-        answers when they all pass it through."""
-        names = list(seq._modules)
-        for i in range(start, len(names)):
-            e = seq._modules[names[i]]
-            if isinstance(e, PASS_THROUGH_MODULES):
-                continue
-            rest = (lambda i=i: self.elements_fate(seq, seq_path, i + 1, on_end, depth + 1))
-            label = f"{seq_path}.{names[i]}" if seq_path else names[i]
-            return self._module_input_fate(e, label, rest, depth + 1)
-        return on_end()
 
     # -- where a layer's output goes next: the one call receiving it ------------------------------
     def follow(self, calls: Sequence[LayerCall]) -> \
             Dict[LayerCall, Tuple[Optional[LayerCall], Optional[str], Tuple[Slot, ...]]]:
         """For each of ``calls``: (the one of them that receives its output as its only consumer,
-        why a run may not take that step or None, the Identity and Dropout modules stepped over). The value
-        goes between consecutive elements of a Sequential, from a Sequential's last element to
-        what consumes the Sequential's output, into the first element of a Sequential it is
-        passed to, between children an analysed forward calls, into and out of a child whose
-        analysed forward takes it (as any one of its positional arguments) or returns it.
-        Crossing a Sequential or a module needs it to have no hooks and no instance forward, to
-        be held at one place and, when a forward calls it, to be called once there, directly;
-        its own forward must be one whose guards can be checked."""
-        at = {(id(s.container), s.name if s.node is None else s.node): s for s in calls}
-        out = {}
-        for s in calls:
-            walk = _Walk(self, at)
-            if s.node is None:
-                found = walk.after_element(s.container, s.index, 0)
-            else:
-                found = walk.after_node(s.container, s.trace, s.node, 0)
-            out[s] = (found[0], found[1], tuple(walk.passed))
-        return out
+        why a run may not take that step or None, the Identity and Dropout modules stepped
+        over). Crossing a Sequential or a module needs it to have no hooks and no instance
+        forward, to be held at one place, called once and directly, and to receive the value as
+        the one argument of a call without keywords; its forward must be one whose guards can be
+        checked. A Sequential hands on only the value of an element that is one."""
+        at = {(id(s.container), s.index if s.node is None else s.node): s for s in calls}
+        return {s: self._next(s, at) for s in calls}
+
+    def _next(self, s: LayerCall, at: Dict[Tuple[int, Any], LayerCall]):
+        site = (s.container, s.index if s.node is None else s.node)
+        passed: List[Slot] = []
+        problem: Optional[str] = None
+        while True:
+            uses = self.users(*site)
+            if len(uses) != 1 or uses[0].module is None:
+                return None, None, tuple(passed)
+            u = uses[0]
+            for c in u.crossed:
+                if not c.strict or (c.out and self.facts[id(c.caller)].sequential and
+                                    not self.facts[id(c.module)].sequential):
+                    return None, None, tuple(passed)
+                problem = problem or self._crossing(c)
+            node = u.at if isinstance(u.at, fx.Node) else None
+            if node is not None and (node.kwargs or len(node.args) != 1):
+                return None, None, tuple(passed)
+            call = at.get((id(u.owner), u.at))
+            if call is not None:
+                return call, problem, tuple(passed)
+            if not self.facts[id(u.module)].passes or (node is not None and "." in node.target):
+                return None, None, tuple(passed)
+            name = node.target if node is not None else list(u.owner._modules)[u.at]
+            label = join_path(self.path[id(u.owner)], name)
+            passed.append(Slot(u.owner, name, u.module, label))
+            problem = problem or failing([NoHooks(u.module, label, ACROSS),
+                                          OwnForward(u.module, label)])
+            if node is not None:
+                problem = problem or self.child_problem(u.owner, self.trace[id(u.owner)],
+                                                        node.target, label, u.module)
+            site = (u.owner, u.at)
+
+    def _crossing(self, c: Crossing) -> Optional[str]:
+        """Why a run may not take a value into or out of ``c.module``, else None."""
+        child = None
+        if not self.facts[id(c.caller)].sequential:
+            child = self.child_problem(c.caller, self.trace[id(c.caller)], c.target,
+                                       join_path(self.path[id(c.caller)], c.target), c.module)
+        if c.out:
+            return self.crossing_problem(c.module) or child
+        return child or self.crossing_problem(c.module)
 
     def crossing_problem(self, c: nn.Module) -> Optional[str]:
         """Why a run may not cross container ``c`` (a Sequential, or a module whose analysed
@@ -386,128 +502,6 @@ class ModelGraph:
                         f"region")
         return None
 
-
-class _Walk:
-    """One step of :meth:`ModelGraph.follow`: each method returns (the call reached, why the run
-    may not take the step) or (None, None) where the value has no single layer call to go to."""
-
-    def __init__(self, graph: ModelGraph, at: Dict[Tuple[int, Any], LayerCall]) -> None:
-        self.graph, self.at, self.passed, self.facts = graph, at, [], graph.facts
-
-    def passing(self, holder: nn.Module, name: str, m: nn.Module, label: str) -> Optional[str]:
-        """Note a module the value passes through; why a run may not pass it, else None."""
-        self.passed.append(Slot(holder, name, m, label))
-        return failing([NoHooks(m, label, ACROSS), OwnForward(m, label)])
-
-    def enter(self, seq: nn.Module, name: str, depth: int):
-        call = self.at.get((id(seq), name))
-        if call is not None:
-            return call, None
-        e = seq._modules[name]
-        fact = self.facts[id(e)]
-        if fact.sequential and depth < 64:
-            return self.enter_seq(e, depth + 1)
-        if fact.passes and depth < 64:
-            path = self.graph.path[id(seq)]
-            problem = self.passing(seq, name, e, f"{path}.{name}" if path else name)
-            call, why = self.after_element(seq, list(seq._modules).index(name), depth + 1)
-            return (call, problem or why) if call is not None else (None, None)
-        return None, None
-
-    def enter_seq(self, seq: nn.Module, depth: int):
-        names = list(seq._modules)
-        if not names:
-            return None, None
-        call, why = self.enter(seq, names[0], depth)
-        if call is None:
-            return None, None
-        return call, self.graph.crossing_problem(seq) or why
-
-    def enter_module(self, m: nn.Module, position: int, n_args: int, depth: int):
-        """Into the analysed forward of a module that receives the value as argument
-        ``position`` of ``n_args``, all positional."""
-        t = self.graph.trace.get(id(m))
-        if t is None or t.method != "forward" or t.already_rewritten or depth > 64:
-            return None, None
-        placeholders = [n for n in t.graph.nodes if n.op == "placeholder"]
-        if len(placeholders) != n_args:
-            return None, None
-        call, why = self.after_node(m, t, placeholders[position], depth + 1)
-        if call is None:
-            return None, None
-        return call, self.graph.crossing_problem(m) or why
-
-    def after_element(self, seq: nn.Module, i: int, depth: int):
-        names = list(seq._modules)
-        if i + 1 < len(names):
-            return self.enter(seq, names[i + 1], depth)
-        return self.after_container(seq, depth)
-
-    def after_container(self, c: nn.Module, depth: int):
-        """From the output of a Sequential, or of a module whose analysed forward returns the
-        value, to where its caller sends it."""
-        graph = self.graph
-        caller = graph.caller.get(id(c))
-        if caller is None or depth > 64:
-            return None, None  # the model itself
-        problem = graph.crossing_problem(c)
-        parent, ppath, target = caller
-        if self.facts[id(parent)].sequential and "." not in target:
-            if not self.facts[id(c)].sequential:  # a Sequential computes its elements: no region
-                return None, None
-            call, why = self.after_element(parent, list(parent._modules).index(target),
-                                           depth + 1)
-            return call, problem or why
-        # A forward rewritten by an earlier fuse still calls its child Sequentials as its class
-        # graph says (only function pairs became fused ops), so the run may go through it.
-        t = graph.trace.get(id(parent))
-        calls = graph.calls_of(parent, target) if t is not None else []
-        if not calls:
-            return None, None
-        call, why = self.after_node(parent, t, calls[0], depth + 1)
-        if call is None:
-            return None, None
-        return call, problem or graph.child_problem(
-            parent, t, target, f"{ppath}.{target}" if ppath else target, c) or why
-
-    def after_node(self, owner: nn.Module, t: Trace, node: fx.Node, depth: int):
-        users = list(node.users)
-        if len(users) != 1:
-            return None, None
-        u = users[0]
-        if u.op == "output":  # returned: on to the forward's caller
-            if u.args[0] is not node or t.method != "forward" or depth > 64:
-                return None, None
-            return self.after_container(owner, depth + 1)
-        if u.op != "call_module" or u.kwargs:
-            return None, None
-        at = [k for k, a in enumerate(u.args) if a is node]
-        if len(at) != 1:
-            return None, None
-        call = self.at.get((id(owner), u))
-        if call is not None:
-            return (call, None) if len(u.args) == 1 else (None, None)
-        sub = owner.get_submodule(u.target)
-        if depth > 64:
-            return None, None
-        graph = self.graph
-        label, fact = graph.nodes[u].label, self.facts[id(sub)]
-        if fact.passes and len(u.args) == 1 and "." not in u.target:
-            problem = self.passing(owner, u.target, sub, label)
-            call, why = self.after_node(owner, t, u, depth + 1)
-            if call is None:
-                return None, None
-            return call, problem or graph.child_problem(owner, t, u.target, label, sub) or why
-        if fact.sequential:
-            call, why = self.enter_seq(sub, depth + 1) if len(u.args) == 1 else (None, None)
-        else:
-            call, why = self.enter_module(sub, at[0], len(u.args), depth + 1)
-        if call is None:
-            return None, None
-        return call, graph.child_problem(owner, t, u.target, label, sub) or why
-
-
-# ------------------------------------------------------------------------------------------------
 
 def _fn_name(target: Any) -> str:
     if isinstance(target, str):

@@ -85,7 +85,8 @@ class Plain(UnitKind):
         units: List[Unit] = []
         for s, e in split_at_problems(problems, len(layer_calls)):
             last = layer_calls[e - 1]
-            sub = full.sub(s, e, lambda last=last: graph.fate(last))
+            site = (last.container, last.index if last.node is None else last.node)
+            sub = full.sub(s, e, lambda site=site: graph.fate(*site))
             sub.where = _where(graph, sub.items)
             problem = chain_problem(sub.layers, [x.module for x in sub.items[0::2]])
             if problem is not None:
