@@ -175,7 +175,7 @@ class Inline(UnitKind):
                                  "a run with function calls between its Linears: " +
                                  "; ".join(c.problems), activation=names[0])]
         chain = Chain(c.path, "children", list(c.labels), list(c.nodes), layers, names, False,
-                      lambda: Fate(None, ""), {},
+                      lambda: Fate(None, ""),
                       tuple(module_tensors(sub, found.name) for found, _, sub in c.acts))
         (unit,), _ = decide(chain, options.policy)
         d = unit.decision

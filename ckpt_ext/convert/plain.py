@@ -80,7 +80,7 @@ class Plain(UnitKind):
                   for s in layer_calls[0::2]]
         full = Chain(at, "", labels, layer_calls, shapes,
                      tuple(s.activation for s in layer_calls[1::2]), len(layer_calls) % 2 == 0,
-                     lambda: Fate(None, ""), _inner_fates(run),
+                     lambda: Fate(None, ""),
                      tuple(module_tensors(s.module, s.activation) for s in layer_calls[1::2]))
         units: List[Unit] = []
         for s, e in split_at_problems(problems, len(layer_calls)):
@@ -167,18 +167,6 @@ def _problem(graph: ModelGraph, s: LayerCall) -> Optional[str]:
         if p is not None:
             return p
     return graph.facts[id(s.module)].problem
-
-
-def _inner_fates(run: Run) -> Dict[int, Fate]:
-    """Activation j's output goes to a Dropout drawing a mask, which keeps only that."""
-    out = {}
-    for j, call in enumerate(run.calls[1::2]):
-        drawing = [p for p in run.through.get(call, ()) if not passes_through(p.module)]
-        if drawing:
-            out[j] = Fate(False, f"its user {drawing[0].label} (Dropout, p={drawing[0].module.p})"
-                                 f" keeps only its mask (in train(); in eval() it passes the "
-                                 f"value on)")
-    return out
 
 
 def _through(passes: Sequence[Tuple[Slot, int]]) -> str:

@@ -1,14 +1,10 @@
-"""The policy: which stretches of a chain of Linear/activation calls fuse as one unit
-(``Policy.MEMORY``: a maximal run, with its trailing activation and as a lone pair where that
-frees memory — always for an activation whose backward keeps its input, only where the consumer
-does not keep the output for one that keeps its output; ``Policy.ALL``: the same runs with their
-trailing activation, and every lone pair), the near misses, and the report's figures for each
-(activation bytes freed and FLOPs added per row, each layer's from its own activation's row: a
-run may mix activations)."""
+"""The policy: which stretches of a chain of Linear/activation calls fuse as one unit, the near
+misses, and the report's figures (bytes freed and FLOPs added per row, each layer's from its own
+activation's row). Design: docs/converter.md, "Activations"."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
@@ -21,13 +17,13 @@ from .report import Decision
 
 
 class Policy(str, enum.Enum):
-    """What fuse fuses (a ``str``: ``fuse(policy="all")`` names it)."""
+    """``MEMORY``: maximal runs, with their trailing activation and lone pairs where that frees
+    memory; ``ALL``: the same runs with their trailing activation, and every lone pair."""
     MEMORY = "memory"
     ALL = "all"
 
 
 class LayerShape(NamedTuple):
-    """A Linear of a chain, as the figures of the report need it."""
     label: str
     in_features: int
     out_features: int
@@ -35,61 +31,48 @@ class LayerShape(NamedTuple):
 
 
 def gemm(layer: LayerShape) -> int:
-    """FLOPs per row of one x·Wᵀ (bias and activation not counted)."""
+    """FLOPs per row of one x·Wᵀ."""
     return 2 * layer.in_features * layer.out_features
 
 
 def _unit_name(layers: Sequence[LayerShape], activations: Sequence[str], last_act: bool) -> str:
-    sizes = "->".join(str(s) for s in [layers[0].in_features] + [lay.out_features
-                                                                  for lay in layers])
+    sizes = "->".join(str(s) for s in [layers[0].in_features] + [x.out_features for x in layers])
+    last = f", last {activations[-1]}" if last_act else ""
     if len(set(activations)) > 1:
-        return f"mlp mixed ({', '.join(activations)}), {len(layers)} layers {sizes}" + \
-            (f", last {activations[-1]}" if last_act else "")
-    act = activations[0]
-    form = ops.named_form(act, len(layers), last_act).__name__
+        return f"mlp mixed ({', '.join(activations)}), {len(layers)} layers {sizes}{last}"
+    form = ops.named_form(activations[0], len(layers), last_act).__name__
     if form == "linear_tanh":
         return f"linear_tanh {sizes}"
-    name = "tanh_mlp" if form == "tanh_mlp" else f"mlp {act}"
+    name = "tanh_mlp" if form == "tanh_mlp" else f"mlp {activations[0]}"
     s = "s" if len(layers) > 1 or form == "tanh_mlp" else ""
-    return f"{name}, {len(layers)} layer{s} {sizes}" + (f", last {act}" if last_act else "")
+    return f"{name}, {len(layers)} layer{s} {sizes}{last}"
 
 
 @dataclass
 class Chain:
-    """Calls ``Linear, Act, Linear, ...`` in which each value goes only to the next call: the
-    candidates the policy makes units of. Item ``2j`` is Linear ``j``, item ``2j + 1`` its
-    activation, which ``activations[j]`` names (each layer its own: a run may mix them)."""
+    """Calls ``Linear, Act, Linear, ...`` in which each value goes only to the next: item ``2j``
+    is Linear ``j``, item ``2j + 1`` its activation ``activations[j]``."""
     where: str                    # the module holding its items
-    how: str                      # "rewrite", "children", or "" for module calls (placed later)
+    how: str                      # "rewrite", "children", or "" (placed later)
     labels: List[str]             # one per item, in call order
-    items: List[Any]              # LayerCall (module calls) or fx nodes
+    items: List[Any]              # LayerCall or fx nodes
     layers: List[LayerShape]      # one per Linear item
-    activations: Tuple[Optional[str], ...]  # per activation item: ckpt_ext.ACTIVATIONS' name
+    activations: Tuple[Optional[str], ...]
     ends_with_act: bool
     fate: Callable[[], Fate]      # what the consumer does with the chain's last output
-    # what becomes of activation j's output where a module between it and Linear j + 1 keeps
-    # something else (a Dropout drawing a mask keeps only that); else Linear j + 1 keeps it
-    inner_fates: Dict[int, Fate] = field(default_factory=dict)
-    # per activation item: the tensors stock autograd keeps for it as it is called, its output
-    # counted (facts.module_tensors)
-    kept: Tuple[int, ...] = ()
+    kept: Tuple[int, ...] = ()    # per activation: the tensors stock autograd keeps for it
 
     def span(self, first: int, last: int, last_act: bool) -> Tuple[int, int]:
-        """Item indices [start, stop) of layers first..last, with last's activation if
-        last_act."""
+        """Item indices [start, stop) of layers first..last, with last's activation if asked."""
         return 2 * first, 2 * last + (2 if last_act else 1)
 
     def unit_activations(self, first: int, last: int, last_act: bool) -> Tuple[str, ...]:
-        """The activations of layers first..last that the unit computes (last's if last_act)."""
         return tuple(self.activations[first:last + (1 if last_act else 0)])
 
     def sub(self, s: int, e: int, fate: Callable[[], Fate]) -> "Chain":
-        """Items [s, e), ending where ``fate`` says its last output goes."""
         return Chain(self.where, self.how, self.labels[s:e], self.items[s:e],
                      self.layers[s // 2:(e + 1) // 2], self.activations[s // 2:e // 2],
-                     (e - s) % 2 == 0, fate,
-                     {j - s // 2: f for j, f in self.inner_fates.items() if s <= 2 * j < e},
-                     self.kept[s // 2:e // 2])
+                     (e - s) % 2 == 0, fate, self.kept[s // 2:e // 2])
 
 
 class Unit(NamedTuple):
@@ -103,7 +86,6 @@ class Unit(NamedTuple):
 
     @property
     def activation(self) -> LayerActivations:
-        """What the fused op computes after its layers: the name, or each layer's (mixed)."""
         return collapse_activations(self.chain.unit_activations(self.first, self.last,
                                                                 self.last_act))
 
@@ -115,26 +97,19 @@ class Unit(NamedTuple):
 
 def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
     """The units to fuse in a chain and the near misses, with their figures."""
-    L = chain.layers
+    L, acts = chain.layers, chain.activations
     m = len(L)
-    acts = chain.activations
-    # Whether layer j's activation's own backward keeps its input z (GELU, SiLU, ...): then
-    # fusing it frees z whatever the consumer does with its output.
-    keeps_z = [SAVES_INPUT[a] for a in acts]
+    keeps_z = [SAVES_INPUT[a] for a in acts]  # its backward keeps z: fusing frees it anyway
     units: List[Unit] = []
     misses: List[Decision] = []
 
     def figures(a: int, b: int, last_act: bool, last_freed: bool) -> Tuple[int, int, int]:
         freed = sum(chain.kept[j] * L[j].out_features * L[j].itemsize for j in range(a, b))
-        if last_act:
-            # what the trailing activation's backward keeps besides its output (z, and any
-            # intermediate: chain.kept counts its output too), and its output where the
-            # activation keeps that and its consumer does not
+        if last_act:  # what the trailing activation keeps but its output, and that if freed
             kept = chain.kept[b] - 1 + (0 if keeps_z[b] else int(last_freed))
             freed += kept * L[b].out_features * L[b].itemsize
         extra = sum(gemm(L[j]) for j in range(a, b)) + (gemm(L[b]) if last_act else 0)
-        plain = sum(3 * gemm(L[j]) for j in range(a, b + 1))
-        return freed, extra, plain
+        return freed, extra, sum(3 * gemm(L[j]) for j in range(a, b + 1))
 
     def labels(a: int, b: int, last_act: bool) -> Tuple[str, ...]:
         s, e = chain.span(a, b, last_act)
@@ -151,8 +126,8 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
     def miss(a: int, b: int, kept: Optional[bool], why: str, what: str,
              layers: Optional[Tuple[str, ...]] = None) -> None:
         freed, extra, plain = figures(a, b, True, kept is None)
-        pot = ("free nothing" if kept else
-               f"free {freed:,} B/row only if that consumer does not keep it")
+        pot = "free nothing" if kept else \
+            f"free {freed:,} B/row only if that consumer does not keep it"
         misses.append(Decision(chain.where, layers or labels(a, b, True), "left alone", "", "",
                                freed if kept is None else 0, extra, plain,
                                f"{what}: {why}; fusing it would {pot} and cost "
@@ -162,8 +137,6 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
         return f"{DISPLAY[acts[j]]}'s backward keeps its input, the fused op does not"
 
     if policy is Policy.ALL:
-        # what "memory" fuses, and what it leaves as a near miss fused too: a run's trailing
-        # activation and a lone pair, even where its output is kept anyway
         if not chain.ends_with_act and m < 2:
             return units, misses
         last_act = chain.ends_with_act
@@ -178,10 +151,8 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
             unit(0, 0, True, kept is False, "policy='all' fuses every lone pair" +
                  (f"; {own_input(0)}" if keeps_z[0] else note))
         return units, misses
-
     if m >= 2:
-        last_act = False
-        last_why = ""
+        last_act, last_why = False, ""
         if chain.ends_with_act and keeps_z[m - 1]:
             last_act, last_why = True, f"; its last {acts[m - 1]} too ({own_input(m - 1)})"
         elif chain.ends_with_act:
@@ -211,9 +182,7 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
 
 
 def _inner_kept(inner: Sequence[str]) -> str:
-    """What stock autograd keeps of a run's inner activations that the fused op does not: each
-    one's output, and its input where its backward reads that ("tanh output(s)", "gelu input(s)
-    and output(s)", "relu, gelu output(s) and gelu input(s)")."""
+    """What stock autograd keeps of a run's inner activations that the fused op does not."""
     names = list(dict.fromkeys(inner))
     with_z = [a for a in names if SAVES_INPUT[a]]
     if len(with_z) == len(names):
@@ -223,13 +192,11 @@ def _inner_kept(inner: Sequence[str]) -> str:
 
 
 def item_misses(where: str, labels: List[str], problems: List[Optional[str]]) -> List[Decision]:
-    """One near miss per Linear/activation pair that holds an item with a problem, with all its
-    reasons."""
+    """One near miss per Linear/activation pair holding an item with a problem."""
     groups: Dict[Tuple[str, ...], List[str]] = {}
     for k, p in enumerate(problems):
         if p is not None:
-            s = k - (k % 2)
-            groups.setdefault(tuple(labels[s:s + 2]), []).append(p)
+            groups.setdefault(tuple(labels[k - k % 2:k - k % 2 + 2]), []).append(p)
     return [Decision(where, pair, "left alone", "", "", 0, 0, 0, "; ".join(dict.fromkeys(whys)))
             for pair, whys in groups.items()]
 
@@ -239,8 +206,7 @@ def split_at_problems(problems: List[Optional[str]], n: int) -> List[Tuple[int, 
     ranges, s = [], 0
     for i in range(n + 1):
         if i == n or problems[i] is not None:
-            if s % 2:
-                s += 1  # a range must start at a Linear
+            s += s % 2
             if i - s >= 2:
                 ranges.append((s, i))
             s = i + 1
@@ -257,12 +223,11 @@ def chain_problem(shapes: Sequence[LayerShape], layers: Sequence[nn.Module]) -> 
     return None if same.holds() else same.describe()
 
 
-def mask_bytes(masks: Dict[int, int], layers: Sequence[LayerShape],
-               activations: Sequence[str], on_cuda: bool) -> int:
-    """What stock autograd keeps per row for ``masks[k]`` Dropouts drawing a mask after item k
-    (activation k // 2): each one's mask (the dtype's size on the CPU, a byte on CUDA), and
-    their output, which the next Linear keeps instead of the activation's output where the
-    activation's backward keeps that output too."""
+def mask_bytes(masks: Dict[int, int], layers: Sequence[LayerShape], activations: Sequence[str],
+               on_cuda: bool) -> int:
+    """What stock autograd keeps per row for ``masks[k]`` Dropouts drawing a mask after item k:
+    each mask (the dtype's size on the CPU, a byte on CUDA), and their output, which the next
+    Linear keeps instead of the activation's where the activation keeps its output too."""
     total = 0
     for k, n in masks.items():
         layer = layers[k // 2]

@@ -134,7 +134,7 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
                        for x in items[1::2]]
             out.chains.append(Chain(
                 path, "rewrite", labels, items, layers, names, len(items) % 2 == 0,
-                lambda last=last: graph.fate(owner, last), {},
+                lambda last=last: graph.fate(owner, last),
                 tuple(module_tensors(m, name) for m, name in zip(modules, names))))
             continue
         # Not rewritten: the pairs that hold a function call or a Linear held in a list (pairs
