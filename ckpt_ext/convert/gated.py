@@ -1,15 +1,15 @@
 """The gated MLP kind: ``down(act(gate(x)) * up(x))`` that one forward computes from its direct
-child Linears (Llama, Mistral, Qwen2, Gemma, T5's gated act; a hand-written one), or with one
-packed ``gate_up`` Linear split by ``chunk(2, dim=-1)`` (Phi-3), with any ``nn.Dropout`` between
-the product and ``down``: one unit computed by ``gated_mlp`` in the owner's region, applied as
-``_GatedRun``. Design: docs/converter.md, "Gated MLPs"."""
+child Linears (Llama, Mistral, Qwen2, Gemma, T5), or from one ``gate_up`` Linear split by
+``chunk(2, dim=-1)`` (Phi-3), with any ``nn.Dropout`` before ``down``: one unit computed by
+``gated_mlp`` in the owner's region, applied as ``_GatedRun``. Design: docs/converter.md,
+"Gated MLPs"."""
 from __future__ import annotations
 
 import ast
 import inspect
 import operator
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import fx, nn
@@ -20,46 +20,29 @@ from .graph import ModelGraph
 from .policy import LayerShape, gemm
 from .report import Decision
 from .runtime import _GatedRun
-from .tracing import Trace
-from .units import Options, Placement, UnitKind, child_members, placed_units
+from .units import InForward, Options, Placement, RegionKind
 
 _PRODUCTS = {operator.mul, torch.mul, "mul", "mul_"}
 _CHUNK = inspect.signature(lambda input, chunks, dim=0: None)
 
 
 @dataclass(eq=False)
-class GatedCall:
-    """One gated MLP in one forward; ``packed``: one gate_up Linear (``gate_second``: the
-    activation takes the second chunk)."""
-    owner: nn.Module
-    path: str
-    trace: Trace
-    linears: Tuple[fx.Node, ...]      # the Linears in call order: gate, up, down or gate_up, down
-    gate: nn.Linear                   # the packed Linear when packed
-    up: Optional[nn.Linear]
-    down: nn.Linear
-    act: Recognised
-    act_node: fx.Node
-    act_module: Optional[nn.Module]   # the activation's child module; None for a call
-    dropouts: Tuple[fx.Node, ...]
-    packed: bool
-    gate_second: bool
-    nodes: Tuple[fx.Node, ...]        # every node of the pattern
-    labels: Tuple[str, ...]           # the Linears and the activation, in call order
-    problems: Tuple[str, ...] = ()
-    not_analysed = ()
-
-    @property
-    def takes(self) -> Tuple[fx.Node, ...]:
-        return () if self.problems else self.nodes
-
-    def child(self, n: fx.Node) -> nn.Module:
-        return self.owner._modules[n.target]
+class GatedCall(InForward):
+    """One gated MLP of one forward: ``linears`` are gate, up, down (or gate_up, down:
+    ``packed``; ``gate_second``: the activation takes the second chunk)."""
+    gate: Optional[nn.Linear] = None  # the packed Linear when packed
+    up: Optional[nn.Linear] = None
+    down: Optional[nn.Linear] = None
+    act: Optional[Recognised] = None
+    act_node: Optional[fx.Node] = None
+    act_module: Optional[nn.Module] = None  # the activation's child module; None for a call
+    dropouts: Tuple[fx.Node, ...] = ()
+    packed: bool = False
+    gate_second: bool = False
 
 
 def _chunk_input(c: Any) -> Optional[fx.Node]:
-    """The input of ``chunk(input, 2, dim=-1)`` (method or function), else None: another count
-    or dim (the default dim 0 is not the feature dim) is no gated split."""
+    """The input of ``chunk(input, 2, dim=-1)`` (method or function), else None."""
     if not isinstance(c, fx.Node) or not (
             (c.op == "call_method" and c.target == "chunk") or
             (c.op == "call_function" and c.target is torch.chunk)):
@@ -128,9 +111,10 @@ def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
         return None
     linears = sorted(linears, key=order.get) + [u]
     labels = tuple(nodes[n].label for n in sorted(linears + [a], key=order.get))
-    g = GatedCall(owner, path, t, tuple(linears), gate, up, down, fa.found, a, fa.child,
-                  tuple(dropouts), packed, gate_second,
-                  tuple(linears + [a, m] + between + dropouts), labels)
+    g = GatedCall(owner, path, t, tuple(linears), tuple(linears + [a, m] + between + dropouts),
+                  labels, fa.found.name, tuple(([a] if fa.child is not None else []) + dropouts),
+                  gate=gate, up=up, down=down, act=fa.found, act_node=a, act_module=fa.child,
+                  dropouts=tuple(dropouts), packed=packed, gate_second=gate_second)
     g.problems = tuple(dict.fromkeys(p for p in _problems(graph, g) if p))
     return g
 
@@ -151,9 +135,7 @@ def _problems(graph: ModelGraph, g: GatedCall):
 
 
 def _dtype_cast(stmt: Any, down: str) -> bool:
-    """``h = h.to(self.<down>.weight.dtype)``: T5's cast to its down projection's dtype, which
-    changes nothing where the unit is fused (its Linears share one dtype; under autocast the down
-    projection casts back)."""
+    """``h = h.to(self.<down>.weight.dtype)``: T5's cast, a no-op where the unit is fused."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and
             isinstance(stmt.targets[0], ast.Name) and isinstance(stmt.value, ast.Call)):
         return False
@@ -166,19 +148,14 @@ def _dtype_cast(stmt: Any, down: str) -> bool:
 
 def gated_figures(gate: LayerShape, up: Optional[LayerShape], down: LayerShape, activation: str,
                   act_tensors: int, packed: bool, mask_bytes: int = 0) -> Tuple[int, int, int]:
-    """(bytes freed, FLOPs added, plain FLOPs) per row. Stock autograd keeps what the
-    activation's backward keeps (``act_tensors``: its input, and its output where it reads that),
-    the up projection's output and the product, each ``I`` wide; with a packed gate_up weight the
-    up half is a view that keeps the whole packed output alive unless the activation keeps its
-    input (that same output's other half) anyway; a Dropout drawing a mask keeps it
-    (``mask_bytes`` per element). Backward recomputes the gate and up GEMMs."""
+    """(bytes freed, FLOPs added, plain FLOPs) per row: see docs/converter.md, "Gated MLPs"."""
     width = down.in_features
     tensors = act_tensors + 2 + (packed and not SAVES_INPUT[activation])
     gemms = gemm(gate) + (gemm(up) if up is not None else 0)
     return (tensors * gate.itemsize + mask_bytes) * width, gemms, 3 * (gemms + gemm(down))
 
 
-class Gated(UnitKind):
+class Gated(RegionKind):
     def find(self, graph: ModelGraph, taken: set, options: Options) -> List[GatedCall]:
         found: List[GatedCall] = []
         for path, owner, t in graph.analysed:
@@ -223,12 +200,6 @@ class Gated(UnitKind):
                   f"saved state" if masks else ""))
         return [Decision(g.path, g.labels, "fused", unit, "children", freed, extra, plain, why,
                          activation=name)], []
-
-    def place(self, graph: ModelGraph, g: GatedCall, units: Sequence[Decision],
-              misses: Sequence[Decision]):
-        others = ([g.act_node] if g.act_module is not None else []) + list(g.dropouts)
-        return placed_units(graph, units, misses, lambda: child_members(
-            graph, self, g, g.path, g.owner, g.trace, g.linears, others, g.act.name))
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _GatedRun:
         g = p.found

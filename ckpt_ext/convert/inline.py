@@ -1,15 +1,13 @@
-"""The inline kind: runs with function calls between their Linears — a forward calling its child
-Linears (or Conv1D) with an activation function or ``F.dropout`` between them
-(``self.linear2(self.dropout(self.activation(self.linear1(x))))`` with ``activation=F.relu``,
-nn.TransformerEncoderLayer's ``_ff_block``; ``fc2(F.dropout(act(fc1(h)), p, training))``,
-Bart's layers): one unit computed in the owner's region, applied as ``_InlineRun``.
-Design: docs/converter.md, "Function calls inside a run"."""
+"""The inline kind: a run whose forward calls function calls between its child Linears (an
+activation function, ``F.dropout``: nn.TransformerEncoderLayer's ``_ff_block``, Bart's layers),
+computed in the owner's region, applied as ``_InlineRun``. Design: docs/converter.md,
+"Function calls inside a run"."""
 from __future__ import annotations
 
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -21,32 +19,16 @@ from .graph import Fate, ModelGraph
 from .policy import Chain, LayerShape, chain_problem, decide, mask_bytes
 from .report import Decision
 from .runtime import InlineDrop, _InlineRun
-from .tracing import Trace
-from .units import Options, Placement, UnitKind, child_members, placed_units
+from .units import InForward, Options, Placement, RegionKind
 
 
 @dataclass(eq=False)
-class InlineCall:
+class InlineCall(InForward):
     """One run ``Linear, act, [Dropout ...], Linear, ...`` of direct child Linears (or Conv1D)
-    that a traced method calls with at least one function call among its activations and
-    Dropouts; it ends with a Linear."""
-    owner: nn.Module
-    path: str
-    trace: Trace
-    linears: Tuple[fx.Node, ...]
-    acts: Tuple[Tuple[Recognised, fx.Node, Optional[nn.Module]], ...]  # one per Linear but last
-    drops: Tuple[InlineDrop, ...]
-    nodes: Tuple[fx.Node, ...]   # every node of the run
-    labels: Tuple[str, ...]      # its Linears and activations, in call order
-    problems: Tuple[str, ...] = ()
-    not_analysed = ()
-
-    @property
-    def takes(self) -> Tuple[fx.Node, ...]:
-        return () if self.problems else self.nodes
-
-    def child(self, n: fx.Node) -> nn.Module:
-        return self.owner._modules[n.target]
+    with at least one function call among its activations and Dropouts."""
+    # (what it computes, its node, its child module or None) per Linear but the last
+    acts: Tuple[Tuple[Recognised, fx.Node, Optional[nn.Module]], ...] = ()
+    drops: Tuple[InlineDrop, ...] = ()
 
 
 def _single_user(n: fx.Node) -> Optional[fx.Node]:
@@ -103,7 +85,7 @@ def _shapes(graph: ModelGraph, c: InlineCall):
             for n in c.linears]
 
 
-class Inline(UnitKind):
+class Inline(RegionKind):
     def find(self, graph: ModelGraph, taken: set, options: Options) -> List[InlineCall]:
         found: List[InlineCall] = []
         for path, owner, t in graph.analysed:
@@ -159,8 +141,10 @@ class Inline(UnitKind):
                 labels.append(facts[lin].label)
                 if k < len(acts):
                     labels.append(facts[acts[k][1]].label)
-            call = InlineCall(owner, path, t, tuple(linears), tuple(acts), tuple(drops),
-                              tuple(run), tuple(labels))
+            call = InlineCall(owner, path, t, tuple(linears), tuple(run), tuple(labels),
+                              collapse_activations([f.name for f, _, _ in acts]),
+                              tuple(n for n in run if n.op == "call_module" and
+                                    n not in linears), acts=tuple(acts), drops=tuple(drops))
             call.problems = tuple(dict.fromkeys(p for p in _problems(graph, call) if p))
             found.append(call)
         return found
@@ -192,13 +176,6 @@ class Inline(UnitKind):
                (f"; {len(drawing)} Dropout mask(s) drawn inside the unit and again in backward "
                 f"from the generator's saved state" if drawing else ""))
         return [dataclasses.replace(d, bytes_per_row=freed, why=why)], []
-
-    def place(self, graph: ModelGraph, c: InlineCall, units: Sequence[Decision],
-              misses: Sequence[Decision]):
-        others = [n for n in c.nodes if n.op == "call_module" and n not in c.linears]
-        activation = collapse_activations([found.name for found, _, _ in c.acts])
-        return placed_units(graph, units, misses, lambda: child_members(
-            graph, self, c, c.path, c.owner, c.trace, c.linears, others, activation))
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _InlineRun:
         c = p.found

@@ -1,8 +1,7 @@
-"""The plain kind: runs of Linear/activation *module* calls — elements of Sequentials, children an
-analysed forward calls one after the other, across Sequentials and through the forwards of
-child modules (graph.follow) — each computed by the Sequential holding it or inside the forward
-of its lowest common caller, whose calls become the run's members; applied as ``_Run`` (with
-``FusedSequential`` parts). Design: docs/converter.md, "Where a run is computed"."""
+"""The plain kind: runs of Linear/activation *module* calls (elements of Sequentials, children an
+analysed forward calls, across Sequentials and child forwards: graph.follow), each computed by
+the Sequential holding it or in the forward of its lowest common caller, whose calls become its
+members; applied as ``_Run``. Design: docs/converter.md, "Where a run is computed"."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,9 +21,9 @@ from .units import MemberPlan, Options, PartPlan, Placement, UnitKind, arguments
 
 
 class Run(NamedTuple):
-    """A maximal run of layer calls ``Linear, Act, Linear, ...``: the value of each goes to the
-    next only; ``through[k]`` are the Identity and Dropout modules between call k and the next;
-    ``stop`` says why it does not go on after its last call."""
+    """A maximal run of layer calls ``Linear, Act, Linear, ...``, each value going to the next
+    only; ``through[call]``: the Identity and Dropout modules after a call; ``stop``: why it
+    does not go on after its last call."""
     calls: List[LayerCall]
     through: Dict[LayerCall, Tuple[Slot, ...]]
     stop: Optional[str]
@@ -34,8 +33,6 @@ class Run(NamedTuple):
 
 class Plain(UnitKind):
     def find(self, graph: ModelGraph, taken: set, options: Options) -> List[Run]:
-        """Maximal alternating paths Linear, Act, Linear, ... (from a Linear; each activation
-        its own), with why each stops where it does."""
         calls = [s for s in graph.layer_calls if s.node is None or s.node not in taken]
         links: Dict[LayerCall, LayerCall] = {}
         stops: Dict[LayerCall, str] = {}
@@ -100,9 +97,8 @@ class Plain(UnitKind):
 
     def place(self, graph: ModelGraph, run: Run, units: Sequence[Unit],
               misses: Sequence[Decision]):
-        """Each unit placed, its decision saying where and how it is computed; the near misses
-        at the module holding their own layers; all in call order, and the decisions holding the
-        run's last call saying why it stops there."""
+        """In call order: each unit placed, and the near misses at the module holding their
+        layers; those holding the run's last call say why it stops there."""
         placed: List[Tuple[Decision, Optional[Placement]]] = [(d, None) for d in misses]
         for u in units:
             a, b = u.chain.span(u.first, u.last, u.last_act)
@@ -110,7 +106,7 @@ class Plain(UnitKind):
             between = [run.through[c] for c in calls[:-1]]
             p = _placement(graph, self, calls, u.activation, u.last_act, between)
             d = u.decision
-            if p is None:  # no module calls them all: no region to compute it in
+            if p is None:
                 placed.append((dataclasses.replace(
                     d, action="left alone", unit="", how="", bytes_per_row=0,
                     why="its layers share no container that calls them in sequence"), None))
@@ -157,7 +153,7 @@ class Plain(UnitKind):
 
 
 def _problem(graph: ModelGraph, s: LayerCall) -> Optional[str]:
-    """What keeps a call from a run: its module, or how it is called."""
+    """What keeps a call from a run: how it is called, or its module."""
     if s.node is None:
         own = OwnForward(s.container, graph.path[id(s.container)] or "<model>")
         if not own.holds():
@@ -185,23 +181,15 @@ def _through(passes: Sequence[Tuple[Slot, int]]) -> str:
 # ------------------------------------------------------------------------------------------------
 # Where a unit of module calls is computed
 
-def _call_parent(graph: ModelGraph, m: nn.Module) -> Optional[nn.Module]:
-    if len(graph.paths.get(id(m), [])) != 1:
-        return None
-    caller = graph.caller.get(id(m))
-    return caller[0] if caller is not None else None
-
-
 def _ancestry(graph: ModelGraph, layer_calls: Sequence[LayerCall]):
-    """Each call's containers from its own upward, and the lowest one they share."""
+    """Each call's containers from its own upward (each held at one place), and the lowest one
+    they share."""
     chains = []
     for s in layer_calls:
         chain = [s.container]
-        while len(chain) < 256:
-            p = _call_parent(graph, chain[-1])
-            if p is None:
-                break
-            chain.append(p)
+        while len(chain) < 256 and len(graph.paths.get(id(chain[-1]), [])) == 1 and \
+                id(chain[-1]) in graph.caller:
+            chain.append(graph.caller[id(chain[-1])][0])
         chains.append(chain)
     ids = [{id(c) for c in chain} for chain in chains]
     lca = next((c for c in chains[0] if all(id(c) in x for x in ids)), None)
@@ -214,15 +202,13 @@ def _where(graph: ModelGraph, layer_calls: Sequence[LayerCall]) -> str:
 
 
 def _below(graph: ModelGraph, upper: nn.Module, lower: nn.Module) -> str:
-    """The name under which ``upper`` reaches ``lower`` ("2", or "blocks.0" through a
-    ModuleList)."""
+    """The name ``upper`` reaches ``lower`` by ("2", or "blocks.0" through a ModuleList)."""
     up, low = graph.path[id(upper)], graph.path[id(lower)]
     return low[len(up) + 1:] if up else low
 
 
 def _descent(graph: ModelGraph, call: LayerCall, chain: List[nn.Module], lca: nn.Module):
-    """[(container, name)] from the lca down to the call: each container on the way and the
-    name of what it holds next."""
+    """[(container, the name of what it holds next)] from the lca down to the call."""
     ids = [id(c) for c in chain]
     path = chain[:ids.index(id(lca)) + 1][::-1]  # lca, ..., call.container
     steps = [(upper, _below(graph, upper, lower)) for upper, lower in zip(path, path[1:])]
@@ -231,31 +217,22 @@ def _descent(graph: ModelGraph, call: LayerCall, chain: List[nn.Module], lca: nn
 
 def _before(steps):
     """The elements of each nested container before the run's first layer."""
-    out = []
-    for seq, name in steps:
-        names = list(seq._modules)
-        if names.index(name):
-            out.append((seq, tuple(names[:names.index(name)])))
-    return tuple(out)
+    return tuple((seq, tuple(list(seq._modules)[:list(seq._modules).index(name)]))
+                 for seq, name in steps if list(seq._modules).index(name))
 
 
 def _after(steps):
     """... and after its last layer, innermost first."""
-    out = []
-    for seq, name in reversed(steps):
-        names = list(seq._modules)
-        if names.index(name) + 1 < len(names):
-            out.append((seq, tuple(names[names.index(name) + 1:])))
-    return tuple(out)
+    return tuple((seq, tuple(list(seq._modules)[list(seq._modules).index(name) + 1:]))
+                 for seq, name in reversed(steps) if name != list(seq._modules)[-1])
 
 
 def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
                activation: LayerActivations, last_act: bool,
                between: Sequence[Sequence[Slot]] = ()) -> Optional[Placement]:
-    """Where the unit of these calls is computed: by the Sequential holding them all, or inside
-    the forward of their lowest common caller (the owner), whose calls become members (an
-    Identity or Dropout a forward calls between them too: ``between[i]``, after call i); None
-    when no module calls them all."""
+    """Where the unit of these calls is computed: by the Sequential holding them all, or in the
+    forward of their lowest common caller (the owner), whose calls become members (an Identity
+    or Dropout it calls after call i too: ``between[i]``); None when none calls them all."""
     chains, lca = _ancestry(graph, layer_calls)
     if lca is None:
         return None
@@ -290,16 +267,15 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
             p.note = (f"it crosses {crossed} inside {p.where or '<model>'}, which computes the "
                       f"whole run; called on its own, each of them computes its own layers")
         return p
-    # The calls the run is made of, in order: child Linear/activation modules of the lca or of a
-    # module whose forward it crosses, or the outermost Sequential on the way down to a layer.
-    # Each becomes a member of the run.
+    # the members, in order: child Linear/activation modules of the lca or of a module whose
+    # forward it crosses, or the outermost Sequential on the way down to a layer
     units: List[Any] = []
     for i, (s, chain) in enumerate(zip(layer_calls, chains)):
         below = chain[:[id(c) for c in chain].index(id(lca))]
         u = next((c for c in reversed(below) if graph.facts[id(c)].sequential), s)
         if not units or units[-1] is not u:
             units.append(u)
-        # a module a forward calls between two calls of the run passes the run's output on
+        # a module a forward calls between two of them passes the run's output on
         units += [LayerCall(slot.holder, slot.name, slot.module, LayerKind.PASS, slot.label)
                   for slot in (between[i] if i < len(between) else ())
                   if not graph.facts[id(slot.holder)].sequential]
@@ -352,9 +328,7 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
 
 def _alone(seq: nn.Module, layer_calls: Sequence[LayerCall]) -> Optional[List[LayerCall]]:
     """The longest stretch of the run's layers that are consecutive elements of ``seq``, from a
-    Linear to a Linear with at least two of them: a run seq computes fused when called on its own
-    (its inner activations feed only its next Linear; where its output goes is not known
-    there)."""
+    Linear to a Linear with at least two of them: what seq computes fused on its own."""
     best: List[LayerCall] = []
     stretch: List[LayerCall] = []
     for s in list(layer_calls) + [None]:

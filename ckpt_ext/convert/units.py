@@ -1,13 +1,12 @@
-"""What every kind of unit is, to the planning loop: one protocol (:class:`UnitKind`: find its
-candidates on the graph, decide under the policy, place each unit, make its runtime object) and
-the placement it hands to applying (:class:`Placement`: the module computing the unit, its
-members, slots, parts and guards). A kind of unit is one file implementing the protocol and one
-line in planning's list of kinds."""
+"""What every kind of unit is to the planning loop: one protocol (:class:`UnitKind`) and the
+:class:`Placement` a unit hands to applying. A kind is one file implementing the protocol and
+one line in planning's list of kinds; :class:`RegionKind` is the protocol's part shared by the
+kinds whose units an owner's forward computes from the child Linears it calls."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import fx, nn
 
@@ -26,7 +25,7 @@ class Options(NamedTuple):
 
 
 class PartPlan(NamedTuple):
-    """The elements of one Sequential a run covers, and its role there: see ``_RunPart``."""
+    """The elements of one Sequential a run covers, and its role there (``_RunPart``)."""
     seq: nn.Module
     names: Tuple[str, ...]
     role: PartRole
@@ -36,23 +35,21 @@ class PartPlan(NamedTuple):
 
 
 class MemberPlan(NamedTuple):
-    """A child Linear/activation/pass module that becomes member ``index`` of a run."""
-    call: LayerCall
+    call: LayerCall  # a child Linear, activation or pass module that becomes member ``index``
     index: int
 
 
 @dataclass
 class Placement:
-    """Where and how one unit is computed (made before anything changes, for the report too):
-    by a Sequential holding it, or inside the forward of its owner, whose calls are its members;
-    or, for a rewrite, by the owner's rewritten forward (``source``)."""
+    """Where and how one unit is computed: by a Sequential holding it, in the forward of its
+    owner (whose calls are its members), or by the owner's rewritten forward (``source``)."""
     how: str                          # "sequential", "children", "across" or "rewrite"
     where: str                        # the module holding every layer of the unit ("" = model)
     layer_calls: List[LayerCall]
-    activation: LayerActivations      # the name, or one per activated layer (a mixed run)
+    activation: LayerActivations
     last_act: bool
     kind: Any = None                  # the UnitKind that makes its runtime object
-    found: Any = None                 # what that kind found (GatedCall, InlineCall, ...)
+    found: Any = None                 # what that kind found
     parts: List[PartPlan] = field(default_factory=list)
     members: List[MemberPlan] = field(default_factory=list)
     calls: List[str] = field(default_factory=list)  # the members' labels, in call order
@@ -60,17 +57,15 @@ class Placement:
     slots: List[Slot] = field(default_factory=list)
     unhooked: List[nn.Module] = field(default_factory=list)
     owner: Optional[nn.Module] = None  # the module whose forward calls the members
-    guards: List[_Guard] = field(default_factory=list)  # those of the forwards the run crosses
-    # per member Sequential: the run of its own elements it computes fused when called on its own
-    alone: Dict[int, List[LayerCall]] = field(default_factory=dict)
-    # (Identity or Dropout slot, k): the modules between its layers, after its item k
-    passes: List[Tuple[Slot, int]] = field(default_factory=list)
+    guards: List[_Guard] = field(default_factory=list)  # of the forwards the run crosses
+    alone: Dict[int, List[LayerCall]] = field(default_factory=dict)  # see plain._alone
+    passes: List[Tuple[Slot, int]] = field(default_factory=list)  # (Identity/Dropout, after k)
     note: str = ""
-    source: Optional[str] = None      # a rewrite: the owner's forward, with every unit in it
+    source: Optional[str] = None
 
     @property
     def key(self) -> Tuple[Any, ...]:
-        """What the runtime object's ``key`` is when it computes exactly this unit."""
+        """The ``key`` of the runtime object that computes exactly this unit."""
         return self.kind.key(self)
 
     def part_keys(self) -> List[Tuple[nn.Module, Tuple[Any, ...]]]:
@@ -78,13 +73,11 @@ class Placement:
 
 
 class UnitKind:
-    """One kind of unit. ``find`` gives its candidates on the graph that none of ``taken`` (the
-    fx nodes of units of the kinds before it) holds: each has ``takes`` (the nodes it takes from
-    the kinds after it) and ``not_analysed`` ((path, why) of forwards it found it cannot use,
-    once placed). ``decide`` gives the units to fuse of one candidate and its near misses (with
-    its problems: what keeps it from being fused); ``place`` the candidate's decisions in the
-    report's order, each unit's with its :class:`Placement` (None: a near miss, or a unit left
-    alone where it has none); ``runtime`` the object applying puts in the model; ``key`` what
+    """One kind of unit. ``find``: its candidates on the graph among the fx nodes no kind before
+    it took; each has ``takes`` (nodes it takes from the kinds after it) and ``not_analysed``
+    ((path, why) of forwards found unusable). ``decide``: a candidate's units and near misses.
+    ``place``: its decisions in the report's order, each unit's with its :class:`Placement`
+    (None: left alone). ``runtime``: the object applying puts in the model; ``key``: what
     identifies that object."""
 
     def find(self, graph: ModelGraph, taken: set, options: Options) -> Iterable[Any]:
@@ -98,41 +91,52 @@ class UnitKind:
               misses: Sequence[Decision]) -> List[Tuple[Decision, Optional[Placement]]]:
         raise NotImplementedError
 
-    def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> Any:
+    def runtime(self, graph: ModelGraph, p: Placement, decision: Optional[Decision]) -> Any:
         raise NotImplementedError
 
     def key(self, p: Placement) -> Tuple[Any, ...]:
         return (tuple(c.module for c in p.layer_calls), p.last_act)
 
 
-def child_members(graph: ModelGraph, kind: UnitKind, found: Any, path: str, owner: nn.Module,
-                  t: Trace, linears: Sequence[fx.Node], others: Sequence[fx.Node],
-                  activation: LayerActivations) -> Placement:
-    """A unit computed in the region of its owner's method whose members are the child Linears
-    it calls (``linears``, in call order), the other child modules between them (``others``:
-    an activation module, Dropouts) held in place and unhooked: a gated MLP, a run with
-    function calls between its Linears."""
-    calls = [LayerCall(owner, n.target, owner._modules[n.target], LayerKind.LINEAR,
-                       graph.nodes[n].label, node=n, trace=t) for n in linears]
-    p = Placement("children", path, calls, activation, False, kind, found, owner=owner)
-    for k, c in enumerate(calls):
-        p.members.append(MemberPlan(c, k))
-        p.calls.append(c.label)
-    for n in list(linears) + list(others):
-        sub = owner._modules[n.target]
-        p.slots.append(Slot(owner, n.target, sub, graph.nodes[n].label))
-        p.unhooked.append(sub)
-    return p
+@dataclass(eq=False)
+class InForward:
+    """A candidate unit of one analysed forward, computed in its owner's region: its members are
+    the child Linears ``linears`` (in call order); ``others`` the other child modules of its
+    pattern, held in place and unhooked; ``nodes`` every node of the pattern."""
+    owner: nn.Module
+    path: str
+    trace: Trace
+    linears: Tuple[fx.Node, ...]
+    nodes: Tuple[fx.Node, ...]
+    labels: Tuple[str, ...]           # its Linears and activations, in call order
+    activation: LayerActivations
+    others: Tuple[fx.Node, ...] = ()
+    problems: Tuple[str, ...] = ()
+    not_analysed = ()
+
+    @property
+    def takes(self) -> Tuple[fx.Node, ...]:
+        return () if self.problems else self.nodes
+
+    def child(self, n: fx.Node) -> nn.Module:
+        return self.owner._modules[n.target]
 
 
-def placed_units(graph: ModelGraph, units: Sequence[Decision], misses: Sequence[Decision],
-                 make: Callable[[], Placement]) -> List[Tuple[Decision, Optional[Placement]]]:
-    """A candidate of one unit or one near miss, as ``place`` returns it."""
-    out: List[Tuple[Decision, Optional[Placement]]] = [(d, None) for d in misses]
-    for d in units:
-        p = make()
-        out.append((arguments_note(graph, p, d), p))
-    return out
+class RegionKind(UnitKind):
+    def place(self, graph: ModelGraph, c: InForward, units: Sequence[Decision],
+              misses: Sequence[Decision]) -> List[Tuple[Decision, Optional[Placement]]]:
+        out: List[Tuple[Decision, Optional[Placement]]] = [(d, None) for d in misses]
+        for d in units:
+            calls = [LayerCall(c.owner, n.target, c.child(n), LayerKind.LINEAR,
+                               graph.nodes[n].label, node=n, trace=c.trace) for n in c.linears]
+            p = Placement("children", c.path, calls, c.activation, False, self, c,
+                          owner=c.owner, calls=[s.label for s in calls],
+                          members=[MemberPlan(s, k) for k, s in enumerate(calls)])
+            for n in c.linears + c.others:
+                p.slots.append(Slot(c.owner, n.target, c.child(n), graph.nodes[n].label))
+                p.unhooked.append(c.child(n))
+            out.append((arguments_note(graph, p, d), p))
+        return out
 
 
 def arguments_note(graph: ModelGraph, p: Placement, d: Decision) -> Decision:
@@ -144,4 +148,3 @@ def arguments_note(graph: ModelGraph, p: Placement, d: Decision) -> Decision:
     return dataclasses.replace(d, why=f"{d.why}; computed fused in calls giving "
                                       f"{', '.join(t.arg_guard.given)} (not None), module by "
                                       f"module in others")
-
