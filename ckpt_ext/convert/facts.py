@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import inspect
 import operator
-from typing import Any, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -151,27 +151,10 @@ INSTANCE_FORWARD = ("its forward is set on the instance (an instance forward, as
                     "add_hook_to_module sets), which the fused op would not call")
 
 
-class OwnForward(NamedTuple):
-    module: nn.Module
-    who: str
-
-    def holds(self) -> bool:
-        return not foreign_forward(self.module)
-
-    def describe(self) -> str:
-        return f"{self.who}: {INSTANCE_FORWARD}"
-
-
-class NoHooks(NamedTuple):
-    module: nn.Module
-    who: str
-    because: str = "which the fused op would not call"
-
-    def holds(self) -> bool:
-        return not has_hooks(self.module)
-
-    def describe(self) -> str:
-        return f"{self.who} has hooks, {self.because}"
+class Condition(NamedTuple):
+    """What must hold for a unit to be computed fused: ``holds()``, and ``describe()`` why not."""
+    holds: Callable[[], bool]
+    describe: Callable[[], str]
 
 
 class Slot(NamedTuple):
@@ -188,128 +171,85 @@ class Slot(NamedTuple):
         return f"{self.label} was replaced"
 
 
-class Elements(NamedTuple):
+def own_forward(m: nn.Module, who: str) -> Condition:
+    return Condition(lambda: not foreign_forward(m), lambda: f"{who}: {INSTANCE_FORWARD}")
+
+
+def no_hooks(m: nn.Module, who: str, because: str = "which the fused op would not call"):
+    return Condition(lambda: not has_hooks(m), lambda: f"{who} has hooks, {because}")
+
+
+def elements(seq: nn.Module, label: str, names: Tuple[str, ...],
+             modules: Tuple[nn.Module, ...]) -> Condition:
     """A Sequential a unit goes through, with exactly these elements."""
-    seq: nn.Module
-    label: str
-    names: Tuple[str, ...]
-    modules: Tuple[nn.Module, ...]
-
-    def holds(self) -> bool:
-        return len(self.seq._modules) == len(self.names) and all(
-            name == want and m is mod for (name, m), want, mod in
-            zip(self.seq._modules.items(), self.names, self.modules))
-
-    def describe(self) -> str:
-        return f"the elements of {self.label or '<model>'} changed"
+    return Condition(lambda: len(seq._modules) == len(names) and all(
+        name == want and m is mod for (name, m), want, mod in
+        zip(seq._modules.items(), names, modules)),
+        lambda: f"the elements of {label or '<model>'} changed")
 
 
-class Computes(NamedTuple):
+def computes(m: nn.Module, label: str, name: str) -> Condition:
     """An activation module computing activation ``name``."""
-    module: nn.Module
-    label: str
-    name: str
-
-    def holds(self) -> bool:
-        found = module_activation(self.module)
-        return found is not None and found.name == self.name
-
-    def describe(self) -> str:
-        return f"{self.label} no longer computes {self.name}"
+    def holds() -> bool:
+        found = module_activation(m)
+        return found is not None and found.name == name
+    return Condition(holds, lambda: f"{label} no longer computes {name}")
 
 
-class OfClass(NamedTuple):
-    module: nn.Module
-    label: str
-    classes: Tuple[type, ...]
-
-    def holds(self) -> bool:
-        return type(self.module) in self.classes
-
-    def describe(self) -> str:
-        return f"{self.label} changed class"
+def of_class(m: nn.Module, label: str, classes: Tuple[type, ...]) -> Condition:
+    return Condition(lambda: type(m) in classes, lambda: f"{label} changed class")
 
 
-class Supported(NamedTuple):
+def supported(layer: nn.Module) -> Condition:
     """A Linear whose weight's dtype and device the ops take."""
-    layer: nn.Module
-
-    def holds(self) -> bool:
-        return unsupported_reason(stored_weight(self.layer)) is None
-
-    def describe(self) -> str:
-        return unsupported_reason(stored_weight(self.layer)) or ""
+    return Condition(lambda: unsupported_reason(stored_weight(layer)) is None,
+                     lambda: unsupported_reason(stored_weight(layer)) or "")
 
 
-class OneDtypeDevice(NamedTuple):
+def one_dtype_device(layers: Sequence[nn.Module], labels: Sequence[str]) -> Condition:
     """Linears whose weights share one dtype and device."""
-    layers: Tuple[nn.Module, ...]
-    labels: Tuple[str, ...]
-
-    def holds(self) -> bool:
-        weights = [stored_weight(layer) for layer in self.layers]
+    def holds() -> bool:
+        weights = [stored_weight(layer) for layer in layers]
         return None not in weights and len({(w.dtype, w.device) for w in weights}) == 1
 
-    def describe(self) -> str:
-        weights = [stored_weight(layer) for layer in self.layers]
+    def describe() -> str:
+        weights = [stored_weight(layer) for layer in layers]
         if None in weights:
             return "a weight is not made yet (a lazy layer)"
         return ("its Linears' weights are of different dtypes or devices (" + ", ".join(
-            f"{label}: {w.dtype} on {w.device}" for label, w in zip(self.labels, weights)) + ")")
+            f"{label}: {w.dtype} on {w.device}" for label, w in zip(labels, weights)) + ")")
+    return Condition(holds, describe)
 
 
-class MaskInside(NamedTuple):
+def mask_inside(m: nn.Module, label: str, item: int) -> Condition:
     """A Dropout of a run after its item ``item`` (Linear j is item 2j, its activation 2j + 1)
     that returns its input, or draws its mask after an activation, where the unit draws it."""
-    module: nn.Module
-    label: str
-    item: int
-
-    def holds(self) -> bool:
-        return passes_through(self.module) or self.item % 2 == 1
-
-    def describe(self) -> str:
-        return (f"{self.label} (Dropout, p={self.module.p}) draws a mask in training between a "
-                f"Linear and its activation, which the fused run does not compute")
+    return Condition(lambda: passes_through(m) or item % 2 == 1,
+                     lambda: f"{label} (Dropout, p={m.p}) draws a mask in training between a "
+                             f"Linear and its activation, which the fused run does not compute")
 
 
-class MasksDrawable(NamedTuple):
-    """A unit whose Dropouts draw masks now can draw them inside (not while torch.compile traces,
-    a torch.func transform or forward-mode AD runs)."""
-    run: Any  # its masks(): the p of each Dropout drawing now
-
-    def holds(self) -> bool:
-        return not self.run.masks() or dropout_unit.unsupported() is None
-
-    def describe(self) -> str:
-        return f"a Dropout of the run draws a mask in training and {dropout_unit.unsupported()}"
+def masks_drawable(run: Any) -> Condition:
+    """A unit whose Dropouts draw masks now (``run.masks()``) can draw them inside: not while
+    torch.compile traces, a torch.func transform or forward-mode AD runs."""
+    return Condition(lambda: not run.masks() or dropout_unit.unsupported() is None,
+                     lambda: f"a Dropout of the run draws a mask in training and "
+                             f"{dropout_unit.unsupported()}")
 
 
-class NoGlobalHooks(NamedTuple):
-    def holds(self) -> bool:
-        return not (_module_hooks._global_forward_hooks or
-                    _module_hooks._global_forward_pre_hooks or
-                    _module_hooks._global_backward_hooks or
-                    _module_hooks._global_backward_pre_hooks)
-
-    def describe(self) -> str:
-        return "hooks registered for every module, which the fused run would not call"
-
-
-class NotJitTracing(NamedTuple):
-    def holds(self) -> bool:
-        return not torch.jit.is_tracing()  # it records what each module computes on its own
-
-    def describe(self) -> str:
-        return "torch.jit.trace is recording the model"
-
-
-GLOBAL = (NotJitTracing(), NoGlobalHooks())
+GLOBAL = (Condition(lambda: not torch.jit.is_tracing(),  # it records each module on its own
+                    lambda: "torch.jit.trace is recording the model"),
+          Condition(lambda: not (_module_hooks._global_forward_hooks or
+                                 _module_hooks._global_forward_pre_hooks or
+                                 _module_hooks._global_backward_hooks or
+                                 _module_hooks._global_backward_pre_hooks),
+                    lambda: "hooks registered for every module, which the fused run would not "
+                            "call"))
 ACROSS = "which a run computed across it would not call"
 
 
 def of_weights(layers: Sequence[nn.Module], labels: Sequence[str]):
-    return [Supported(layers[0]), OneDtypeDevice(tuple(layers), tuple(labels))]
+    return [supported(layers[0]), one_dtype_device(layers, labels)]
 
 
 def failing(conditions: Iterable) -> Optional[str]:
@@ -323,7 +263,7 @@ def failing(conditions: Iterable) -> Optional[str]:
 def linear_problem(lin: nn.Module) -> Optional[str]:
     """What keeps a Linear from any unit, wherever it is called."""
     if foreign_forward(lin):
-        return OwnForward(lin, "the Linear").describe()
+        return own_forward(lin, "the Linear").describe()
     if not is_conv1d(lin) and base_type(lin) is not nn.Linear:
         name = type(lin).__name__
         if parametrize.is_parametrized(lin):
@@ -332,7 +272,7 @@ def linear_problem(lin: nn.Module) -> Optional[str]:
         if isinstance(lin, nn.modules.lazy.LazyModuleMixin):
             return f"{name} is a lazy layer: its weight is made at its first call"
         return f"{name} subclasses nn.Linear; its forward may not be F.linear"
-    return failing([NoHooks(lin, "the Linear"), Supported(lin)])
+    return failing([no_hooks(lin, "the Linear"), supported(lin)])
 
 
 def activation_problem(act: nn.Module, found: Optional[Recognised]) -> Optional[str]:
@@ -340,7 +280,7 @@ def activation_problem(act: nn.Module, found: Optional[Recognised]) -> Optional[
     if found is None or found.problem is not None:
         return found.problem if found is not None else f"{type(act).__name__} is no activation"
     who = f"the {base_type(act).__name__}"
-    return failing([OwnForward(act, who), NoHooks(act, who)])
+    return failing([own_forward(act, who), no_hooks(act, who)])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
-from .facts import (DISPLAY, SAVES_INPUT, LayerKind, OneDtypeDevice, Recognised, module_tensors,
+from .facts import (DISPLAY, SAVES_INPUT, LayerKind, Recognised, module_tensors, one_dtype_device,
                     stored_weight)
 from .graph import ModelGraph
 from .policy import LayerShape, gemm
@@ -127,7 +127,7 @@ def _problems(graph: ModelGraph, g: GatedCall):
         yield from graph.members_problems(owner, t, [g.act_node])
     for n in g.dropouts:
         yield graph.child_problem(owner, t, n.target, graph.nodes[n].label, g.child(n))
-    same = OneDtypeDevice(tuple(map(g.child, g.linears)),
+    same = one_dtype_device(tuple(map(g.child, g.linears)),
                           tuple(graph.nodes[n].label for n in g.linears))
     yield None if same.holds() else same.describe()
     yield from graph.placeholder_problems(g.path, owner, t, g.linears,

@@ -25,7 +25,7 @@ from .facts import (ACROSS, DROPOUT_FUNCTIONS, DROPOUT_SIGNATURE, FREEING_FUNCTI
                     FREEING_METHODS, FREEING_MODULES, KEEPING_FUNCTIONS,
                     KEEPING_METHODS, KEEPING_MODULES, META_FUNCTIONS, META_METHODS,
                     PASS_THROUGH_MODULES, SAVES_INPUT, SCALING_FUNCTIONS, SCALING_METHODS,
-                    VIEW_FUNCTIONS, VIEW_METHODS, Fact, LayerKind, NodeFact, NoHooks, OwnForward,
+                    VIEW_FUNCTIONS, VIEW_METHODS, Fact, LayerKind, NodeFact, no_hooks, own_forward,
                     Recognised, Slot, bind, failing, join_path, node_facts)
 from .tracing import Trace, after_branch, statement_source
 
@@ -465,8 +465,8 @@ class ModelGraph:
             name = node.target if node is not None else list(u.owner._modules)[u.at]
             label = join_path(self.path[id(u.owner)], name)
             passed.append(Slot(u.owner, name, u.module, label))
-            problem = problem or failing([NoHooks(u.module, label, ACROSS),
-                                          OwnForward(u.module, label)])
+            problem = problem or failing([no_hooks(u.module, label, ACROSS),
+                                          own_forward(u.module, label)])
             if node is not None:
                 problem = problem or self.child_problem(u.owner, self.trace[id(u.owner)],
                                                         node.target, label, u.module)
@@ -487,7 +487,7 @@ class ModelGraph:
         forward it passes through), else None."""
         places = self.paths.get(id(c), [])
         label = places[0] if places else f"<a {type(c).__name__}>"
-        problem = failing([NoHooks(c, label, ACROSS), OwnForward(c, label)])
+        problem = failing([no_hooks(c, label, ACROSS), own_forward(c, label)])
         if problem is not None:
             return problem
         if len(places) != 1:

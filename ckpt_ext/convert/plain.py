@@ -10,7 +10,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from torch import nn
 
 from ..modules import LayerActivations
-from .facts import (LayerKind, OwnForward, Slot, join_path, module_tensors, passes_through,
+from .facts import (LayerKind, own_forward, Slot, join_path, module_tensors, passes_through,
                     passing_name, stored_weight)
 from .graph import Fate, LayerCall, ModelGraph
 from .policy import Chain, LayerShape, Unit, chain_problem, decide, item_misses, mask_bytes, \
@@ -155,7 +155,7 @@ class Plain(UnitKind):
 def _problem(graph: ModelGraph, s: LayerCall) -> Optional[str]:
     """What keeps a call from a run: how it is called, or its module."""
     if s.node is None:
-        own = OwnForward(s.container, graph.path[id(s.container)] or "<model>")
+        own = own_forward(s.container, graph.path[id(s.container)] or "<model>")
         if not own.holds():
             return own.describe()
     else:

@@ -1,6 +1,6 @@
-"""Planning: one loop over the kinds of unit, in priority order, before anything changes. Each kind
-finds its candidates on the graph among the nodes no earlier kind took, decides and places them;
-the plan is every placed unit (with the run an earlier fuse put in place for exactly it, kept),
+"""Planning: one loop over the kinds of unit, in priority order, before anything changes. Each
+kind finds its candidates among the nodes no kind before it took, decides and places them; the
+plan holds every placed unit (with the run an earlier fuse put in place for exactly it, kept)
 and every decision of the report, by the module holding its layers."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .inline import INLINE
 from .plain import PLAIN
 from .report import Decision
 from .rewrite import REWRITE
-from .runtime import FusedSequential, RunLinear, RunMember, _OwnerForward, _Run
+from .runtime import FusedSequential, RunMember, _OwnerForward, _Run
 from .units import Options, Placement
 
 #: The kinds of unit, in priority order: a node one takes is no later one's.
@@ -31,82 +31,66 @@ class Placed(NamedTuple):
 
 @dataclass
 class Plan:
-    """Everything fuse does to one model, made before anything changes: the units to put in
-    place, and the report's decisions by the module holding their layers (fused and already
-    fused first, then the near misses); forwards found unusable while planning."""
     placed: List[Placed] = field(default_factory=list)
-    fused_at: Dict[str, List[Decision]] = field(default_factory=dict)
+    fused_at: Dict[str, List[Decision]] = field(default_factory=dict)  # by where, fused first
     missed_at: Dict[str, List[Decision]] = field(default_factory=dict)
     not_analysed: List[Tuple[str, str]] = field(default_factory=list)
 
     def add(self, d: Decision) -> None:
-        store = self.missed_at if d.action == "left alone" else self.fused_at
-        store.setdefault(d.where, []).append(d)
+        (self.missed_at if d.action == "left alone" else self.fused_at).setdefault(
+            d.where, []).append(d)
 
     def decisions(self, model: nn.Module) -> List[Decision]:
         """Every decision, in the order of the modules holding their layers."""
         order = [path for path, _ in model.named_modules()]
-        out: List[Decision] = []
-        for path in order + sorted((set(self.fused_at) | set(self.missed_at)) - set(order)):
-            out += self.fused_at.get(path, []) + self.missed_at.get(path, [])
-        return out
+        return [d for path in order + sorted((set(self.fused_at) | set(self.missed_at)) -
+                                             set(order))
+                for d in self.fused_at.get(path, []) + self.missed_at.get(path, [])]
 
     @property
     def rewritten(self) -> List[str]:
-        """The modules whose forward the plan rewrites."""
         return list(dict.fromkeys(p.placement.where for p in self.placed
                                   if p.placement.source is not None))
 
 
 def make_plan(graph: ModelGraph, options: Options) -> Plan:
-    plan = Plan()
-    taken: set = set()
-    existing = {r.key: r for r in existing_runs(graph.model)}
+    plan, taken = Plan(), set()
+    existing = {r.key: r for r in _existing_runs(graph.model)}
     for kind in KINDS:
         for found in kind.find(graph, taken, options):
             units, misses = kind.decide(graph, found, options)
             for d, p in kind.place(graph, found, units, misses):
-                if p is None:
-                    plan.add(d)
-                    continue
-                already = in_place(graph, p, existing)
-                plan.placed.append(Placed(p, d, already))
+                already = _in_place(graph, p, existing) if p is not None else None
+                if p is not None:
+                    plan.placed.append(Placed(p, d, already))
                 plan.add(dataclasses.replace(d, action="already fused") if already else d)
             taken.update(found.takes)
             plan.not_analysed += found.not_analysed
     return plan
 
 
-def existing_runs(model: nn.Module) -> List[_Run]:
+def _existing_runs(model: nn.Module) -> List[_Run]:
     """The runs an earlier fuse put in place, each once."""
     runs: Dict[int, _Run] = {}
     for m in model.modules():
-        if isinstance(m, FusedSequential):
-            for part in m._ckpt_ext_runs:
-                runs.setdefault(id(part.run), part.run)
-        elif isinstance(m, (RunLinear, RunMember)) and m._ckpt_ext_run is not None:
-            runs.setdefault(id(m._ckpt_ext_run), m._ckpt_ext_run)
+        for run in [p.run for p in m._ckpt_ext_runs] if isinstance(m, FusedSequential) else \
+                [m._ckpt_ext_run] if isinstance(m, RunMember) and m._ckpt_ext_run else []:
+            runs.setdefault(id(run), run)
     return list(runs.values())
 
 
-def in_place(graph: ModelGraph, p: Placement, existing: Dict[Any, _Run]) -> Optional[_Run]:
+def _in_place(graph: ModelGraph, p: Placement, existing: Dict[Any, _Run]) -> Optional[_Run]:
     """The run an earlier fuse put in place for exactly this placement, if it is still whole."""
-    if p.source is not None:
-        return None
-    if not existing:
-        return None
-    run = existing.get(p.key)
+    run = existing.get(p.key) if existing and p.source is None else None
     if run is None or run.problem() is not None:
         return None
     for seq, key in p.part_keys():
-        if not any(part.key == key and part.run is run for part in getattr(seq, "_ckpt_ext_runs", ())):
+        parts = getattr(seq, "_ckpt_ext_runs", ())
+        if not any(part.key == key and part.run is run for part in parts):
             return None
-    for call, k in p.members:
-        m = call.module
-        if getattr(m, "_ckpt_ext_run", None) is not run or m._ckpt_ext_index != k:
-            return None
-    if p.owner is not None:
-        fwd = vars(p.owner).get(graph.trace.get(id(p.owner)).method)
-        if not isinstance(fwd, _OwnerForward) or run not in fwd.runs:
-            return None
-    return run
+    if any(getattr(c.module, "_ckpt_ext_run", None) is not run or c.module._ckpt_ext_index != k
+           for c, k in p.members):
+        return None
+    fwd = vars(p.owner).get(graph.trace[id(p.owner)].method) if p.owner is not None else None
+    return run if p.owner is None or isinstance(fwd, _OwnerForward) and run in fwd.runs \
+        else None

@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import ops
 from ..modules import LayerActivations, collapse_activations
-from .facts import DISPLAY, SAVES_INPUT, OneDtypeDevice
+from .facts import DISPLAY, SAVES_INPUT, one_dtype_device
 from .graph import Fate
 from .report import Decision
 
@@ -219,7 +219,7 @@ def chain_problem(shapes: Sequence[LayerShape], layers: Sequence[nn.Module]) -> 
         if b.in_features != a.out_features:
             return (f"layer {i}: in_features {b.in_features} does not match the previous "
                     f"Linear's out_features {a.out_features}")
-    same = OneDtypeDevice(tuple(layers), tuple(s.label for s in shapes))
+    same = one_dtype_device(tuple(layers), tuple(s.label for s in shapes))
     return None if same.holds() else same.describe()
 
 

@@ -22,8 +22,8 @@ from torch import nn
 from .. import ops
 from ..modules import LayerActivations, as_mlp_argument, each_layer
 from . import dropout_unit
-from .facts import (GLOBAL, Computes, Elements, MaskInside, MasksDrawable, NoHooks, OfClass,
-                    OwnForward, SetByFuse, Slot, base_type, conv1d_class, failing, join_path,
+from .facts import (GLOBAL, computes, elements, mask_inside, masks_drawable, no_hooks, of_class,
+                    own_forward, SetByFuse, Slot, base_type, conv1d_class, failing, join_path,
                     linear_weight, of_weights, passes_through)
 
 if TYPE_CHECKING:
@@ -35,9 +35,7 @@ __all__ = ["Slot"]  # a run's slots pickle as facts.Slot; older pickles name it 
 class _Region(threading.local):
     """A run's region, per thread: [the next member, the tensor it must receive, the state of an
     enclosing call] inside its owner's forward; None outside it."""
-
-    def __init__(self) -> None:
-        self.state: Optional[list] = None
+    state: Optional[list] = None
 
 
 class _Run:
@@ -78,29 +76,28 @@ class _Run:
     @property
     def conditions(self) -> tuple:
         """What must hold at a call for the fused op to compute the run (made once)."""
-        made = self.__dict__.get("_made_conditions")
-        if made is None:
-            made = self.__dict__["_made_conditions"] = tuple(self._conditions())
-        return made
+        if "_made_conditions" not in self.__dict__:
+            self.__dict__["_made_conditions"] = tuple(self._conditions())
+        return self.__dict__["_made_conditions"]
 
     def _conditions(self):
         yield from GLOBAL
         for m, label in zip(self.key[0], self.labels):
-            yield OwnForward(m, label)
+            yield own_forward(m, label)
         yield from self._placement()
         for m, label, name in zip(self.key[0][1::2], self.labels[1::2], self.activations):
-            yield Computes(m, label, name)
+            yield computes(m, label, name)
         for m, label, k in self.passes:
-            yield from (OwnForward(m, label), NoHooks(m, label), MaskInside(m, label, k))
-        yield MasksDrawable(self)
+            yield from (own_forward(m, label), no_hooks(m, label), mask_inside(m, label, k))
+        yield masks_drawable(self)
         yield from of_weights(self.layers, self.labels[0::2])
 
     def _placement(self):
         for seq, label, names, modules in self.sequences:
-            yield from (OwnForward(seq, label or "<model>"), Elements(seq, label, names, modules))
+            yield from (own_forward(seq, label or "<model>"), elements(seq, label, names, modules))
         yield from self.slots
         for m, label in self.unhooked:
-            yield NoHooks(m, label or "<model>", "which the fused run would not call")
+            yield no_hooks(m, label or "<model>", "which the fused run would not call")
 
     # pickles and copies keep neither the region (per process and call) nor the conditions
     def __getstate__(self):
@@ -135,7 +132,7 @@ class _Run:
         return failing(self.conditions)
 
     def masks(self) -> Dict[int, Tuple[float, ...]]:
-        """The p of each Dropout that draws a mask now, by the item it follows."""
+        """The p of each Dropout drawing a mask now, by the item it follows."""
         out: Dict[int, Tuple[float, ...]] = {}
         for m, _, k in self.passes:
             if not passes_through(m):
@@ -182,12 +179,11 @@ class _Run:
     def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
         """What member ``index`` returns when it takes its part now, else None."""
         state = self.turn(index, x)
-        if state is None:
-            return None
-        if index == 0:
-            x = self(x)
-        state[0], state[1] = index + 1, x
-        return x
+        if state is not None:
+            x = self(x) if index == 0 else x
+            state[0], state[1] = index + 1, x
+            return x
+        return None
 
     def _strayed(self, expected: int, event: str) -> str:
         owner = self.calls and (self.decision.where if self.decision else "") or ""
@@ -208,10 +204,10 @@ class _PlaceholderRun(_Run):
     def _conditions(self):
         yield from GLOBAL
         for m, label in self.unhooked:
-            yield OwnForward(m, label)
+            yield own_forward(m, label)
         yield from self._placement()
         yield from self._own()
-        yield MasksDrawable(self)
+        yield masks_drawable(self)
         yield from of_weights(self.layers, self.calls)
 
     def enter(self) -> None:
@@ -268,9 +264,9 @@ class _GatedRun(_PlaceholderRun):
 
     def _own(self):
         if self.act_module is not None:
-            yield Computes(self.act_module, "its activation module", self.activation)
+            yield computes(self.act_module, "its activation module", self.activation)
         for d in self.dropouts:
-            yield OfClass(d, "a Dropout between the product and the down projection",
+            yield of_class(d, "a Dropout between the product and the down projection",
                           (nn.Dropout,))
 
     def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
@@ -329,10 +325,10 @@ class _InlineRun(_PlaceholderRun):
 
     def _own(self):
         for m, label, name in self.acts:
-            yield Computes(m, label, name)
+            yield computes(m, label, name)
         for d in self.drops:
             if d.module is not None:
-                yield OfClass(d.module, d.label, (nn.Dropout, nn.Identity))
+                yield of_class(d.module, d.label, (nn.Dropout, nn.Identity))
 
     def masks(self) -> Dict[int, Tuple[float, ...]]:
         out: Dict[int, Tuple[float, ...]] = {}

@@ -39,8 +39,7 @@ class _LocalTracer(fx.Tracer):
 
     def __init__(self, forward_code: Any, method: str) -> None:
         super().__init__()
-        self.forward_code = forward_code
-        self.traced_func_name = method
+        self.forward_code, self.traced_func_name = forward_code, method
         self.indirect: Dict[str, str] = {}  # node name -> the function the call came from
         self.cut: Optional[Tuple[int, int, Tuple[fx.Node, ...]]] = None  # see to_bool
 
@@ -56,8 +55,8 @@ class _LocalTracer(fx.Tracer):
         if frame is not None and frame.f_code is not self.forward_code and \
                 isinstance(out, fx.Proxy):
             code = frame.f_code
-            module = frame.f_globals.get("__name__", "?")
-            self.indirect[out.node.name] = f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+            self.indirect[out.node.name] = (f"{frame.f_globals.get('__name__', '?')}."
+                                            f"{getattr(code, 'co_qualname', code.co_name)}")
         return out
 
     def to_bool(self, obj: fx.Proxy) -> bool:
@@ -137,13 +136,8 @@ def _fingerprint(v: Any, depth: int = 0) -> Any:
 
 
 def _snapshot(m: nn.Module) -> Dict[Tuple[str, str], Any]:
-    snap = {}
-    for path, sub in m.named_modules(remove_duplicate=False):
-        for k, v in vars(sub).items():
-            if k.startswith("_tensor_constant"):  # fx's own bookkeeping on the traced root
-                continue
-            snap[(path, k)] = _fingerprint(v)
-    return snap
+    return {(path, k): _fingerprint(v) for path, sub in m.named_modules(remove_duplicate=False)
+            for k, v in vars(sub).items() if not k.startswith("_tensor_constant")}  # fx's own
 
 
 # -- what a forward reads: attributes of the traced copy, recorded while fx runs the forward ------
@@ -179,22 +173,11 @@ class _Counted(int):
         if _Reads.log is not None:
             _Reads.observed.add(self.key)
 
-    def __add__(self, other):
-        return self._count(other, operator.add)
-
-    __radd__ = __add__
-
-    def __sub__(self, other):
-        return self._count(other, operator.sub)
-
-    def __rsub__(self, other):
-        return self._count(other, lambda a, b: b - a)
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        return (int, (int.__int__(self),))
+    __add__ = __radd__ = lambda self, other: self._count(other, operator.add)
+    __sub__ = lambda self, other: self._count(other, operator.sub)
+    __rsub__ = lambda self, other: self._count(other, lambda a, b: b - a)
+    __deepcopy__ = lambda self, memo: self
+    __reduce__ = lambda self: (int, (int.__int__(self),))
 
 
 def _looking(name: str):
@@ -264,11 +247,11 @@ def _class_value(cls: type, name: str) -> bool:
 
 def record_reads(clone: nn.Module) -> Optional[str]:
     """Give every module of the analysis copy its recording class; why not, if it cannot."""
-    for m in clone.modules():
-        try:
+    try:
+        for m in clone.modules():
             m.__class__ = _recording_class(type(m))
-        except TypeError as e:
-            return f"fuse cannot record what its forward reads ({type(e).__name__}: {e})"
+    except TypeError as e:
+        return f"fuse cannot record what its forward reads ({type(e).__name__}: {e})"
     return None
 
 
@@ -484,13 +467,20 @@ def _cut_at_branch(g: fx.Graph, at: int, live_at_branch: Tuple[fx.Node, ...]) ->
     g.output(g.call_function(after_branch, tuple(live)))
 
 
+def _parsed(code: Any) -> Optional[Tuple[ast.AST, int]]:
+    """(the parsed source of ``code``'s function, its first line); None without source."""
+    try:
+        lines, start = inspect.getsourcelines(code)
+        return ast.parse(textwrap.dedent("".join(lines))), start
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
 def _loopless(code: Any) -> bool:
     """Whether the function of ``code`` has no loop: its lines run in the order written."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    return not any(isinstance(n, (ast.For, ast.AsyncFor, ast.While)) for n in ast.walk(tree))
+    tree = _parsed(code)
+    return tree is not None and not any(isinstance(n, (ast.For, ast.AsyncFor, ast.While))
+                                        for n in ast.walk(tree[0]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -516,7 +506,8 @@ def trace_model(model: nn.Module, facts: Dict[int, Fact]) -> \
         unrecorded = record_reads(clone)
         for path, m in wanted:
             t = trace_module(clones[path], m)
-            if not t.ok or _only_through_a_method(t):
+            calls = [n for n in t.graph.nodes if n.op == "call_module"] if t.ok else []
+            if not t.ok or calls and all(n.name in t.indirect for n in calls):
                 t = _method_trace(clones[path], m, t)
             if t.ok and unrecorded:
                 t.region_problem = t.rewrite_problem = unrecorded
@@ -563,11 +554,6 @@ def _rng_kept():
         random.setstate(py_state)
         if np_state is not None:
             np.random.set_state(np_state)
-
-
-def _only_through_a_method(t: Trace) -> bool:
-    calls = [n for n in t.graph.nodes if n.op == "call_module"]
-    return bool(calls) and all(n.name in t.indirect for n in calls)
 
 
 @contextlib.contextmanager
@@ -633,13 +619,10 @@ def _unrun(code: Any, ran: set) -> Optional[Tuple[int, ...]]:
 def _statement_lines(code: Any) -> Optional[List[Tuple[int, set, bool]]]:
     """(first line, its lines, whether it holds an expression of _PARTIAL) of each simple
     statement of ``code``'s function, its docstring left out; None without readable source."""
-    if code is None:
+    parsed = _parsed(code) if code is not None else None
+    if parsed is None:
         return None
-    try:
-        lines, start = inspect.getsourcelines(code)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError):
-        return None
+    tree, start = parsed
     fn = tree.body[0] if tree.body else None
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
@@ -671,12 +654,6 @@ def _statement_lines(code: Any) -> Optional[List[Tuple[int, set, bool]]]:
 
 def statement_source(code: Any, line: int) -> Optional[ast.stmt]:
     """The statement of ``code``'s function that starts at ``line``, parsed; None if not found."""
-    try:
-        lines, start = inspect.getsourcelines(code)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.stmt) and node.lineno + start - 1 == line:
-            return node
-    return None
+    parsed = _parsed(code)
+    return next((n for n in ast.walk(parsed[0]) if isinstance(n, ast.stmt) and
+                 n.lineno + parsed[1] - 1 == line), None) if parsed is not None else None
