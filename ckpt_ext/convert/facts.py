@@ -25,7 +25,7 @@ from .. import _C, modules as _modules, ops
 from .._activation_modules import Recognised, bind, module_activation, node_activation, sig
 from .._activations import REGISTRY, stock_tensors
 from ..modules import _has_hooks as has_hooks
-from . import dropout_unit
+from .. import _dropout_autograd as dropout_unit
 
 __all__ = ["Recognised", "bind", "has_hooks", "module_activation", "node_activation"]
 

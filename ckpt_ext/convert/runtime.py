@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import ops
 from ..modules import LayerActivations, as_mlp_argument, each_layer
-from . import dropout_unit
+from .. import _dropout_autograd as dropout_unit
 from .facts import (GLOBAL, computes, elements, mask_inside, masks_drawable, no_hooks, of_class,
                     own_forward, SetByFuse, Slot, base_type, conv1d_class, failing, join_path,
                     linear_weight, of_weights, passes_through)

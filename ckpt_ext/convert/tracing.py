@@ -379,8 +379,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         return Trace(False, f"its {method} runs different code in train() and eval() (it reads "
                             f"self.training)")
     t = Trace(True, "", graph, eval_graph, method=method, already_rewritten=already,
-              indirect=indirect,
-              unrun=_unrun(code, ran), calls_out=tuple(calls_out),
+              indirect=indirect, unrun=_unrun(code, ran), calls_out=tuple(calls_out),
               arg_guard=arguments.guard if arguments is not None else None, cut_line=cut_line)
     # every attribute that could steer the forward is a guard; one it changes must be a count
     paths = {id(m): p for p, m in clone.named_modules()}
@@ -388,55 +387,50 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     guards, unchecked, steering = [], [], []
     for (mid, name), value in reads.items():
         path = paths.get(mid)
-        if path is None:
+        label = join_path(path, name) if path is not None else None
+        same = _guard_value(value)
+        if label is None:
             continue
-        label = join_path(path, name)
         if label in changed_names:
             if type(value) is not _Counted or (mid, name) in _Reads.observed:
                 steering.append(label)
-            continue
-        same = _guard_value(value)
-        if same is None:
+        elif same is None:
             unchecked.append(f"{label} ({type(value).__name__})")
         else:
             want = getattr(orig.get_submodule(path), name, MISSING) if same else _plain(value)
             guards.append(_Guard(path, name, want, same))
     _Reads.observed = set()
-    if steering:
-        t.region_problem = (f"tracing its {method} changed {', '.join(sorted(steering))}, which it "
-                            f"also reads other than to count: fuse cannot tell that its path "
-                            f"does not depend on them")
-    elif unchecked:
-        t.region_problem = (f"its {method} reads {', '.join(unchecked)}, a value fuse cannot check "
-                            f"at each call")
-    if arguments is not None and getattr(orig, "gradient_checkpointing", False) is True:
-        # transformers' GradientCheckpointingLayer re-runs its forward in backward
-        t.region_problem = "gradient checkpointing is on for it (gradient_checkpointing=True)"
-    elif arguments is not None and isinstance(getattr(orig, "gradient_checkpointing", None), bool):
+    checkpointing = getattr(orig, "gradient_checkpointing", None) if arguments else None
+    if isinstance(checkpointing, bool) and not checkpointing:  # transformers' layers
         guards.append(_Guard("", "gradient_checkpointing", False, False))
     t.guards = tuple(guards)
-    t.rewrite_problem = t.region_problem
-    if hands_training and not t.rewrite_problem:
-        t.rewrite_problem = (f"its {method} hands self.training to a call (F.dropout(..., "
-                             f"training=self.training)), whose value a rewritten forward would fix")
-    if arguments is not None and not t.rewrite_problem:
-        t.rewrite_problem = ("its forward has optional arguments or **kwargs: fuse marks regions "
-                             "in it, but rewrites only forwards without them")
-    if cut_line is not None and not t.rewrite_problem:
-        t.rewrite_problem = (f"its {method} branches on a traced value at line {cut_line}, which "
-                             f"fx cannot follow")
-    if method != "forward" and not t.rewrite_problem:
-        t.rewrite_problem = f"fuse rewrites forward code only, and {method} is another method"
+    odd = sorted(join_path(p, k) for (p, k), d in deltas.items() if len(d) != 1 or None in d)
+    t.region_problem = _first([
+        (checkpointing is True, "gradient checkpointing is on for it "
+                                "(gradient_checkpointing=True)"),
+        (steering, f"tracing its {method} changed {', '.join(sorted(steering))}, which it also "
+                   f"reads other than to count: fuse cannot tell that its path does not depend "
+                   f"on them"),
+        (unchecked, f"its {method} reads {', '.join(unchecked)}, a value fuse cannot check at "
+                    f"each call")])
+    t.rewrite_problem = t.region_problem or _first([
+        (hands_training, f"its {method} hands self.training to a call (F.dropout(..., "
+                         f"training=self.training)), whose value a rewritten forward would fix"),
+        (arguments, "its forward has optional arguments or **kwargs: fuse marks regions in it, "
+                    "but rewrites only forwards without them"),
+        (cut_line is not None, f"its {method} branches on a traced value at line {cut_line}, "
+                               f"which fx cannot follow"),
+        (method != "forward", f"fuse rewrites forward code only, and {method} is another method"),
+        (changed_names and odd, f"tracing its forward changed {', '.join(odd)} by different "
+                                f"amounts in train() and eval(): a rewritten forward would not "
+                                f"know what to replay")])
     if changed_names and not t.rewrite_problem:  # a rewrite replays what each count adds
-        odd = sorted(join_path(p, k) for (p, k), d in deltas.items()
-                     if len(d) != 1 or None in d)
-        if odd:
-            t.rewrite_problem = (f"tracing its forward changed {', '.join(odd)} by different "
-                                 f"amounts in train() and eval(): a rewritten forward would not "
-                                 f"know what to replay")
-        else:
-            t.counts = tuple(sorted((p, k, next(iter(d))) for (p, k), d in deltas.items()))
+        t.counts = tuple(sorted((p, k, next(iter(d))) for (p, k), d in deltas.items()))
     return t
+
+
+def _first(whys: List[Tuple[Any, str]]) -> Optional[str]:
+    return next((why for cond, why in whys if cond), None)
 
 
 def after_branch(*values: Any) -> Any:

@@ -1,4 +1,4 @@
-"""A fused unit whose Dropouts draw masks (p > 0, in training): computed with the ATen ops the
+"""Autograd of a fused unit whose Dropouts draw masks (p > 0, in training): computed with the ATen ops the
 unfused model calls, in its order, keeping only x, the parameters and the state of the generator
 the masks come from. Backward restores that state (and the autocast settings of the forward),
 recomputes the unit, so each Dropout draws its mask again bitwise, and differentiates it; the
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._activations import activate
-from .._gated_autograd import _gate_and_up
+from ._activations import activate
+from ._gated_autograd import _gate_and_up
 
 
 def unsupported() -> Optional[str]:
