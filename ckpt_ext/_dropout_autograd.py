@@ -1,8 +1,8 @@
-"""Autograd of a fused unit whose Dropouts draw masks (p > 0, in training): computed with the ATen ops the
-unfused model calls, in its order, keeping only x, the parameters and the state of the generator
-the masks come from. Backward restores that state (and the autocast settings of the forward),
-recomputes the unit, so each Dropout draws its mask again bitwise, and differentiates it; the
-generator is left as it was. Design: docs/converter.md, "Dropout inside a unit"."""
+"""Autograd of a fused unit whose Dropouts draw masks (p > 0, in training): computed with the ATen
+ops the unfused model calls, in its order, keeping only x, the parameters and the state of the
+generator the masks come from. Backward restores that state (and the forward's autocast
+settings), recomputes the unit, so each Dropout draws its mask again bitwise, and differentiates
+it; the generator is left as it was. Design: docs/converter.md, "Dropout inside a unit"."""
 from __future__ import annotations
 
 import functools
