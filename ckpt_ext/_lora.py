@@ -13,6 +13,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import Tensor
 
+from ._derivatives import _layer_biases  # a compact list spread over its flags, None elsewhere
+
 
 class LoRA(NamedTuple):
     """A LoRA term on one Linear: ``z = x·Wᵀ + b + scaling·(drop(x)·Aᵀ·Bᵀ + bias)``.
@@ -69,8 +71,8 @@ class LoraSpec(NamedTuple):
         """(weights, bias or None per weight, LoRA or None per weight) of the flat list, or of a
         list of its tangents (each LoRA then holding the tangents of A, B and its bias)."""
         w, b, A, B, lb = self.split(params)
-        terms = iter(zip(A, B, self.scaling, _per_flag(lb, self.has_lora_bias)))
-        return w, _per_flag(b, self.has_bias), [LoRA(*next(terms)) if has else None
+        terms = iter(zip(A, B, self.scaling, _layer_biases(lb, self.has_lora_bias)))
+        return w, _layer_biases(b, self.has_bias), [LoRA(*next(terms)) if has else None
                                                  for has in self.has_lora]
 
     def flat(self, weights: Sequence, layer_b: Sequence, lora_grads: Sequence) -> list:
@@ -86,16 +88,11 @@ class LoraSpec(NamedTuple):
         """(need per weight, need per bias slot, (need_A, need_B, need_bias) per weight) from the
         flat list's mask (False where a weight has no bias or no LoRA)."""
         w, b, A, B, lb = self.split(need_params)
-        lora_b = iter(_per_flag(lb, self.has_lora_bias))
+        lora_b = iter(_layer_biases(lb, self.has_lora_bias))
         terms = iter(zip(A, B))
         per = [(*next(terms), bool(next(lora_b))) if has else (False, False, False)
                for has in self.has_lora]
-        return [bool(n) for n in w], [bool(n) for n in _per_flag(b, self.has_bias)], per
-
-
-def _per_flag(compact: Sequence, flags: Sequence[bool]) -> list:
-    it = iter(compact)
-    return [next(it) if f else None for f in flags]
+        return [bool(n) for n in w], [bool(n) for n in _layer_biases(b, self.has_bias)], per
 
 
 def check_lora(where: str, lora, layers: int, what: str) -> List[Optional[LoRA]]:
@@ -150,7 +147,3 @@ def lora_spec(gated: bool, has_bias: Sequence[bool], activation: str, last_activ
 def draws_masks(loras: Sequence[Optional[LoRA]]) -> bool:
     """Whether any LoRA draws a dropout mask (p > 0)."""
     return any(t is not None and float(t.dropout) > 0 for t in loras)
-
-
-def no_lora(loras: Sequence[Optional[LoRA]]) -> bool:
-    return all(t is None for t in loras)
