@@ -1,7 +1,8 @@
 """The derivative formulas of tanh layers from their outputs (the higher orders of ``_higher_order``
-and a tanh stack's first order from its kept outputs) and the tangent of a run (any activations,
-the jvp of the mlp op's Functions), each written once, from ATen ops and the ckpt_ext ops so
-autograd can differentiate them again (the notation of docs/design.md).
+and a tanh stack's first order from its kept outputs), the tangent of a run (any activations,
+the jvp of the mlp op's Functions), and a Linear with a LoRA term (its forward in peft's order,
+its backward and its tangent), each written once, from ATen ops and the ckpt_ext ops so autograd
+can differentiate them again (the notation of docs/design.md).
 
 Rows are flattened to (M, ·). ``_autograd`` and ``_higher_order`` record the ops whose backward or
 jvp these are; the vmap rules (``_vmap``) call the ops themselves.
@@ -169,24 +170,78 @@ def _stack_backward_composite(grad_out, x, weights, layer_b, last_tanh, need_x, 
     return (grad if need_x else None), gws, gbs
 
 
+# ---- a Linear with a LoRA term ------------------------------------------------------------------
+
+#: The LoRA gradients asked of a Linear without a LoRA term: (A, B, its bias).
+NO_LORA_NEED = (False, False, False)
+
+
+def lora_linear(a: Tensor, weight: Tensor, bias: Optional[Tensor], lora=None) -> Tensor:
+    """z = a·Wᵀ + b, plus s·(drop(a)·Aᵀ·Bᵀ + b_B) where ``lora`` (a ckpt_ext.LoRA) is given: peft's
+    ``result + lora_B(lora_A(dropout(x))) * scaling``, op for op (so rounded where peft rounds;
+    the mask drawn by F.dropout as nn.Dropout draws it)."""
+    z = F.linear(a, weight, bias)
+    if lora is None:
+        return z
+    d = F.dropout(a, float(lora.dropout), True) if lora.dropout > 0 else a
+    return z + F.linear(F.linear(d, lora.A), lora.B, lora.bias) * lora.scaling
+
+
+def _lora_backward(g: Tensor, a: Tensor, lora, need_a: bool, need: Sequence[bool]):
+    """(grad_a?, (grad_A?, grad_B?, grad_b_B?)) of the LoRA term l = s·((a·Aᵀ)·Bᵀ + b_B) (no
+    dropout) for g = ∂L/∂z: gt = s·g·B (M, r), grad_a = gt·A, grad_A = gtᵀ·a,
+    grad_B = gᵀ·(s·a·Aᵀ), grad_b_B = s·Σ g; ``need`` = (A, B, b_B)."""
+    need_A, need_B, need_bias = need
+    s = lora.scaling
+    gt = (g @ lora.B) * s if need_a or need_A else None
+    grad_a = gt @ lora.A if need_a else None
+    grad_A = _flat(gt).t() @ _flat(a) if need_A else None
+    grad_B = _flat(g).t() @ (_flat(a) @ lora.A.t() * s) if need_B else None
+    grad_bias = _flat(g).sum(0) * s if need_bias and lora.bias is not None else None
+    return grad_a, (grad_A, grad_B, grad_bias)
+
+
+def _linear_tangent(a: Tensor, a_t: Optional[Tensor], weight: Tensor, w_t: Optional[Tensor],
+                    b_t: Optional[Tensor], lora=None, lora_t=None) -> Optional[Tensor]:
+    """ż of z = a·Wᵀ + b + s·((a·Aᵀ)·Bᵀ + b_B): ȧ·Wᵀ + a·Ẇᵀ + ḃ + s·((ȧ·Aᵀ + a·Ȧᵀ)·Bᵀ +
+    (a·Aᵀ)·Ḃᵀ + ḃ_B), each term where its tangent is given (``lora_t``: a ckpt_ext.LoRA of the
+    tangents of A, B and b_B, or None); None when none is."""
+    z_t = None if a_t is None else a_t @ weight.t()
+    if w_t is not None:
+        z_t = _add(z_t, a @ w_t.t())
+    if b_t is not None:
+        z_t = _add(z_t, b_t)
+    if lora is None:
+        return z_t
+    A_t, B_t, bias_t = (None, None, None) if lora_t is None else (lora_t.A, lora_t.B, lora_t.bias)
+    t_t = None if a_t is None else a_t @ lora.A.t()
+    if A_t is not None:
+        t_t = _add(t_t, a @ A_t.t())
+    l_t = None if t_t is None else t_t @ lora.B.t()
+    if B_t is not None:
+        l_t = _add(l_t, (a @ lora.A.t()) @ B_t.t())
+    if bias_t is not None:
+        l_t = _add(l_t, bias_t)
+    return z_t if l_t is None else _add(z_t, l_t * lora.scaling)
+
+
 # ---- the tangent of a run, any activations -----------------------------------------------------
 
 def _applies(i: int, L: int, last_activation: bool) -> bool:
     return i + 1 < L or last_activation
 
 
-def _mlp_jvp(x, weights, layer_b, acts, last_activation, x_t, w_t, b_t):
-    """The tangent of the run's output: ż_i = ȧ_i·W_iᵀ + a_i·Ẇ_iᵀ + ḃ_i, ȧ_{i+1} = ż_i·f_i'(z_i)."""
+def _mlp_jvp(x, weights, layer_b, acts, last_activation, x_t, w_t, b_t, loras=None,
+             lora_t=None):
+    """The tangent of the run's output: ż_i of each Linear (_linear_tangent; ``loras``, ``lora_t``:
+    a LoRA or None per layer, and their tangents), ȧ_{i+1} = ż_i·f_i'(z_i)."""
     L = len(weights)
+    loras = loras or [None] * L
+    lora_t = lora_t or [None] * L
     a, a_t = x, x_t
     for i in range(L):
-        w, b = weights[i], layer_b[i]
-        z = F.linear(a, w, b)
-        z_t = None if a_t is None else a_t @ w.t()
-        if w_t[i] is not None:
-            z_t = _add(z_t, a @ w_t[i].t())
-        if b_t[i] is not None:
-            z_t = _add(z_t, b_t[i])
+        z = lora_linear(a, weights[i], layer_b[i], loras[i])
+        z_t = _linear_tangent(a, a_t, weights[i], w_t[i], b_t[i], loras[i], lora_t[i])
         if z_t is None:
             z_t = torch.zeros_like(z)
         z_t = z_t.expand(z.shape)

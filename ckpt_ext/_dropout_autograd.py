@@ -8,24 +8,13 @@ from __future__ import annotations
 import functools
 from typing import Dict, Optional, Sequence, Tuple
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ._activations import activate
 from ._gated_autograd import _gate_and_up
-
-
-def unsupported() -> Optional[str]:
-    """Why a unit with active Dropouts cannot run recomputed now (the caller then computes it
-    module by module), or None."""
-    if torch.compiler.is_compiling():
-        return "torch.compile is tracing it"
-    if torch._C._are_functorch_transforms_active():
-        return "a torch.func transform is running"
-    if torch.autograd.forward_ad._current_level >= 0:
-        return "forward-mode AD is active"
-    return None
+from ._recompute import RecomputedWithGenerator as _Recomputed
+from ._recompute import unsupported  # noqa: F401  (a unit asks whether it may draw masks now)
 
 
 def gated(x: Tensor, gate_w: Tensor, up_w: Optional[Tensor], down_w: Tensor,
@@ -69,57 +58,3 @@ def _gated(act, gate_second, ps, x, gate_w, up_w, down_w, gate_b, up_b, down_b):
     for p in ps:
         h = F.dropout(h, p, True)
     return F.linear(h, down_w, down_b)
-
-
-class _Recomputed(torch.autograd.Function):
-    """apply(compute, x, *params): compute(x, *params) keeping (x, params), the generator's state
-    and the autocast settings; params may hold None."""
-
-    @staticmethod
-    def forward(ctx, compute, x, *params):
-        ctx.compute, ctx.device = compute, x.device
-        ctx.rng = _get_rng(x.device)
-        kind = x.device.type
-        ctx.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind),
-                        torch.is_autocast_cache_enabled()) if kind in ("cpu", "cuda") else None
-        ctx.save_for_backward(x, *params)
-        with torch.no_grad():
-            return compute(x, *params)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        need = ctx.needs_input_grad[1:]
-        create = torch.is_grad_enabled()  # create_graph: differentiate through the saved tensors
-        inputs = [t if t is None or create else t.detach().requires_grad_(n)
-                  for t, n in zip(saved, need)]
-        device = ctx.device
-        cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
-            if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda, device_type="cuda"), torch.enable_grad():
-            _set_rng(device, ctx.rng)
-            if ctx.autocast is None:
-                out = ctx.compute(*inputs)
-            else:
-                enabled, dtype, cache = ctx.autocast
-                with torch.autocast(device.type, dtype=dtype, enabled=enabled,
-                                    cache_enabled=cache):
-                    out = ctx.compute(*inputs)
-        wanted = [t for t, n in zip(inputs, need) if n and t is not None]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=create,
-                                         allow_unused=True) if wanted else ())
-        return (None, *[next(grads) if n and t is not None else None
-                        for t, n in zip(inputs, need)])
-
-
-def _get_rng(device: torch.device) -> Tensor:
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
-
-
-def _set_rng(device: torch.device, state: Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)

@@ -7,6 +7,12 @@ last_activation is False), then per layer from the top down to the lowest one wi
 asked for, grad_W where asked and the gradient for the layer below (or grad_x where asked). A gated
 MLP's backward: the gate and up GEMMs again, then the down projection's grad_W and the gradient
 w.r.t. h, and each input projection's grad_W and share of grad_x, each where asked.
+
+The lora ops add, per LoRA term on a weight (N, K) of rank r, GEMMs of two sizes: the "A" ones
+(2·M·K·r: t = a·Aᵀ, grad_A = gtᵀ·a, the input's share gt·A) and the "B" ones (2·M·r·N:
+t·Bᵀ, gt = g·B, grad_B = gᵀ·t). Forward: one of each. Backward: the recompute's (one of each per
+term it recomputes), then per term: gt where the gradient below or grad_A is asked, grad_A, and
+grad_B with t made again unless the recompute kept it (_lora_walk_flops).
 """
 import math
 
@@ -106,4 +112,97 @@ def _gated_mlp_backward_flop(grad_out_shape, x_shape, w_shapes, b_shapes, has_bi
     n = sum(gemm[i] for i in ins) + gemm[-1] * int(need_weights[-1])  # recompute, grad_W_down
     if need_in:
         n += gemm[-1] + sum(gemm[i] * (int(need_weights[i]) + int(need_x)) for i in ins)
+    return n
+
+
+# ---- the lora ops ------------------------------------------------------------------------------
+
+def _lora_terms(has_lora, A_shapes, B_shapes) -> list:
+    """(A shape, B shape) or None per weight."""
+    it = iter(zip(A_shapes, B_shapes))
+    return [next(it) if h else None for h in has_lora]
+
+
+def _lora_needs(has_lora, has_lora_bias, need_A, need_B, need_lb) -> list:
+    """(need_A, need_B, need_bias) per weight ((False,) * 3 without a term)."""
+    lb = iter(need_lb)
+    per = iter(zip(need_A, need_B, [bool(next(lb)) if h else False for h in has_lora_bias]))
+    return [tuple(map(bool, next(per))) if h else (False, False, False) for h in has_lora]
+
+
+def _lora_pair_flops(x_shape, term) -> int:
+    """One A GEMM and one B GEMM of a term (its forward, or its recompute)."""
+    return 0 if term is None else _gemm_flops(x_shape, term[0]) + _gemm_flops(x_shape, term[1])
+
+
+def _lora_walk_flops(x_shape, term, need, need_below: bool, t_kept: bool) -> int:
+    """A term's backward GEMMs (csrc/lora.cpp, lora_param_grads and its callers)."""
+    if term is None:
+        return 0
+    need_A, need_B, _ = need
+    a, b = _gemm_flops(x_shape, term[0]), _gemm_flops(x_shape, term[1])
+    return (b * (int(need_below or need_A) + int(need_B))
+            + a * (int(need_A) + int(need_B and not t_kept) + int(need_below)))
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.lora_mlp)
+def _lora_mlp_flop(x_shape, w_shapes, b_shapes, has_bias, activation, last_activation, A_shapes,
+                   B_shapes, lb_shapes, has_lora, *args, **kwargs) -> int:
+    return sum(_gemm_flops(x_shape, w) + _lora_pair_flops(x_shape, t)
+               for w, t in zip(w_shapes, _lora_terms(has_lora, A_shapes, B_shapes)))
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.lora_mlp_backward)
+def _lora_mlp_backward_flop(grad_out_shape, x_shape, w_shapes, b_shapes, has_bias, activation,
+                            last_activation, A_shapes, B_shapes, lb_shapes, has_lora,
+                            has_lora_bias, scaling, need_x, need_weights, need_biases, need_A,
+                            need_B, need_lb, *args, **kwargs) -> int:
+    L = len(w_shapes)
+    terms = _lora_terms(has_lora, A_shapes, B_shapes)
+    lora_need = _lora_needs(has_lora, has_lora_bias, need_A, need_B, need_lb)
+    it = iter(need_biases)
+    need_b = [next(it) if hb else False for hb in has_bias]
+    lowest = 0 if need_x else min([i for i in range(L) if need_weights[i] or need_b[i]
+                                   or any(lora_need[i])], default=L)
+    if lowest == L:
+        return 0
+    top = L if last_activation else L - 1
+    n = sum(_gemm_flops(x_shape, w_shapes[i]) + _lora_pair_flops(x_shape, terms[i])
+            for i in range(top))
+    for i in range(lowest, L):
+        below = i > lowest or bool(need_x)
+        n += _gemm_flops(x_shape, w_shapes[i]) * (int(need_weights[i]) + int(below))
+        n += _lora_walk_flops(x_shape, terms[i], lora_need[i], below, i < top)
+    return n
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.lora_gated_mlp)
+def _lora_gated_mlp_flop(x_shape, w_shapes, b_shapes, has_bias, activation, A_shapes, B_shapes,
+                         lb_shapes, has_lora, *args, **kwargs) -> int:
+    return sum(_gemm_flops(x_shape, w) + _lora_pair_flops(x_shape, t)
+               for w, t in zip(w_shapes, _lora_terms(has_lora, A_shapes, B_shapes)))
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.lora_gated_mlp_backward)
+def _lora_gated_mlp_backward_flop(grad_out_shape, x_shape, w_shapes, b_shapes, has_bias,
+                                  activation, A_shapes, B_shapes, lb_shapes, has_lora,
+                                  has_lora_bias, scaling, need_x, need_weights, need_biases,
+                                  need_A, need_B, need_lb, *args, **kwargs) -> int:
+    terms = _lora_terms(has_lora, A_shapes, B_shapes)
+    lora_need = _lora_needs(has_lora, has_lora_bias, need_A, need_B, need_lb)
+    it = iter(need_biases)
+    need_b = [next(it) if hb else False for hb in has_bias]
+    ins = range(len(w_shapes) - 1)
+    need_in = need_x or any(need_weights[i] or need_b[i] or any(lora_need[i]) for i in ins)
+    down, down_need = terms[-1], lora_need[-1]
+    if not (need_in or need_weights[-1] or (down is not None and any(down_need[:2]))):
+        return 0  # at most the down biases: column sums
+    gemm = [_gemm_flops(x_shape, w) for w in w_shapes]
+    n = sum(gemm[i] + _lora_pair_flops(x_shape, terms[i]) for i in ins)  # the recompute
+    n += gemm[-1] * (int(need_weights[-1]) + int(need_in))  # grad_W_down, gh
+    n += _lora_walk_flops(x_shape, down, down_need, need_in, False)
+    if need_in:
+        for i in ins:
+            n += gemm[i] * (int(need_weights[i]) + int(bool(need_x)))
+            n += _lora_walk_flops(x_shape, terms[i], lora_need[i], bool(need_x), True)
     return n

@@ -8,49 +8,81 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import _SingleLevelFunction
 
 from ._activations import activate, activation_backward
 from ._autograd import (_below_autograd, _needed, _note_tensor_inputs, _plain_autograd,
                         _register_autograd_kernel)
-from ._derivatives import _OPS, _add, _flat, _layer_biases
+from ._derivatives import (NO_LORA_NEED, _OPS, _add, _flat, _layer_biases, _linear_tangent,
+                           _lora_backward, lora_linear)
 
 
 # ---- the composite -----------------------------------------------------------------------------
 
-def _gate_and_up(x, weights, layer_b):
+def _gate_and_up(x, weights, layer_b, loras=None):
     """(g, u): the gate's and the up projection's pre-activations (a gate_up weight: its two
-    halves, the gate's first)."""
+    halves, the gate's first), each with its LoRA term where ``loras`` (one entry per weight) has
+    one, the gate's computed (and its mask drawn) first."""
+    loras = loras or [None] * len(weights)
     if len(weights) == 2:
-        return F.linear(x, weights[0], layer_b[0]).chunk(2, dim=-1)
-    return F.linear(x, weights[0], layer_b[0]), F.linear(x, weights[1], layer_b[1])
+        return lora_linear(x, weights[0], layer_b[0], loras[0]).chunk(2, dim=-1)
+    return (lora_linear(x, weights[0], layer_b[0], loras[0]),
+            lora_linear(x, weights[1], layer_b[1], loras[1]))
+
+
+def gated_forward_composite(x, weights, layer_b, act, loras=None):
+    """y = down(f(gate(x)) · up(x)) from ATen ops, each Linear with its LoRA term where ``loras``
+    has one: the order of LlamaMLP's forward (gate, up, down), so masks are drawn in peft's
+    order."""
+    g, u = _gate_and_up(x, weights, layer_b, loras)
+    return lora_linear(activate(act, g) * u, weights[-1], layer_b[-1],
+                       loras[-1] if loras else None)
 
 
 def gated_backward_composite(grad_out, x, weights, layer_b, act, need_x, need_w, need_b):
     """(grad_x?, [grad_W?] per weight, [grad_b?] per weight) of y = down(f(g)·u), recomputed with
-    ATen ops: h = f(g)·u; grad_down = gyᵀ·h; gh = gy·W_down; du = gh·f(g); dg = (gh·u)·f'(g);
-    then the input projections' GEMMs from dz = [dg | du]."""
+    ATen ops (lora_gated_backward_composite without LoRA terms)."""
+    L = len(weights)
+    return lora_gated_backward_composite(grad_out, x, weights, layer_b, [None] * L, act, need_x,
+                                         need_w, need_b, [NO_LORA_NEED] * L)[:3]
+
+
+def lora_gated_backward_composite(grad_out, x, weights, layer_b, loras, act, need_x, need_w,
+                                  need_b, need_lora):
+    """(grad_x?, [grad_W?], [grad_b?], [(grad_A?, grad_B?, grad_b_B?) or None] per weight) of
+    y = down(f(g)·u), each Linear with its LoRA term where ``loras`` has one, recomputed with
+    ATen ops: h = f(g)·u; grad_down = gyᵀ·h; gh = gy·W_down (+ the down LoRA's share);
+    du = gh·f(g); dg = (gh·u)·f'(g); then the input projections' GEMMs (and LoRA terms,
+    _lora_backward) from dz = [dg | du]."""
     L = len(weights)
     gws: List[Optional[Tensor]] = [None] * L
     gbs: List[Optional[Tensor]] = [None] * L
+    glora = [None if t is None else (None, None, None) for t in loras]
     need_b = [bool(n) and b is not None for n, b in zip(need_b, layer_b)]
-    need_in = need_x or any(need_w[:-1]) or any(need_b[:-1])
-    if not (need_in or need_w[-1] or need_b[-1]):
-        return None, gws, gbs
+    lora_need = [t is not None and any(n) for t, n in zip(loras, need_lora)]
+    need_in = need_x or any(need_w[:-1]) or any(need_b[:-1]) or any(lora_need[:-1])
+    down_reads_h = need_w[-1] or (lora_need[-1] and any(need_lora[-1][:2]))
+    if not (need_in or need_w[-1] or need_b[-1] or lora_need[-1]):
+        return None, gws, gbs, glora
     gy = grad_out
     if need_b[-1]:
         gbs[-1] = _flat(gy).sum(0)
-    if not (need_in or need_w[-1]):
-        return None, gws, gbs
-    g, u = _gate_and_up(x, weights, layer_b)
+    if not (need_in or down_reads_h):
+        if lora_need[-1]:
+            glora[-1] = _lora_backward(gy, None, loras[-1], False, need_lora[-1])[1]
+        return None, gws, gbs, glora
+    g, u = _gate_and_up(x, weights, layer_b, loras)
     fg = activate(act, g)
+    h = fg * u
     if need_w[-1]:
-        gws[-1] = _flat(gy).t() @ _flat(fg * u)
+        gws[-1] = _flat(gy).t() @ _flat(h)
+    gh = gy @ weights[-1] if need_in else None
+    if loras[-1] is not None:
+        gh_lora, glora[-1] = _lora_backward(gy, h, loras[-1], need_in, need_lora[-1])
+        gh = _add(gh, gh_lora)
     if not need_in:
-        return None, gws, gbs
-    gh = gy @ weights[-1]
+        return None, gws, gbs, glora
     dg = activation_backward(act, gh * u, g, fg)
     du = gh * fg
     dzs = [torch.cat([dg, du], dim=-1)] if L == 2 else [dg, du]
@@ -62,23 +94,26 @@ def gated_backward_composite(grad_out, x, weights, layer_b, act, need_x, need_w,
             gbs[i] = _flat(dz).sum(0)
         if need_x:
             gx = _add(gx, dz @ weights[i])
-    return gx, gws, gbs
+        if loras[i] is not None:
+            gx_lora, glora[i] = _lora_backward(dz, x, loras[i], need_x, need_lora[i])
+            gx = _add(gx, gx_lora)
+    return gx, gws, gbs, glora
 
 
-def gated_jvp(x, weights, layer_b, act, x_t, w_t, b_t):
-    """The tangent of y: ż = ẋ·Wᵀ + x·Ẇᵀ + ḃ per input projection, ḣ = f'(g)·ġ·u + f(g)·u̇,
-    ẏ = ḣ·W_downᵀ + h·Ẇ_downᵀ + ḃ_down."""
+def gated_jvp(x, weights, layer_b, act, x_t, w_t, b_t, loras=None, lora_t=None):
+    """The tangent of y: ż of each input projection (_linear_tangent, with its LoRA term where
+    ``loras`` has one; ``lora_t``: their tangents), ḣ = f'(g)·ġ·u + f(g)·u̇, ẏ the down
+    projection's ż for h, ḣ."""
+    L = len(weights)
+    loras = loras or [None] * L
+    lora_t = lora_t or [None] * L
+
     def linear_t(a, a_t, i):
-        z_t = None if a_t is None else a_t @ weights[i].t()
-        if w_t[i] is not None:
-            z_t = _add(z_t, a @ w_t[i].t())
-        if b_t[i] is not None:
-            z_t = _add(z_t, b_t[i])
-        return z_t
+        return _linear_tangent(a, a_t, weights[i], w_t[i], b_t[i], loras[i], lora_t[i])
 
-    g, u = _gate_and_up(x, weights, layer_b)
-    zs_t = [linear_t(x, x_t, i) for i in range(len(weights) - 1)]
-    if len(weights) == 2:
+    g, u = _gate_and_up(x, weights, layer_b, loras)
+    zs_t = [linear_t(x, x_t, i) for i in range(L - 1)]
+    if L == 2:
         z_t = zs_t[0] if zs_t[0] is not None else torch.zeros_like(torch.cat([g, u], dim=-1))
         g_t, u_t = z_t.expand(*g.shape[:-1], 2 * g.shape[-1]).chunk(2, dim=-1)
     else:
@@ -86,7 +121,7 @@ def gated_jvp(x, weights, layer_b, act, x_t, w_t, b_t):
     fg = activate(act, g)
     h = fg * u
     h_t = activation_backward(act, g_t.expand(g.shape), g, fg) * u + fg * u_t
-    y_t = linear_t(h, h_t, len(weights) - 1)
+    y_t = linear_t(h, h_t, L - 1)
     return y_t
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import _SingleLevelFunction
 
 from . import _C
 from ._activations import activate, activation_backward, layer_activations
 from ._autograd import (_below_autograd, _first_order_from, _needed, _note_tensor_inputs,
                         _plain_autograd, _register_autograd_kernel, _tanh_stack_first_order)
-from ._derivatives import _OPS, _applies, _flat, _layer_biases, _mlp_jvp
+from ._derivatives import (NO_LORA_NEED, _OPS, _add, _applies, _flat, _layer_biases,
+                           _lora_backward, _mlp_jvp, lora_linear)
 from ._mlp_higher_order import asked_layers, create_graph_backward
 
 
@@ -25,31 +25,46 @@ from ._mlp_higher_order import asked_layers, create_graph_backward
 
 def mlp_backward_composite(grad_out, x, weights, layer_b, acts, last_activation, need_x,
                            need_w, need_b):
-    """(grad_x?, [grad_W_i?], [grad_b_i?] per layer) of the run, recomputed with ATen ops:
-    z_i = a_i·W_iᵀ + b_i, a_{i+1} = f_i(z_i); from the top, g_i = gy_i·f_i'(z_i) (gy_i itself above
-    a top layer without activation), grad_W_i = g_iᵀ·a_i, grad_b_i = Σ g_i, gy_{i−1} = g_i·W_i.
-    ``acts``: one activation name per layer; a top layer without one is a plain Linear."""
+    """(grad_x?, [grad_W_i?], [grad_b_i?] per layer) of the run, recomputed with ATen ops
+    (lora_mlp_backward_composite without LoRA terms)."""
+    L = len(weights)
+    return lora_mlp_backward_composite(grad_out, x, weights, layer_b, [None] * L, acts,
+                                       last_activation, need_x, need_w, need_b,
+                                       [NO_LORA_NEED] * L)[:3]
+
+
+def lora_mlp_backward_composite(grad_out, x, weights, layer_b, loras, acts, last_activation,
+                                need_x, need_w, need_b, need_lora):
+    """(grad_x?, [grad_W_i?], [grad_b_i?], [(grad_A?, grad_B?, grad_b_B?) or None] per layer) of
+    the run, recomputed with ATen ops: z_i = a_i·W_iᵀ + b_i (+ its LoRA term, ``loras[i]``),
+    a_{i+1} = f_i(z_i); from the top, g_i = gy_i·f_i'(z_i) (gy_i itself above a top layer without
+    activation), grad_W_i = g_iᵀ·a_i, grad_b_i = Σ g_i, gy_{i−1} = g_i·W_i (+ the LoRA term's
+    share, _lora_backward). ``acts``: one activation name per layer; a top layer without one is
+    a plain Linear. ``need_lora[i]``: (A, B, b_B) of layer i's LoRA."""
     need_b, lowest, gws, gbs = asked_layers(need_x, need_w, need_b, layer_b)
     L = len(weights)
+    lowest = min([lowest] + [i for i in range(L) if loras[i] is not None and any(need_lora[i])])
+    glora = [None if t is None else (None, None, None) for t in loras]
     if lowest == L:
-        return None, gws, gbs
+        return None, gws, gbs, glora
     ins, zs = [x], []
     for i in range(L):
         if not _applies(i, L, last_activation):
             break
-        z, h = _layer_forward(acts[i], ins[i], weights[i], layer_b[i])
-        zs.append(z)
-        ins.append(h)
+        zs.append(lora_linear(ins[i], weights[i], layer_b[i], loras[i]))
+        ins.append(activate(acts[i], zs[i]))
     grad = grad_out
     for i in reversed(range(lowest, L)):
-        mask = (i > lowest or need_x, bool(need_w[i]), need_b[i])
-        if _applies(i, L, last_activation):
-            gx, gws[i], gbs[i] = _layer_backward(acts[i], mask, grad, ins[i], zs[i], weights[i],
-                                                 ins[i + 1])
-        else:
-            gx, gws[i], gbs[i] = _linear_backward(mask, grad, ins[i], weights[i])
+        below = i > lowest or need_x
+        g = (activation_backward(acts[i], grad, zs[i], ins[i + 1])
+             if _applies(i, L, last_activation) else grad)
+        gx, gws[i], gbs[i] = _linear_backward((below, bool(need_w[i]), need_b[i]), g, ins[i],
+                                              weights[i])
+        if loras[i] is not None:
+            ga, glora[i] = _lora_backward(g, ins[i], loras[i], below, need_lora[i])
+            gx = _add(gx, ga)
         grad = gx
-    return (grad if need_x else None), gws, gbs
+    return (grad if need_x else None), gws, gbs, glora
 
 
 # ---- the first order ---------------------------------------------------------------------------
@@ -160,18 +175,6 @@ class _Mlp(_SingleLevelFunction):
 
 
 # ---- one layer's steps, for the composite ------------------------------------------------------
-
-def _layer_forward(act, a, weight, bias):
-    """(z, f(z)) of one layer."""
-    z = F.linear(a, weight, bias)
-    return z, activate(act, z)
-
-
-def _layer_backward(act, mask, gy, a, z, weight, out=None):
-    """(grad_a, grad_W, grad_b) of one layer: g = gy·f'(z) (from out = f(z) where PyTorch's
-    derivative reads the output)."""
-    return _linear_backward(mask, activation_backward(act, gy, z, out), a, weight)
-
 
 def _linear_backward(mask, g, a, weight):
     """(g·W, gᵀ·a, Σ g) of z = a·Wᵀ + b for g the gradient w.r.t. z, each where mask says."""

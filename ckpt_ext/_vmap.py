@@ -92,39 +92,38 @@ def _all_none(dims) -> bool:
     return all(_all_none(d) if isinstance(d, (list, tuple)) else d is None for d in dims)
 
 
-def _stack_vmap(op, info, in_dims, x, weights, biases, *rest):
-    """mlp or gated_mlp (``rest``: its trailing non-tensor arguments) under vmap: unbatched
-    parameters fold the batch into the rows, one call; else one call per sample."""
-    bx, bws, bbs = in_dims[:3]
+def _stack_vmap(op, info, in_dims, x, *rest):
+    """mlp, gated_mlp or their lora forms (``rest``: the parameter lists and the non-tensor
+    arguments) under vmap: unbatched parameters fold the batch into the rows, one call; else one
+    call per sample."""
     B = info.batch_size
-    if _all_none(bws) and _all_none(bbs):
-        return op(_bdim_first(x, bx, B), weights, biases, *rest), 0
-    return torch.stack(_per_sample(op, (x, weights, biases, *rest), in_dims, B))[:B], 0
+    if _all_none(in_dims[1:]):
+        return op(_bdim_first(x, in_dims[0], B), *rest), 0
+    return torch.stack(_per_sample(op, (x, *rest), in_dims, B))[:B], 0
 
 
-def _stack_backward_vmap(op, info, in_dims, grad_out, x, weights, biases, *rest):
-    """mlp_backward or gated_mlp_backward (``rest`` ends with need_x, need_weights,
-    need_biases) under vmap, likewise."""
-    bgy, bx, bws, bbs = in_dims[:4]
+def _stack_backward_vmap(op, lists, info, in_dims, grad_out, x, *rest):
+    """The backward of one of those (``rest`` ends with need_x and one mask per result list,
+    ``lists`` of them) under vmap, likewise."""
     B = info.batch_size
-    need_x, need_weights, need_biases = rest[-3:]
-    n_w, n_b = sum(map(bool, need_weights)), sum(map(bool, need_biases))
-    if _all_none(bws) and _all_none(bbs) and n_w == 0 and n_b == 0:
-        gx, _, _ = op(_bdim_first(grad_out, bgy, B), _bdim_first(x, bx, B), weights, biases,
-                      *rest)
-        return (gx, [], []), (0 if need_x else None, [], [])
-    per = _per_sample(op, (grad_out, x, weights, biases, *rest), in_dims, B)
+    need_x, *masks = rest[-1 - lists:]
+    counts = [sum(map(bool, m)) for m in masks]
+    if _all_none(in_dims[2:]) and not any(counts):
+        gx, *_ = op(_bdim_first(grad_out, in_dims[0], B), _bdim_first(x, in_dims[1], B), *rest)
+        return (gx, *([] for _ in masks)), (0 if need_x else None, *([] for _ in masks))
+    per = _per_sample(op, (grad_out, x, *rest), in_dims, B)
     gx = torch.stack([p[0] for p in per])[:B] if need_x else None
-    gw = [torch.stack([p[1][j] for p in per])[:B] for j in range(n_w)]
-    gb = [torch.stack([p[2][j] for p in per])[:B] for j in range(n_b)]
-    return (gx, gw, gb), (0 if need_x else None, [0] * n_w, [0] * n_b)
+    grads = [[torch.stack([p[k][j] for p in per])[:B] for j in range(n)]
+             for k, n in enumerate(counts, start=1)]
+    return (gx, *grads), (0 if need_x else None, *([0] * n for n in counts))
 
 
-torch.library.register_vmap("ckpt_ext::mlp", functools.partial(_stack_vmap, _OPS.mlp.default))
-torch.library.register_vmap("ckpt_ext::mlp_backward",
-                            functools.partial(_stack_backward_vmap, _OPS.mlp_backward.default))
-torch.library.register_vmap("ckpt_ext::gated_mlp",
-                            functools.partial(_stack_vmap, _OPS.gated_mlp.default))
-torch.library.register_vmap("ckpt_ext::gated_mlp_backward",
-                            functools.partial(_stack_backward_vmap,
-                                              _OPS.gated_mlp_backward.default))
+# (forward op, its backward, the backward's result lists after grad_x)
+for _fwd, _bwd, _lists in (("mlp", "mlp_backward", 2), ("gated_mlp", "gated_mlp_backward", 2),
+                           ("lora_mlp", "lora_mlp_backward", 5),
+                           ("lora_gated_mlp", "lora_gated_mlp_backward", 5)):
+    torch.library.register_vmap(f"ckpt_ext::{_fwd}",
+                                functools.partial(_stack_vmap, getattr(_OPS, _fwd).default))
+    torch.library.register_vmap(f"ckpt_ext::{_bwd}",
+                                functools.partial(_stack_backward_vmap,
+                                                  getattr(_OPS, _bwd).default, _lists))

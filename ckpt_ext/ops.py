@@ -1,12 +1,14 @@
 """The public ops: :func:`linear_tanh`, :func:`tanh_mlp` and :func:`mlp` (any activation of
-``ACTIVATIONS``), :func:`gated_mlp` (the gated MLP of Llama, Mistral, Qwen, Gemma, Phi-3, T5), and
-the dtypes they accept.
+``ACTIVATIONS``), :func:`gated_mlp` (the gated MLP of Llama, Mistral, Qwen, Gemma, Phi-3, T5), the
+:class:`LoRA` term ``mlp`` and ``gated_mlp`` take per Linear, and the dtypes they accept.
 
 The first three run one op, ``torch.ops.ckpt_ext.mlp``; ``gated_mlp`` runs
-``torch.ops.ckpt_ext.gated_mlp`` (C++/CUDA; schemas in csrc/schemas.cpp, each op with a Meta
-kernel that runs the eager checks). Importing this module registers the ops' autograd
-(``_mlp_autograd``, ``_gated_autograd``, ``_autograd``, ``_autograd_node``, ``_higher_order``),
-vmap rules (``_vmap``) and FLOP formulas (``_flops``). The design and the math: docs/design.md.
+``torch.ops.ckpt_ext.gated_mlp``; with LoRA terms ``lora_mlp`` and ``lora_gated_mlp`` (C++/CUDA;
+schemas in csrc/schemas.cpp, each op with a Meta kernel that runs the eager checks), or with
+LoRA dropout the recomputed ATen composite of ``_lora_dropout``. Importing this module registers
+the ops' autograd (``_mlp_autograd``, ``_gated_autograd``, ``_lora_autograd``, ``_autograd``,
+``_autograd_node``, ``_higher_order``), vmap rules (``_vmap``) and FLOP formulas (``_flops``). The
+design and the math: docs/design.md.
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from torch import Tensor
 
 from . import _C  # loading the library registers torch.ops.ckpt_ext.*
 from . import (_autograd, _autograd_node, _flops, _gated_autograd, _higher_order,  # noqa: F401
-               _mlp_autograd, _vmap)
+               _lora_autograd, _mlp_autograd, _vmap)
 from ._activations import ACTIVATIONS, activation_spec, check_activation
+from ._lora import LoRA, check_lora, draws_masks, lora_spec
+from ._lora_dropout import run_with_dropout
 
 #: The dtypes the ops accept, read from the C++ library (one list, csrc/checks.cpp).
 SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in _C.SUPPORTED_DTYPES)
@@ -56,7 +60,8 @@ def tanh_mlp(x: Tensor, weights: Sequence[Tensor],
 
 
 def mlp(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Optional[Tensor]]] = None,
-        activation: Union[str, Sequence[str]] = "tanh", last_activation: bool = True) -> Tensor:
+        activation: Union[str, Sequence[str]] = "tanh", last_activation: bool = True,
+        lora: Optional[Sequence[Optional[LoRA]]] = None) -> Tensor:
     """:func:`tanh_mlp` with any activations of ``ACTIVATIONS``: ``h = act_i(h @ weights[i].T +
     biases[i])`` per layer (none after the last when ``last_activation`` is False), kept for
     backward as ``x`` only. ``activation`` is one name for every layer or one name per layer with
@@ -65,14 +70,20 @@ def mlp(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Optional
     is what :func:`tanh_mlp` runs; the others are ``nn.GELU()`` ("gelu"),
     ``nn.GELU(approximate="tanh")`` ("gelu_tanh"), ``nn.SiLU``, ``nn.Sigmoid``, ``nn.Softplus()``
     (beta 1, threshold 20), ``torch.sin``, ``nn.ReLU`` and transformers' ``QuickGELUActivation``
-    ("quick_gelu")."""
+    ("quick_gelu").
+
+    ``lora``: None, or one entry per layer, a :class:`LoRA` or None: that layer computes
+    ``F.linear(h, W, b) + F.linear(F.linear(drop(h), A), B, bias) * scaling`` (peft's vanilla
+    ``lora.Linear``), still kept as ``x`` only (and the generator's state where a LoRA draws a
+    dropout mask)."""
     weights = list(weights)
     spec = activation_spec(activation, len(weights), bool(last_activation), "ckpt_ext.mlp")
-    return _stack("ckpt_ext.mlp", x, weights, biases, spec, last_activation)
+    return _stack("ckpt_ext.mlp", x, weights, biases, spec, last_activation, lora)
 
 
 def _stack(where: str, x: Tensor, weights: List[Tensor],
-           biases: Optional[Sequence[Optional[Tensor]]], spec: str, last: bool) -> Tensor:
+           biases: Optional[Sequence[Optional[Tensor]]], spec: str, last: bool,
+           lora: Optional[Sequence[Optional[LoRA]]] = None) -> Tensor:
     """The mlp op on ``biases`` given as None or one entry (a tensor or None) per layer; a list of
     the wrong length is a ValueError naming ``where``, before any kernel runs."""
     if not weights:
@@ -82,6 +93,9 @@ def _stack(where: str, x: Tensor, weights: List[Tensor],
     if len(biases) != len(weights):
         raise ValueError(f"{where}: biases must have one entry (a tensor or None) per layer "
                          f"({len(weights)}), got {len(biases)}")
+    if lora is not None:
+        return _with_lora(where, False, x, weights, biases, spec, last, lora,
+                          f"layer ({len(weights)})")
     return torch.ops.ckpt_ext.mlp.default(
         x, weights, [b for b in biases if b is not None], [b is not None for b in biases], spec,
         bool(last))
@@ -96,9 +110,29 @@ def named_form(activation: Union[str, Sequence[str]], layers: int, last_activati
     return linear_tanh if layers == 1 and last_activation else tanh_mlp
 
 
+def _with_lora(where: str, gated: bool, x: Tensor, weights: List[Tensor],
+               biases: List[Optional[Tensor]], activation: str, last: bool, lora, what: str):
+    """The lora op (lora_mlp or lora_gated_mlp) for ``lora``, one entry per weight (``what``
+    names them in errors); with dropout, the recomputed composite; with no LoRA at all, the op
+    without."""
+    loras = check_lora(where, lora, len(weights), what)
+    has_bias = [b is not None for b in biases]
+    spec, lora_tensors = lora_spec(gated, has_bias, activation, last, loras)
+    if not any(spec.has_lora):
+        op = torch.ops.ckpt_ext.gated_mlp if gated else torch.ops.ckpt_ext.mlp
+        args = (activation,) if gated else (activation, bool(last))
+        return op.default(x, weights, [b for b in biases if b is not None], has_bias, *args)
+    if draws_masks(loras):
+        return run_with_dropout(spec, x, weights, biases, loras)
+    op = torch.ops.ckpt_ext.lora_gated_mlp if gated else torch.ops.ckpt_ext.lora_mlp
+    return op.default(x, *spec.op_args([*weights, *(b for b in biases if b is not None),
+                                        *lora_tensors]))
+
+
 def gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Optional[Tensor], down_weight: Tensor,
               gate_bias: Optional[Tensor] = None, up_bias: Optional[Tensor] = None,
-              down_bias: Optional[Tensor] = None, activation: str = "silu") -> Tensor:
+              down_bias: Optional[Tensor] = None, activation: str = "silu",
+              lora: Optional[Sequence[Optional[LoRA]]] = None) -> Tensor:
     """``F.linear(act(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias),
     down_weight, down_bias)``, kept for backward as ``x`` only: the gated MLP (SwiGLU with
     "silu", GeGLU with "gelu" or "gelu_tanh", any activation of ``ACTIVATIONS``).
@@ -111,6 +145,10 @@ def gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Optional[Tensor], down_
     likewise (2·intermediate) and ``up_bias`` None: one GEMM for both, their gradient made
     whole. Its two halves given as views (``w.chunk(2)``) work too; autograd then joins their
     gradients into ``w``.
+
+    ``lora``: None, or one entry per weight — (gate, up, down), or (gate_up, down) with
+    ``up_weight=None`` — each a :class:`LoRA` or None, as :func:`mlp` takes them; masks of LoRA
+    dropout are drawn in the order LlamaMLP's forward calls its Linears (gate, up, down).
     """
     where = "ckpt_ext.gated_mlp"
     act = check_activation(activation, where)
@@ -123,6 +161,9 @@ def gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Optional[Tensor], down_
     else:
         weights = [gate_weight, up_weight, down_weight]
         biases = [gate_bias, up_bias, down_bias]
+    if lora is not None:
+        names = "gate_up, down: 2" if up_weight is None else "gate, up, down: 3"
+        return _with_lora(where, True, x, weights, biases, act, True, lora, f"weight ({names})")
     return torch.ops.ckpt_ext.gated_mlp.default(
         x, weights, [b for b in biases if b is not None], [b is not None for b in biases], act)
 

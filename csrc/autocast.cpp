@@ -1,8 +1,10 @@
-// autocast.cpp — the autocast kernels of ckpt_ext::mlp and ckpt_ext::gated_mlp (CPU and CUDA
-// autocast keys).
+// autocast.cpp — the autocast kernels of ckpt_ext::mlp, gated_mlp, lora_mlp and lora_gated_mlp
+// (CPU and CUDA autocast keys).
 //
 //   mlp(x, weights, biases, ...) under torch.autocast(device, dtype=D): x (..., K_0) and every
-//       weight and bias are cast to D  ->  y (..., N_{L-1}) in D; gated_mlp likewise
+//       weight and bias are cast to D  ->  y (..., N_{L-1}) in D; gated_mlp likewise, and the
+//       lora ops with their LoRA tensors (A, B, biases) cast too, as peft's lora_A and lora_B
+//       Linears run under autocast
 //
 // The policy of nn.Linear (lower_precision_fp, the current context's dtype, cached casts); why C++
 // and not torch.library.register_autocast: docs/design.md, "Autocast". The backward ops need no
@@ -53,6 +55,44 @@ at::Tensor gated_mlp_autocast(const at::Tensor& x, at::TensorList weights, at::T
                         cast_all(dtype, biases, device_type), has_bias, activation);
 }
 
+template <c10::DeviceType device_type>
+at::Tensor lora_mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                             const c10::List<bool>& has_bias, c10::string_view activation,
+                             bool last_activation, at::TensorList lora_A, at::TensorList lora_B,
+                             at::TensorList lora_biases, const c10::List<bool>& has_lora,
+                             const c10::List<bool>& has_lora_bias,
+                             c10::ArrayRef<double> scaling) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
+  return call_lora_mlp(at::autocast::cached_cast(dtype, x, device_type),
+                       cast_all(dtype, weights, device_type), cast_all(dtype, biases, device_type),
+                       has_bias, activation, last_activation, cast_all(dtype, lora_A, device_type),
+                       cast_all(dtype, lora_B, device_type),
+                       cast_all(dtype, lora_biases, device_type), has_lora, has_lora_bias,
+                       scaling);
+}
+
+template <c10::DeviceType device_type>
+at::Tensor lora_gated_mlp_autocast(const at::Tensor& x, at::TensorList weights,
+                                   at::TensorList biases, const c10::List<bool>& has_bias,
+                                   c10::string_view activation, at::TensorList lora_A,
+                                   at::TensorList lora_B, at::TensorList lora_biases,
+                                   const c10::List<bool>& has_lora,
+                                   const c10::List<bool>& has_lora_bias,
+                                   c10::ArrayRef<double> scaling) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
+  return call_lora_gated_mlp(at::autocast::cached_cast(dtype, x, device_type),
+                             cast_all(dtype, weights, device_type),
+                             cast_all(dtype, biases, device_type), has_bias, activation,
+                             cast_all(dtype, lora_A, device_type),
+                             cast_all(dtype, lora_B, device_type),
+                             cast_all(dtype, lora_biases, device_type), has_lora, has_lora_bias,
+                             scaling);
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
@@ -62,11 +102,15 @@ at::Tensor gated_mlp_autocast(const at::Tensor& x, at::TensorList weights, at::T
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCPU, m) {
   m.impl("mlp", &mlp_autocast<c10::DeviceType::CPU>);
   m.impl("gated_mlp", &gated_mlp_autocast<c10::DeviceType::CPU>);
+  m.impl("lora_mlp", &lora_mlp_autocast<c10::DeviceType::CPU>);
+  m.impl("lora_gated_mlp", &lora_gated_mlp_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) {
   m.impl("mlp", &mlp_autocast<c10::DeviceType::CUDA>);
   m.impl("gated_mlp", &gated_mlp_autocast<c10::DeviceType::CUDA>);
+  m.impl("lora_mlp", &lora_mlp_autocast<c10::DeviceType::CUDA>);
+  m.impl("lora_gated_mlp", &lora_gated_mlp_autocast<c10::DeviceType::CUDA>);
 }
 
 }  // namespace ckpt_ext

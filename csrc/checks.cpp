@@ -163,6 +163,21 @@ void check_stack_inputs(const char* op, const at::Tensor& x, at::TensorList weig
   }
 }
 
+namespace {
+
+// The parts of a gated MLP, "gate", "up", "down" (or "gate_up", "down": `L` is 3 for [gate, up,
+// down], 2 for [gate_up, down]), and its weights' names in the messages.
+std::string gated_part(int64_t L, int64_t i) {
+  if (L == 2) return i == 0 ? "gate_up" : "down";
+  return i == 0 ? "gate" : i == 1 ? "up" : "down";
+}
+
+std::string gated_weight_name(int64_t L, int64_t i) {
+  return gated_part(L, i) + "_weight (weights[" + std::to_string(i) + "])";
+}
+
+}  // namespace
+
 void check_gated_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
                         at::TensorList biases, const std::vector<bool>& has_bias) {
   const int64_t L = static_cast<int64_t>(weights.size());
@@ -177,11 +192,10 @@ void check_gated_inputs(const char* op, const at::Tensor& x, at::TensorList weig
                     "), got ", biases.size());
   check_x(op, x);
   const bool packed = L == 2;
-  const char* const names[3] = {packed ? "gate_up" : "gate", packed ? "down" : "up", "down"};
   auto name = [&](int64_t i, const std::string& what) {
-    return std::string(names[i]) + "_" + what +
-           (what == "weight" ? " (weights[" : " (the bias of weights[") + std::to_string(i) +
-           "])";
+    return what == "weight" ? gated_weight_name(L, i)
+                            : gated_part(L, i) + "_bias (the bias of weights[" +
+                                  std::to_string(i) + "])";
   };
   for (int64_t i = 0; i < L; ++i) {
     TORCH_CHECK_VALUE(weights[i].dim() == 2, "ckpt_ext.", op, ": ", name(i, "weight"),
@@ -222,6 +236,90 @@ void check_gated_inputs(const char* op, const at::Tensor& x, at::TensorList weig
     check_dtype_and_device(op, name(i, "weight"), weights[i], x);
     if (has_bias[i]) check_dtype_and_device(op, name(i, "bias"), biases[j++], x);
   }
+}
+
+namespace {
+
+void check_lora_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+                       const LoraArgs& lora, const std::vector<std::string>& names,
+                       const std::vector<std::string>& weight_names) {
+  const size_t L = weights.size();
+  TORCH_CHECK_VALUE(lora.has_lora.size() == L, "ckpt_ext.", op,
+                    ": has_lora must have one entry per weight (", L, "), got ",
+                    lora.has_lora.size());
+  const size_t terms = std::count(lora.has_lora.begin(), lora.has_lora.end(), true);
+  TORCH_CHECK_VALUE(lora.A.size() == terms && lora.B.size() == terms &&
+                        lora.scaling.size() == terms && lora.has_bias.size() == terms,
+                    "ckpt_ext.", op, ": lora_A, lora_B, lora_scaling and has_lora_bias must "
+                    "have one entry per weight whose has_lora is true (", terms, "), got ",
+                    lora.A.size(), ", ", lora.B.size(), ", ", lora.scaling.size(), " and ",
+                    lora.has_bias.size());
+  const size_t with_bias = std::count(lora.has_bias.begin(), lora.has_bias.end(), true);
+  TORCH_CHECK_VALUE(lora.biases.size() == with_bias, "ckpt_ext.", op,
+                    ": lora_biases must hold one tensor per LoRA whose has_lora_bias is true (",
+                    with_bias, "), got ", lora.biases.size());
+  size_t j = 0, k = 0;  // indices into the per-LoRA lists and into the biases
+  for (size_t i = 0; i < L; ++i) {
+    if (!lora.has_lora[i]) continue;
+    const at::Tensor &A = lora.A[j], &B = lora.B[j], &w = weights[i];
+    const std::string& n = names[i];
+    TORCH_CHECK_VALUE(A.dim() == 2 && A.sym_size(1) == w.sym_size(1), "ckpt_ext.", op, ": ", n,
+                      ".A must have shape [r, ", w.sym_size(1), "] (r, in_features of ",
+                      weight_names[i], "), got shape ", shape_str(A));
+    TORCH_CHECK_VALUE(B.dim() == 2 && B.sym_size(0) == w.sym_size(0) &&
+                          B.sym_size(1) == A.sym_size(0),
+                      "ckpt_ext.", op, ": ", n, ".B must have shape [", w.sym_size(0), ", ",
+                      A.sym_size(0), "] (out_features of ", weight_names[i], ", r = ", n,
+                      ".A.shape[0]), got shape ", shape_str(B));
+    if (lora.has_bias[j]) {
+      const at::Tensor& b = lora.biases[k++];
+      TORCH_CHECK_VALUE(b.dim() == 1 && b.sym_size(0) == w.sym_size(0), "ckpt_ext.", op, ": ",
+                        n, ".bias must have shape [", w.sym_size(0), "] (out_features of ",
+                        weight_names[i], "), got shape ", shape_str(b));
+    }
+    ++j;
+  }
+  j = k = 0;
+  for (size_t i = 0; i < L; ++i) {
+    if (!lora.has_lora[i]) continue;
+    check_dtype_and_device(op, names[i] + ".A", lora.A[j], x);
+    check_dtype_and_device(op, names[i] + ".B", lora.B[j], x);
+    if (lora.has_bias[j]) check_dtype_and_device(op, names[i] + ".bias", lora.biases[k++], x);
+    ++j;
+  }
+}
+
+}  // namespace
+
+void check_lora_stack_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+                             const LoraArgs& lora) {
+  std::vector<std::string> names, weight_names;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    names.push_back("lora[" + std::to_string(i) + "]");
+    weight_names.push_back("weights[" + std::to_string(i) + "]");
+  }
+  check_lora_inputs(op, x, weights, lora, names, weight_names);
+}
+
+void check_lora_gated_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+                             const LoraArgs& lora) {
+  const auto L = static_cast<int64_t>(weights.size());
+  std::vector<std::string> names, weight_names;
+  for (int64_t i = 0; i < L; ++i) {
+    names.push_back("lora[" + std::to_string(i) + "] (" + gated_part(L, i) + ")");
+    weight_names.push_back(gated_weight_name(L, i));
+  }
+  check_lora_inputs(op, x, weights, lora, names, weight_names);
+}
+
+void check_lora_masks(const char* op, const LoraArgs& lora, const std::vector<bool>& need_A,
+                      const std::vector<bool>& need_B, const std::vector<bool>& need_biases) {
+  TORCH_CHECK_VALUE(need_A.size() == lora.A.size() && need_B.size() == lora.B.size(),
+                    "ckpt_ext.", op, ": need_lora_A and need_lora_B must have one entry per LoRA (",
+                    lora.A.size(), "), got ", need_A.size(), " and ", need_B.size());
+  TORCH_CHECK_VALUE(need_biases.size() == lora.biases.size(), "ckpt_ext.", op,
+                    ": need_lora_biases must have one entry per LoRA bias (", lora.biases.size(),
+                    "), got ", need_biases.size());
 }
 
 void check_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor& x,

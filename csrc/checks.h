@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include "activations.h"
+#include "lora.h"
 
 #include <optional>
 #include <string>
@@ -55,6 +56,19 @@ void check_stack_masks(const char* op, at::TensorList weights, at::TensorList bi
 // (gate_weight, ..., down_bias) with their position in the op's lists.
 void check_gated_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
                         at::TensorList biases, const std::vector<bool>& has_bias);
+
+// The LoRA terms of a lora op (lora.h's LoraArgs), after its weights' checks: has_lora one entry
+// per weight; A, B, scaling and has_bias one entry per LoRA; biases one per LoRA whose has_bias
+// is true. Each term on a weight (N, K): A (r, K), B (N, r) with A's r, bias (N); x's dtype and
+// device. Messages name the public lora=[...] entries: "lora[1].B" of a stack (its weights
+// "weights[1]"), "lora[0] (gate).A" of a gated MLP (its weights as check_gated_inputs names them).
+void check_lora_stack_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+                             const LoraArgs& lora);
+void check_lora_gated_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
+                             const LoraArgs& lora);
+// need_A and need_B: one entry per LoRA; need_biases: one per LoRA bias.
+void check_lora_masks(const char* op, const LoraArgs& lora, const std::vector<bool>& need_A,
+                      const std::vector<bool>& need_B, const std::vector<bool>& need_biases);
 
 // An optional argument that must match `like` in shape, dtype and device (a gradient flowing
 // into a first-order result, or the output t, like grad_out).

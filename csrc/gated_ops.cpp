@@ -33,15 +33,6 @@ void check_backward(const at::Tensor& grad_out, const at::Tensor& x, at::TensorL
   parse_activation(op, activation);
 }
 
-// Only the gradients asked for, in order (the schema's compact lists).
-std::vector<at::Tensor> asked(std::vector<at::Tensor>&& grads, const std::vector<bool>& need) {
-  std::vector<at::Tensor> out;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (need[i]) out.push_back(std::move(grads[i]));
-  }
-  return out;
-}
-
 at::Tensor gated_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                      const c10::List<bool>& has_bias_list, c10::string_view activation) {
   const std::vector<bool> has_bias = has_bias_list.vec();

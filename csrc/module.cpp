@@ -148,6 +148,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                         const std::optional<at::Tensor>& bias) {
     ckpt_ext::check_linear_tanh_inputs("linear_tanh", x, weight, bias);
   }, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
+  // The lora ops' argument checks, with their messages: ckpt_ext.mlp and ckpt_ext.gated_mlp run
+  // them before a LoRA with dropout computes from ATen ops (the ops run them themselves).
+  m.def("_check_lora_mlp_inputs", [](const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                     const std::vector<at::Tensor>& biases,
+                                     const std::vector<bool>& has_bias,
+                                     const std::vector<at::Tensor>& lora_A,
+                                     const std::vector<at::Tensor>& lora_B,
+                                     const std::vector<at::Tensor>& lora_biases,
+                                     const std::vector<bool>& has_lora,
+                                     const std::vector<bool>& has_lora_bias,
+                                     const std::vector<double>& scaling) {
+    ckpt_ext::check_stack_inputs("lora_mlp", x, weights, biases, has_bias);
+    ckpt_ext::check_lora_stack_inputs(
+        "lora_mlp", x, weights, {lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling});
+  });
+  m.def("_check_lora_gated_mlp_inputs", [](const at::Tensor& x,
+                                           const std::vector<at::Tensor>& weights,
+                                           const std::vector<at::Tensor>& biases,
+                                           const std::vector<bool>& has_bias,
+                                           const std::vector<at::Tensor>& lora_A,
+                                           const std::vector<at::Tensor>& lora_B,
+                                           const std::vector<at::Tensor>& lora_biases,
+                                           const std::vector<bool>& has_lora,
+                                           const std::vector<bool>& has_lora_bias,
+                                           const std::vector<double>& scaling) {
+    ckpt_ext::check_gated_inputs("lora_gated_mlp", x, weights, biases, has_bias);
+    ckpt_ext::check_lora_gated_inputs(
+        "lora_gated_mlp", x, weights,
+        {lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling});
+  });
   ckpt_ext::bind_cpu_meter(m);
   ckpt_ext::bind_build_info(m);  // TORCH_BUILD_VERSION, CPU level hooks (build_info.cpp)
   ckpt_ext::bind_autograd_node(m);  // the C++ first-order autograd node (autograd_node.cpp)

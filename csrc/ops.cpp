@@ -31,15 +31,6 @@ at::Tensor run_forward(const char* op, const at::Tensor& x, at::TensorList weigh
   return stack_forward(x, weights, biases, has_bias, last, acts);
 }
 
-// Only the gradients asked for, in order (the schema's compact lists).
-std::vector<at::Tensor> asked(std::vector<at::Tensor>&& grads, const std::vector<bool>& need) {
-  std::vector<at::Tensor> out;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (need[i]) out.push_back(std::move(grads[i]));
-  }
-  return out;
-}
-
 using StackBackwardResult =
     std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>;
 

@@ -1,6 +1,6 @@
 // schemas.cpp — every schema of the ckpt_ext op library, once; the CUDA kernel of a CPU-only
 // build (an error that names the problem); and typed handles to call the ops from C++.
-// The kernels: ops.cpp (mlp and its backward), gated_ops.cpp, higher_order.cpp (tanh's orders above the first,
+// The kernels: ops.cpp (mlp and its backward), gated_ops.cpp, lora_ops.cpp, higher_order.cpp (tanh's orders above the first,
 // from a layer's output), cpu/third_order.cpp, autocast.cpp; autograd from Python
 // (ckpt_ext/_mlp_autograd.py, _autograd.py, _higher_order.py).
 #include "schemas.h"
@@ -33,6 +33,34 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "gated_mlp_backward(Tensor grad_out, Tensor x, Tensor[] weights, Tensor[] biases, "
       "bool[] has_bias, str activation, bool need_x, bool[] need_weights, bool[] need_biases) -> "
       "(Tensor grad_x, Tensor[] grad_weights, Tensor[] grad_biases)");
+  // mlp and gated_mlp with a LoRA term on any of their weights: z_i = a·W_iᵀ + b_i +
+  // s·((a·Aᵀ)·Bᵀ + b_B) (lora_ops.cpp, lora.cpp). has_lora: one entry per weight; lora_A (r, K_i),
+  // lora_B (N_i, r), lora_scaling and has_lora_bias: one entry per weight with a LoRA, in weight
+  // order; lora_biases: those of the LoRAs whose has_lora_bias is true. The backward ops' masks and
+  // result lists extend mlp_backward's with need_lora_A / need_lora_B (one per LoRA) and
+  // need_lora_biases (one per LoRA bias).
+  m.def("lora_mlp(Tensor x, Tensor[] weights, Tensor[] biases, bool[] has_bias, str activation, "
+        "bool last_activation, Tensor[] lora_A, Tensor[] lora_B, Tensor[] lora_biases, "
+        "bool[] has_lora, bool[] has_lora_bias, float[] lora_scaling) -> Tensor");
+  m.def(
+      "lora_mlp_backward(Tensor grad_out, Tensor x, Tensor[] weights, Tensor[] biases, "
+      "bool[] has_bias, str activation, bool last_activation, Tensor[] lora_A, Tensor[] lora_B, "
+      "Tensor[] lora_biases, bool[] has_lora, bool[] has_lora_bias, float[] lora_scaling, "
+      "bool need_x, bool[] need_weights, bool[] need_biases, bool[] need_lora_A, "
+      "bool[] need_lora_B, bool[] need_lora_biases) -> (Tensor grad_x, Tensor[] grad_weights, "
+      "Tensor[] grad_biases, Tensor[] grad_lora_A, Tensor[] grad_lora_B, "
+      "Tensor[] grad_lora_biases)");
+  m.def("lora_gated_mlp(Tensor x, Tensor[] weights, Tensor[] biases, bool[] has_bias, "
+        "str activation, Tensor[] lora_A, Tensor[] lora_B, Tensor[] lora_biases, "
+        "bool[] has_lora, bool[] has_lora_bias, float[] lora_scaling) -> Tensor");
+  m.def(
+      "lora_gated_mlp_backward(Tensor grad_out, Tensor x, Tensor[] weights, Tensor[] biases, "
+      "bool[] has_bias, str activation, Tensor[] lora_A, Tensor[] lora_B, "
+      "Tensor[] lora_biases, bool[] has_lora, bool[] has_lora_bias, float[] lora_scaling, "
+      "bool need_x, bool[] need_weights, bool[] need_biases, bool[] need_lora_A, "
+      "bool[] need_lora_B, bool[] need_lora_biases) -> (Tensor grad_x, Tensor[] grad_weights, "
+      "Tensor[] grad_biases, Tensor[] grad_lora_A, Tensor[] grad_lora_B, "
+      "Tensor[] grad_lora_biases)");
   // The orders above the first of one tanh layer, from its output t = tanh(x·Wᵀ + b)
   // (higher_order.cpp; the math in docs/design.md). A grad_grad_* input is None where no
   // gradient reached that output; only the results asked for in output_mask are computed, the
@@ -72,7 +100,8 @@ void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
 
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   for (const char* name :
-       {"mlp", "mlp_backward", "gated_mlp", "gated_mlp_backward",
+       {"mlp", "mlp_backward", "gated_mlp", "gated_mlp_backward", "lora_mlp",
+        "lora_mlp_backward", "lora_gated_mlp", "lora_gated_mlp_backward",
         "linear_tanh_backward_from_output",
         "linear_tanh_backward_from_output_backward"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
@@ -97,6 +126,40 @@ at::Tensor call_gated_mlp(const at::Tensor& x, at::TensorList weights, at::Tenso
                        .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
                                          const c10::List<bool>&, c10::string_view)>();
   return op.call(x, weights, biases, has_bias, activation);
+}
+
+at::Tensor call_lora_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                         const c10::List<bool>& has_bias, c10::string_view activation,
+                         bool last_activation, at::TensorList lora_A, at::TensorList lora_B,
+                         at::TensorList lora_biases, const c10::List<bool>& has_lora,
+                         const c10::List<bool>& has_lora_bias, c10::ArrayRef<double> scaling) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("ckpt_ext::lora_mlp", "")
+          .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
+                            const c10::List<bool>&, c10::string_view, bool, at::TensorList,
+                            at::TensorList, at::TensorList, const c10::List<bool>&,
+                            const c10::List<bool>&, c10::ArrayRef<double>)>();
+  return op.call(x, weights, biases, has_bias, activation, last_activation, lora_A, lora_B,
+                 lora_biases, has_lora, has_lora_bias, scaling);
+}
+
+at::Tensor call_lora_gated_mlp(const at::Tensor& x, at::TensorList weights,
+                               at::TensorList biases, const c10::List<bool>& has_bias,
+                               c10::string_view activation, at::TensorList lora_A,
+                               at::TensorList lora_B, at::TensorList lora_biases,
+                               const c10::List<bool>& has_lora,
+                               const c10::List<bool>& has_lora_bias,
+                               c10::ArrayRef<double> scaling) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("ckpt_ext::lora_gated_mlp", "")
+          .typed<at::Tensor(const at::Tensor&, at::TensorList, at::TensorList,
+                            const c10::List<bool>&, c10::string_view, at::TensorList,
+                            at::TensorList, at::TensorList, const c10::List<bool>&,
+                            const c10::List<bool>&, c10::ArrayRef<double>)>();
+  return op.call(x, weights, biases, has_bias, activation, lora_A, lora_B, lora_biases, has_lora,
+                 has_lora_bias, scaling);
 }
 
 }  // namespace ckpt_ext

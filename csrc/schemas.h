@@ -13,5 +13,19 @@ at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList 
                     bool last_activation);
 at::Tensor call_gated_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                           const c10::List<bool>& has_bias, c10::string_view activation);
+// The lora ops: the same, then the LoRA lists (lora_A, lora_B, lora_biases, has_lora,
+// has_lora_bias, lora_scaling; schemas.cpp).
+at::Tensor call_lora_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                         const c10::List<bool>& has_bias, c10::string_view activation,
+                         bool last_activation, at::TensorList lora_A, at::TensorList lora_B,
+                         at::TensorList lora_biases, const c10::List<bool>& has_lora,
+                         const c10::List<bool>& has_lora_bias, c10::ArrayRef<double> scaling);
+at::Tensor call_lora_gated_mlp(const at::Tensor& x, at::TensorList weights,
+                               at::TensorList biases, const c10::List<bool>& has_bias,
+                               c10::string_view activation, at::TensorList lora_A,
+                               at::TensorList lora_B, at::TensorList lora_biases,
+                               const c10::List<bool>& has_lora,
+                               const c10::List<bool>& has_lora_bias,
+                               c10::ArrayRef<double> scaling);
 
 }  // namespace ckpt_ext

@@ -1,5 +1,6 @@
 // stack.h — the stack engine: one implementation of a stack of Linear layers with an activation,
-// forward and recomputing backward, on every device, behind the mlp ops (ops.cpp).
+// forward and recomputing backward, on every device, behind the mlp and lora_mlp ops (ops.cpp,
+// lora_ops.cpp); a layer may carry a LoRA term (lora.h).
 // Shapes: x (..., K_0); weights[i] (N_i, K_i), K_i = N_{i-1}; `biases` holds only the layers'
 // biases that exist (has_bias[i]), each (N_i); inside, x is flattened to (M, K_0) and every
 // activation buffer is (M, N_i) contiguous. GEMMs through ATen, elementwise passes the
@@ -9,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include "activations.h"
+#include "lora.h"
 
 #include <optional>
 #include <vector>
@@ -39,16 +41,21 @@ at::Tensor empty_weight_grad(const at::Tensor& weight, const at::TensorOptions& 
 // (..., N): x's leading dimensions and `out_features`.
 std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t out_features);
 
+// Only the gradients asked for, in order (the schemas' compact result lists).
+std::vector<at::Tensor> asked(std::vector<at::Tensor>&& grads, const std::vector<bool>& need);
+
 // Returns the output, (..., N_{L-1}), a fresh tensor (not a view of an internal buffer).
-// acts[i] after layer i (one per layer; after the last only when last_act).
+// acts[i] after layer i (one per layer; after the last only when last_act). lora: one term (or
+// none) per layer, or empty: none anywhere.
 at::Tensor stack_forward(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                          const std::vector<bool>& has_bias, bool last_act,
-                         const std::vector<Activation>& acts);
+                         const std::vector<Activation>& acts, const LoraLayers& lora = {});
 
 struct StackGrads {
   at::Tensor grad_x;                     // undefined when not asked for
   std::vector<at::Tensor> grad_weights;  // one per weight; undefined where not asked for
   std::vector<at::Tensor> grad_biases;   // one per entry of `biases`; undefined where not asked
+  LoraGrads lora;                        // the LoRA terms' (their need_* say which); else empty
 };
 // grad_out and x are taken by value: this function drops its reference to grad_out right after
 // the top layer's elementwise pass (before any GEMM allocates), and to x right after the last GEMM
@@ -60,6 +67,6 @@ StackGrads stack_backward(at::Tensor grad_out, at::Tensor x, at::TensorList weig
                           at::TensorList biases, const std::vector<bool>& has_bias, bool last_act,
                           bool need_x, const std::vector<bool>& need_weights,
                           const std::vector<bool>& need_biases,
-                          const std::vector<Activation>& acts);
+                          const std::vector<Activation>& acts, const LoraLayers& lora = {});
 
 }  // namespace ckpt_ext

@@ -512,3 +512,89 @@ def gated_inputs(lead, hidden, inter, out, dtype, packed=False, bias=(True, True
         ws, bs = [wg, wu, wd], [bg, bu, bd]
     cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)
     return cast(x), [cast(w) for w in ws], [cast(b) for b in bs], cast(gy)
+
+
+# ------------------------------------------------------------------------------------------------
+# LoRA terms (ckpt_ext.LoRA on the mlp and gated_mlp ops)
+
+def lora_linear_ref(a, weight, bias, lora):
+    """peft's vanilla lora.Linear in stock PyTorch: ``result = F.linear(a, W, b)``, then
+    ``result + lora_B(lora_A(dropout(a))) * scaling`` (F.dropout as nn.Dropout draws it);
+    ``lora`` a ckpt_ext.LoRA or None."""
+    z = F.linear(a, weight, bias)
+    if lora is None:
+        return z
+    d = F.dropout(a, lora.dropout, True) if lora.dropout > 0 else a
+    return z + F.linear(F.linear(d, lora.A), lora.B, lora.bias) * lora.scaling
+
+
+def lora_mlp_ref(x, weights, biases, activation, last_activation, loras):
+    """mlp_ref with a LoRA term (or None) per layer."""
+    h = x
+    for i, (w, b, lora) in enumerate(zip(weights, biases, loras)):
+        h = lora_linear_ref(h, w, b, lora)
+        if i + 1 < len(weights) or last_activation:
+            h = ACTIVATION_REF[activation if isinstance(activation, str) else activation[i]](h)
+    return h
+
+
+def lora_gated_ref(x, weights, biases, activation, loras):
+    """gated_ref with a LoRA term (or None) per weight, computed as LlamaMLP's forward orders it
+    (``down(act(gate(x)) * up(x))``: masks drawn for gate, up, down in turn)."""
+    f = ACTIVATION_REF[activation]
+    if len(weights) == 2:
+        g, u = lora_linear_ref(x, weights[0], biases[0], loras[0]).chunk(2, dim=-1)
+        h = f(g) * u
+    else:
+        h = f(lora_linear_ref(x, weights[0], biases[0], loras[0]))
+        h = h * lora_linear_ref(x, weights[1], biases[1], loras[1])
+    return lora_linear_ref(h, weights[-1], biases[-1], loras[-1])
+
+
+def lora_terms(weights, ranks, bias=False, scaling=0.5, dropout=0.0, seed=0):
+    """A ckpt_ext.LoRA per weight (N, K) of ``ranks`` (None: no term): A (r, K) ~ N(0, 1/K),
+    B (N, r) ~ N(0, 1/r) (not peft's zero start, so the term is there to check), bias (N) ~
+    N(0, 1/4) where ``bias``; drawn in float32 on the CPU, then cast to each weight's dtype and
+    device."""
+    import ckpt_ext
+    g = torch.Generator().manual_seed(seed + 7919)
+    out = []
+    for w, r in zip(weights, ranks):
+        if r is None:
+            out.append(None)
+            continue
+        n, k = w.shape
+        A = torch.randn(r, k, generator=g) / max(k, 1) ** 0.5
+        B = torch.randn(n, r, generator=g) / max(r, 1) ** 0.5
+        b = torch.randn(n, generator=g) * 0.5 if bias else None
+        cast = lambda t: None if t is None else t.to(device=w.device, dtype=w.dtype)
+        out.append(ckpt_ext.LoRA(cast(A), cast(B), scaling, cast(b), dropout))
+    return out
+
+
+def lora_leaves(lora) -> list:
+    """A LoRA's tensors, in the order lora_run returns their gradients (A, B, bias)."""
+    return [t for t in (lora.A, lora.B, lora.bias) if t is not None]
+
+
+def lora_run(fn, x, ws, bs, loras, gy, base_grad=False, dtype=None, device=None):
+    """[out, grad_x, (grad_W_i..., grad_b_i... where base_grad), then each LoRA's grad_A, grad_B,
+    grad_bias] of ``fn(x, ws, bs, loras)`` through autograd, on detached copies (cast to dtype
+    and device where given: the reference runs in float64 on the CPU). The base weights and
+    biases are frozen (no requires_grad) unless base_grad."""
+    def conv(t, grad):
+        if t is None:
+            return None
+        return t.detach().to(device=device or t.device, dtype=dtype or t.dtype).requires_grad_(grad)
+
+    x = conv(x, True)
+    ws = [conv(w, base_grad) for w in ws]
+    bs = [conv(b, base_grad) for b in bs]
+    loras = [None if t is None else t._replace(A=conv(t.A, True), B=conv(t.B, True),
+                                               bias=conv(t.bias, True)) for t in loras]
+    out = fn(x, ws, bs, loras)
+    leaves = [x] + ([*ws, *(b for b in bs if b is not None)] if base_grad else [])
+    leaves += [t for lora in loras if lora is not None for t in lora_leaves(lora)]
+    grads = torch.autograd.grad(out, leaves, gy.to(device=device or gy.device,
+                                                   dtype=dtype or gy.dtype))
+    return [out.detach(), *grads]
