@@ -1,8 +1,11 @@
-// autocast.cpp — the autocast kernels of ckpt_ext::mlp and ckpt_ext::gated_mlp (CPU and CUDA
-// autocast keys).
+// autocast.cpp — the autocast kernels of ckpt_ext::mlp, ckpt_ext::gated_mlp and
+// ckpt_ext::moe_experts (CPU and CUDA autocast keys).
 //
 //   mlp(x, weights, biases, ...) under torch.autocast(device, dtype=D): x (..., K_0) and every
-//       weight and bias are cast to D  ->  y (..., N_{L-1}) in D; gated_mlp likewise
+//       weight and bias are cast to D  ->  y (..., N_{L-1}) in D; gated_mlp likewise;
+//       moe_experts likewise for x, gate_up, down and the biases, while top_k_weights keep their
+//       dtype (routing probabilities, float32 in transformers' routers: the weighted sum runs in
+//       the promoted dtype, as transformers' experts run it)
 //
 // The policy of nn.Linear (lower_precision_fp, the current context's dtype, cached casts); why C++
 // and not torch.library.register_autocast: docs/design.md, "Autocast". The backward ops need no
@@ -12,6 +15,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <vector>
 
 #include "schemas.h"
@@ -53,6 +57,27 @@ at::Tensor gated_mlp_autocast(const at::Tensor& x, at::TensorList weights, at::T
                         cast_all(dtype, biases, device_type), has_bias, activation);
 }
 
+template <c10::DeviceType device_type>
+at::Tensor moe_experts_autocast(const at::Tensor& x, const at::Tensor& top_k_index,
+                                const at::Tensor& top_k_weights, const at::Tensor& gate_up,
+                                const at::Tensor& down,
+                                const std::optional<at::Tensor>& gate_up_bias,
+                                const std::optional<at::Tensor>& down_bias,
+                                c10::string_view activation, c10::string_view layout,
+                                std::optional<double> limit, double up_offset) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
+  auto cast = [&](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    if (!t.has_value()) return std::nullopt;
+    return at::autocast::cached_cast(dtype, *t, device_type);
+  };
+  return call_moe_experts(at::autocast::cached_cast(dtype, x, device_type), top_k_index,
+                          top_k_weights, at::autocast::cached_cast(dtype, gate_up, device_type),
+                          at::autocast::cached_cast(dtype, down, device_type), cast(gate_up_bias),
+                          cast(down_bias), activation, layout, limit, up_offset);
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
@@ -62,11 +87,13 @@ at::Tensor gated_mlp_autocast(const at::Tensor& x, at::TensorList weights, at::T
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCPU, m) {
   m.impl("mlp", &mlp_autocast<c10::DeviceType::CPU>);
   m.impl("gated_mlp", &gated_mlp_autocast<c10::DeviceType::CPU>);
+  m.impl("moe_experts", &moe_experts_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) {
   m.impl("mlp", &mlp_autocast<c10::DeviceType::CUDA>);
   m.impl("gated_mlp", &gated_mlp_autocast<c10::DeviceType::CUDA>);
+  m.impl("moe_experts", &moe_experts_autocast<c10::DeviceType::CUDA>);
 }
 
 }  // namespace ckpt_ext

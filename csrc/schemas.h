@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <ATen/core/List.h>
 
+#include <optional>
+
 namespace ckpt_ext {
 
 at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
@@ -13,5 +15,12 @@ at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList 
                     bool last_activation);
 at::Tensor call_gated_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                           const c10::List<bool>& has_bias, c10::string_view activation);
+// moe.h's shapes.
+at::Tensor call_moe_experts(const at::Tensor& x, const at::Tensor& top_k_index,
+                            const at::Tensor& top_k_weights, const at::Tensor& gate_up,
+                            const at::Tensor& down, const std::optional<at::Tensor>& gate_up_bias,
+                            const std::optional<at::Tensor>& down_bias,
+                            c10::string_view activation, c10::string_view layout,
+                            std::optional<double> limit, double up_offset);
 
 }  // namespace ckpt_ext
