@@ -281,26 +281,30 @@ MoeGrads moe_backward(const at::Tensor& grad_out, const at::Tensor& x,
                       const MoeGate& gate, const std::array<bool, 6>& need) {
   const auto [need_x, need_w, need_gu, need_d, need_gub, need_db] = need;
   MoeGrads grads;
-  const bool need_in = need_x || need_gu || (need_gub && gate_up_bias.has_value());
+  const bool need_up_b = need_gub && gate_up_bias.has_value();
   const bool need_down_b = need_db && down_bias.has_value();
+  const bool need_in = need_x || need_gu || need_up_b;  // dz: below the gated product
   if (!(need_in || need_w || need_d || need_down_b)) return grads;
 
   const int64_t E = gate_up.size(0), T = num_tokens(x), K = top_k_index.size(-1);
   const int64_t N = down.size(layout.transposed ? 2 : 1);
   const Routing r = route("moe_experts_backward", top_k_index, E);
-  const at::ScalarType promoted = at::promote_types(x.scalar_type(), top_k_weights.scalar_type());
-  const at::Tensor gyp = grad_out.reshape({T, N}).index_select(0, r.token);  // (R, N)
+  const at::Tensor xf = flatten_rows(x);
+  at::Tensor gyp = grad_out.reshape({T, N}).index_select(0, r.token);  // (R, N)
   const at::Tensor wp = top_k_weights.reshape({T * K}).index_select(0, r.order);
-
-  if (need_d || need_down_b) {
-    at::Tensor dy = (gyp * wp.unsqueeze(1)).to(x.scalar_type());  // (R, N)
+  // dy = w·gy, the gradient w.r.t. the expert outputs: the down projection's gradients
+  auto down_grads = [&](const at::Tensor& h) {
+    const at::Tensor dy = (gyp * wp.unsqueeze(1)).to(x.scalar_type());  // (R, N)
     if (need_down_b) grads[5] = experts_bias_grad(dy, r, E);
-    if (need_d) grads[3] = dy;  // turned into the weight's gradient once h exists
+    if (need_d) grads[3] = experts_weight_grad(dy, h, r, down, layout.transposed);
+  };
+  if (!(need_in || need_w || need_d)) {
+    down_grads(at::Tensor());
+    return grads;
   }
-  if (!(need_in || need_w || need_d)) return grads;
 
-  const at::Tensor xs = flatten_rows(x).index_select(0, r.token);  // (R, H)
-  at::Tensor z = gate_and_up(xs, r, gate_up, gate_up_bias, layout);
+  // The recompute; its (R, H) copy of x's rows is taken again where grad_gate_up needs it.
+  at::Tensor z = gate_and_up(xf.index_select(0, r.token), r, gate_up, gate_up_bias, layout);
   const int64_t I = layout.gated ? z.size(1) / 2 : z.size(1);
   // g0: the unweighted gradient w.r.t. h, (R, I)
   at::Tensor g0 = (need_in || need_w) ? experts_input_grad(gyp, r, down, layout.transposed)
@@ -330,22 +334,29 @@ MoeGrads moe_backward(const at::Tensor& grad_out, const at::Tensor& x,
       activation_backward_(z, gh, gate.act, /*want_bias_grad=*/false);  // z = dz
     }
   }
-  if (need_d) grads[3] = experts_weight_grad(grads[3], h, r, down, layout.transposed);
   if (need_w) {
+    const at::ScalarType promoted =
+        at::promote_types(x.scalar_type(), top_k_weights.scalar_type());
     at::Tensor gw = row_dot(h, g0, promoted);
     g0 = at::Tensor();
     if (down_bias.has_value()) gw += row_dot(gyp, down_bias->index_select(0, r.expert), promoted);
     grads[1] = per_pair(gw.to(top_k_weights.scalar_type()), r, T * K).view(top_k_weights.sizes());
   }
+  if (need_d || need_down_b) down_grads(h);
+  gyp = at::Tensor();
   h = at::Tensor();
   if (!need_in) return grads;
 
-  const at::Tensor dz = layout.interleaved ? interleave(z) : z;  // gate_up's output order
+  at::Tensor dz = layout.interleaved ? interleave(z) : z;  // gate_up's output order
   z = at::Tensor();
-  if (need_gub && gate_up_bias.has_value()) grads[4] = experts_bias_grad(dz, r, E);
-  if (need_gu) grads[2] = experts_weight_grad(dz, xs, r, gate_up, layout.transposed);
+  if (need_up_b) grads[4] = experts_bias_grad(dz, r, E);
+  if (need_gu) {
+    grads[2] = experts_weight_grad(dz, xf.index_select(0, r.token), r, gate_up,
+                                   layout.transposed);
+  }
   if (need_x) {
-    const at::Tensor gxs = experts_input_grad(dz, r, gate_up, layout.transposed);  // (R, H)
+    at::Tensor gxs = experts_input_grad(dz, r, gate_up, layout.transposed);  // (R, H)
+    dz = at::Tensor();
     grads[0] = combine(gxs, r, T, K, at::Tensor(), x.scalar_type()).view(x.sizes());
   }
   return grads;
