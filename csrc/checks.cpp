@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <utility>
 #include <sstream>
 
 namespace ckpt_ext {
@@ -268,17 +267,19 @@ void check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& top
   TORCH_CHECK_TYPE(is_supported_dtype(top_k_weights.scalar_type()), "ckpt_ext.", op,
                    ": top_k_weights must be ", supported_dtypes_text(), ", got ",
                    top_k_weights.scalar_type());
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"top_k_index", &top_k_index},
-                                {"top_k_weights", &top_k_weights}}) {
-    TORCH_CHECK_VALUE(t->device() == x.device(), "ckpt_ext.", op, ": ", name,
-                      " must be on the device of x (", x.device(), "), got ", t->device());
-  }
+  TORCH_CHECK_VALUE(top_k_index.device() == x.device(), "ckpt_ext.", op,
+                    ": top_k_index must be on the device of x (", x.device(), "), got ",
+                    top_k_index.device());
+  TORCH_CHECK_VALUE(top_k_weights.device() == x.device(), "ckpt_ext.", op,
+                    ": top_k_weights must be on the device of x (", x.device(), "), got ",
+                    top_k_weights.device());
   // the expert weights, as the layout stores them
   const bool tr = layout.transposed;
   const char* outputs = layout.gated ? "2·intermediate" : "intermediate";
   const std::string gate_up_shape = tr ? std::string("(num_experts, hidden, ") + outputs + ")"
                                        : std::string("(num_experts, ") + outputs + ", hidden)";
-  const char* down_shape = tr ? "(num_experts, intermediate, out)" : "(num_experts, out, intermediate)";
+  const char* down_shape =
+      tr ? "(num_experts, intermediate, out)" : "(num_experts, out, intermediate)";
   TORCH_CHECK_VALUE(gate_up.dim() == 3 && gate_up.sym_size(0) >= 1, "ckpt_ext.", op,
                     ": gate_up must be 3-D ", gate_up_shape,
                     " with at least one expert for this layout, got shape ", shape_str(gate_up));

@@ -26,7 +26,9 @@ MoeLayout parse_moe_layout(const char* op, c10::string_view name) {
   CKPT_EXT_MOE_LAYOUTS(CKPT_EXT_MOE_ROW)
 #undef CKPT_EXT_MOE_ROW
   std::string allowed;
-  for (const std::string& n : moe_layout_names()) allowed += (allowed.empty() ? "\"" : ", \"") + n + "\"";
+  for (const std::string& n : moe_layout_names()) {
+    allowed += (allowed.empty() ? "\"" : ", \"") + n + "\"";
+  }
   TORCH_CHECK_VALUE(false, "ckpt_ext.", op, ": layout must be one of ", allowed, "; got \"",
                     std::string(name.data(), name.size()), "\"");
 }

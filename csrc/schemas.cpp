@@ -1,8 +1,9 @@
 // schemas.cpp — every schema of the ckpt_ext op library, once; the CUDA kernel of a CPU-only
 // build (an error that names the problem); and typed handles to call the ops from C++.
-// The kernels: ops.cpp (mlp and its backward), gated_ops.cpp, moe_ops.cpp, higher_order.cpp (tanh's orders above the first,
-// from a layer's output), cpu/third_order.cpp, autocast.cpp; autograd from Python
-// (ckpt_ext/_mlp_autograd.py, _autograd.py, _higher_order.py).
+// The kernels: ops.cpp (mlp and its backward), gated_ops.cpp, moe_ops.cpp, higher_order.cpp
+// (tanh's orders above the first, from a layer's output), cpu/third_order.cpp, autocast.cpp;
+// autograd from Python (ckpt_ext/_mlp_autograd.py, _gated_autograd.py, _moe_autograd.py,
+// _autograd.py, _higher_order.py).
 #include "schemas.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -354,10 +354,10 @@ def moe_arguments(m):
         assert type(m).__name__ == "GptOssExperts" and m.alpha == 1.702
         kw.update(activation="quick_gelu", limit=m.limit, up_offset=1.0)
     else:
-        act_cls = type(m.act_fn).__name__
+        act = m.act_fn
+        named = lambda form: form.cls if isinstance(form.cls, str) else form.cls.__name__
         kw.update(activation=next(r.name for r in REGISTRY.values() for form in r.modules
-                                  if (form.cls if isinstance(form.cls, str)
-                                      else form.cls.__name__) == act_cls and form.accepts(m.act_fn)))
+                                  if named(form) == type(act).__name__ and form.accepts(act)))
     return params, kw
 
 
@@ -381,7 +381,7 @@ def _module_and_routing(family, impl, dtype, tokens, seed):
     logits = torch.randn(tokens, m.num_experts, generator=g)
     w, idx = logits.softmax(-1).topk(2, dim=-1)
     if family == "nemotron_h":
-        w = w.to(dtype)  # its eager forward sums in the weights' dtype, rounding float64 x to float32
+        w = w.to(dtype)  # its eager forward sums in the weights' dtype (float64 x via float32)
     return m, x, idx, w
 
 
@@ -472,7 +472,8 @@ def test_errors_name_expected_and_given(device):
         (TypeError, r"top_k_index must be int64 or int32 \(expert indices\), got Float",
          dict(top_k_index=w)),
         (ValueError, r"top_k_index must have shape x.shape\[:-1\] \+ \(top_k,\) = \[5\] \+ "
-                     r"\(top_k,\), got shape \[4, 2\]", dict(top_k_index=idx[:4], top_k_weights=w[:4])),
+                     r"\(top_k,\), got shape \[4, 2\]",
+         dict(top_k_index=idx[:4], top_k_weights=w[:4])),
         (ValueError, r"top_k_weights must have the shape of top_k_index \[5, 2\], got shape "
                      r"\[5, 1\]", dict(top_k_weights=w[:, :1])),
         (ValueError, r"gate_up \(num_experts, 2·intermediate, hidden\) must have hidden = "
