@@ -148,6 +148,34 @@ def test_weights_of_another_dtype():
         _check(got, moe_ref_grads(*inputs, **kw), dtype, "float32 weights", inputs, kw)
 
 
+def test_layouts_of_the_same_experts_agree_and_strided_inputs_are_read():
+    # The same experts stored as each gated layout give the same bits for the output (each
+    # stored form is a view of one tensor: padded x rows, transposed and interleaved weights), and
+    # int32 indices the same as int64.
+    x, idx, w, gu, d, gub, db, gy = moe_inputs((13,), 6, 5, 4, 2, torch.float32, seed=21)
+    E, I = 4, 5
+    inter = lambda t: t.view(E, 2, I, *t.shape[2:]).transpose(1, 2).reshape(t.shape)
+    forms = {"concatenated": (gu, d, gub), "interleaved": (inter(gu), d, inter(gub)),
+             "concatenated_transposed": (gu.transpose(1, 2), d.transpose(1, 2), gub),
+             "interleaved_transposed": (inter(gu).transpose(1, 2), d.transpose(1, 2), inter(gub))}
+    xp = torch.zeros(13, 9)[:, :6].copy_(x)
+    outs = {name: ckpt_ext.moe_experts(xp, idx.int(), w, g, dn, gate_up_bias=b, down_bias=db,
+                                       activation="silu", layout=name)
+            for name, (g, dn, b) in forms.items()}
+    want = ckpt_ext.moe_experts(x, idx, w, gu, d, gate_up_bias=gub, down_bias=db,
+                                activation="silu")
+    for name, y in outs.items():
+        assert torch.equal(y, want), (name, rel_err(y, want))
+    # the gradient of a stored view reaches its base
+    base = gu.clone().requires_grad_()
+    y = ckpt_ext.moe_experts(x, idx, w, base.transpose(1, 2), d.transpose(1, 2),
+                             activation="silu", layout="concatenated_transposed")
+    (g_view,) = torch.autograd.grad(y, base, gy)
+    (g_direct,) = torch.autograd.grad(
+        ckpt_ext.moe_experts(x, idx, w, base, d, activation="silu"), base, gy)
+    assert rel_err(g_view, g_direct) <= 1e-6
+
+
 def test_forward_is_deterministic_and_the_recompute_is_the_forwards():
     # Two calls give the same bits; the down weight's gradient from the recomputed h equals
     # dyᵀ·h with h from a forward whose down projection is the identity (one expert, weight 1).
