@@ -6,8 +6,6 @@
 // makes every gradient from the block buffers (docs/design.md, "Mixture of experts").
 #include "moe.h"
 
-#include <ATen/ExpandUtils.h>
-
 #include "primitives.h"
 #include "stack.h"
 
