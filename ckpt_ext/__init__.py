@@ -6,7 +6,8 @@ import torch  # noqa: F401  (first: loads libc10/libtorch, which _C links agains
 
 from ._native import _C  # refuses a _C built for another torch, naming both versions
 from .modules import FusedGatedMLP, FusedLinearTanh, FusedMLP, FusedTanhMLP
-from .ops import ACTIVATIONS, LoRA, gated_mlp, linear_tanh, mlp, tanh_mlp
+from .ops import (ACTIVATIONS, MOE_LAYOUTS, LoRA, gated_mlp, linear_tanh, mlp, moe_experts,
+                  moe_layout, tanh_mlp)
 
 #: True when the CUDA kernels were compiled into this build.
 WITH_CUDA: bool = bool(_C.WITH_CUDA)
@@ -17,6 +18,7 @@ from . import memory  # noqa: E402  (the meter: ckpt_ext.memory.MemoryMeter, mea
 from .convert import FuseReport, fuse, unfuse  # noqa: E402
 from .models import Net  # noqa: E402  (the write-up's network; the others in ckpt_ext.models)
 
-__all__ = ["linear_tanh", "tanh_mlp", "mlp", "gated_mlp", "LoRA", "ACTIVATIONS",
-           "FusedLinearTanh", "FusedTanhMLP", "FusedMLP", "FusedGatedMLP", "WITH_CUDA",
+__all__ = ["linear_tanh", "tanh_mlp", "mlp", "gated_mlp", "LoRA", "moe_experts", "moe_layout",
+           "MOE_LAYOUTS", "ACTIVATIONS", "FusedLinearTanh", "FusedTanhMLP", "FusedMLP",
+           "FusedGatedMLP", "WITH_CUDA",
            "fuse", "unfuse", "FuseReport", "Net"]

@@ -6,7 +6,10 @@ A backward counts what it runs: the recompute (every layer's forward GEMM but th
 last_activation is False), then per layer from the top down to the lowest one with a gradient
 asked for, grad_W where asked and the gradient for the layer below (or grad_x where asked). A gated
 MLP's backward: the gate and up GEMMs again, then the down projection's grad_W and the gradient
-w.r.t. h, and each input projection's grad_W and share of grad_x, each where asked.
+w.r.t. h, and each input projection's grad_W and share of grad_x, each where asked. The experts of
+a mixture of experts count routed rows only: a formula gets shapes, so every (token, k) pair of
+top_k_index counts as one row of its expert (pairs routed to no expert, index E, count too),
+never the E·tokens rows of running every expert on every token.
 
 The lora ops add, per LoRA term on a weight (N, K) of rank r, GEMMs of two sizes: the "A" ones
 (2·M·K·r: t = a·Aᵀ, grad_A = gtᵀ·a, the input's share gt·A) and the "B" ones (2·M·r·N:
@@ -206,3 +209,29 @@ def _lora_gated_mlp_backward_flop(grad_out_shape, x_shape, w_shapes, b_shapes, h
             n += gemm[i] * (int(need_weights[i]) + int(bool(need_x)))
             n += _lora_walk_flops(x_shape, terms[i], lora_need[i], bool(need_x), True)
     return n
+
+
+def _moe_gemms(idx_shape, gu_shape, d_shape):
+    """(gate_up GEMM, down GEMM) FLOPs over the routed rows, whichever way the matrices are
+    stored."""
+    rows = math.prod(idx_shape)
+    return 2 * rows * gu_shape[1] * gu_shape[2], 2 * rows * d_shape[1] * d_shape[2]
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.moe_experts)
+def _moe_experts_flop(x_shape, idx_shape, w_shape, gu_shape, d_shape, *args, **kwargs) -> int:
+    return sum(_moe_gemms(idx_shape, gu_shape, d_shape))
+
+
+@torch.utils.flop_counter.register_flop_formula(torch.ops.ckpt_ext.moe_experts_backward)
+def _moe_experts_backward_flop(grad_out_shape, x_shape, idx_shape, w_shape, gu_shape, d_shape,
+                               gub_shape, db_shape, activation, layout, limit, up_offset,
+                               output_mask, *args, **kwargs) -> int:
+    # The recompute of gate_up, then g0 = gy·W_down (for the routing weights' gradient and gh),
+    # grad_W_down, grad_W_gate_up and grad_x, each where asked (csrc/moe.cpp).
+    need_x, need_w, need_gu, need_d, need_gub, _ = output_mask
+    need_in = need_x or need_gu or (need_gub and gub_shape is not None)
+    if not (need_in or need_w or need_d):
+        return 0  # at most the down bias: column sums
+    gu, dn = _moe_gemms(idx_shape, gu_shape, d_shape)
+    return gu * (1 + int(need_gu) + int(need_x)) + dn * (int(need_in or need_w) + int(need_d))

@@ -1,12 +1,14 @@
 """The public ops: :func:`linear_tanh`, :func:`tanh_mlp` and :func:`mlp` (any activation of
 ``ACTIVATIONS``), :func:`gated_mlp` (the gated MLP of Llama, Mistral, Qwen, Gemma, Phi-3, T5), the
-:class:`LoRA` term ``mlp`` and ``gated_mlp`` take per Linear, and the dtypes they accept.
+:class:`LoRA` term ``mlp`` and ``gated_mlp`` take per Linear, :func:`moe_experts` (transformers'
+mixture-of-experts experts), and the dtypes they accept.
 
 The first three run one op, ``torch.ops.ckpt_ext.mlp``; ``gated_mlp`` runs
-``torch.ops.ckpt_ext.gated_mlp``; with LoRA terms ``lora_mlp`` and ``lora_gated_mlp`` (C++/CUDA;
-schemas in csrc/schemas.cpp, each op with a Meta kernel that runs the eager checks), or with
-LoRA dropout the recomputed ATen composite of ``_lora_dropout``. Importing this module registers
-the ops' autograd (``_mlp_autograd``, ``_gated_autograd``, ``_lora_autograd``, ``_autograd``,
+``torch.ops.ckpt_ext.gated_mlp``; with LoRA terms ``lora_mlp`` and ``lora_gated_mlp``;
+``moe_experts`` ``torch.ops.ckpt_ext.moe_experts`` (C++/CUDA; schemas in csrc/schemas.cpp, each
+op with a Meta kernel that runs the eager checks), or with LoRA dropout the recomputed ATen
+composite of ``_lora_dropout``. Importing this module registers the ops' autograd
+(``_mlp_autograd``, ``_gated_autograd``, ``_lora_autograd``, ``_moe_autograd``, ``_autograd``,
 ``_autograd_node``, ``_higher_order``), vmap rules (``_vmap``) and FLOP formulas (``_flops``). The
 design and the math: docs/design.md.
 """
@@ -19,7 +21,7 @@ from torch import Tensor
 
 from . import _C  # loading the library registers torch.ops.ckpt_ext.*
 from . import (_autograd, _autograd_node, _flops, _gated_autograd, _higher_order,  # noqa: F401
-               _lora_autograd, _mlp_autograd, _vmap)
+               _lora_autograd, _mlp_autograd, _moe_autograd, _vmap)
 from ._activations import ACTIVATIONS, activation_spec, check_activation
 from ._lora import LoRA, check_lora, draws_masks, lora_spec
 from ._lora_dropout import run_with_dropout
@@ -168,6 +170,60 @@ def gated_mlp(x: Tensor, gate_weight: Tensor, up_weight: Optional[Tensor], down_
         x, weights, [b for b in biases if b is not None], [b is not None for b in biases], act)
 
 
+#: The layouts of moe_experts' expert weights, read from the C++ library (csrc/moe.h).
+MOE_LAYOUTS = tuple(_moe_autograd.LAYOUT_FACTS)
+
+
+def moe_layout(*, gated: bool = True, interleaved: bool = False, transposed: bool = False) -> str:
+    """The :func:`moe_experts` layout name of expert weights stored so: ``gated`` (gate_up holds
+    the gate's and the up projection's outputs; else the up projection's only), ``interleaved``
+    (those outputs alternate, g0 u0 g1 u1 ..., instead of [gate; up]), ``transposed`` (each
+    expert's matrices stored (in, out)). transformers' experts classes carry these as
+    ``has_gate``, ``not is_concatenated`` and ``is_transposed``."""
+    for name, facts in _moe_autograd.LAYOUT_FACTS.items():
+        if facts == (bool(gated), bool(interleaved), bool(transposed)):
+            return name
+    raise ValueError(f"ckpt_ext.moe_layout: an ungated layout has no gate to interleave; got "
+                     f"gated={gated}, interleaved={interleaved}")
+
+
+def moe_experts(x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up: Tensor,
+                down: Tensor, *, activation: str, gate_up_bias: Optional[Tensor] = None,
+                down_bias: Optional[Tensor] = None, layout: str = "concatenated",
+                limit: Optional[float] = None, up_offset: float = 0.0) -> Tensor:
+    """The experts of a mixture of experts as transformers stores them, kept for backward as x and
+    the routing only: ``y[t] = Σ_k top_k_weights[t, k] · expert_e(x[t])`` with
+    ``e = top_k_index[t, k]`` and ``expert_e(v) = h_e(v) @ down_e.T + down_bias[e]``.
+
+    x: (..., hidden); top_k_index (int64 or int32) and top_k_weights: (..., top_k) over x's leading
+    dimensions, an index equal to the number of experts E routing its pair to no expert;
+    top_k_weights of any dtype the ops take (float32 routing with bfloat16 x: the weighted sum runs
+    in the promoted dtype). ``layout`` (one of ``MOE_LAYOUTS``, :func:`moe_layout` maps
+    transformers' flags to it) says how gate_up and down store each expert:
+    ``"concatenated"``: gate_up (E, 2·inter, hidden) holding the gate's rows then the up
+    projection's, down (E, out, inter) (Mixtral, Qwen-MoE, DeepSeek, OLMoE); ``"interleaved"``:
+    gate and up rows alternating; ``"ungated"``: gate_up is the up projection (E, inter, hidden);
+    each with ``_transposed``: every matrix stored (in, out), gate_up (E, hidden, 2·inter) and down
+    (E, inter, out) (gpt-oss is ``"interleaved_transposed"``). gate_up_bias (E, gate_up's outputs,
+    in their stored order) and down_bias (E, out), or None.
+
+    h is ``act(g) · u`` (gated), or ``act(u)`` (ungated), for any activation of ``ACTIVATIONS``;
+    with ``limit`` (gated only) ``act(min(g, limit)) · (clamp(u, -limit, limit) + up_offset)``
+    (gpt-oss: ``activation="quick_gelu"``, its alpha being QuickGELU's 1.702, ``limit=7.0``,
+    ``up_offset=1.0``). Returns (..., out) in x's dtype. Each expert runs its GEMMs on its own
+    rows (an expert with none runs nothing); backward routes again and recomputes the gate and up
+    projections, and makes the gradients w.r.t. x, top_k_weights and every parameter that needs
+    one.
+    """
+    where = "ckpt_ext.moe_experts"
+    act = check_activation(activation, where)
+    if not isinstance(layout, str):
+        raise TypeError(f"{where}: layout must be a str, one of {', '.join(map(repr, MOE_LAYOUTS))}"
+                        f"; got {type(layout).__name__}")
+    return torch.ops.ckpt_ext.moe_experts.default(
+        x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, act, layout,
+        None if limit is None else float(limit), float(up_offset))
+
 
 #: The public ops; each keeps its input x for backward, as a Linear does.
-PUBLIC_OPS = (linear_tanh, tanh_mlp, mlp, gated_mlp)
+PUBLIC_OPS = (linear_tanh, tanh_mlp, mlp, gated_mlp, moe_experts)

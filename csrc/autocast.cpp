@@ -1,10 +1,12 @@
-// autocast.cpp — the autocast kernels of ckpt_ext::mlp, gated_mlp, lora_mlp and lora_gated_mlp
-// (CPU and CUDA autocast keys).
+// autocast.cpp — the autocast kernels of ckpt_ext::mlp, gated_mlp, lora_mlp, lora_gated_mlp
+// and moe_experts (CPU and CUDA autocast keys).
 //
 //   mlp(x, weights, biases, ...) under torch.autocast(device, dtype=D): x (..., K_0) and every
 //       weight and bias are cast to D  ->  y (..., N_{L-1}) in D; gated_mlp likewise, and the
 //       lora ops with their LoRA tensors (A, B, biases) cast too, as peft's lora_A and lora_B
-//       Linears run under autocast
+//       Linears run under autocast; moe_experts likewise for x, gate_up, down and the biases,
+//       while top_k_weights keep their dtype (routing probabilities, float32 in transformers'
+//       routers: the weighted sum runs in the promoted dtype, as transformers' experts run it)
 //
 // The policy of nn.Linear (lower_precision_fp, the current context's dtype, cached casts); why C++
 // and not torch.library.register_autocast: docs/design.md, "Autocast". The backward ops need no
@@ -14,6 +16,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <vector>
 
 #include "schemas.h"
@@ -93,6 +96,27 @@ at::Tensor lora_gated_mlp_autocast(const at::Tensor& x, at::TensorList weights,
                              scaling);
 }
 
+template <c10::DeviceType device_type>
+at::Tensor moe_experts_autocast(const at::Tensor& x, const at::Tensor& top_k_index,
+                                const at::Tensor& top_k_weights, const at::Tensor& gate_up,
+                                const at::Tensor& down,
+                                const std::optional<at::Tensor>& gate_up_bias,
+                                const std::optional<at::Tensor>& down_bias,
+                                c10::string_view activation, c10::string_view layout,
+                                std::optional<double> limit, double up_offset) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
+  auto cast = [&](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    if (!t.has_value()) return std::nullopt;
+    return at::autocast::cached_cast(dtype, *t, device_type);
+  };
+  return call_moe_experts(at::autocast::cached_cast(dtype, x, device_type), top_k_index,
+                          top_k_weights, at::autocast::cached_cast(dtype, gate_up, device_type),
+                          at::autocast::cached_cast(dtype, down, device_type), cast(gate_up_bias),
+                          cast(down_bias), activation, layout, limit, up_offset);
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
@@ -104,6 +128,7 @@ TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCPU, m) {
   m.impl("gated_mlp", &gated_mlp_autocast<c10::DeviceType::CPU>);
   m.impl("lora_mlp", &lora_mlp_autocast<c10::DeviceType::CPU>);
   m.impl("lora_gated_mlp", &lora_gated_mlp_autocast<c10::DeviceType::CPU>);
+  m.impl("moe_experts", &moe_experts_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) {
@@ -111,6 +136,7 @@ TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) {
   m.impl("gated_mlp", &gated_mlp_autocast<c10::DeviceType::CUDA>);
   m.impl("lora_mlp", &lora_mlp_autocast<c10::DeviceType::CUDA>);
   m.impl("lora_gated_mlp", &lora_gated_mlp_autocast<c10::DeviceType::CUDA>);
+  m.impl("moe_experts", &moe_experts_autocast<c10::DeviceType::CUDA>);
 }
 
 }  // namespace ckpt_ext

@@ -3,6 +3,7 @@
 #include "checks.h"
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 namespace ckpt_ext {
@@ -341,6 +342,91 @@ void check_stack_masks(const char* op, at::TensorList weights, at::TensorList bi
   TORCH_CHECK_VALUE(need_biases.size() == biases.size(), "ckpt_ext.", op,
                     ": need_biases must have one entry per bias (", biases.size(), "), got ",
                     need_biases.size());
+}
+
+void check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& top_k_index,
+                      const at::Tensor& top_k_weights, const at::Tensor& gate_up,
+                      const at::Tensor& down, const std::optional<at::Tensor>& gate_up_bias,
+                      const std::optional<at::Tensor>& down_bias, MoeLayout layout,
+                      std::optional<double> limit, double up_offset) {
+  check_x(op, x);
+  // the routing
+  TORCH_CHECK_TYPE(top_k_index.scalar_type() == at::kLong || top_k_index.scalar_type() == at::kInt,
+                   "ckpt_ext.", op, ": top_k_index must be int64 or int32 (expert indices), got ",
+                   top_k_index.scalar_type());
+  std::vector<c10::SymInt> lead(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
+  TORCH_CHECK_VALUE(top_k_index.dim() == x.dim() &&
+                        top_k_index.sym_sizes().slice(0, lead.size()) == c10::SymIntArrayRef(lead),
+                    "ckpt_ext.", op, ": top_k_index must have shape x.shape[:-1] + (top_k,) = ",
+                    c10::SymIntArrayRef(lead), " + (top_k,), got shape ", shape_str(top_k_index));
+  TORCH_CHECK_VALUE(top_k_weights.sym_sizes() == top_k_index.sym_sizes(), "ckpt_ext.", op,
+                    ": top_k_weights must have the shape of top_k_index ",
+                    shape_str(top_k_index), ", got shape ", shape_str(top_k_weights));
+  TORCH_CHECK_TYPE(is_supported_dtype(top_k_weights.scalar_type()), "ckpt_ext.", op,
+                   ": top_k_weights must be ", supported_dtypes_text(), ", got ",
+                   top_k_weights.scalar_type());
+  TORCH_CHECK_VALUE(top_k_index.device() == x.device(), "ckpt_ext.", op,
+                    ": top_k_index must be on the device of x (", x.device(), "), got ",
+                    top_k_index.device());
+  TORCH_CHECK_VALUE(top_k_weights.device() == x.device(), "ckpt_ext.", op,
+                    ": top_k_weights must be on the device of x (", x.device(), "), got ",
+                    top_k_weights.device());
+  // the expert weights, as the layout stores them
+  const bool tr = layout.transposed;
+  const char* outputs = layout.gated ? "2·intermediate" : "intermediate";
+  const std::string gate_up_shape = tr ? std::string("(num_experts, hidden, ") + outputs + ")"
+                                       : std::string("(num_experts, ") + outputs + ", hidden)";
+  const char* down_shape =
+      tr ? "(num_experts, intermediate, out)" : "(num_experts, out, intermediate)";
+  TORCH_CHECK_VALUE(gate_up.dim() == 3 && gate_up.sym_size(0) >= 1, "ckpt_ext.", op,
+                    ": gate_up must be 3-D ", gate_up_shape,
+                    " with at least one expert for this layout, got shape ", shape_str(gate_up));
+  const c10::SymInt E = gate_up.sym_size(0);
+  TORCH_CHECK_VALUE(gate_up.sym_size(tr ? 1 : 2) == x.sym_size(-1), "ckpt_ext.", op,
+                    ": gate_up ", gate_up_shape, " must have hidden = x.shape[-1] = ",
+                    x.sym_size(-1), ", got gate_up of shape ", shape_str(gate_up));
+  const c10::SymInt P = gate_up.sym_size(tr ? 2 : 1);
+  if (layout.gated) {
+    TORCH_CHECK_VALUE(P % 2 == 0, "ckpt_ext.", op, ": gate_up ", gate_up_shape,
+                      " must have an even number of outputs (the gate's and the up "
+                      "projection's), got shape ", shape_str(gate_up));
+  }
+  const c10::SymInt I = layout.gated ? P / 2 : P;
+  TORCH_CHECK_VALUE(down.dim() == 3 && down.sym_size(0) == E && down.sym_size(tr ? 1 : 2) == I,
+                    "ckpt_ext.", op, ": down must be 3-D ", down_shape, " with num_experts = ", E,
+                    " and intermediate = ", I, " (from gate_up of shape ", shape_str(gate_up),
+                    "), got shape ", shape_str(down));
+  const c10::SymInt N = down.sym_size(tr ? 2 : 1);
+  if (gate_up_bias.has_value()) {
+    TORCH_CHECK_VALUE(gate_up_bias->dim() == 2 && gate_up_bias->sym_size(0) == E &&
+                          gate_up_bias->sym_size(1) == P,
+                      "ckpt_ext.", op, ": gate_up_bias must have shape [", E, ", ", P,
+                      "] (num_experts, gate_up's outputs), got shape ", shape_str(*gate_up_bias));
+  }
+  if (down_bias.has_value()) {
+    TORCH_CHECK_VALUE(down_bias->dim() == 2 && down_bias->sym_size(0) == E &&
+                          down_bias->sym_size(1) == N,
+                      "ckpt_ext.", op, ": down_bias must have shape [", E, ", ", N,
+                      "] (num_experts, out), got shape ", shape_str(*down_bias));
+  }
+  // the gated product's form
+  if (limit.has_value()) {
+    TORCH_CHECK_VALUE(layout.gated, "ckpt_ext.", op, ": limit clamps the gate and up "
+                      "projections, so it needs a gated layout; got limit=", *limit,
+                      " with an ungated one");
+    TORCH_CHECK_VALUE(*limit > 0, "ckpt_ext.", op, ": limit must be a number > 0 (or None: "
+                      "no clamp), got ", *limit);
+  }
+  TORCH_CHECK_VALUE(up_offset == 0.0 || layout.gated, "ckpt_ext.", op, ": up_offset is added "
+                    "to the up projection of a gated layout; got up_offset=", up_offset,
+                    " with an ungated one");
+  TORCH_CHECK_VALUE(std::isfinite(up_offset), "ckpt_ext.", op, ": up_offset must be finite, got ",
+                    up_offset);
+  check_x_dtype(op, x);
+  check_dtype_and_device(op, "gate_up", gate_up, x);
+  check_dtype_and_device(op, "down", down, x);
+  if (gate_up_bias.has_value()) check_dtype_and_device(op, "gate_up_bias", *gate_up_bias, x);
+  if (down_bias.has_value()) check_dtype_and_device(op, "down_bias", *down_bias, x);
 }
 
 // An argument that must match another tensor (`like`) in shape, dtype and device: a gradient

@@ -10,6 +10,7 @@
 
 #include "activations.h"
 #include "lora.h"
+#include "moe.h"
 
 #include <optional>
 #include <string>
@@ -69,6 +70,18 @@ void check_lora_gated_inputs(const char* op, const at::Tensor& x, at::TensorList
 // need_A and need_B: one entry per LoRA; need_biases: one per LoRA bias.
 void check_lora_masks(const char* op, const LoraArgs& lora, const std::vector<bool>& need_A,
                       const std::vector<bool>& need_B, const std::vector<bool>& need_biases);
+
+// The experts of a mixture of experts (moe.h): x (..., H); top_k_index (int64 or int32) and
+// top_k_weights (a supported dtype, not necessarily x's) of one shape (..., K) over x's leading
+// dimensions; gate_up and down 3-D as `layout` stores them, of E >= 1 experts, the hidden size
+// H and one intermediate size I (gate_up's outputs even when gated); the biases (E, outputs);
+// limit > 0 and up_offset only with a gated layout; every tensor on x's device, the weights and
+// biases of x's dtype.
+void check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& top_k_index,
+                      const at::Tensor& top_k_weights, const at::Tensor& gate_up,
+                      const at::Tensor& down, const std::optional<at::Tensor>& gate_up_bias,
+                      const std::optional<at::Tensor>& down_bias, MoeLayout layout,
+                      std::optional<double> limit, double up_offset);
 
 // An optional argument that must match `like` in shape, dtype and device (a gradient flowing
 // into a first-order result, or the output t, like grad_out).

@@ -9,6 +9,7 @@
 #include "checks.h"
 #include "device_math.h"
 #include "memory.h"
+#include "moe.h"
 #include "primitives.h"
 
 namespace {
@@ -46,6 +47,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::list activations;  // the mlp op's activation names, likewise written once
   for (const std::string& name : ckpt_ext::activation_names()) activations.append(name);
   m.attr("ACTIVATIONS") = activations;
+  // The moe_experts op's layouts (moe.h), name -> (gated, interleaved, transposed), in order.
+  pybind11::dict moe_layouts;
+  for (const std::string& name : ckpt_ext::moe_layout_names()) {
+    const ckpt_ext::MoeLayout l = ckpt_ext::parse_moe_layout("_C", name);
+    moe_layouts[pybind11::str(name)] = pybind11::make_tuple(l.gated, l.interleaved, l.transposed);
+  }
+  m.attr("MOE_LAYOUTS") = moe_layouts;
   m.def("_set_poison_buffers", &ckpt_ext::set_poison_buffers,
         "Test hook: fill every buffer the ops allocate with NaN before the kernels write it.");
   m.def("_poison_buffers", &ckpt_ext::poison_buffers);

@@ -1,8 +1,9 @@
 // schemas.cpp — every schema of the ckpt_ext op library, once; the CUDA kernel of a CPU-only
 // build (an error that names the problem); and typed handles to call the ops from C++.
-// The kernels: ops.cpp (mlp and its backward), gated_ops.cpp, lora_ops.cpp, higher_order.cpp (tanh's orders above the first,
-// from a layer's output), cpu/third_order.cpp, autocast.cpp; autograd from Python
-// (ckpt_ext/_mlp_autograd.py, _autograd.py, _higher_order.py).
+// The kernels: ops.cpp (mlp and its backward), gated_ops.cpp, lora_ops.cpp, moe_ops.cpp,
+// higher_order.cpp (tanh's orders above the first, from a layer's output), cpu/third_order.cpp,
+// autocast.cpp; autograd from Python (ckpt_ext/_mlp_autograd.py, _gated_autograd.py,
+// _lora_autograd.py, _moe_autograd.py, _autograd.py, _higher_order.py).
 #include "schemas.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -61,6 +62,21 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "bool[] need_lora_B, bool[] need_lora_biases) -> (Tensor grad_x, Tensor[] grad_weights, "
       "Tensor[] grad_biases, Tensor[] grad_lora_A, Tensor[] grad_lora_B, "
       "Tensor[] grad_lora_biases)");
+  // The experts of a mixture of experts, as transformers stores them (3-D weights, top-k
+  // routing): per (token, k) pair, expert top_k_index[t, k] applied to x[t], weighted by
+  // top_k_weights[t, k] and summed per token (moe.h: shapes, layouts, the gated product). The
+  // backward's results are the gradients w.r.t. x, top_k_weights, gate_up, down, gate_up_bias
+  // and down_bias, each only where output_mask says (undefined otherwise, and for a bias that is
+  // None).
+  m.def("moe_experts(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, "
+        "Tensor down, Tensor? gate_up_bias, Tensor? down_bias, str activation, str layout, "
+        "float? limit, float up_offset) -> Tensor");
+  m.def(
+      "moe_experts_backward(Tensor grad_out, Tensor x, Tensor top_k_index, Tensor top_k_weights, "
+      "Tensor gate_up, Tensor down, Tensor? gate_up_bias, Tensor? down_bias, str activation, "
+      "str layout, float? limit, float up_offset, bool[6] output_mask) -> (Tensor grad_x, "
+      "Tensor grad_top_k_weights, Tensor grad_gate_up, Tensor grad_down, Tensor grad_gate_up_bias, "
+      "Tensor grad_down_bias)");
   // The orders above the first of one tanh layer, from its output t = tanh(x·Wᵀ + b)
   // (higher_order.cpp; the math in docs/design.md). A grad_grad_* input is None where no
   // gradient reached that output; only the results asked for in output_mask are computed, the
@@ -101,7 +117,8 @@ void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
 TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
   for (const char* name :
        {"mlp", "mlp_backward", "gated_mlp", "gated_mlp_backward", "lora_mlp",
-        "lora_mlp_backward", "lora_gated_mlp", "lora_gated_mlp_backward",
+        "lora_mlp_backward", "lora_gated_mlp", "lora_gated_mlp_backward", "moe_experts",
+        "moe_experts_backward",
         "linear_tanh_backward_from_output",
         "linear_tanh_backward_from_output_backward"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
@@ -160,6 +177,23 @@ at::Tensor call_lora_gated_mlp(const at::Tensor& x, at::TensorList weights,
                             const c10::List<bool>&, c10::ArrayRef<double>)>();
   return op.call(x, weights, biases, has_bias, activation, lora_A, lora_B, lora_biases, has_lora,
                  has_lora_bias, scaling);
+}
+
+at::Tensor call_moe_experts(const at::Tensor& x, const at::Tensor& top_k_index,
+                            const at::Tensor& top_k_weights, const at::Tensor& gate_up,
+                            const at::Tensor& down, const std::optional<at::Tensor>& gate_up_bias,
+                            const std::optional<at::Tensor>& down_bias,
+                            c10::string_view activation, c10::string_view layout,
+                            std::optional<double> limit, double up_offset) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("ckpt_ext::moe_experts", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            const std::optional<at::Tensor>&, c10::string_view, c10::string_view,
+                            std::optional<double>, double)>();
+  return op.call(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
+                 activation, layout, limit, up_offset);
 }
 
 }  // namespace ckpt_ext

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <ATen/core/List.h>
 
+#include <optional>
+
 namespace ckpt_ext {
 
 at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
@@ -27,5 +29,12 @@ at::Tensor call_lora_gated_mlp(const at::Tensor& x, at::TensorList weights,
                                const c10::List<bool>& has_lora,
                                const c10::List<bool>& has_lora_bias,
                                c10::ArrayRef<double> scaling);
+// moe.h's shapes.
+at::Tensor call_moe_experts(const at::Tensor& x, const at::Tensor& top_k_index,
+                            const at::Tensor& top_k_weights, const at::Tensor& gate_up,
+                            const at::Tensor& down, const std::optional<at::Tensor>& gate_up_bias,
+                            const std::optional<at::Tensor>& down_bias,
+                            c10::string_view activation, c10::string_view layout,
+                            std::optional<double> limit, double up_offset);
 
 }  // namespace ckpt_ext

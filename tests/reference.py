@@ -598,3 +598,94 @@ def lora_run(fn, x, ws, bs, loras, gy, base_grad=False, dtype=None, device=None)
     grads = torch.autograd.grad(out, leaves, gy.to(device=device or gy.device,
                                                    dtype=dtype or gy.dtype))
     return [out.detach(), *grads]
+
+
+# the moe_experts op
+
+def moe_ref(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, activation,
+            layout, limit=None, up_offset=0.0):
+    """transformers' experts by stock PyTorch, in the inputs' dtype, pair by pair as its
+    batched_mm form runs them: every (token, k) pair gathers its expert's matrices, its gated MLP
+    runs by bmm, is weighted and summed over k. A pair whose index is the number of experts adds
+    nothing. ``layout`` as ckpt_ext.moe_experts takes it."""
+    f = ACTIVATION_REF[activation]
+    gated, tr = not layout.startswith("ungated"), layout.endswith("_transposed")
+    H, K, E = x.shape[-1], top_k_index.shape[-1], gate_up.shape[0]
+    xf = x.reshape(-1, H)
+    pairs = top_k_index.reshape(-1).long()
+    routed = (pairs < E).unsqueeze(1)
+    e = pairs.clamp(max=E - 1)
+    linear = lambda w: w[e].transpose(1, 2) if tr else w[e]  # (S, out, in) per pair
+    z = torch.bmm(linear(gate_up), xf.repeat_interleave(K, 0).unsqueeze(-1)).squeeze(-1)
+    if gate_up_bias is not None:
+        z = z + gate_up_bias[e]
+    if gated:
+        g, u = (z[:, 0::2], z[:, 1::2]) if "interleaved" in layout else z.chunk(2, dim=-1)
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+        h = f(g) * (u + up_offset)
+    else:
+        h = f(z)
+    y = torch.bmm(linear(down), h.unsqueeze(-1)).squeeze(-1)
+    if down_bias is not None:
+        y = y + down_bias[e]
+    y = torch.where(routed, y * top_k_weights.reshape(-1, 1), 0.0)
+    return y.view(-1, K, y.shape[-1]).sum(1).to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def moe_inputs(lead, hidden, inter, experts, top_k, dtype, layout="concatenated", out=None,
+               bias=(True, True), device="cpu", seed=0, experts_used=None):
+    """(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, grad_out) for
+    ckpt_ext.moe_experts: x (*lead, hidden) ~ N(0, 1); each token's top_k distinct experts drawn
+    from ``experts_used`` (default: all ``experts``), weights softmax-normalised as a router's;
+    expert weights ~ N(0, 1/in) stored as ``layout`` stores them, biases ~ N(0, 1/4) where
+    ``bias`` (gate_up's, down's) says; grad_out ~ N(0, 1). Drawn in float32 on the CPU, then
+    cast."""
+    out = hidden if out is None else out
+    gated, tr = not layout.startswith("ungated"), layout.endswith("_transposed")
+    width = 2 * inter if gated else inter
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, hidden, generator=g)
+    used = torch.arange(experts) if experts_used is None else torch.tensor(experts_used)
+    scores = torch.rand(*lead, len(used), generator=g)
+    top_k_index = used[scores.topk(top_k, dim=-1).indices]
+    top_k_weights = torch.randn(*lead, top_k, generator=g).softmax(-1)
+    gate_up = torch.randn(experts, width, hidden, generator=g) / max(hidden, 1) ** 0.5
+    down = torch.randn(experts, out, inter, generator=g) / max(inter, 1) ** 0.5
+    if tr:
+        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    gate_up_bias = torch.randn(experts, width, generator=g) * 0.5 if bias[0] else None
+    down_bias = torch.randn(experts, out, generator=g) * 0.5 if bias[1] else None
+    gy = torch.randn(*lead, out, generator=g)
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)
+    return (cast(x), top_k_index.to(device), cast(top_k_weights), cast(gate_up), cast(down),
+            cast(gate_up_bias), cast(down_bias), cast(gy))
+
+
+def moe_run(fn, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gy,
+            **kw):
+    """[out, grad_x, grad_top_k_weights, grad_gate_up, grad_down, grad_gate_up_bias,
+    grad_down_bias] of fn(...) through autograd (None where a bias is None)."""
+    leaves = [t if t is None else t.detach().requires_grad_()
+              for t in (x, top_k_weights, gate_up, down, gate_up_bias, down_bias)]
+    x, top_k_weights, gate_up, down, gate_up_bias, down_bias = leaves
+    out = fn(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, **kw)
+    present = [t for t in leaves if t is not None]
+    it = iter(torch.autograd.grad(out, present, gy))
+    return [out.detach()] + [None if t is None else next(it) for t in leaves]
+
+
+def moe_grads(*inputs, activation, layout, **kw):
+    """moe_run of ckpt_ext.moe_experts, on the inputs' device and dtype."""
+    import ckpt_ext
+    fn = lambda x, i, w, gu, d, gub, db: ckpt_ext.moe_experts(
+        x, i, w, gu, d, activation=activation, gate_up_bias=gub, down_bias=db, layout=layout, **kw)
+    return moe_run(fn, *inputs)
+
+
+def moe_ref_grads(*inputs, activation, layout, **kw):
+    """The same by moe_ref in float64 on the CPU."""
+    d = lambda t: None if t is None else (t.cpu() if not t.is_floating_point()
+                                          else t.detach().double().cpu())
+    fn = lambda *a: moe_ref(*a, activation, layout, **kw)
+    return moe_run(fn, *(d(t) for t in inputs))

@@ -208,7 +208,7 @@ def pack_width(names, kernel):
 # build facts (any machine)
 
 OPS = ("mlp", "mlp_backward", "linear_tanh_backward_from_output",
-       "linear_tanh_backward_from_output_backward")
+       "linear_tanh_backward_from_output_backward", "moe_experts", "moe_experts_backward")
 
 
 def test_every_op_has_cpu_cuda_and_meta_kernels():
