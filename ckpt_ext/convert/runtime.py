@@ -30,7 +30,7 @@ __all__ = ["Slot"]  # a run's slots pickle as facts.Slot; pickles may name it he
 
 class _Region(threading.local):
     """A run's region, per thread: [the next member, the tensor it must receive, the state of an
-    enclosing call] inside its owner's forward; None outside it."""
+    enclosing call]; None outside the owner's forward."""
     state: Optional[list] = None
 
 
@@ -148,8 +148,7 @@ class _Run:
             raise RuntimeError(self._strayed(state[0], "the forward returned"))
 
     def turn(self, index: int, x: Any) -> Optional[list]:
-        """The region's state if member ``index`` is to take its part in the run now (the first
-        member: compute it; a later one: pass ``x`` on), else None: compute its own output."""
+        """The region's state if member ``index`` is to take its part in the run now, else None."""
         state = self._region.state
         if state is None:
             return None
@@ -184,9 +183,8 @@ class _Run:
 
 
 class _PlaceholderRun(_Run):
-    """A unit whose owner's forward computes something between its Linear members: inside the
-    region the first member computes the whole op and returns a zero-width placeholder of x's
-    rows, on which the code between runs at no cost; the last member returns the op's output."""
+    """A unit whose forward computes something between its Linears: the first member computes it
+    and returns a zero-width placeholder, on which that code runs; the last returns the output."""
 
     def _conditions(self):
         yield from GLOBAL
@@ -231,8 +229,7 @@ class _PlaceholderRun(_Run):
 
 
 class _GatedRun(_PlaceholderRun):
-    """A gated MLP, ``down(act(gate(x)) * up(x))``, computed by ``gated_mlp``; the up projection
-    is called with the gate's very input."""
+    """A gated MLP, ``down(act(gate(x)) * up(x))``, computed by ``gated_mlp``."""
 
     def __init__(self, labels, members, gate: nn.Linear, up: Optional[nn.Linear], down: nn.Linear,
                  activation: str, act_module: Optional[nn.Module], dropouts, gate_second: bool,
@@ -288,8 +285,7 @@ class InlineDrop(NamedTuple):
 
 
 class _InlineRun(_PlaceholderRun):
-    """A run ``Linear, act, [Dropout ...], Linear, ...`` with function calls between its Linears;
-    ``acts``: (module, label, name) of each activation that is a child module."""
+    """A run with function calls between its Linears; ``acts``: its activation modules'."""
 
     def __init__(self, labels, members, activation: LayerActivations, acts, drops, slots, unhooked,
                  owner: nn.Module, calls, decision: Optional[Decision] = None) -> None:
@@ -328,8 +324,7 @@ def _is_placeholder(h: Any, x: torch.Tensor) -> bool:
 
 
 def _as_layer_would(x: Any, layer: nn.Module, weight: torch.Tensor) -> None:
-    """Input the run's first Linear would refuse raises what the unfused call raises (F.linear's
-    RuntimeError), not the op's own errors, which name arguments the user never passed."""
+    """Input the first Linear would refuse raises its error, not the op's (naming its arguments)."""
     if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] == weight.shape[1] and \
             x.device == weight.device and (x.dtype == weight.dtype or
                                            torch.is_autocast_enabled(x.device.type)):
@@ -345,8 +340,8 @@ class PartRole(str, enum.Enum):
 
 
 class _RunPart:
-    """The consecutive elements ``names`` of one FusedSequential that a run covers, and its
-    ``role``; ``alone``: the stretch of them a FIRST/ON part computes outside the owner's run."""
+    """The elements ``names`` of a FusedSequential a run covers; ``alone``: what a FIRST/ON part
+    computes fused outside the owner's run."""
 
     def __init__(self, run: _Run, names: Sequence[str], role: PartRole, index: int,
                  before: Sequence[Tuple[nn.Module, Tuple[str, ...]]],
@@ -405,8 +400,7 @@ def _elements(steps: Sequence[Tuple[nn.Module, Tuple[str, ...]]], x: torch.Tenso
 
 class FusedSequential(nn.Sequential):
     """The class fuse sets on the user's own ``nn.Sequential`` (same object, elements and keys):
-    each of its runs computes through one fused op while its conditions hold. A slice is a
-    FusedSequential without runs."""
+    each run computes through one fused op while its conditions hold."""
 
     _ckpt_ext_base = nn.Sequential
     _ckpt_ext_runs: Tuple[_RunPart, ...] = ()
@@ -437,8 +431,7 @@ class FusedSequential(nn.Sequential):
 
 
 class RunMember:
-    """Mixed into the class of a module that is a member of a run (:func:`member_class`): inside
-    the owner's forward it takes its part in the run; called any other way it is its class."""
+    """Mixed into a run member's class: inside the owner's forward it takes its part in the run."""
 
     _ckpt_ext_run: Optional[_Run] = None
     _ckpt_ext_index: int = 0
@@ -513,8 +506,7 @@ def _named(cls: type) -> bool:
 
 class _OwnerForward(SetByFuse):
     """The forward (or ``method``) fuse sets on an owner's instance: while every guard holds, the
-    class's method (or the rewritten ``source``) inside the regions of its runs; else the class's
-    method as it is. Pickles and deep-copies by its source."""
+    class's method (or the rewritten ``source``) in the regions of its runs; else the class's."""
 
     def __init__(self, owner: nn.Module, runs: Sequence[_Run] = (),
                  guards: Sequence[_Guard] = (), source: Optional[str] = None,
@@ -568,8 +560,7 @@ MISSING = object()
 
 
 class _Guard(NamedTuple):
-    """An attribute of the module at ``path`` (from the owner) the analysed forward read, and the
-    value it read; ``same`` compares by identity, else by type and value."""
+    """An attribute the analysed forward read, and its value (``same``: compared by identity)."""
     path: str
     name: str
     value: Any
@@ -589,8 +580,7 @@ class _Guard(NamedTuple):
 
 
 class _ArgGuard(NamedTuple):
-    """What the analysed forward assumed of its arguments (arguments.py): each of ``given`` is not
-    None (``order``: what positional arguments bind), at most ``positional`` positionally."""
+    """What the analysed forward assumed of its arguments: each of ``given`` is not None."""
     names: frozenset
     positional: int
     given: Tuple[str, ...] = ()
