@@ -49,8 +49,7 @@ def _stored_attr(root: nn.Module, target: str) -> Any:
 
 def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rewrite: bool,
                    taken: set) -> ForwardChains:
-    """Chains in one module's graph that hold a function call or a Linear held in a list: to
-    rewrite (``rewrite`` and the forward can be rewritten), else near misses."""
+    """The chains of one forward that hold a function call or a Linear held in a list."""
     facts = graph.nodes
     kind = {n: None if n in taken else facts[n].kind for n in t.graph.nodes}
     where = path or "<model>"
@@ -162,8 +161,7 @@ class Rewrite(UnitKind):
 
 def _rewritten(owner: nn.Module, traced: fx.Graph, nodes: Dict[fx.Node, NodeFact],
                units: Sequence[Unit], counts: Sequence[Tuple[str, str, int]] = ()) -> str:
-    """The source of ``owner``'s forward with each unit's nodes replaced by one fused call, which
-    first adds to each count (path, name, delta) what a call of the class's forward adds."""
+    """``owner``'s forward with each unit one fused call, replaying each count's delta."""
     graph = fx.Graph()
     copied: Dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(traced, copied))
