@@ -42,9 +42,8 @@ class Fate(NamedTuple):
 
 
 class Crossing(NamedTuple):
-    """A module a value enters or leaves (``out``) on its way to a consumer, which ``caller``
-    calls ``target``, ``calls`` times; ``strict``: entered as a call's one argument (no keywords,
-    its forward's arity matching), or left for a caller that was analysed."""
+    """A module a value enters or leaves (``out``), which ``caller`` calls ``target``; ``strict``:
+    entered as a call's one argument (its forward's arity), or left for an analysed caller."""
     module: nn.Module
     out: bool
     caller: nn.Module
@@ -56,9 +55,8 @@ class Crossing(NamedTuple):
 
 
 class Use(NamedTuple):
-    """One consumer of a value: ``at``, an element index of the Sequential ``owner`` or a node of
-    its forward, calling ``module`` (None: an op or an output) on ``value``; ``owner`` None: the
-    model returns it, or, with ``why``, nothing is known of where it goes."""
+    """A consumer of a value: ``at``, an element of the Sequential ``owner`` or a node of its
+    forward, calling ``module``; ``owner`` None: the model returns it, or (``why``) unknown."""
     owner: Optional[nn.Module]
     at: Any
     module: Optional[nn.Module]
@@ -195,9 +193,8 @@ class ModelGraph:
     # -- where a value goes: the one walker across module boundaries ---------------------------
     def users(self, owner: nn.Module, at: Any, crossed: Tuple[Crossing, ...] = (),
               entered: Tuple[Tuple[nn.Module, Any], ...] = (), depth: int = 0) -> List[Use]:
-        """The consumers of the value at ``at`` of ``owner`` (a node of its forward, or its
-        element ``at`` for a Sequential), into and out of the modules it goes through (entered
-        by the calls ``entered``, else left where the module's caller sends it)."""
+        """The consumers of the value at ``at`` of ``owner`` (a node, or a Sequential's element),
+        into and out of the modules it goes through (back by the calls ``entered``)."""
         if depth > 64:
             return [Use(None, None, None, at, crossed, "the chain of users is too deep to follow")]
         if self.facts[id(owner)].sequential:
@@ -401,8 +398,8 @@ class ModelGraph:
     # -- where a layer's output goes next: the one call receiving it ------------------------------
     def follow(self, calls: Sequence[LayerCall]) -> \
             Dict[LayerCall, Tuple[Optional[LayerCall], Optional[str], Tuple[Slot, ...]]]:
-        """For each of ``calls``: (the one of them that is the only consumer of its output, why a
-        run may not take that step or None, the Identity and Dropout modules stepped over)."""
+        """For each call: (the one of them consuming its output alone, why a run may not take
+        that step, the Identity and Dropout modules stepped over)."""
         at = {(id(s.container), s.index if s.node is None else s.node): s for s in calls}
         return {s: self._next(s, at) for s in calls}
 
