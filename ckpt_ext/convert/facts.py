@@ -97,8 +97,7 @@ def tensors_per_layer(name: str) -> int:
 
 
 def module_tensors(m: Optional[nn.Module], name: Optional[str]) -> int:
-    """:func:`tensors_per_layer` for an activation as module ``m``'s class computes it (a formula
-    of several ops keeps more than the one op), or as a call (``m`` None)."""
+    """:func:`tensors_per_layer` as module ``m``'s class computes it (``m`` None: a call)."""
     if name is None:
         return 0
     if m is not None:
@@ -190,8 +189,7 @@ def one_dtype_device(layers: Sequence[nn.Module], labels: Sequence[str]) -> Cond
 
 
 def mask_inside(m: nn.Module, label: str, item: int) -> Condition:
-    """A Dropout after ``item`` (Linear j is item 2j) that returns its input or follows an
-    activation, where the unit draws its mask."""
+    """A Dropout after ``item`` that returns its input, or follows an activation (odd item)."""
     return Condition(lambda: passes_through(m) or item % 2 == 1,
                      lambda: f"{label} (Dropout, p={m.p}) draws a mask in training between a "
                              f"Linear and its activation, which the fused run does not compute")
