@@ -1,11 +1,9 @@
-"""Applying a plan to the user's model, in place: each unit's run is made by its kind (or the one
-an earlier fuse put in place is kept), its child members get their member class, each
-Sequential exactly its parts, each owner an :class:`_OwnerForward` with its runs, guards and
-rewritten source; what an earlier fuse put in place and this plan no longer holds is undone.
-:func:`undo_all` takes everything fuse put in place out again (``ckpt_ext.unfuse``)."""
+"""Applying a plan to the user's model, in place: each unit's run (or the one an earlier fuse put
+in place), its members' classes, each Sequential's parts, each owner's :class:`_OwnerForward`;
+what the plan no longer holds is undone. :func:`undo_all` takes it all out (``unfuse``)."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import List
 
 from torch import nn
 
@@ -13,22 +11,19 @@ from ..modules import collapse_activations
 from .graph import ModelGraph
 from .planning import Plan
 from .plain import PLAIN
-from .runtime import (FusedSequential, PartRole, RunLinear, RunMember, _Guard, _OwnerForward,
-                      _Run, _RunPart, member_class)
+from .runtime import FusedSequential, PartRole, RunMember, _OwnerForward, _Run, _RunPart, \
+    member_class
 from .units import Placement
 
 
 def _parts(graph: ModelGraph, p: Placement, run: _Run) -> List[tuple]:
-    """(Sequential, part) for each Sequential the unit covers; a member Sequential's part
-    computes its own stretch of the run fused when it is called on its own (``alone``)."""
+    """(Sequential, part) for each Sequential the unit covers, with what it computes ``alone``."""
     parts = []
-    for seq, names, role, index, before, after in p.parts:
-        part = _RunPart(run, names, role, index, before, after)
-        alone = p.alone.get(id(seq))
-        if alone:
-            own = Placement("sequential", "", alone,
-                            collapse_activations([s.activation for s in alone[1::2]]), False,
-                            PLAIN, sequences=[seq])
+    for seq, *fields in p.parts:
+        part = _RunPart(run, *fields)
+        if alone := p.alone.get(id(seq)):
+            own = Placement("sequential", "", alone, collapse_activations(
+                [s.activation for s in alone[1::2]]), False, PLAIN, sequences=[seq])
             part.alone = _RunPart(PLAIN.runtime(graph, own, None), [s.name for s in alone],
                                   PartRole.WHOLE, 0, (), ())
         parts.append((seq, part))
@@ -37,9 +32,8 @@ def _parts(graph: ModelGraph, p: Placement, run: _Run) -> List[tuple]:
 
 def _set_parts(seq: nn.Module, parts: List[_RunPart]) -> None:
     """Give seq exactly these parts (in element order); leave it as it is if it has them."""
-    if [p.key for p in getattr(seq, "_ckpt_ext_runs", ())] == [p.key for p in parts]:
-        return
-    if not parts and type(seq) is nn.Sequential:
+    if [p.key for p in getattr(seq, "_ckpt_ext_runs", ())] == [p.key for p in parts] or \
+            not parts and type(seq) is nn.Sequential:
         return
     order = {name: i for i, name in enumerate(seq._modules)}
     if type(seq) is nn.Sequential:
@@ -48,12 +42,9 @@ def _set_parts(seq: nn.Module, parts: List[_RunPart]) -> None:
 
 
 def apply_plan(graph: ModelGraph, plan: Plan) -> None:
-    """Put the planned units in place (keeping runs already in place as they are), undo the runs
-    of an earlier fuse that are no longer planned, and set each owner's forward."""
-    parts: Dict[int, List[_RunPart]] = {}
-    owner_runs: Dict[int, List[_Run]] = {}
-    crossed_guards: Dict[int, List[_Guard]] = {}
-    sources: Dict[int, str] = {}
+    """Put the planned units in place, undo those no longer planned, set each owner's forward."""
+    # by id: each Sequential's parts, each owner's runs, guards of the forwards they cross, source
+    parts, owner_runs, crossed_guards, sources = {}, {}, {}, {}
     members, classes = set(), {}
     for p, d, run in plan.placed:
         if p.source is not None:
@@ -74,7 +65,7 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
             kept = crossed_guards.setdefault(id(p.owner), [])
             kept += [g for g in p.guards if g not in kept]
     for m in graph.model.modules():
-        if isinstance(m, (RunLinear, RunMember)) and id(m) not in members:
+        if isinstance(m, RunMember) and id(m) not in members:
             m.__class__ = type(m)._ckpt_ext_base
             for name in ("_ckpt_ext_run", "_ckpt_ext_index"):
                 vars(m).pop(name, None)
@@ -100,11 +91,9 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
 
 
 def undo_all(model: nn.Module) -> None:
-    """Every module fuse changed gets back its class (``RunLinear`` -> ``nn.Linear``, a member
-    class -> its activation class, ``FusedSequential`` -> ``nn.Sequential``) and loses the
-    attributes fuse set (its run, its place in it, the forward or method set on its instance)."""
+    """Every module fuse changed gets back its class and loses the attributes fuse set."""
     for m in model.modules():
-        if isinstance(m, (RunLinear, RunMember)):
+        if isinstance(m, RunMember):
             m.__class__ = type(m)._ckpt_ext_base
         elif isinstance(m, FusedSequential):
             m.__class__ = nn.Sequential
