@@ -1,6 +1,5 @@
-"""What every kind of unit is to the planning loop: one protocol (:class:`UnitKind`, one file per
-kind) and the :class:`Placement` a unit hands to applying; :class:`RegionKind`, what the kinds
-computed in an owner's region from the child Linears it calls share."""
+"""What every kind of unit is to the planning loop: the :class:`UnitKind` protocol, the
+:class:`Placement` a unit hands to applying, and what region kinds share."""
 from __future__ import annotations
 
 import dataclasses
@@ -60,14 +59,6 @@ class Placement:
     passes: List[Tuple[Slot, int]] = field(default_factory=list)  # (Identity/Dropout, after k)
     note: str = ""
     source: Optional[str] = None
-
-    @property
-    def key(self) -> Tuple[Any, ...]:
-        """The ``key`` of the runtime object that computes exactly this unit."""
-        return self.kind.key(self)
-
-    def part_keys(self) -> List[Tuple[nn.Module, Tuple[Any, ...]]]:
-        return [(part.seq, (part.names, part.role, part.index, self.key)) for part in self.parts]
 
 
 class UnitKind:
