@@ -1,6 +1,5 @@
-"""Every Linear accounted for: for each ``nn.Linear`` and transformers ``Conv1D`` that no decision
-of the plan names, why no run starts or goes through it (the pattern the analysis saw and what
-stopped it), read from the analysis only. Design: docs/converter.md, "What the report lists"."""
+"""Every Linear accounted for: why no run starts at or goes through each Linear no decision names,
+read from the analysis only. Design: docs/converter.md, "What the report lists"."""
 from __future__ import annotations
 
 import operator
@@ -80,8 +79,7 @@ def _in_sequential(seq: nn.Module, spath: str, name: str) -> Optional[str]:
     return None
 
 
-def _in_graph(graph: ModelGraph, owner: nn.Module, caller: str, t: Trace,
-              target: str) -> Optional[str]:
+def _in_graph(graph: ModelGraph, owner: nn.Module, caller: str, t: Trace, target: str):
     calls = graph.calls_of(owner, target)
     if len(calls) != 1:
         return f"{caller}.{t.method} calls it {len(calls)} times"
