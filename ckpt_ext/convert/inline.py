@@ -1,13 +1,12 @@
-"""The inline kind: a run whose forward calls functions between its child Linears (an activation
-function, ``F.dropout``: nn.TransformerEncoderLayer's ``_ff_block``), computed in the owner's
-region; applied as ``_InlineRun``. Design: docs/converter.md, "Function calls inside a run"."""
+"""The inline kind: a run whose forward calls functions between its child Linears, applied as
+``_InlineRun``. Design: docs/converter.md, "Function calls inside a run"."""
 from __future__ import annotations
 
 import collections
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +37,7 @@ _DROPOUT_CALLS = {F.dropout: DROPOUT_SIGNATURE,
                   torch.dropout: inspect.signature(lambda input, p, train: None)}
 
 
-def _dropout(graph: ModelGraph, n: Optional[fx.Node], x: fx.Node, item: int,
-             evals: Dict[fx.Node, fx.Node]) -> Optional[InlineDrop]:
+def _dropout(graph: ModelGraph, n, x: fx.Node, item: int, evals) -> Optional[InlineDrop]:
     """``n`` as a Dropout of the run taking ``x``: a child ``nn.Dropout`` or ``nn.Identity``, or
     ``F.dropout`` / ``torch.dropout`` with a constant p and training (not in place)."""
     if n is None:
