@@ -115,8 +115,7 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
                      activation=names[0] if len(set(names)) == 1 else ", ".join(names))
         units.append(Unit(chain, a, b, last_act, d))
 
-    def miss(a: int, b: int, kept: Optional[bool], why: str, what: str,
-             layers: Optional[Tuple[str, ...]] = None) -> None:
+    def miss(a: int, b: int, kept: Optional[bool], why: str, what: str, layers=None) -> None:
         freed, extra, plain = figures(a, b, True, kept is None)
         pot = "free nothing" if kept else \
             f"free {freed:,} B/row only if that consumer does not keep it"
@@ -212,8 +211,7 @@ def chain_problem(shapes: Sequence[LayerShape], layers: Sequence[nn.Module]) -> 
     return failing([one_dtype_device(tuple(layers), tuple(s.label for s in shapes))])
 
 
-def mask_bytes(masks: Dict[int, int], layers: Sequence[LayerShape], activations: Sequence[str],
-               on_cuda: bool) -> int:
+def mask_bytes(masks: Dict[int, int], layers: Sequence[LayerShape], activations, on_cuda) -> int:
     """What stock autograd keeps per row for ``masks[k]`` Dropouts drawing after item k."""
     total = 0
     for k, n in masks.items():
