@@ -1,5 +1,4 @@
-"""What ``fuse`` says it did: one :class:`Decision` per run or pair of Linear/activation layers
-(fused, already fused, or left alone, with its activation, bytes freed and FLOPs added per row),
+"""What ``fuse`` says it did: one :class:`Decision` per run or pair of Linear/activation layers,
 gathered in a :class:`FuseReport`; ``fuse`` returns ``Fused(model, report)``."""
 from __future__ import annotations
 
