@@ -1,7 +1,5 @@
-"""The rewrite kind (``rewrite=True``): chains in a forward's code that hold a function call
-(``F.linear``, ``torch.tanh``, ...) or a Linear held in a list, fused by the forward's code
-generated from its graph when the plan is made, each unit one fused call; without
-``rewrite=True``, or where a forward cannot be rewritten, they are near misses."""
+"""The rewrite kind (``rewrite=True``): chains holding a function call or a Linear held in a list,
+fused by generating the forward's code from its graph; otherwise near misses."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +12,7 @@ from torch.nn.utils import parametrize
 
 from ..modules import as_mlp_argument
 from .. import ops
-from .facts import (LayerKind, NodeFact, is_conv1d, linear_args, module_tensors,
-                    unsupported_reason)
+from .facts import LayerKind, is_conv1d, linear_args, module_tensors, unsupported_reason
 from .graph import ModelGraph
 from .policy import Chain, LayerShape, Unit, decide, item_misses
 from .report import Decision
@@ -47,8 +44,7 @@ def _stored_attr(root: nn.Module, target: str) -> Any:
     return getattr(obj, name)
 
 
-def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rewrite: bool,
-                   taken: set) -> ForwardChains:
+def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rewrite: bool, taken):
     """The chains of one forward that hold a function call or a Linear held in a list."""
     facts = graph.nodes
     kind = {n: None if n in taken else facts[n].kind for n in t.graph.nodes}
@@ -141,8 +137,7 @@ class Rewrite(UnitKind):
         decided = [decide(chain, options.policy) for chain in f.chains]
         return [u for us, _ in decided for u in us], [d for _, ds in decided for d in ds] + f.misses
 
-    def place(self, graph: ModelGraph, f: ForwardChains, units: Sequence[Unit],
-              misses: Sequence[Decision]):
+    def place(self, graph: ModelGraph, f: ForwardChains, units: Sequence[Unit], misses):
         if not units:
             return [(d, None) for d in misses]
         try:
@@ -159,8 +154,7 @@ class Rewrite(UnitKind):
         return ("rewrite", p.owner)
 
 
-def _rewritten(owner: nn.Module, traced: fx.Graph, nodes: Dict[fx.Node, NodeFact],
-               units: Sequence[Unit], counts: Sequence[Tuple[str, str, int]] = ()) -> str:
+def _rewritten(owner: nn.Module, traced: fx.Graph, nodes, units: Sequence[Unit], counts=()) -> str:
     """``owner``'s forward with each unit one fused call, replaying each count's delta."""
     graph = fx.Graph()
     copied: Dict[fx.Node, fx.Node] = {}
