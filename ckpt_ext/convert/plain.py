@@ -1,6 +1,5 @@
-"""The plain kind: runs of Linear/activation module calls (Sequentials' elements, children a
-forward calls, across both), computed by the Sequential holding the run or in the forward of its
-lowest common caller; applied as ``_Run``. Design: docs/converter.md, "Where a run is computed"."""
+"""The plain kind: runs of Linear/activation module calls, computed by a Sequential or in their
+lowest common caller's forward, applied as ``_Run``. Design: docs/converter.md."""
 from __future__ import annotations
 
 import collections
@@ -9,7 +8,6 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..modules import LayerActivations
 from .facts import (LayerKind, own_forward, Slot, failing, join_path, module_tensors,
                     passes_through, passing_name, stored_weight)
 from .graph import Fate, LayerCall, ModelGraph
@@ -21,8 +19,7 @@ from .units import MemberPlan, Options, PartPlan, Placement, UnitKind, arguments
 
 
 class Run(NamedTuple):
-    """A maximal run of layer calls ``Linear, Act, Linear, ...``; ``through[call]``: the Identity
-    and Dropout modules after a call; ``stop``: why it does not go on after its last call."""
+    """A maximal run of layer calls ``Linear, Act, Linear, ...``, and why it ``stop``s there."""
     calls: List[LayerCall]
     through: Dict[LayerCall, Tuple[Slot, ...]]
     stop: Optional[str]
@@ -91,8 +88,7 @@ class Plain(UnitKind):
             misses += sub_misses
         return units, misses
 
-    def place(self, graph: ModelGraph, run: Run, units: Sequence[Unit],
-              misses: Sequence[Decision]):
+    def place(self, graph: ModelGraph, run: Run, units: Sequence[Unit], misses):
         """In call order: each unit placed, and the near misses where their layers are held."""
         placed: List[Tuple[Decision, Optional[Placement]]] = [(d, None) for d in misses]
         for u in units:
@@ -160,8 +156,7 @@ def _through(passes: Sequence[Tuple[Slot, int]]) -> str:
             "; a call in which one of them draws a mask fuse cannot draw computes module by module")
 
 
-# ------------------------------------------------------------------------------------------------
-# Where a unit of module calls is computed
+# -- Where a unit of module calls is computed ------------------------------------------------------
 
 def _ancestry(graph: ModelGraph, layer_calls: Sequence[LayerCall]):
     """Each call's containers upward (each held at one place), and the lowest one they share."""
@@ -207,11 +202,9 @@ def _after(steps):
                  for seq, name in reversed(steps) if name != list(seq._modules)[-1])
 
 
-def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
-               activation: LayerActivations, last_act: bool,
-               between: Sequence[Sequence[Slot]] = ()) -> Optional[Placement]:
-    """Where the unit of these calls is computed: by the Sequential holding them all, or in the
-    forward of their lowest common caller, whose calls (and ``between[i]``) become members."""
+def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall], activation,
+               last_act: bool, between: Sequence[Sequence[Slot]] = ()) -> Optional[Placement]:
+    """Where the unit is computed: by a Sequential holding it all, or in its lowest caller."""
     chains, lca = _ancestry(graph, layer_calls)
     if lca is None:
         return None
@@ -297,8 +290,7 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
 
 
 def _alone(seq: nn.Module, layer_calls: Sequence[LayerCall]) -> Optional[List[LayerCall]]:
-    """The longest stretch Linear..Linear of the run's layers that are consecutive elements of
-    ``seq``, with two Linears at least: what seq computes fused on its own."""
+    """The longest stretch Linear..Linear of the run's layers that are elements of ``seq``."""
     best, stretch = [], []
     for s in list(layer_calls) + [None]:
         mine = s is not None and s.node is None and s.container is seq
