@@ -1,7 +1,5 @@
-"""What ``fuse`` leaves inside users' models, and so in their pickles (which name these classes at
-``ckpt_ext.convert.runtime``): the classes set on the user's own modules, the runs they share,
-checking their conditions (facts.py) at every call, and the forward set on an owner with its
-guards. Design: docs/converter.md, "Where a run is computed"."""
+"""What ``fuse`` leaves inside users' models, and so in their pickles, which name these classes at
+``ckpt_ext.convert.runtime``. Design: docs/converter.md, "Where a run is computed"."""
 from __future__ import annotations
 
 import copy
@@ -19,8 +17,8 @@ from .. import ops
 from ..modules import LayerActivations, as_mlp_argument, each_layer
 from .. import _dropout_autograd as dropout_unit
 from .facts import (GLOBAL, computes, elements, mask_inside, masks_drawable, no_hooks, of_class,
-                    own_forward, SetByFuse, Slot, base_type, conv1d_class, failing, join_path,
-                    linear_weight, of_weights, passes_through)
+                    own_forward, SetByFuse, Slot, base_type, conv1d_class, failing, is_conv1d,
+                    join_path, of_weights, passes_through)
 
 if TYPE_CHECKING:
     from .report import Decision
@@ -80,11 +78,9 @@ class _Run:
 
     def _conditions(self):
         yield from GLOBAL
-        for m, label in zip(self.key[0], self.labels):
-            yield own_forward(m, label)
+        yield from (own_forward(m, label) for m, label in zip(self.key[0], self.labels))
         yield from self._placement()
-        for m, label, name in zip(self.key[0][1::2], self.labels[1::2], self.activations):
-            yield computes(m, label, name)
+        yield from map(computes, self.key[0][1::2], self.labels[1::2], self.activations)
         for m, label, k in self.passes:
             yield from (own_forward(m, label), no_hooks(m, label), mask_inside(m, label, k))
         yield masks_drawable(self)
@@ -130,7 +126,7 @@ class _Run:
         return _by_item((k, m.p) for m, _, k in self.passes if not passes_through(m))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weights = [linear_weight(layer) for layer in self.layers]
+        weights = [lin.weight.t() if is_conv1d(lin) else lin.weight for lin in self.layers]
         biases = [layer.bias for layer in self.layers]
         _as_layer_would(x, self.layers[0], weights[0])
         if masks := self.masks():
@@ -167,11 +163,10 @@ class _Run:
     def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
         """What member ``index`` returns when it takes its part now, else None."""
         state = self.turn(index, x)
-        if state is not None:
-            x = self(x) if index == 0 else x
-            state[0], state[1] = index + 1, x
-            return x
-        return None
+        if state is None:
+            return None
+        state[0], state[1] = index + 1, self(x) if index == 0 else x
+        return state[1]
 
     def _strayed(self, expected: int, event: str) -> str:
         owner = self.calls and (self.decision.where if self.decision else "") or ""
@@ -188,8 +183,7 @@ class _PlaceholderRun(_Run):
 
     def _conditions(self):
         yield from GLOBAL
-        for m, label in self.unhooked:
-            yield own_forward(m, label)
+        yield from (own_forward(m, label) for m, label in self.unhooked)
         yield from self._placement()
         yield from self._own()
         yield masks_drawable(self)
@@ -219,9 +213,8 @@ class _PlaceholderRun(_Run):
             state[0], state[1] = index + 1, out
             return out
         if 0 < expected <= last:
-            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called" +
-                                             (" with another value" if expected == index
-                                              else "")))
+            other = " with another value" if expected == index else ""
+            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called{other}"))
         return None
 
     def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
@@ -295,8 +288,7 @@ class _InlineRun(_PlaceholderRun):
         self.acts, self.drops = tuple(acts), tuple(drops)
 
     def _own(self):
-        for m, label, name in self.acts:
-            yield computes(m, label, name)
+        yield from (computes(m, label, name) for m, label, name in self.acts)
         for d in self.drops:
             if d.module is not None:
                 yield of_class(d.module, d.label, (nn.Dropout, nn.Identity))
@@ -343,9 +335,7 @@ class _RunPart:
     """The elements ``names`` of a FusedSequential a run covers; ``alone``: what a FIRST/ON part
     computes fused outside the owner's run."""
 
-    def __init__(self, run: _Run, names: Sequence[str], role: PartRole, index: int,
-                 before: Sequence[Tuple[nn.Module, Tuple[str, ...]]],
-                 after: Sequence[Tuple[nn.Module, Tuple[str, ...]]]) -> None:
+    def __init__(self, run: _Run, names, role: PartRole, index: int, before, after) -> None:
         self.run, self.names, self.role, self.index = run, tuple(names), role, index
         self.before, self.after = tuple(before), tuple(after)
         self.alone: Optional["_RunPart"] = None
@@ -481,14 +471,11 @@ _MEMBER_CLASSES: Dict[type, type] = {nn.Linear: RunLinear, nn.Tanh: RunTanh}
 def member_class(cls: type) -> type:
     """The class fuse gives a member of class ``cls``: a subclass made once per class."""
     base = getattr(cls, "_ckpt_ext_base", cls)
-    sub = _MEMBER_CLASSES.get(base)
-    if sub is None:
-        name = f"Run{base.__name__}"
-        mixin = RunMember if conv1d_class(base) else RunActivation
-        sub = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name,
-                                         "_ckpt_ext_base": base})
-        _MEMBER_CLASSES[base] = sub
-    return sub
+    if base not in _MEMBER_CLASSES:
+        name, mixin = f"Run{base.__name__}", RunMember if conv1d_class(base) else RunActivation
+        _MEMBER_CLASSES[base] = type(name, (mixin, base), {
+            "__module__": __name__, "__qualname__": name, "_ckpt_ext_base": base})
+    return _MEMBER_CLASSES[base]
 
 
 def _new_member(base: type, *args: Any) -> nn.Module:
@@ -508,9 +495,8 @@ class _OwnerForward(SetByFuse):
     """The forward (or ``method``) fuse sets on an owner's instance: while every guard holds, the
     class's method (or the rewritten ``source``) in the regions of its runs; else the class's."""
 
-    def __init__(self, owner: nn.Module, runs: Sequence[_Run] = (),
-                 guards: Sequence[_Guard] = (), source: Optional[str] = None,
-                 method: str = "forward", arg_guard: Optional["_ArgGuard"] = None) -> None:
+    def __init__(self, owner: nn.Module, runs=(), guards=(), source: Optional[str] = None,
+                 method: str = "forward", arg_guard: Optional[_ArgGuard] = None) -> None:
         self.owner, self.runs, self.guards, self.source = owner, tuple(runs), tuple(guards), source
         self.method, self.arg_guard = method, arg_guard
         self._fn = None
