@@ -1,7 +1,5 @@
-"""What fuse knows of modules and calls (:func:`survey` of every module, :func:`node_facts` of
-every node of a traced forward, what an op does with its input), and the *conditions* that must
-hold of them: objects that check and describe themselves, which fuse checks once and a run at
-every call. Nothing here evaluates the user's tensors. Design: docs/converter.md."""
+"""What fuse knows of modules and calls, and the conditions (``holds()``, ``describe()``) it checks
+once and a run at every call; nothing here evaluates the user's tensors. See docs/converter.md."""
 from __future__ import annotations
 
 import enum
@@ -60,11 +58,6 @@ def stored_weight(lin: nn.Module) -> Optional[torch.Tensor]:
     return None if w is None or isinstance(w, UninitializedTensorMixin) else w
 
 
-def linear_weight(lin: nn.Module) -> torch.Tensor:
-    """The weight as the ops take it, (out, in): a Conv1D's transposed, a view."""
-    return lin.weight.t() if is_conv1d(lin) else lin.weight
-
-
 def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
     if weight is None:
         return None
@@ -114,8 +107,7 @@ class LayerKind(enum.Enum):
     PASS = "pass"  # an Identity or Dropout between them, a member of a run in its owner's forward
 
 
-# ------------------------------------------------------------------------------------------------
-# Conditions
+# -- Conditions ------------------------------------------------------------------------------------
 
 class Condition(NamedTuple):
     """What must hold for a unit to be computed fused: ``holds()``, and ``describe()`` why not."""
@@ -148,8 +140,7 @@ def no_hooks(m: nn.Module, who: str, because: str = "which the fused op would no
     return Condition(lambda: not has_hooks(m), lambda: f"{who} has hooks, {because}")
 
 
-def elements(seq: nn.Module, label: str, names: Tuple[str, ...],
-             modules: Tuple[nn.Module, ...]) -> Condition:
+def elements(seq: nn.Module, label: str, names: tuple, modules: tuple) -> Condition:
     """A Sequential a unit goes through, with exactly these elements."""
     return Condition(lambda: len(seq._modules) == len(names) and all(
         name == want and m is mod for (name, m), want, mod in
@@ -235,8 +226,7 @@ def linear_problem(lin: nn.Module) -> Optional[str]:
     return failing([no_hooks(lin, "the Linear"), supported(lin)])
 
 
-# ------------------------------------------------------------------------------------------------
-# The survey of a model's modules
+# -- The survey of a model's modules ---------------------------------------------------------------
 
 class Fact(NamedTuple):
     """What fuse knows of one module, read once per fuse()."""
@@ -282,8 +272,7 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# Calls in forward code: what each fx node of a traced forward computes
+# -- What each fx node of a traced forward computes ------------------------------------------------
 
 LINEAR_FUNCTIONS = (F.linear, torch._C._nn.linear)
 _NONE = inspect.Parameter.empty
@@ -310,8 +299,7 @@ class NodeFact(NamedTuple):
     only: Optional[fx.Node]         # its one positional node argument, else None
 
 
-def node_facts(graph: fx.Graph, owner: nn.Module, path: str,
-               facts: Dict[int, Fact]) -> Dict[fx.Node, NodeFact]:
+def node_facts(graph: fx.Graph, owner: nn.Module, path: str, facts) -> Dict[fx.Node, NodeFact]:
     out: Dict[fx.Node, NodeFact] = {}
     for n in graph.nodes:
         kind = found = sub = None
@@ -342,10 +330,7 @@ def node_facts(graph: fx.Graph, owner: nn.Module, path: str,
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# What an op or module does with a tensor it is given: keeps it for backward (a Linear, a
-# matmul), frees it (an add, a Tanh, a .mean()), views it, or only reads its metadata. From the
-# registry's rows (what each activation's backward reads) and the ops' own list.
+# -- What an op or module does with its input: keeps it, frees it, views it, reads its size --------
 
 def _acts(saves_input: bool, field: str) -> set:
     return {getattr(c, "fn", c) for r in REGISTRY.values() if r.saves_input == saves_input
