@@ -165,7 +165,6 @@ def supported(layer: nn.Module) -> Condition:
 
 
 def one_dtype_device(layers: Sequence[nn.Module], labels: Sequence[str]) -> Condition:
-    """Linears whose weights share one dtype and device."""
     def holds() -> bool:
         weights = [stored_weight(layer) for layer in layers]
         return None not in weights and len({(w.dtype, w.device) for w in weights}) == 1
