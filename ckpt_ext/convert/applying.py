@@ -1,6 +1,5 @@
-"""Applying a plan to the user's model, in place: each unit's run (or the one an earlier fuse put
-in place), its members' classes, each Sequential's parts, each owner's :class:`_OwnerForward`;
-what the plan no longer holds is undone. :func:`undo_all` takes it all out (``unfuse``)."""
+"""Applying a plan to the user's model in place, undoing what it no longer holds; :func:`undo_all`
+takes everything fuse put in place out (``unfuse``)."""
 from __future__ import annotations
 
 from typing import List
@@ -11,23 +10,8 @@ from ..modules import collapse_activations
 from .graph import ModelGraph
 from .planning import Plan
 from .plain import PLAIN
-from .runtime import FusedSequential, PartRole, RunMember, _OwnerForward, _Run, _RunPart, \
-    member_class
+from .runtime import FusedSequential, PartRole, RunMember, _OwnerForward, _RunPart, member_class
 from .units import Placement
-
-
-def _parts(graph: ModelGraph, p: Placement, run: _Run) -> List[tuple]:
-    """(Sequential, part) for each Sequential the unit covers, with what it computes ``alone``."""
-    parts = []
-    for seq, *fields in p.parts:
-        part = _RunPart(run, *fields)
-        if alone := p.alone.get(id(seq)):
-            own = Placement("sequential", "", alone, collapse_activations(
-                [s.activation for s in alone[1::2]]), False, PLAIN, sequences=[seq])
-            part.alone = _RunPart(PLAIN.runtime(graph, own, None), [s.name for s in alone],
-                                  PartRole.WHOLE, 0, (), ())
-        parts.append((seq, part))
-    return parts
 
 
 def _set_parts(seq: nn.Module, parts: List[_RunPart]) -> None:
@@ -58,7 +42,13 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
             m.__class__ = classes[type(m)]  # a subclass: same object, parameters and keys
             m._ckpt_ext_run, m._ckpt_ext_index = run, k
             members.add(id(m))
-        for seq, part in _parts(graph, p, run):
+        for seq, *fields in p.parts:  # a member Sequential's also computes its stretch alone
+            part = _RunPart(run, *fields)
+            if alone := p.alone.get(id(seq)):
+                own = Placement("sequential", "", alone, collapse_activations(
+                    [s.activation for s in alone[1::2]]), False, PLAIN, sequences=[seq])
+                part.alone = _RunPart(PLAIN.runtime(graph, own, None), [s.name for s in alone],
+                                      PartRole.WHOLE, 0, (), ())
             parts.setdefault(id(seq), []).append(part)
         if p.owner is not None:
             owner_runs.setdefault(id(p.owner), []).append(run)
@@ -73,7 +63,7 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
             _set_parts(m, parts.get(id(m), []))
         t = graph.trace.get(id(m))
         method = t.method if t is not None else "forward"
-        for name, wrapper in _owner_wrappers(m):
+        for name, wrapper in [(k, v) for k, v in vars(m).items() if isinstance(v, _OwnerForward)]:
             if name != method or (id(m) not in owner_runs and wrapper.source is None):
                 del vars(m)[name]  # a region no run of this plan needs
         fwd = vars(m).get(method)
@@ -99,10 +89,5 @@ def undo_all(model: nn.Module) -> None:
             m.__class__ = nn.Sequential
         for name in ("_ckpt_ext_run", "_ckpt_ext_index", "_ckpt_ext_runs"):
             vars(m).pop(name, None)
-        for name, _ in _owner_wrappers(m):
+        for name in [k for k, v in vars(m).items() if isinstance(v, _OwnerForward)]:
             del vars(m)[name]
-
-
-def _owner_wrappers(m: nn.Module):
-    """(name, wrapper) of the forward and methods fuse set on this instance."""
-    return [(k, v) for k, v in vars(m).items() if isinstance(v, _OwnerForward)]
