@@ -1,12 +1,11 @@
-"""What a forward with optional arguments or ``**kwargs`` does with them, read from its source
-(only handed to children, or only tested against None: traced given, guarded at each call), and
-the stand-in it is traced through. Design: docs/converter.md, "Optional arguments"."""
+"""What a forward does with its optional arguments and ``**kwargs``, read from its source, and the
+stand-in it is traced through. Design: docs/converter.md, "Optional arguments"."""
 from __future__ import annotations
 
 import ast
 import inspect
 import textwrap
-from typing import Callable, List, NamedTuple, Optional, Set, Tuple, Union
+from typing import Callable, NamedTuple, Optional, Set, Tuple, Union
 
 from torch import nn
 
@@ -55,15 +54,20 @@ def plan_arguments(m: nn.Module) -> Union[ArgumentPlan, str]:
         positional = [p.name for p in named if p.kind == p.POSITIONAL_OR_KEYWORD]
         guard = _ArgGuard(frozenset(p.name for p in named), len(positional), tuple(given),
                           tuple(positional))
-    return ArgumentPlan(_stand_in(fn, required + passed), guard)
+    # the stand-in: def _ckpt_ext_traced(self, a, b): return fn(self, a=a, b=b), **kwargs empty
+    names, scope = required + passed, {"_fn": fn}
+    src = (f"def {STAND_IN}(self{''.join(', ' + n for n in names)}):\n"
+           f"    return _fn(self{''.join(f', {n}={n}' for n in names)})\n")
+    exec(compile(src, "<ckpt_ext.fuse stand-in>", "exec", dont_inherit=True), scope)
+    return ArgumentPlan(scope[STAND_IN], guard)
 
 
 def _looked_at(fn: ast.AST, names: Set[str], children: Set[str]) -> Tuple[Set[str], Set[str]]:
     """The names among ``names`` the body uses other than as an argument of a call of a child
     ``self.<child>(...)`` (assigning counts), and those of them it only tests against None."""
     own = fn.args.args[0].arg if fn.args.args else "self"  # what the method calls itself
-    handed: Set[int] = set()  # ids of the Name nodes handed to a child, or tested against None
-    none_tests: Set[int] = set()
+    handed: Set[int] = set()  # ids of the Name nodes handed to a child
+    none_tests: Set[int] = set()  # ... and of those tested against None
     for c in ast.walk(fn):
         if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and \
                 isinstance(c.func.value, ast.Name) and c.func.value.id == own and \
@@ -82,12 +86,3 @@ def _looked_at(fn: ast.AST, names: Set[str], children: Set[str]) -> Tuple[Set[st
                 if id(n) not in none_tests:
                     other.add(n.id)
     return used, used - other
-
-
-def _stand_in(fn: Callable, names: List[str]) -> Callable:
-    """``def _ckpt_ext_traced(self, a, b): return fn(self, a=a, b=b)``: ``**kwargs`` empty."""
-    src = (f"def {STAND_IN}(self{''.join(', ' + n for n in names)}):\n"
-           f"    return _fn(self{''.join(f', {n}={n}' for n in names)})\n")
-    scope = {"_fn": fn}
-    exec(compile(src, "<ckpt_ext.fuse stand-in>", "exec", dont_inherit=True), scope)
-    return scope[STAND_IN]
