@@ -1,6 +1,5 @@
-"""The gated MLP kind: ``down(act(gate(x)) * up(x))`` of one forward's direct child Linears
-(Llama, T5, ...) or of one ``gate_up`` Linear split by ``chunk(2, dim=-1)`` (Phi-3), with any
-``nn.Dropout`` before ``down``; applied as ``_GatedRun``. Design: docs/converter.md."""
+"""The gated MLP kind: ``down(act(gate(x)) * up(x))`` of one forward's child Linears (or of one
+``gate_up`` split by ``chunk``), applied as ``_GatedRun``. Design: docs/converter.md."""
 from __future__ import annotations
 
 import ast
@@ -22,6 +21,7 @@ from .units import InForward, Options, Placement, RegionKind
 
 _PRODUCTS = {operator.mul, torch.mul, "mul", "mul_"}
 _CHUNK = inspect.signature(lambda input, chunks, dim=0: None)
+_CHUNKS = (("call_method", "chunk"), ("call_function", torch.chunk))  # chunk(input, 2, dim=-1)
 
 
 @dataclass(eq=False)
@@ -35,16 +35,6 @@ class GatedCall(InForward):
     dropouts: Tuple[fx.Node, ...] = ()
     packed: bool = False
     gate_second: bool = False
-
-
-def _chunk_input(c: Any) -> Optional[fx.Node]:
-    """The input of ``chunk(input, 2, dim=-1)`` (method or function), else None."""
-    if not isinstance(c, fx.Node) or not ((c.op == "call_method" and c.target == "chunk") or
-                                          (c.op == "call_function" and c.target is torch.chunk)):
-        return None
-    a = bind(c, _CHUNK)
-    return a["input"] if a is not None and a["chunks"] == 2 and a["dim"] == -1 and \
-        isinstance(a["input"], fx.Node) else None
 
 
 def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
@@ -76,7 +66,8 @@ def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
                 y.args[0] is b.args[0] and {y.args[1], b.args[1]} == {0, 1}):
             return None
         c = y.args[0]
-        p = _chunk_input(c)
+        chunk = bind(c, _CHUNK) if isinstance(c, fx.Node) and (c.op, c.target) in _CHUNKS else None
+        p = chunk["input"] if chunk and chunk["chunks"] == 2 and chunk["dim"] == -1 else None
         gate, up = linear(p), None
         if gate is None or set(c.users) != {y, b} or len(p.users) != 1 or nodes[p].only is None:
             return None
