@@ -1,7 +1,5 @@
-"""The model's values as one graph (:class:`ModelGraph`), built once per ``fuse()`` from the
-per-forward traces: the module tree, the calls of each analysed forward and each Sequential's
-elements, where a value goes across module boundaries (:meth:`ModelGraph.users`), and the
-queries every unit kind asks of them. Design: docs/converter.md."""
+"""The model's values as one graph (:class:`ModelGraph`), built once per ``fuse()`` from the traces,
+and the queries every unit kind asks of it. Design: docs/converter.md."""
 from __future__ import annotations
 
 import inspect
@@ -74,8 +72,7 @@ _TABLED = PASS_THROUGH_MODULES + (nn.modules.dropout._DropoutNd,) + FREEING_MODU
 class ModelGraph:
     """One model's module tree, its traces and the calls they make, and the queries on them."""
 
-    def __init__(self, model: nn.Module, facts: Dict[int, Fact],
-                 traces: Dict[int, Trace]) -> None:
+    def __init__(self, model: nn.Module, facts: Dict[int, Fact], traces: Dict[int, Trace]):
         self.model, self.facts, self.traces = model, facts, traces
         self.paths: Dict[int, List[str]] = {}  # id(module) -> every path it is held at
         self.parent: Dict[str, Tuple[nn.Module, str, str]] = {}  # path -> (parent, path, name)
@@ -115,8 +112,7 @@ class ModelGraph:
     def calls_of(self, owner: nn.Module, target: str) -> List[fx.Node]:
         return self.calls.get(id(owner), {}).get(target, [])
 
-    def child_problem(self, owner: nn.Module, t: Trace, target: str, label: str,
-                      sub: nn.Module) -> Optional[str]:
+    def child_problem(self, owner: nn.Module, t: Trace, target: str, label: str, sub):
         """Why child ``target`` of ``owner`` may not be a member of a unit in its region."""
         calls = len(self.calls_of(owner, target))
         if calls != 1:
@@ -140,8 +136,7 @@ class ModelGraph:
             yield self.facts[id(sub)].problem
             yield self.child_problem(owner, t, n.target, self.nodes[n].label, sub)
 
-    def placeholder_problems(self, path: str, owner: nn.Module, t: Trace,
-                             linears: Sequence[fx.Node],
+    def placeholder_problems(self, path: str, owner: nn.Module, t: Trace, linears,
                              excused: Callable[[Any], bool] = lambda stmt: False):
         """Why the method may compute, between a unit's Linears, what the analysis did not see."""
         where = f"{path or '<model>'}.{t.method}"
@@ -167,6 +162,7 @@ class ModelGraph:
     def _layer_calls(self) -> List[LayerCall]:
         out = []
         for path, m in self.modules:
+            t = self.trace.get(id(m))
             if self.facts[id(m)].sequential:
                 for i, (name, e) in enumerate(m._modules.items()):
                     f = self.facts.get(id(e))
@@ -174,25 +170,20 @@ class ModelGraph:
                         out.append(LayerCall(m, name, e, f.kind, f"{path}.{name}" if path
                                              else name, i, found=f.found,
                                              activation=f.found and f.found.name))
-                continue
-            t = self.trace.get(id(m))
-            if t is None:
-                continue
-            # a forward an earlier fuse rewrote calls the child modules its rewrite left alone
-            calls = vars(m)["forward"].source if t.already_rewritten else None
-            for node in t.graph.nodes:
-                nf = self.nodes[node]
-                if nf.child is None or nf.kind is None:
-                    continue  # a Linear held in a list is only fused by a rewrite
-                if calls is None or f"self.{node.target}(" in calls:
-                    out.append(LayerCall(m, node.target, nf.child, nf.kind, nf.label, node=node,
-                                         trace=t, found=nf.found,
-                                         activation=nf.found and nf.found.name))
+            elif t is not None:
+                # a forward an earlier fuse rewrote calls the child modules its rewrite left alone
+                calls = vars(m)["forward"].source if t.already_rewritten else None
+                for node in t.graph.nodes:  # a Linear held in a list is only fused by a rewrite
+                    nf = self.nodes[node]
+                    if nf.child is not None and nf.kind is not None and \
+                            (calls is None or f"self.{node.target}(" in calls):
+                        out.append(LayerCall(m, node.target, nf.child, nf.kind, nf.label,
+                                             node=node, trace=t, found=nf.found,
+                                             activation=nf.found and nf.found.name))
         return out
 
     # -- where a value goes: the one walker across module boundaries ---------------------------
-    def users(self, owner: nn.Module, at: Any, crossed: Tuple[Crossing, ...] = (),
-              entered: Tuple[Tuple[nn.Module, Any], ...] = (), depth: int = 0) -> List[Use]:
+    def users(self, owner: nn.Module, at: Any, crossed=(), entered=(), depth=0) -> List[Use]:
         """The consumers of the value at ``at`` of ``owner`` (a node, or a Sequential's element),
         into and out of the modules it goes through (back by the calls ``entered``)."""
         if depth > 64:
@@ -202,9 +193,8 @@ class ModelGraph:
                 return self._element(owner, at + 1, crossed, entered, depth)
             return self._out_of(owner, crossed, entered, depth)
         out: List[Use] = []
-        method = self.trace[id(owner)].method
         for u in at.users:
-            if u.op == "output" and u.args[0] is at and method == "forward":
+            if u.op == "output" and u.args[0] is at and self.trace[id(owner)].method == "forward":
                 out += self._out_of(owner, crossed, entered, depth)
             elif u.op == "call_module":
                 out += self._into(owner, at, u, crossed, entered, depth)
@@ -219,8 +209,7 @@ class ModelGraph:
                                  entered + ((seq, i),), depth + 1)
         return [Use(seq, i, e, None, crossed)]
 
-    def _into(self, owner: nn.Module, node: fx.Node, u: fx.Node, crossed, entered,
-              depth) -> List[Use]:
+    def _into(self, owner: nn.Module, node: fx.Node, u: fx.Node, crossed, entered, depth):
         sub = owner.get_submodule(u.target)
         ks = [k for k, a in enumerate(u.args) if a is node]
         if len(ks) == 1 and not any(v is node for v in u.kwargs.values()):
@@ -367,7 +356,6 @@ class ModelGraph:
         return _combine(fates)
 
     def _module_fate(self, u: Use, depth: int) -> Fate:
-        """What module ``u.module`` does with the value it is given."""
         sub, owner, at = u.module, u.owner, u.at
         if isinstance(at, fx.Node):
             label = self.nodes[at].label
@@ -396,8 +384,7 @@ class ModelGraph:
                           f"free it")
 
     # -- where a layer's output goes next: the one call receiving it ------------------------------
-    def follow(self, calls: Sequence[LayerCall]) -> \
-            Dict[LayerCall, Tuple[Optional[LayerCall], Optional[str], Tuple[Slot, ...]]]:
+    def follow(self, calls: Sequence[LayerCall]):
         """For each call: (the one of them consuming its output alone, why a run may not take
         that step, the Identity and Dropout modules stepped over)."""
         at = {(id(s.container), s.index if s.node is None else s.node): s for s in calls}
@@ -405,8 +392,7 @@ class ModelGraph:
 
     def _next(self, s: LayerCall, at: Dict[Tuple[int, Any], LayerCall]):
         site = (s.container, s.index if s.node is None else s.node)
-        passed: List[Slot] = []
-        problem: Optional[str] = None
+        passed, problem = [], None
         while True:
             uses = self.users(*site)
             if len(uses) != 1 or uses[0].module is None:
