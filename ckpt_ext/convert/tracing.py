@@ -1,6 +1,5 @@
-"""Tracing each user forward with ``torch.fx`` on a copy of the model on the ``meta`` device,
-every child opaque: one :class:`Trace` per module, in train() and eval(), with a :class:`_Guard`
-for each attribute it reads. Design: docs/converter.md, "Guards"."""
+"""Tracing each user forward with ``torch.fx`` on a meta-device copy, every child opaque: one
+:class:`Trace` per module, with a guard per attribute it reads. Design: docs/converter.md."""
 from __future__ import annotations
 
 import ast
@@ -32,8 +31,7 @@ _MODULE_FILE = inspect.getsourcefile(nn.Module)
 
 
 class _LocalTracer(fx.Tracer):
-    """Every child opaque; notes each child call not made by the traced method's own code
-    (through ``torch.utils.checkpoint``, a helper, a lambda), which may run again on its own."""
+    """Every child opaque; notes each child call the traced method's own code did not make."""
 
     def __init__(self, forward_code: Any, method: str) -> None:
         super().__init__()
@@ -58,8 +56,7 @@ class _LocalTracer(fx.Tracer):
         return out
 
     def to_bool(self, obj: fx.Proxy) -> bool:
-        """A branch of the traced method's own loopless code on a traced value goes on as if
-        False (:func:`_cut_at_branch` keeps the nodes before it); elsewhere it raises fx's error."""
+        """A branch of the method's own loopless code on a traced value: go on (then cut there)."""
         frame = sys._getframe(1)
         while frame is not None and frame.f_code is not self.forward_code:
             frame = frame.f_back
@@ -92,18 +89,6 @@ class Trace:
     counts: Tuple[Tuple[str, str, int], ...] = ()  # (path, name, what one call adds): replayed
     arg_guard: Optional[_ArgGuard] = None  # what it assumed of its optional arguments
     cut_line: Optional[int] = None  # a branch on a traced value: the graph ends in after_branch
-
-
-def analysis_copy(model: nn.Module) -> nn.Module:
-    """A deep copy to trace, its parameters and buffers on the meta device (never a full copy)."""
-    memo: Dict[int, Any] = {}
-    for p in model.parameters():  # a lazy parameter has no shape yet
-        memo[id(p)] = nn.UninitializedParameter(p.requires_grad, device="meta") if is_lazy(p) \
-            else nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = nn.UninitializedBuffer(device="meta") if is_lazy(b) else \
-            torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
 
 
 def _fingerprint(v: Any, depth: int = 0) -> Any:
@@ -147,9 +132,7 @@ class _Reads:
 
 
 class _Counted(int):
-    """An int attribute as the traced forward sees it: adding or subtracting a number gives
-    another (``self.nfe += 1``); any other use (a comparison, a branch, an index) marks it as one
-    the forward looks at, not just a count."""
+    """An int attribute: adding a number gives another (a count); any other use is a look."""
 
     def __new__(cls, value: int, key: Tuple[int, str]):
         obj = super().__new__(cls, value)
@@ -181,13 +164,11 @@ def _looking(name: str):
     return method
 
 
-for _name in ("__bool__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __hash__ __index__ __int__ "
-              "__float__ __complex__ __str__ __repr__ __format__ __mul__ __rmul__ __truediv__ "
-              "__rtruediv__ __floordiv__ __rfloordiv__ __mod__ __rmod__ __divmod__ __rdivmod__ "
-              "__pow__ __rpow__ __neg__ __pos__ __abs__ __invert__ __and__ __rand__ __or__ "
-              "__ror__ __xor__ __rxor__ __lshift__ __rlshift__ __rshift__ __rrshift__ __round__ "
-              "__trunc__ __floor__ __ceil__ bit_length bit_count to_bytes conjugate "
-              "as_integer_ratio is_integer").split():
+for _name in ([f"__{op}__" for op in "bool eq ne lt le gt ge hash index int float complex str repr "
+                                     "format neg pos abs invert round trunc floor ceil".split()]
+              + [f"__{r}{op}__" for op in "mul truediv floordiv mod divmod pow and or xor lshift "
+                                          "rshift".split() for r in ("", "r")]
+              + "bit_length bit_count to_bytes conjugate as_integer_ratio is_integer".split()):
     if hasattr(int, _name):
         setattr(_Counted, _name, _looking(_name))
 
@@ -196,8 +177,7 @@ _RECORDING: Dict[type, type] = {}
 
 
 def _recording_class(cls: type) -> type:
-    """A subclass of ``cls`` logging, while a trace runs, the first value of each attribute the
-    forward reads that is state: of the instance, or a plain value of the user's class."""
+    """A subclass of ``cls`` logging the first value of each attribute a traced forward reads."""
     sub = _RECORDING.get(cls)
     if sub is not None:
         return sub
@@ -217,9 +197,8 @@ def _recording_class(cls: type) -> type:
         log.setdefault(key, value)
         return value
 
-    sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                      "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__})
+    sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__":
+                                      cls.__module__, "__qualname__": cls.__qualname__})
     _RECORDING[cls] = sub
     return sub
 
@@ -237,8 +216,7 @@ def _class_value(cls: type, name: str) -> bool:
 
 
 def _guard_value(v: Any, depth: int = 0) -> Optional[bool]:
-    """How a guard compares a value a forward read: False by value, True by identity, None when
-    it cannot cheaply and exactly (a tensor, a module, an arbitrary object)."""
+    """How a guard compares a value: False by value, True by identity, None: it cannot."""
     if v is None or type(v) in (bool, int, float, complex, str, bytes, torch.dtype,
                                 torch.device, _Counted):
         return False
@@ -317,9 +295,15 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
             _Reads.log = None
             if arguments is not None:
                 delattr(type(clone), STAND_IN)
-        if tracer.cut is not None:
-            at, cut_line, live = tracer.cut
-            _cut_at_branch(g, at, live)
+        if tracer.cut is not None:  # nodes before the branch, then after_branch(what is live)
+            at, cut_line, live_at = tracer.cut
+            nodes = list(g.nodes)
+            kept = set(nodes[:at])
+            live = dict.fromkeys(n for n in live_at if n in kept)  # the locals at the branch
+            live.update((a, None) for n in nodes[at:] for a in n.all_input_nodes if a in kept)
+            for n in reversed(nodes[at:]):
+                g.erase_node(n)
+            g.output(g.call_function(after_branch, tuple(live)))
         after = _snapshot(clone)
         for key in set(before) | set(after):
             a, b = before.get(key), after.get(key)
@@ -360,8 +344,8 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     t.guards = tuple(guards)
     odd = sorted(join_path(p, k) for (p, k), d in deltas.items() if len(d) != 1 or None in d)
     t.region_problem = _first([
-        (checkpointing is True, "gradient checkpointing is on for it "
-                                "(gradient_checkpointing=True)"),
+        (checkpointing is True,
+         "gradient checkpointing is on for it (gradient_checkpointing=True)"),
         (steering, f"tracing its {method} changed {', '.join(sorted(steering))}, which it also "
                    f"reads other than to count: fuse cannot tell that its path does not depend "
                    f"on them"),
@@ -372,12 +356,11 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
                          f"training=self.training)), whose value a rewritten forward would fix"),
         (arguments, "its forward has optional arguments or **kwargs: fuse marks regions in it, "
                     "but rewrites only forwards without them"),
-        (cut_line is not None, f"its {method} branches on a traced value at line {cut_line}, "
-                               f"which fx cannot follow"),
+        (cut_line is not None,
+         f"its {method} branches on a traced value at line {cut_line}, which fx cannot follow"),
         (method != "forward", f"fuse rewrites forward code only, and {method} is another method"),
-        (odd, f"tracing its forward changed {', '.join(odd)} by different "
-              f"amounts in train() and eval(): a rewritten forward would not know what to "
-              f"replay")])
+        (odd, f"tracing its forward changed {', '.join(odd)} by different amounts in train() and "
+              f"eval(): a rewritten forward would not know what to replay")])
     if deltas and not t.rewrite_problem:  # a rewrite replays what each count adds
         t.counts = tuple(sorted((p, k, next(iter(d))) for (p, k), d in deltas.items()))
     return t
@@ -400,18 +383,6 @@ def _proxies_in(v: Any, out: Dict[fx.Node, None], depth: int) -> None:
             _proxies_in(x, out, depth + 1)
 
 
-def _cut_at_branch(g: fx.Graph, at: int, live_at_branch: Tuple[fx.Node, ...]) -> None:
-    """Keep the first ``at`` nodes of ``g``; those the local variables held at the branch, and
-    those later nodes use, go to one ``after_branch`` call, which the graph returns."""
-    nodes = list(g.nodes)
-    kept = set(nodes[:at])
-    live = dict.fromkeys(n for n in live_at_branch if n in kept)
-    live.update(dict.fromkeys(a for n in nodes[at:] for a in n.all_input_nodes if a in kept))
-    for n in reversed(nodes[at:]):
-        g.erase_node(n)
-    g.output(g.call_function(after_branch, tuple(live)))
-
-
 def _parsed(code: Any) -> Optional[Tuple[ast.AST, int]]:
     """(the parsed source of ``code``'s function, its first line); None without source."""
     try:
@@ -421,25 +392,28 @@ def _parsed(code: Any) -> Optional[Tuple[ast.AST, int]]:
         return None
 
 
-# ------------------------------------------------------------------------------------------------
-# Every user forward of one model, traced
+# -- Every user forward of one model, traced -------------------------------------------------------
 
-def trace_model(model: nn.Module, facts: Dict[int, Fact]) -> \
-        Tuple[Dict[int, Trace], List[Tuple[str, str]]]:
-    """The :class:`Trace` of each module with a forward of its own, by id, and (path, why) for
-    each one not analysed, or analysed in part."""
-    traces: Dict[int, Trace] = {}
-    not_analysed: List[Tuple[str, str]] = []
+def trace_model(model: nn.Module, facts: Dict[int, Fact]):
+    """The :class:`Trace` of each module by id, and (path, why) for those not fully analysed."""
     wanted = [(p, m) for p, m in model.named_modules() if facts[id(m)].traced]
+    traces, not_analysed = {}, []
     if not wanted:
         return traces, not_analysed
     with _rng_kept():
-        try:
-            clone = analysis_copy(model)
+        try:  # a deep copy, its parameters and buffers on the meta device (never a full copy)
+            memo: Dict[int, Any] = {}
+            for p in model.parameters():  # a lazy parameter has no shape yet
+                memo[id(p)] = nn.UninitializedParameter(p.requires_grad, device="meta") \
+                    if is_lazy(p) else nn.Parameter(torch.empty_like(p, device="meta"),
+                                                    requires_grad=p.requires_grad)
+            for b in model.buffers():
+                memo[id(b)] = nn.UninitializedBuffer(device="meta") if is_lazy(b) else \
+                    torch.empty_like(b, device="meta")
+            clone = copy.deepcopy(model, memo)
         except Exception as e:
-            return traces, [("", f"the model could not be copied for analysis "
-                                 f"({type(e).__name__}: {e}); only nn.Sequential contents were "
-                                 f"considered")]
+            return traces, [("", f"the model could not be copied for analysis ({type(e).__name__}"
+                                 f": {e}); only nn.Sequential contents were considered")]
         clones, unrecorded = dict(clone.named_modules()), None
         try:  # every module of the copy gets its recording class
             for m in clone.modules():
@@ -457,9 +431,9 @@ def trace_model(model: nn.Module, facts: Dict[int, Fact]) -> \
             if not t.ok:
                 not_analysed.append((path, t.reason))
             elif t.cut_line is not None:
-                not_analysed.append((path, f"fuse analysed its {t.method} up to line "
-                                           f"{t.cut_line}, where it branches on a traced value "
-                                           f"(fx cannot follow that)"))
+                not_analysed.append((path, f"fuse analysed its {t.method} up to line {t.cut_line}, "
+                                           f"where it branches on a traced value (fx cannot "
+                                           f"follow that)"))
             elif t.method != "forward":
                 not_analysed.append((path, f"{t.reason}; fuse analysed the method its forward "
                                            f"names, {t.method}, in its place"))
@@ -467,8 +441,7 @@ def trace_model(model: nn.Module, facts: Dict[int, Fact]) -> \
 
 
 def _method_trace(clone: nn.Module, m: nn.Module, t: Trace) -> Trace:
-    """The trace of the one method of its class (not nn.Module's) that the forward's code names
-    and that calls children (handed to a helper: ``apply_chunking_to_forward``), else ``t``."""
+    """The trace of the one method the forward names that calls children, else ``t``."""
     code = getattr(inspect.unwrap(type(m).forward), "__code__", None)
     found = []
     for name in dict.fromkeys(code.co_names if code is not None else ()):
@@ -487,8 +460,7 @@ def _method_trace(clone: nn.Module, m: nn.Module, t: Trace) -> Trace:
 
 @contextlib.contextmanager
 def _rng_kept():
-    """Every generator a traced forward could draw from (``torch.rand`` for LayerDrop runs for
-    real) put back as it was: torch's CPU and CUDA ones, Python's, numpy's."""
+    """Every generator a traced forward could draw from (torch's, Python's, numpy's) kept."""
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     py_state, np = random.getstate(), sys.modules.get("numpy")
     np_state = np.random.get_state() if np is not None else None
@@ -503,12 +475,8 @@ def _rng_kept():
 
 @contextlib.contextmanager
 def _lines_run(code: Any, ran: set, calls_out: Dict[str, None]):
-    """Adds to ``ran`` each line of ``code`` that runs in the block, to ``calls_out`` each Python
-    function it calls that is not torch's, the standard library's or ckpt_ext's. A tracer already
-    installed (coverage, a debugger) still gets every event."""
-    if code is None:
-        yield
-        return
+    """Adds to ``ran`` each line of ``code`` that runs, to ``calls_out`` each function of the
+    user's it calls; a tracer already installed (coverage, a debugger) gets every event."""
     prev = sys.gettrace()
 
     def scope(frame, event, arg):
@@ -548,8 +516,7 @@ _PARTIAL = (ast.IfExp, ast.BoolOp, ast.ListComp, ast.SetComp, ast.DictComp, ast.
 
 
 def _unrun(code: Any, ran: set) -> Optional[Tuple[int, ...]]:
-    """The first lines of the simple statements of ``code``'s function (not its docstring) of
-    which no line ran, or that hold an expression that runs in part; None without source."""
+    """First lines of the simple statements that did not run, or run in part; None: no source."""
     parsed = _parsed(code)
     fn = parsed[0].body[0] if parsed is not None and parsed[0].body else None
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
