@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import fx, nn
 
@@ -62,22 +62,11 @@ class Placement:
 
 
 class UnitKind:
-    """One kind of unit. ``find``: its candidates among the fx nodes no kind before it took (each
-    with the ``takes`` it takes and the ``not_analysed`` it found); ``decide``: a candidate's units
-    and near misses; ``place``: its decisions in report order, each with its :class:`Placement`
-    (None: left alone); ``runtime``: the object put in the model; ``key``: what identifies it."""
-
-    def find(self, graph: ModelGraph, taken: set, options: Options) -> Iterable[Any]:
-        raise NotImplementedError
-
-    def decide(self, graph: ModelGraph, found, options: Options) -> Tuple[list, List[Decision]]:
-        raise NotImplementedError
-
-    def place(self, graph, found, units, misses) -> List[Tuple[Decision, Optional[Placement]]]:
-        raise NotImplementedError
-
-    def runtime(self, graph: ModelGraph, p: Placement, decision: Optional[Decision]) -> Any:
-        raise NotImplementedError
+    """One kind of unit, with methods ``find(graph, taken, options)``: its candidates among the fx
+    nodes no kind before it took, each with the ``takes`` it takes and the ``not_analysed`` it
+    found; ``decide(graph, found, options)``: (units, near misses); ``place(graph, found, units,
+    misses)``: [(decision, its :class:`Placement` or None)] in report order; ``runtime(graph,
+    placement, decision)``: the object put in the model; ``key(placement)``: what identifies it."""
 
     def key(self, p: Placement) -> Tuple[Any, ...]:
         return (tuple(c.module for c in p.layer_calls), p.last_act)
