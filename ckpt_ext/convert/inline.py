@@ -67,9 +67,8 @@ def _problems(graph: ModelGraph, c: InlineCall):
         yield found.problem
         if sub is not None:
             yield from graph.members_problems(owner, t, [n])
-    for n in c.nodes:
-        if n.op == "call_module" and type(c.child(n)) in (nn.Dropout, nn.Identity):
-            yield graph.child_problem(owner, t, n.target, graph.nodes[n].label, c.child(n))
+    yield from graph.members_problems(owner, t, [n for n in c.nodes if n.op == "call_module" and
+                                                 type(c.child(n)) in (nn.Dropout, nn.Identity)])
     yield chain_problem(_shapes(graph, c), [c.child(n) for n in c.linears])
     yield from graph.placeholder_problems(c.path, owner, t, c.linears)
 
