@@ -112,17 +112,14 @@ def _gated(graph: ModelGraph, u: fx.Node, depth: int) -> Optional[str]:
         if any(_product(v) for v in u.users):
             return f"{u.target if u.op == 'call_module' else nf.label}(its output) * another tensor"
         return None
-    if _is(u, _VIEWS):
+    if u.op in ("call_function", "call_method") and u.target in _VIEWS:
         return next(filter(None, (_gated(graph, v, depth + 1) for v in u.users)), None)
     return None
 
 
-def _is(n: fx.Node, targets: set) -> bool:
-    return n.op in ("call_function", "call_method") and n.target in targets
-
-
 def _product(n: fx.Node) -> bool:
-    return _is(n, _PRODUCTS) and sum(isinstance(a, fx.Node) for a in n.args) == 2
+    return n.op in ("call_function", "call_method") and n.target in _PRODUCTS and \
+        sum(isinstance(a, fx.Node) for a in n.args) == 2
 
 
 def _describe(owner: nn.Module, caller: str, u: fx.Node) -> str:
