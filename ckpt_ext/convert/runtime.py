@@ -114,7 +114,6 @@ class _Run:
 
     @property
     def activations(self) -> Tuple[str, ...]:
-        """The activation of each activated layer, in order."""
         return each_layer(self.activation, len(self.layers) - (not self.last_activation))
 
     def problem(self) -> Optional[str]:
