@@ -186,7 +186,7 @@ def mask_inside(m: nn.Module, label: str, item: int) -> Condition:
 
 
 def masks_drawable(run: Any) -> Condition:
-    """A unit whose Dropouts draw masks now (``run.masks()``) can draw them inside."""
+    """A unit whose Dropouts draw masks at this call (``run.masks()``) can draw them inside."""
     return Condition(lambda: not run.masks() or dropout_unit.unsupported() is None,
                      lambda: f"a Dropout of the run draws a mask in training and "
                              f"{dropout_unit.unsupported()}")
