@@ -121,7 +121,7 @@ class _Run:
         return failing(self.conditions)
 
     def masks(self) -> Dict[int, Tuple[float, ...]]:
-        """The p of each Dropout drawing a mask now, by the item it follows."""
+        """The p of each Dropout drawing a mask at this call, by the item it follows."""
         return _by_item((k, m.p) for m, _, k in self.passes if not passes_through(m))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +143,7 @@ class _Run:
             raise RuntimeError(self._strayed(state[0], "the forward returned"))
 
     def turn(self, index: int, x: Any) -> Optional[list]:
-        """The region's state if member ``index`` is to take its part in the run now, else None."""
+        """The region's state if member ``index`` is to take its part in the run here, else None."""
         state = self._region.state
         if state is None:
             return None
@@ -160,7 +160,7 @@ class _Run:
         return None
 
     def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
-        """What member ``index`` returns when it takes its part now, else None."""
+        """What member ``index`` returns when it takes its part here, else None."""
         state = self.turn(index, x)
         if state is None:
             return None
