@@ -1,10 +1,5 @@
-"""Every Linear accounted for: for each ``nn.Linear`` (attention projections and
-``MultiheadAttention.out_proj`` included) and each transformers ``Conv1D`` that no decision of the
-plan names, why no run starts or goes through it — the pattern the analysis saw and what stopped
-it (a gated product of a form fuse does not compute fused, "Conv1D", "LoRA wrapper", "instance
-forward", "dropout p>0 between", the caller's optional argument, ...). A gated MLP fuse computes
-is a decision of the plan, and one it leaves alone a near miss naming its Linears: neither is
-listed here. Read from the analysis only: nothing is evaluated."""
+"""Every Linear accounted for: why no run starts at or goes through each Linear no decision names,
+read from the analysis only. Design: docs/converter.md, "What the report lists"."""
 from __future__ import annotations
 
 import operator
@@ -24,8 +19,7 @@ _PRODUCTS = {operator.mul, torch.mul, operator.imul, "mul", "mul_"}
 
 
 def unaccounted(graph: ModelGraph, named: Iterable[str]) -> List[Tuple[str, str]]:
-    """(path, why) for each Linear or Conv1D of the model that ``named`` (the paths the report's
-    decisions and not_analysed entries name) does not hold, in module order."""
+    """(path, why) for each Linear or Conv1D of the model that the report does not name."""
     named = set(named)
     return [(path, _why(graph, path, m)) for path, m in graph.modules
             if path not in named and graph.facts[id(m)].kind is LayerKind.LINEAR]
@@ -85,8 +79,7 @@ def _in_sequential(seq: nn.Module, spath: str, name: str) -> Optional[str]:
     return None
 
 
-def _in_graph(graph: ModelGraph, owner: nn.Module, caller: str, t: Trace,
-              target: str) -> Optional[str]:
+def _in_graph(graph: ModelGraph, owner: nn.Module, caller: str, t: Trace, target: str):
     calls = graph.calls_of(owner, target)
     if len(calls) != 1:
         return f"{caller}.{t.method} calls it {len(calls)} times"
@@ -109,29 +102,24 @@ def _in_graph(graph: ModelGraph, owner: nn.Module, caller: str, t: Trace,
 
 
 def _gated(graph: ModelGraph, u: fx.Node, depth: int) -> Optional[str]:
-    """'act(x) * y' when u (through views) is an activation whose output is multiplied by
-    another tensor, or u is that product itself."""
+    """How ``u`` (through views) multiplies an activation's output by another tensor, if so."""
     if depth > 4:
         return None
-    if _is(u, _PRODUCTS) and sum(isinstance(a, fx.Node) for a in u.args) == 2:
+    if _product(u):
         return "its output is multiplied by another tensor"
     nf = graph.nodes[u]
     if nf.kind is LayerKind.ACTIVATION:
-        for v in u.users:
-            if _is(v, _PRODUCTS) and sum(isinstance(a, fx.Node) for a in v.args) == 2:
-                what = u.target if u.op == "call_module" else nf.label
-                return f"{what}(its output) * another tensor"
+        if any(_product(v) for v in u.users):
+            return f"{u.target if u.op == 'call_module' else nf.label}(its output) * another tensor"
         return None
-    if _is(u, _VIEWS):
-        for v in u.users:
-            found = _gated(graph, v, depth + 1)
-            if found:
-                return found
+    if u.op in ("call_function", "call_method") and u.target in _VIEWS:
+        return next(filter(None, (_gated(graph, v, depth + 1) for v in u.users)), None)
     return None
 
 
-def _is(n: fx.Node, targets: set) -> bool:
-    return n.op in ("call_function", "call_method") and n.target in targets
+def _product(n: fx.Node) -> bool:
+    return n.op in ("call_function", "call_method") and n.target in _PRODUCTS and \
+        sum(isinstance(a, fx.Node) for a in n.args) == 2
 
 
 def _describe(owner: nn.Module, caller: str, u: fx.Node) -> str:

@@ -1,11 +1,8 @@
-"""Applying a plan to the user's model, in place: each unit's run is made by its kind (or the one
-an earlier fuse put in place is kept), its child members get their member class, each
-Sequential exactly its parts, each owner an :class:`_OwnerForward` with its runs, guards and
-rewritten source; what an earlier fuse put in place and this plan no longer holds is undone.
-:func:`undo_all` takes everything fuse put in place out again (``ckpt_ext.unfuse``)."""
+"""Applying a plan to the user's model in place, undoing what it no longer holds; :func:`undo_all`
+takes everything fuse put in place out (``unfuse``)."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import List
 
 from torch import nn
 
@@ -13,33 +10,14 @@ from ..modules import collapse_activations
 from .graph import ModelGraph
 from .planning import Plan
 from .plain import PLAIN
-from .runtime import (FusedSequential, PartRole, RunLinear, RunMember, _Guard, _OwnerForward,
-                      _Run, _RunPart, member_class)
+from .runtime import FusedSequential, PartRole, RunMember, _OwnerForward, _RunPart, member_class
 from .units import Placement
-
-
-def _parts(graph: ModelGraph, p: Placement, run: _Run) -> List[tuple]:
-    """(Sequential, part) for each Sequential the unit covers; a member Sequential's part
-    computes its own stretch of the run fused when it is called on its own (``alone``)."""
-    parts = []
-    for seq, names, role, index, before, after in p.parts:
-        part = _RunPart(run, names, role, index, before, after)
-        alone = p.alone.get(id(seq))
-        if alone:
-            own = Placement("sequential", "", alone,
-                            collapse_activations([s.activation for s in alone[1::2]]), False,
-                            PLAIN, sequences=[seq])
-            part.alone = _RunPart(PLAIN.runtime(graph, own, None), [s.name for s in alone],
-                                  PartRole.WHOLE, 0, (), ())
-        parts.append((seq, part))
-    return parts
 
 
 def _set_parts(seq: nn.Module, parts: List[_RunPart]) -> None:
     """Give seq exactly these parts (in element order); leave it as it is if it has them."""
-    if [p.key for p in getattr(seq, "_ckpt_ext_runs", ())] == [p.key for p in parts]:
-        return
-    if not parts and type(seq) is nn.Sequential:
+    if [p.key for p in getattr(seq, "_ckpt_ext_runs", ())] == [p.key for p in parts] or \
+            not parts and type(seq) is nn.Sequential:
         return
     order = {name: i for i, name in enumerate(seq._modules)}
     if type(seq) is nn.Sequential:
@@ -48,12 +26,9 @@ def _set_parts(seq: nn.Module, parts: List[_RunPart]) -> None:
 
 
 def apply_plan(graph: ModelGraph, plan: Plan) -> None:
-    """Put the planned units in place (keeping runs already in place as they are), undo the runs
-    of an earlier fuse that are no longer planned, and set each owner's forward."""
-    parts: Dict[int, List[_RunPart]] = {}
-    owner_runs: Dict[int, List[_Run]] = {}
-    crossed_guards: Dict[int, List[_Guard]] = {}
-    sources: Dict[int, str] = {}
+    """Put the planned units in place, undo those no longer planned, set each owner's forward."""
+    # by id: each Sequential's parts, each owner's runs, guards of the forwards they cross, source
+    parts, owner_runs, crossed_guards, sources = {}, {}, {}, {}
     members, classes = set(), {}
     for p, d, run in plan.placed:
         if p.source is not None:
@@ -67,14 +42,20 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
             m.__class__ = classes[type(m)]  # a subclass: same object, parameters and keys
             m._ckpt_ext_run, m._ckpt_ext_index = run, k
             members.add(id(m))
-        for seq, part in _parts(graph, p, run):
+        for seq, *fields in p.parts:  # a member Sequential's also computes its stretch alone
+            part = _RunPart(run, *fields)
+            if alone := p.alone.get(id(seq)):
+                own = Placement("sequential", "", alone, collapse_activations(
+                    [s.activation for s in alone[1::2]]), False, PLAIN, sequences=[seq])
+                part.alone = _RunPart(PLAIN.runtime(graph, own, None), [s.name for s in alone],
+                                      PartRole.WHOLE, 0, (), ())
             parts.setdefault(id(seq), []).append(part)
         if p.owner is not None:
             owner_runs.setdefault(id(p.owner), []).append(run)
             kept = crossed_guards.setdefault(id(p.owner), [])
             kept += [g for g in p.guards if g not in kept]
     for m in graph.model.modules():
-        if isinstance(m, (RunLinear, RunMember)) and id(m) not in members:
+        if isinstance(m, RunMember) and id(m) not in members:
             m.__class__ = type(m)._ckpt_ext_base
             for name in ("_ckpt_ext_run", "_ckpt_ext_index"):
                 vars(m).pop(name, None)
@@ -82,7 +63,7 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
             _set_parts(m, parts.get(id(m), []))
         t = graph.trace.get(id(m))
         method = t.method if t is not None else "forward"
-        for name, wrapper in _owner_wrappers(m):
+        for name, wrapper in [(k, v) for k, v in vars(m).items() if isinstance(v, _OwnerForward)]:
             if name != method or (id(m) not in owner_runs and wrapper.source is None):
                 del vars(m)[name]  # a region no run of this plan needs
         fwd = vars(m).get(method)
@@ -100,20 +81,13 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
 
 
 def undo_all(model: nn.Module) -> None:
-    """Every module fuse changed gets back its class (``RunLinear`` -> ``nn.Linear``, a member
-    class -> its activation class, ``FusedSequential`` -> ``nn.Sequential``) and loses the
-    attributes fuse set (its run, its place in it, the forward or method set on its instance)."""
+    """Every module fuse changed gets back its class and loses the attributes fuse set."""
     for m in model.modules():
-        if isinstance(m, (RunLinear, RunMember)):
+        if isinstance(m, RunMember):
             m.__class__ = type(m)._ckpt_ext_base
         elif isinstance(m, FusedSequential):
             m.__class__ = nn.Sequential
         for name in ("_ckpt_ext_run", "_ckpt_ext_index", "_ckpt_ext_runs"):
             vars(m).pop(name, None)
-        for name, _ in _owner_wrappers(m):
+        for name in [k for k, v in vars(m).items() if isinstance(v, _OwnerForward)]:
             del vars(m)[name]
-
-
-def _owner_wrappers(m: nn.Module):
-    """(name, wrapper) of the forward and methods fuse set on this instance."""
-    return [(k, v) for k, v in vars(m).items() if isinstance(v, _OwnerForward)]

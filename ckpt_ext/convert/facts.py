@@ -1,12 +1,5 @@
-"""What fuse knows of modules and calls, and what must hold of them. Which module is a Linear of a
-run (``nn.Linear``, transformers' ``Conv1D``), which module or call computes which activation of
-``ckpt_ext.ACTIVATIONS`` (the registry's rows, ckpt_ext/_activations.py), which modules return
-their input, what an op does with the tensor it is given; :func:`survey` reads it of every
-module of a model at once, :func:`node_facts` of every node of a traced forward. The
-*conditions* are objects that check and describe themselves (``holds()``, ``describe()``): fuse
-refuses a unit with the description of one that does not hold, and the unit's run builds the
-same conditions from what it keeps and checks them at every call. Nothing here evaluates the
-user's tensors."""
+"""What fuse knows of modules and calls, and the conditions (``holds()``, ``describe()``) it checks
+once and a run at every call; nothing here evaluates the user's tensors. See docs/converter.md."""
 from __future__ import annotations
 
 import enum
@@ -35,8 +28,7 @@ def join_path(prefix: str, name: str) -> str:
 
 
 class SetByFuse:
-    """The base of what fuse sets on a module instance: any other ``forward`` there is someone
-    else's (accelerate's ``add_hook_to_module``), which a fused op would not call."""
+    """The base of what fuse sets on an instance: any other instance ``forward`` is foreign."""
 
 
 def foreign_forward(m: nn.Module) -> bool:
@@ -49,10 +41,6 @@ def base_type(m: nn.Module) -> type:
     return getattr(type(m), "_ckpt_ext_base", type(m))
 
 
-def is_sequential(m: Any) -> bool:
-    return isinstance(m, nn.Module) and base_type(m) is nn.Sequential
-
-
 def conv1d_class(cls: type) -> bool:
     """transformers' ``Conv1D`` (GPT-2's projections): x·W + b with W stored (in, out)."""
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
@@ -62,28 +50,12 @@ def is_conv1d(m: nn.Module) -> bool:
     return conv1d_class(base_type(m))
 
 
-def is_linear(m: Any) -> bool:
-    """An ``nn.Linear`` (any subclass: :func:`linear_problem` says which it refuses) or a
-    ``Conv1D``."""
-    return isinstance(m, nn.Linear) or (isinstance(m, nn.Module) and is_conv1d(m))
-
-
 def stored_weight(lin: nn.Module) -> Optional[torch.Tensor]:
-    """The tensor a Linear's weight is stored in, read without evaluating anything (a
-    parametrization's original has the computed weight's dtype and device); None while lazy."""
+    """A Linear's weight as stored (a parametrization's original, not evaluated); None if lazy."""
     w = lin._parameters.get("weight")
     if w is None and parametrize.is_parametrized(lin, "weight"):
         w = next(iter(lin.parametrizations["weight"].parameters()), None)
     return None if w is None or isinstance(w, UninitializedTensorMixin) else w
-
-
-def linear_weight(lin: nn.Module) -> torch.Tensor:
-    """The weight as the ops take it, (out, in): a Conv1D's transposed, a view."""
-    return lin.weight.t() if is_conv1d(lin) else lin.weight
-
-
-def features(lin: nn.Module) -> Tuple[int, int]:
-    return tuple(lin.weight.shape) if is_conv1d(lin) else (lin.in_features, lin.out_features)
 
 
 def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
@@ -97,15 +69,9 @@ def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
 
 
 def passes_through(m: nn.Module) -> bool:
-    """Whether the module returns its input, the very tensor: ``nn.Identity``, or an
-    ``nn.Dropout`` with p = 0 or in eval()."""
+    """Whether the module returns its very input: ``nn.Identity``, or a Dropout that draws none."""
     cls = base_type(m)
     return cls is nn.Identity or (cls is nn.Dropout and not (m.p > 0 and m.training))
-
-
-def may_pass(m: nn.Module) -> bool:
-    """Whether a run may go through the module: ``nn.Identity`` or ``nn.Dropout``."""
-    return base_type(m) in (nn.Identity, nn.Dropout)
 
 
 def passing_name(m: nn.Module) -> str:
@@ -113,7 +79,7 @@ def passing_name(m: nn.Module) -> str:
         else base_type(m).__name__
 
 
-#: Whether stock autograd keeps z for each activation (its backward reads z, not the output).
+#: whether stock autograd keeps z for each activation (its backward reads z, not the output)
 SAVES_INPUT = {name: row.saves_input for name, row in REGISTRY.items()}
 DISPLAY = {name: row.display for name, row in REGISTRY.items()}
 
@@ -124,18 +90,15 @@ def tensors_per_layer(name: str) -> int:
 
 
 def module_tensors(m: Optional[nn.Module], name: Optional[str]) -> int:
-    """:func:`tensors_per_layer` for an activation as it is called: by module ``m`` as its class
-    computes it (a formula of several ops, transformers' ``NewGELUActivation``, keeps more than
-    the one op: its class's forward runs on 8 values), or by a call (``m`` None)."""
+    """:func:`tensors_per_layer` as module ``m``'s class computes it (``m`` None: a call)."""
     if name is None:
         return 0
-    if m is None:
-        return tensors_per_layer(name)
-    cls = base_type(m)
-    try:
-        return stock_tensors(lambda z: cls.forward(m, z))
-    except Exception:  # not computable on a float64 CPU tensor: the op's own count
-        return tensors_per_layer(name)
+    if m is not None:
+        try:
+            return stock_tensors(lambda z: base_type(m).forward(m, z))
+        except Exception:  # not computable on a float64 CPU tensor: the op's own count
+            pass
+    return tensors_per_layer(name)
 
 
 class LayerKind(enum.Enum):
@@ -144,12 +107,7 @@ class LayerKind(enum.Enum):
     PASS = "pass"  # an Identity or Dropout between them, a member of a run in its owner's forward
 
 
-# ------------------------------------------------------------------------------------------------
-# Conditions
-
-INSTANCE_FORWARD = ("its forward is set on the instance (an instance forward, as accelerate's "
-                    "add_hook_to_module sets), which the fused op would not call")
-
+# -- Conditions ------------------------------------------------------------------------------------
 
 class Condition(NamedTuple):
     """What must hold for a unit to be computed fused: ``holds()``, and ``describe()`` why not."""
@@ -172,15 +130,17 @@ class Slot(NamedTuple):
 
 
 def own_forward(m: nn.Module, who: str) -> Condition:
-    return Condition(lambda: not foreign_forward(m), lambda: f"{who}: {INSTANCE_FORWARD}")
+    return Condition(lambda: not foreign_forward(m),
+                     lambda: f"{who}: its forward is set on the instance (an instance forward, as "
+                             f"accelerate's add_hook_to_module sets), which the fused op would "
+                             f"not call")
 
 
 def no_hooks(m: nn.Module, who: str, because: str = "which the fused op would not call"):
     return Condition(lambda: not has_hooks(m), lambda: f"{who} has hooks, {because}")
 
 
-def elements(seq: nn.Module, label: str, names: Tuple[str, ...],
-             modules: Tuple[nn.Module, ...]) -> Condition:
+def elements(seq: nn.Module, label: str, names: tuple, modules: tuple) -> Condition:
     """A Sequential a unit goes through, with exactly these elements."""
     return Condition(lambda: len(seq._modules) == len(names) and all(
         name == want and m is mod for (name, m), want, mod in
@@ -190,10 +150,8 @@ def elements(seq: nn.Module, label: str, names: Tuple[str, ...],
 
 def computes(m: nn.Module, label: str, name: str) -> Condition:
     """An activation module computing activation ``name``."""
-    def holds() -> bool:
-        found = module_activation(m)
-        return found is not None and found.name == name
-    return Condition(holds, lambda: f"{label} no longer computes {name}")
+    return Condition(lambda: getattr(module_activation(m), "name", None) == name,
+                     lambda: f"{label} no longer computes {name}")
 
 
 def of_class(m: nn.Module, label: str, classes: Tuple[type, ...]) -> Condition:
@@ -207,7 +165,6 @@ def supported(layer: nn.Module) -> Condition:
 
 
 def one_dtype_device(layers: Sequence[nn.Module], labels: Sequence[str]) -> Condition:
-    """Linears whose weights share one dtype and device."""
     def holds() -> bool:
         weights = [stored_weight(layer) for layer in layers]
         return None not in weights and len({(w.dtype, w.device) for w in weights}) == 1
@@ -222,16 +179,14 @@ def one_dtype_device(layers: Sequence[nn.Module], labels: Sequence[str]) -> Cond
 
 
 def mask_inside(m: nn.Module, label: str, item: int) -> Condition:
-    """A Dropout of a run after its item ``item`` (Linear j is item 2j, its activation 2j + 1)
-    that returns its input, or draws its mask after an activation, where the unit draws it."""
+    """A Dropout after ``item`` that returns its input, or follows an activation (odd item)."""
     return Condition(lambda: passes_through(m) or item % 2 == 1,
                      lambda: f"{label} (Dropout, p={m.p}) draws a mask in training between a "
                              f"Linear and its activation, which the fused run does not compute")
 
 
 def masks_drawable(run: Any) -> Condition:
-    """A unit whose Dropouts draw masks now (``run.masks()``) can draw them inside: not while
-    torch.compile traces, a torch.func transform or forward-mode AD runs."""
+    """A unit whose Dropouts draw masks at this call (``run.masks()``) can draw them inside."""
     return Condition(lambda: not run.masks() or dropout_unit.unsupported() is None,
                      lambda: f"a Dropout of the run draws a mask in training and "
                              f"{dropout_unit.unsupported()}")
@@ -239,10 +194,8 @@ def masks_drawable(run: Any) -> Condition:
 
 GLOBAL = (Condition(lambda: not torch.jit.is_tracing(),  # it records each module on its own
                     lambda: "torch.jit.trace is recording the model"),
-          Condition(lambda: not (_module_hooks._global_forward_hooks or
-                                 _module_hooks._global_forward_pre_hooks or
-                                 _module_hooks._global_backward_hooks or
-                                 _module_hooks._global_backward_pre_hooks),
+          Condition(lambda: not any(getattr(_module_hooks, f"_global_{k}_hooks") for k in
+                                    ("forward", "forward_pre", "backward", "backward_pre")),
                     lambda: "hooks registered for every module, which the fused run would not "
                             "call"))
 ACROSS = "which a run computed across it would not call"
@@ -254,10 +207,7 @@ def of_weights(layers: Sequence[nn.Module], labels: Sequence[str]):
 
 def failing(conditions: Iterable) -> Optional[str]:
     """The description of the first condition that does not hold, else None."""
-    for c in conditions:
-        if not c.holds():
-            return c.describe()
-    return None
+    return next((c.describe() for c in conditions if not c.holds()), None)
 
 
 def linear_problem(lin: nn.Module) -> Optional[str]:
@@ -275,16 +225,7 @@ def linear_problem(lin: nn.Module) -> Optional[str]:
     return failing([no_hooks(lin, "the Linear"), supported(lin)])
 
 
-def activation_problem(act: nn.Module, found: Optional[Recognised]) -> Optional[str]:
-    """What keeps an activation module (``found``: what it computes) from any unit."""
-    if found is None or found.problem is not None:
-        return found.problem if found is not None else f"{type(act).__name__} is no activation"
-    who = f"the {base_type(act).__name__}"
-    return failing([own_forward(act, who), no_hooks(act, who)])
-
-
-# ------------------------------------------------------------------------------------------------
-# The survey of a model's modules
+# -- The survey of a model's modules ---------------------------------------------------------------
 
 class Fact(NamedTuple):
     """What fuse knows of one module, read once per fuse()."""
@@ -309,26 +250,28 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
     out: Dict[int, Fact] = {}
     for m in model.modules():
         kind, found, problem, width = None, None, None, (0, 0, 0)
-        if is_linear(m):
+        if isinstance(m, nn.Linear) or is_conv1d(m):  # any subclass: linear_problem says which
             kind, problem = LayerKind.LINEAR, linear_problem(m)
             w = stored_weight(m)  # lazy: 0 bytes
-            width = (*features(m), w.element_size() if w is not None else 0)
+            width = (*(m.weight.shape if is_conv1d(m) else (m.in_features, m.out_features)),
+                     w.element_size() if w is not None else 0)
         else:
             found = module_activation(m)
             if found is not None:
-                kind, problem = LayerKind.ACTIVATION, activation_problem(m, found)
-        cls = type(m)
-        seq = is_sequential(m)
+                kind, who = LayerKind.ACTIVATION, f"the {base_type(m).__name__}"
+                problem = found.problem if found.problem is not None else \
+                    failing([own_forward(m, who), no_hooks(m, who)])
+        cls, seq = type(m), base_type(m) is nn.Sequential
         traced = not (seq or kind is LayerKind.LINEAR and is_conv1d(m) or
                       isinstance(m, (nn.ModuleList, nn.ModuleDict) + OUR_MODULES) or
                       hasattr(cls, "_ckpt_ext_base") or cls.forward is nn.Module.forward or
                       cls.__module__.startswith("torch.") and cls not in _TORCH_LAYERS)
-        out[id(m)] = Fact(kind, found, seq, may_pass(m), traced, problem, width)
+        passes = base_type(m) in (nn.Identity, nn.Dropout)  # a run may go through it
+        out[id(m)] = Fact(kind, found, seq, passes, traced, problem, width)
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# Calls in forward code: what each fx node of a traced forward computes
+# -- What each fx node of a traced forward computes ------------------------------------------------
 
 LINEAR_FUNCTIONS = (F.linear, torch._C._nn.linear)
 _NONE = inspect.Parameter.empty
@@ -355,8 +298,7 @@ class NodeFact(NamedTuple):
     only: Optional[fx.Node]         # its one positional node argument, else None
 
 
-def node_facts(graph: fx.Graph, owner: nn.Module, path: str,
-               facts: Dict[int, Fact]) -> Dict[fx.Node, NodeFact]:
+def node_facts(graph: fx.Graph, owner: nn.Module, path: str, facts) -> Dict[fx.Node, NodeFact]:
     out: Dict[fx.Node, NodeFact] = {}
     for n in graph.nodes:
         kind = found = sub = None
@@ -387,10 +329,7 @@ def node_facts(graph: fx.Graph, owner: nn.Module, path: str,
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# What an op or module does with a tensor it is given: keeps it for backward (a Linear, a
-# matmul), frees it (an add, a Tanh, a .mean()), views it, or only reads its metadata. From the
-# registry's rows (what each activation's backward reads) and the ops' own list.
+# -- What an op or module does with its input: keeps it, frees it, views it, reads its size --------
 
 def _acts(saves_input: bool, field: str) -> set:
     return {getattr(c, "fn", c) for r in REGISTRY.values() if r.saves_input == saves_input

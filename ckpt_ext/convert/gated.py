@@ -1,8 +1,5 @@
-"""The gated MLP kind: ``down(act(gate(x)) * up(x))`` that one forward computes from its direct
-child Linears (Llama, Mistral, Qwen2, Gemma, T5), or from one ``gate_up`` Linear split by
-``chunk(2, dim=-1)`` (Phi-3), with any ``nn.Dropout`` before ``down``: one unit computed by
-``gated_mlp`` in the owner's region, applied as ``_GatedRun``. Design: docs/converter.md,
-"Gated MLPs"."""
+"""The gated MLP kind: ``down(act(gate(x)) * up(x))`` of one forward's child Linears (or of one
+``gate_up`` split by ``chunk``), applied as ``_GatedRun``. Design: docs/converter.md."""
 from __future__ import annotations
 
 import ast
@@ -14,8 +11,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
-from .facts import (DISPLAY, SAVES_INPUT, LayerKind, Recognised, module_tensors, one_dtype_device,
-                    stored_weight)
+from .facts import (DISPLAY, SAVES_INPUT, LayerKind, Recognised, bind, failing, module_tensors,
+                    one_dtype_device, stored_weight)
 from .graph import ModelGraph
 from .policy import LayerShape, gemm
 from .report import Decision
@@ -24,40 +21,24 @@ from .units import InForward, Options, Placement, RegionKind
 
 _PRODUCTS = {operator.mul, torch.mul, "mul", "mul_"}
 _CHUNK = inspect.signature(lambda input, chunks, dim=0: None)
+_CHUNKS = (("call_method", "chunk"), ("call_function", torch.chunk))  # chunk(input, 2, dim=-1)
 
 
 @dataclass(eq=False)
 class GatedCall(InForward):
-    """One gated MLP of one forward: ``linears`` are gate, up, down (or gate_up, down:
-    ``packed``; ``gate_second``: the activation takes the second chunk)."""
+    """One gated MLP of one forward: ``linears`` are gate, up, down (or gate_up, down)."""
     gate: Optional[nn.Linear] = None  # the packed Linear when packed
     up: Optional[nn.Linear] = None
     down: Optional[nn.Linear] = None
     act: Optional[Recognised] = None
-    act_node: Optional[fx.Node] = None
     act_module: Optional[nn.Module] = None  # the activation's child module; None for a call
     dropouts: Tuple[fx.Node, ...] = ()
     packed: bool = False
     gate_second: bool = False
 
 
-def _chunk_input(c: Any) -> Optional[fx.Node]:
-    """The input of ``chunk(input, 2, dim=-1)`` (method or function), else None."""
-    if not isinstance(c, fx.Node) or not (
-            (c.op == "call_method" and c.target == "chunk") or
-            (c.op == "call_function" and c.target is torch.chunk)):
-        return None
-    try:
-        bound = _CHUNK.bind(*c.args, **c.kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    a = bound.arguments
-    return a["input"] if a["chunks"] == 2 and a["dim"] == -1 and \
-        isinstance(a["input"], fx.Node) else None
-
-
 def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
+    """The gated MLP whose product ``m`` multiplies activation ``a`` by ``b``, else None."""
     nodes = graph.nodes
 
     def linear(n: Any) -> Optional[nn.Module]:
@@ -85,7 +66,8 @@ def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
                 y.args[0] is b.args[0] and {y.args[1], b.args[1]} == {0, 1}):
             return None
         c = y.args[0]
-        p = _chunk_input(c)
+        chunk = bind(c, _CHUNK) if isinstance(c, fx.Node) and (c.op, c.target) in _CHUNKS else None
+        p = chunk["input"] if chunk and chunk["chunks"] == 2 and chunk["dim"] == -1 else None
         gate, up = linear(p), None
         if gate is None or set(c.users) != {y, b} or len(p.users) != 1 or nodes[p].only is None:
             return None
@@ -95,15 +77,14 @@ def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
     while True:  # through Dropouts to the down projection
         if len(cur.users) != 1:
             return None
-        u = next(iter(cur.users))
-        if type(nodes[u].child) is nn.Dropout and nodes[u].only is cur:
-            dropouts.append(u)
-            cur = u
-            continue
-        down = linear(u)
-        if down is None or nodes[u].only is not cur:
-            return None
-        break
+        u, = cur.users
+        if type(nodes[u].child) is not nn.Dropout or nodes[u].only is not cur:
+            break
+        dropouts.append(u)
+        cur = u
+    down = linear(u)
+    if down is None or nodes[u].only is not cur:
+        return None
     width = down.in_features
     if (up is not None and (up.in_features != gate.in_features or up.out_features != width or
                             gate.out_features != width)) or \
@@ -113,24 +94,19 @@ def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
     labels = tuple(nodes[n].label for n in sorted(linears + [a], key=order.get))
     g = GatedCall(owner, path, t, tuple(linears), tuple(linears + [a, m] + between + dropouts),
                   labels, fa.found.name, tuple(([a] if fa.child is not None else []) + dropouts),
-                  gate=gate, up=up, down=down, act=fa.found, act_node=a, act_module=fa.child,
+                  gate=gate, up=up, down=down, act=fa.found, act_module=fa.child,
                   dropouts=tuple(dropouts), packed=packed, gate_second=gate_second)
     g.problems = tuple(dict.fromkeys(p for p in _problems(graph, g) if p))
     return g
 
 
 def _problems(graph: ModelGraph, g: GatedCall):
-    owner, t = g.owner, g.trace
-    yield from graph.members_problems(owner, t, g.linears)
+    yield from graph.members_problems(g.owner, g.trace, g.linears)
     yield g.act.problem
-    if g.act_module is not None:
-        yield from graph.members_problems(owner, t, [g.act_node])
-    for n in g.dropouts:
-        yield graph.child_problem(owner, t, n.target, graph.nodes[n].label, g.child(n))
-    same = one_dtype_device(tuple(map(g.child, g.linears)),
-                          tuple(graph.nodes[n].label for n in g.linears))
-    yield None if same.holds() else same.describe()
-    yield from graph.placeholder_problems(g.path, owner, t, g.linears,
+    yield from graph.members_problems(g.owner, g.trace, g.others)  # its activation, Dropouts
+    yield failing([one_dtype_device(tuple(map(g.child, g.linears)),
+                                    tuple(graph.nodes[n].label for n in g.linears))])
+    yield from graph.placeholder_problems(g.path, g.owner, g.trace, g.linears,
                                           lambda stmt: _dtype_cast(stmt, g.linears[-1].target))
 
 
@@ -142,17 +118,8 @@ def _dtype_cast(stmt: Any, down: str) -> bool:
     call, name = stmt.value, stmt.targets[0].id
     return isinstance(call.func, ast.Attribute) and call.func.attr == "to" and \
         isinstance(call.func.value, ast.Name) and call.func.value.id == name and \
-        len(call.args) == 1 and not call.keywords and \
-        ast.unparse(call.args[0]) == f"self.{down}.weight.dtype"
-
-
-def gated_figures(gate: LayerShape, up: Optional[LayerShape], down: LayerShape, activation: str,
-                  act_tensors: int, packed: bool, mask_bytes: int = 0) -> Tuple[int, int, int]:
-    """(bytes freed, FLOPs added, plain FLOPs) per row: see docs/converter.md, "Gated MLPs"."""
-    width = down.in_features
-    tensors = act_tensors + 2 + (packed and not SAVES_INPUT[activation])
-    gemms = gemm(gate) + (gemm(up) if up is not None else 0)
-    return (tensors * gate.itemsize + mask_bytes) * width, gemms, 3 * (gemms + gemm(down))
+        len(call.args) == 1 and not call.keywords and ast.unparse(call.args[0]) == \
+        f"self.{down}.weight.dtype"
 
 
 class Gated(RegionKind):
@@ -166,36 +133,35 @@ class Gated(RegionKind):
                         not all(isinstance(a, fx.Node) for a in m.args):
                     continue
                 for k in (0, 1):
-                    g = _gated_at(graph, path, owner, t, m, m.args[k], m.args[1 - k], order)
-                    if g is not None:
+                    if (g := _gated_at(graph, path, owner, t, m, m.args[k], m.args[1 - k], order)):
                         found.append(g)
                         break
         return found
 
     def decide(self, graph: ModelGraph, g: GatedCall, options: Options):
-        labels = [graph.nodes[n].label for n in g.linears]
-        width = graph.facts
-        gate = LayerShape("gate", *width[id(g.gate)].width)
-        up = LayerShape("up", *width[id(g.up)].width) if g.up is not None else None
-        down = LayerShape(labels[-1], *width[id(g.down)].width)
-        name = g.act.name
+        labels, facts, name = [graph.nodes[n].label for n in g.linears], graph.facts, g.act.name
+        gate = LayerShape("gate", *facts[id(g.gate)].width)
+        up = LayerShape("up", *facts[id(g.up)].width) if g.up is not None else None
+        down = LayerShape(labels[-1], *facts[id(g.down)].width)
         masks = [d for d in map(g.child, g.dropouts) if d.p > 0 and d.training]
         weight = stored_weight(g.child(g.linears[0]))
         per_mask = 1 if weight is not None and weight.device.type == "cuda" else gate.itemsize
         act_tensors = module_tensors(g.act_module, name)
-        freed, extra, plain = gated_figures(gate, up, down, name, act_tensors, g.packed,
-                                            len(masks) * per_mask)
+        # per row, as docs/converter.md, "Gated MLPs" derives them
+        tensors = act_tensors + 2 + (g.packed and not SAVES_INPUT[name])
+        extra = gemm(gate) + (gemm(up) if up is not None else 0)
+        freed = (tensors * gate.itemsize + len(masks) * per_mask) * down.in_features
+        plain = 3 * (extra + gemm(down))
         if g.problems:
             return [], [Decision(g.path, g.labels, "left alone", "", "", 0, extra, plain,
                                  "a gated MLP: " + "; ".join(g.problems), activation=name)]
-        act = DISPLAY[name]
+        act, second = DISPLAY[name], f"; the activation takes the second half of {labels[0]}"
         unit = (f"gated_mlp {name}, {g.gate.in_features}->2x{down.in_features}->"
                 f"{down.out_features}" + (", packed gate_up" if g.packed else ""))
         why = (f"a gated MLP, {act}(gate) * up -> down: the {act}'s "
-               f"{'input and output' if act_tensors > 1 else 'output'}, the up "
-               f"projection and their product are no longer kept, only the input"
-               + (f"; the activation takes the second half of {labels[0]}" if g.gate_second
-                  else "")
+               f"{'input and output' if act_tensors > 1 else 'output'}, the up projection and "
+               f"their product are no longer kept, only the input"
+               + (second if g.gate_second else "")
                + (f"; {len(masks)} Dropout mask(s) drawn again in backward from the generator's "
                   f"saved state" if masks else ""))
         return [Decision(g.path, g.labels, "fused", unit, "children", freed, extra, plain, why,
@@ -205,10 +171,9 @@ class Gated(RegionKind):
         g = p.found
         return _GatedRun(
             labels=g.labels, members=[s.module for s in p.layer_calls], gate=g.gate, up=g.up,
-            down=g.down, activation=g.act.name, act_module=g.act_module,
-            dropouts=[g.child(n) for n in g.dropouts], gate_second=g.gate_second,
-            slots=p.slots, unhooked=[(m, graph.path[id(m)]) for m in p.unhooked],
-            owner=p.owner, calls=p.calls, decision=decision)
+            down=g.down, activation=g.act.name, act_module=g.act_module, calls=p.calls,
+            dropouts=[g.child(n) for n in g.dropouts], gate_second=g.gate_second, slots=p.slots,
+            unhooked=[(m, graph.path[id(m)]) for m in p.unhooked], owner=p.owner, decision=decision)
 
     def key(self, p: Placement):
         return ("gated", tuple(c.module for c in p.layer_calls), p.found.act.name,

@@ -1,17 +1,5 @@
-"""The model's values as one graph, built once per ``fuse()`` from the per-forward traces
-(tracing.py; each forward traced on its own, every child opaque, so that an untraceable forward
-is isolated): the module tree (every place a module is held), the calls of each analysed
-forward and each Sequential's elements, and where a value goes across module boundaries — into
-the first element of a Sequential or the forward of a module it is passed to, out of a forward
-that returns it to the call of its module, on to the next element. The queries every unit kind
-asks are here: ``caller[id(m)]``, ``calls[id(owner)][target]``, ``child_problem`` (may a
-run reach this call), ``fate(value)`` (do the consumers keep it for backward), ``follow(call)``
-(the one call that receives a layer's output, and why a run may not take that step),
-``placeholder_problems`` (may a unit's members pass placeholders in this forward).
-
-Glossary: a *layer call* (:class:`LayerCall`) is one call of a Linear or activation module, an
-element of a Sequential or a direct child an analysed forward calls; a value's *fate*
-(:class:`Fate`) says whether its consumers keep it for backward."""
+"""The model's values as one graph (:class:`ModelGraph`), built once per ``fuse()`` from the traces,
+and the queries every unit kind asks of it. Design: docs/converter.md."""
 from __future__ import annotations
 
 import inspect
@@ -32,8 +20,7 @@ from .tracing import Trace, after_branch, statement_source
 
 @dataclass(eq=False)
 class LayerCall:
-    """One call of a Linear or activation module: an element of a Sequential, or a direct child
-    that an analysed forward calls (``node`` in its graph)."""
+    """One call of a Linear or activation module: a Sequential's element, or a child ``node``."""
     container: nn.Module
     name: str
     module: nn.Module
@@ -53,9 +40,8 @@ class Fate(NamedTuple):
 
 
 class Crossing(NamedTuple):
-    """A module a value enters or leaves (``out``) on its way to a consumer: ``caller`` calls it
-    ``target``, ``calls`` times; ``strict``: entered as the one argument of a call without
-    keywords (its forward's arity matching), or left for a caller that was analysed."""
+    """A module a value enters or leaves (``out``), which ``caller`` calls ``target``; ``strict``:
+    entered as a call's one argument (its forward's arity), or left for an analysed caller."""
     module: nn.Module
     out: bool
     caller: nn.Module
@@ -67,10 +53,8 @@ class Crossing(NamedTuple):
 
 
 class Use(NamedTuple):
-    """One consumer of a value: ``at``, an element index of the Sequential ``owner`` or a node of
-    ``owner``'s analysed forward, calling ``module`` (None: an op or an output), on ``value``
-    (the node it consumes); ``owner`` None: the model returns it, or, with ``why``, it goes
-    where nothing is known. ``crossed``: the modules it entered or left on the way, in order."""
+    """A consumer of a value: ``at``, an element of the Sequential ``owner`` or a node of its
+    forward, calling ``module``; ``owner`` None: the model returns it, or (``why``) unknown."""
     owner: Optional[nn.Module]
     at: Any
     module: Optional[nn.Module]
@@ -88,12 +72,11 @@ _TABLED = PASS_THROUGH_MODULES + (nn.modules.dropout._DropoutNd,) + FREEING_MODU
 class ModelGraph:
     """One model's module tree, its traces and the calls they make, and the queries on them."""
 
-    def __init__(self, model: nn.Module, facts: Dict[int, Fact],
-                 traces: Dict[int, Trace]) -> None:
+    def __init__(self, model: nn.Module, facts: Dict[int, Fact], traces: Dict[int, Trace]):
         self.model, self.facts, self.traces = model, facts, traces
         self.paths: Dict[int, List[str]] = {}  # id(module) -> every path it is held at
         self.parent: Dict[str, Tuple[nn.Module, str, str]] = {}  # path -> (parent, path, name)
-        self.slots: Dict[int, set] = {}  # id(module) -> {(id(parent), name)}: where it is held
+        self.slots: Dict[int, set] = {}  # id(module) -> {(id(parent), name)}
         for path, m in model.named_modules(remove_duplicate=False):
             self.paths.setdefault(id(m), []).append(path)
             for name, c in m._modules.items():
@@ -101,13 +84,11 @@ class ModelGraph:
                     self.parent[f"{path}.{name}" if path else name] = (m, path, name)
                     self.slots.setdefault(id(c), set()).add((id(m), name))
         self.modules = list(model.named_modules())
-        #: id(module) -> its (first) path
-        self.path = {id(m): p for p, m in self.modules}
-        #: id(module) -> its analysed trace, where it has one
-        self.trace = {id(m): t for p, m in self.modules
+        self.path = {id(m): p for p, m in self.modules}  # id(module) -> its (first) path
+        self.trace = {id(m): t for p, m in self.modules  # id(module) -> its analysed trace
                       for t in [traces.get(id(m))] if t is not None and t.ok}
-        #: id(module) -> (the Sequential or module whose forward calls it, that one's path, the
-        #: name it calls it by: "blocks.0" through a ModuleList), from its first place
+        #: id(module) -> (the Sequential or module whose forward calls it, its path, the name it
+        #: calls it by: "blocks.0" through a ModuleList), from its first place
         self.caller: Dict[int, Tuple[nn.Module, str, str]] = {}
         for p, m in self.modules:
             if p in self.parent:
@@ -118,10 +99,8 @@ class ModelGraph:
                 self.caller[id(m)] = (parent, ppath, target)
         self.analysed = [(p, m, self.trace[id(m)]) for p, m in self.modules
                          if not facts[id(m)].sequential and id(m) in self.trace]
-        #: what each node of every analysed forward computes
-        self.nodes: Dict[fx.Node, NodeFact] = {}
-        #: id(owner) -> {target: the nodes of its analysed forward calling that submodule}
-        self.calls: Dict[int, Dict[str, List[fx.Node]]] = {}
+        self.nodes: Dict[fx.Node, NodeFact] = {}  # of every node of every analysed forward
+        self.calls: Dict[int, Dict[str, List[fx.Node]]] = {}  # id(owner) -> {target: its calls}
         for p, m, t in self.analysed:
             self.nodes.update(node_facts(t.graph, m, p, facts))
             calls = self.calls[id(m)] = {}
@@ -133,10 +112,8 @@ class ModelGraph:
     def calls_of(self, owner: nn.Module, target: str) -> List[fx.Node]:
         return self.calls.get(id(owner), {}).get(target, [])
 
-    def child_problem(self, owner: nn.Module, t: Trace, target: str, label: str,
-                      sub: nn.Module) -> Optional[str]:
-        """Why a run may not reach child ``target`` that ``owner``'s forward calls (as a member
-        of a unit computed inside that forward's region), else None."""
+    def child_problem(self, owner: nn.Module, t: Trace, target: str, label: str, sub):
+        """Why child ``target`` of ``owner`` may not be a member of a unit in its region."""
         calls = len(self.calls_of(owner, target))
         if calls != 1:
             return f"{label} is called {calls} times"
@@ -153,21 +130,15 @@ class ModelGraph:
         return None
 
     def members_problems(self, owner: nn.Module, t: Trace, children: Sequence[fx.Node]):
-        """What keeps each child a forward calls (a Linear, an activation module) from being a
-        member of a unit its region computes."""
+        """What keeps each child these nodes call from being a member of a unit in the region."""
         for n in children:
             sub = owner._modules[n.target]
             yield self.facts[id(sub)].problem
             yield self.child_problem(owner, t, n.target, self.nodes[n].label, sub)
 
-    def placeholder_problems(self, path: str, owner: nn.Module, t: Trace,
-                             linears: Sequence[fx.Node],
+    def placeholder_problems(self, path: str, owner: nn.Module, t: Trace, linears,
                              excused: Callable[[Any], bool] = lambda stmt: False):
-        """Why the traced method may compute something between a unit's Linears that the
-        analysis did not see (the members pass zero-width placeholders there, so such code would
-        work on nothing): a Python function it calls, a statement tracing did not run whole
-        (unless ``excused``), source that cannot be read, or a forward an earlier fuse
-        rewrote."""
+        """Why the method may compute, between a unit's Linears, what the analysis did not see."""
         where = f"{path or '<model>'}.{t.method}"
         code = getattr(inspect.unwrap(getattr(type(owner), t.method)), "__code__", None)
         for name in t.calls_out:
@@ -188,10 +159,10 @@ class ModelGraph:
             if any(f"self.{n.target}(" not in source for n in linears):
                 yield f"{path or '<model>'}.forward was rewritten by an earlier fuse"
 
-    # -- the layer calls -------------------------------------------------------------------------
     def _layer_calls(self) -> List[LayerCall]:
         out = []
         for path, m in self.modules:
+            t = self.trace.get(id(m))
             if self.facts[id(m)].sequential:
                 for i, (name, e) in enumerate(m._modules.items()):
                     f = self.facts.get(id(e))
@@ -199,42 +170,31 @@ class ModelGraph:
                         out.append(LayerCall(m, name, e, f.kind, f"{path}.{name}" if path
                                              else name, i, found=f.found,
                                              activation=f.found and f.found.name))
-                continue
-            t = self.trace.get(id(m))
-            if t is None:
-                continue
-            # A forward an earlier fuse rewrote calls the child modules its rewrite left alone.
-            calls = vars(m)["forward"].source if t.already_rewritten else None
-            for node in t.graph.nodes:
-                nf = self.nodes[node]
-                if nf.child is None or nf.kind is None:
-                    continue  # a Linear held in a list is only fused by a rewrite
-                if calls is None or f"self.{node.target}(" in calls:
-                    out.append(LayerCall(m, node.target, nf.child, nf.kind, nf.label, node=node,
-                                         trace=t, found=nf.found,
-                                         activation=nf.found and nf.found.name))
+            elif t is not None:
+                # a forward an earlier fuse rewrote calls the child modules its rewrite left alone
+                calls = vars(m)["forward"].source if t.already_rewritten else None
+                for node in t.graph.nodes:  # a Linear held in a list is only fused by a rewrite
+                    nf = self.nodes[node]
+                    if nf.child is not None and nf.kind is not None and \
+                            (calls is None or f"self.{node.target}(" in calls):
+                        out.append(LayerCall(m, node.target, nf.child, nf.kind, nf.label,
+                                             node=node, trace=t, found=nf.found,
+                                             activation=nf.found and nf.found.name))
         return out
 
     # -- where a value goes: the one walker across module boundaries ---------------------------
-    def users(self, owner: nn.Module, at: Any, crossed: Tuple[Crossing, ...] = (),
-              entered: Tuple[Tuple[nn.Module, Any], ...] = (), depth: int = 0) -> List[Use]:
-        """The consumers of the value at ``at`` of ``owner`` (a node of its analysed forward, or
-        the output of its element ``at`` for a Sequential), across module boundaries: into the
-        first element of a Sequential or the forward of an analysed module it is handed to (not
-        a layer, a Dropout or a module of the op tables), on to the next element, out of a
-        forward returning it (or a Sequential's last element) to the call it was entered by
-        (``entered``), else to where the module's caller sends it."""
+    def users(self, owner: nn.Module, at: Any, crossed=(), entered=(), depth=0) -> List[Use]:
+        """The consumers of the value at ``at`` of ``owner`` (a node, or a Sequential's element),
+        into and out of the modules it goes through (back by the calls ``entered``)."""
         if depth > 64:
-            return [Use(None, None, None, at, crossed, "the chain of users is too deep to "
-                                                       "follow")]
+            return [Use(None, None, None, at, crossed, "the chain of users is too deep to follow")]
         if self.facts[id(owner)].sequential:
             if at + 1 < len(owner._modules):
                 return self._element(owner, at + 1, crossed, entered, depth)
             return self._out_of(owner, crossed, entered, depth)
         out: List[Use] = []
-        method = self.trace[id(owner)].method
         for u in at.users:
-            if u.op == "output" and u.args[0] is at and method == "forward":
+            if u.op == "output" and u.args[0] is at and self.trace[id(owner)].method == "forward":
                 out += self._out_of(owner, crossed, entered, depth)
             elif u.op == "call_module":
                 out += self._into(owner, at, u, crossed, entered, depth)
@@ -249,8 +209,7 @@ class ModelGraph:
                                  entered + ((seq, i),), depth + 1)
         return [Use(seq, i, e, None, crossed)]
 
-    def _into(self, owner: nn.Module, node: fx.Node, u: fx.Node, crossed, entered,
-              depth) -> List[Use]:
+    def _into(self, owner: nn.Module, node: fx.Node, u: fx.Node, crossed, entered, depth):
         sub = owner.get_submodule(u.target)
         ks = [k for k, a in enumerate(u.args) if a is node]
         if len(ks) == 1 and not any(v is node for v in u.kwargs.values()):
@@ -279,8 +238,7 @@ class ModelGraph:
         return site if isinstance(site, list) else self.users(*site, (), depth + 1)
 
     def returned(self, m: nn.Module, crossed: Tuple[Crossing, ...] = ()):
-        """(caller, the call or element of ``m`` there, the crossings) for the output of ``m``
-        from its first place; [a Use] where the model returns it or nothing is known."""
+        """(caller, the call of ``m`` there, the crossings), or [a Use] where nothing is known."""
         caller = self.caller.get(id(m))
         if m is self.model or caller is None:
             return [Use(None, None, None, None, crossed)]
@@ -288,25 +246,24 @@ class ModelGraph:
         if self.facts[id(parent)].sequential and "." not in target:
             return parent, list(parent._modules).index(target), \
                 crossed + (Crossing(m, True, parent, target, 1, True),)
-        t = self.traces.get(id(parent))
+        t, where = self.traces.get(id(parent)), ppath or "<model>"
         if t is None or not t.ok:
             why = f" ({t.reason})" if t is not None else ""
             return [Use(None, None, None, None, crossed + (Crossing(m, True, parent, target, 1,
                                                                     False),),
-                        f"its caller {ppath or '<model>'} was not analysed{why}")]
+                        f"its caller {where} was not analysed{why}")]
         calls = self.calls_of(parent, target)
-        c = Crossing(m, True, parent, target, len(calls), True)
+        crossed += (Crossing(m, True, parent, target, len(calls), True),)
         if not calls:
-            return [Use(None, None, None, None, crossed + (c,), (
-                f"{ppath or '<model>'}.{t.method} calls {target} after it branches on a traced "
-                f"value (line {t.cut_line}), which fx cannot follow" if t.cut_line is not None
-                else f"{ppath or '<model>'}.forward calls {target} 0 times"))]
-        return parent, calls[0], crossed + (c,)
+            return [Use(None, None, None, None, crossed, (
+                f"{where}.{t.method} calls {target} after it branches on a traced value (line "
+                f"{t.cut_line}), which fx cannot follow" if t.cut_line is not None
+                else f"{where}.forward calls {target} 0 times"))]
+        return parent, calls[0], crossed
 
     # -- fates: what the consumers of a value do with it ------------------------------------------
     def fate(self, owner: nn.Module, at: Any, depth: int = 0) -> Fate:
-        """What the consumers of the value at ``at`` of ``owner`` (as :meth:`users` takes it) do
-        with it."""
+        """What the consumers of the value at ``at`` of ``owner`` (see :meth:`users`) do."""
         return _combine([self._use_fate(u, depth + 1)
                          for u in self.users(owner, at, (), (), depth)])
 
@@ -359,8 +316,7 @@ class ModelGraph:
             if args is None:
                 return Fate(None, f"used by {name} with arguments fuse cannot read")
             p, training = args["p"], args["training"]
-            if args["input"] is not value or isinstance(p, fx.Node) or \
-                    isinstance(training, fx.Node):
+            if args["input"] is not value or any(isinstance(a, fx.Node) for a in (p, training)):
                 return Fate(None, f"used by {name} with a p or training fuse cannot read")
             return _dropout_fate(f"{name}(p={p})", p, training, on_output)
         if among(META_FUNCTIONS, META_METHODS):
@@ -400,7 +356,6 @@ class ModelGraph:
         return _combine(fates)
 
     def _module_fate(self, u: Use, depth: int) -> Fate:
-        """What module ``u.module`` does with the value it is given."""
         sub, owner, at = u.module, u.owner, u.at
         if isinstance(at, fx.Node):
             label = self.nodes[at].label
@@ -429,21 +384,15 @@ class ModelGraph:
                           f"free it")
 
     # -- where a layer's output goes next: the one call receiving it ------------------------------
-    def follow(self, calls: Sequence[LayerCall]) -> \
-            Dict[LayerCall, Tuple[Optional[LayerCall], Optional[str], Tuple[Slot, ...]]]:
-        """For each of ``calls``: (the one of them that receives its output as its only consumer,
-        why a run may not take that step or None, the Identity and Dropout modules stepped
-        over). Crossing a Sequential or a module needs it to have no hooks and no instance
-        forward, to be held at one place, called once and directly, and to receive the value as
-        the one argument of a call without keywords; its forward must be one whose guards can be
-        checked. A Sequential hands on only the value of an element that is one."""
+    def follow(self, calls: Sequence[LayerCall]):
+        """For each call: (the one of them consuming its output alone, why a run may not take
+        that step, the Identity and Dropout modules stepped over)."""
         at = {(id(s.container), s.index if s.node is None else s.node): s for s in calls}
         return {s: self._next(s, at) for s in calls}
 
     def _next(self, s: LayerCall, at: Dict[Tuple[int, Any], LayerCall]):
         site = (s.container, s.index if s.node is None else s.node)
-        passed: List[Slot] = []
-        problem: Optional[str] = None
+        passed, problem = [], None
         while True:
             uses = self.users(*site)
             if len(uses) != 1 or uses[0].module is None:
@@ -483,8 +432,7 @@ class ModelGraph:
         return child or self.crossing_problem(c.module)
 
     def crossing_problem(self, c: nn.Module) -> Optional[str]:
-        """Why a run may not cross container ``c`` (a Sequential, or a module whose analysed
-        forward it passes through), else None."""
+        """Why a run may not cross ``c`` (a Sequential or a module's forward), else None."""
         places = self.paths.get(id(c), [])
         label = places[0] if places else f"<a {type(c).__name__}>"
         problem = failing([no_hooks(c, label, ACROSS), own_forward(c, label)])
@@ -517,19 +465,16 @@ def _fn_name(target: Any) -> str:
 
 def _combine(fates: List[Fate]) -> Fate:
     """Kept if any consumer keeps it, else unknown if any consumer is unknown, else not kept."""
-    for f in fates:
-        if f.kept is True:
-            return f
-    for f in fates:
-        if f.kept is None:
-            return f
+    for kept in (True, None):
+        for f in fates:
+            if f.kept is kept:
+                return f
     whys = [f.why for f in fates if f.why]
     return Fate(False, "; ".join(dict.fromkeys(whys)) or "nothing uses it")
 
 
 def _dropout_fate(label: str, p: float, training: bool, on_output: Callable[[], Fate]) -> Fate:
-    """Dropout with p > 0 in training keeps only its mask; with p = 0, or in eval(), it returns
-    its input, so what its output's consumer keeps is what counts."""
+    """Dropout keeps only its mask; with p = 0, or in eval(), what its output's consumers keep."""
     if p == 0 or training is False:
         kept, why = on_output()
         return Fate(kept, f"{why} (through {label}, which returns its input "

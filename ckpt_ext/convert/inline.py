@@ -1,20 +1,19 @@
-"""The inline kind: a run whose forward calls function calls between its child Linears (an
-activation function, ``F.dropout``: nn.TransformerEncoderLayer's ``_ff_block``, Bart's layers),
-computed in the owner's region, applied as ``_InlineRun``. Design: docs/converter.md,
-"Function calls inside a run"."""
+"""The inline kind: a run whose forward calls functions between its child Linears, applied as
+``_InlineRun``. Design: docs/converter.md, "Function calls inside a run"."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
 from ..modules import collapse_activations
-from .facts import LayerKind, Recognised, bind, module_tensors, stored_weight
+from .facts import DROPOUT_SIGNATURE, LayerKind, Recognised, bind, module_tensors, stored_weight
 from .graph import Fate, ModelGraph
 from .policy import Chain, LayerShape, chain_problem, decide, mask_bytes
 from .report import Decision
@@ -24,8 +23,7 @@ from .units import InForward, Options, Placement, RegionKind
 
 @dataclass(eq=False)
 class InlineCall(InForward):
-    """One run ``Linear, act, [Dropout ...], Linear, ...`` of direct child Linears (or Conv1D)
-    with at least one function call among its activations and Dropouts."""
+    """A run ``Linear, act, [Dropout ...], Linear, ...`` of child Linears with a function call."""
     # (what it computes, its node, its child module or None) per Linear but the last
     acts: Tuple[Tuple[Recognised, fx.Node, Optional[nn.Module]], ...] = ()
     drops: Tuple[InlineDrop, ...] = ()
@@ -35,13 +33,11 @@ def _single_user(n: fx.Node) -> Optional[fx.Node]:
     return next(iter(n.users)) if len(n.users) == 1 else None
 
 
-_DROPOUT_CALLS = {F.dropout: inspect.signature(lambda input, p=0.5, training=True,
-                                                      inplace=False: None),
+_DROPOUT_CALLS = {F.dropout: DROPOUT_SIGNATURE,
                   torch.dropout: inspect.signature(lambda input, p, train: None)}
 
 
-def _dropout(graph: ModelGraph, n: Optional[fx.Node], x: fx.Node, item: int,
-             evals: Dict[fx.Node, fx.Node]) -> Optional[InlineDrop]:
+def _dropout(graph: ModelGraph, n, x: fx.Node, item: int, evals) -> Optional[InlineDrop]:
     """``n`` as a Dropout of the run taking ``x``: a child ``nn.Dropout`` or ``nn.Identity``, or
     ``F.dropout`` / ``torch.dropout`` with a constant p and training (not in place)."""
     if n is None:
@@ -57,13 +53,11 @@ def _dropout(graph: ModelGraph, n: Optional[fx.Node], x: fx.Node, item: int,
     if args is None or eval_args is None:
         return None
     train = "training" if "training" in args else "train"
-    p = args.get("p", 0.5)
+    p, draws = args.get("p", 0.5), (args.get(train, True), eval_args.get(train, True))
     if args["input"] is not x or args.get("inplace", False) is not False or \
-            type(p) not in (int, float) or not 0 <= p <= 1 or \
-            type(args.get(train, True)) is not bool or type(eval_args.get(train, True)) is not bool:
+            type(p) not in (int, float) or not 0 <= p <= 1 or {type(d) for d in draws} != {bool}:
         return None
-    return InlineDrop(item, "F.dropout", None, float(p),
-                      (args.get(train, True), eval_args.get(train, True)))
+    return InlineDrop(item, "F.dropout", None, float(p), draws)
 
 
 def _problems(graph: ModelGraph, c: InlineCall):
@@ -73,9 +67,8 @@ def _problems(graph: ModelGraph, c: InlineCall):
         yield found.problem
         if sub is not None:
             yield from graph.members_problems(owner, t, [n])
-    for n in c.nodes:
-        if n.op == "call_module" and type(c.child(n)) in (nn.Dropout, nn.Identity):
-            yield graph.child_problem(owner, t, n.target, graph.nodes[n].label, c.child(n))
+    yield from graph.members_problems(owner, t, [n for n in c.nodes if n.op == "call_module" and
+                                                 type(c.child(n)) in (nn.Dropout, nn.Identity)])
     yield chain_problem(_shapes(graph, c), [c.child(n) for n in c.linears])
     yield from graph.placeholder_problems(c.path, owner, t, c.linears)
 
@@ -96,8 +89,7 @@ class Inline(RegionKind):
 
     def _in(self, graph, path, owner, t, taken) -> List[InlineCall]:
         nodes = list(t.graph.nodes)
-        evals = dict(zip(nodes, t.eval_graph.nodes)) if t.eval_graph is not None else \
-            {n: n for n in nodes}
+        evals = dict(zip(nodes, t.eval_graph.nodes))  # the same node in eval()
         facts = graph.nodes
 
         def linear(n: Optional[fx.Node]) -> bool:
@@ -108,7 +100,7 @@ class Inline(RegionKind):
         for n in nodes:
             if n in taken or n in seen or not linear(n):
                 continue
-            linears, acts, drops, run = [n], [], [], [n]
+            chain, acts, drops, run = [n], [], [], [n]  # chain: its Linears and activations
             cur = n
             while True:
                 a = _single_user(cur)
@@ -128,30 +120,26 @@ class Inline(RegionKind):
                 nxt = _single_user(c)
                 if nxt is None or nxt in taken or not linear(nxt) or facts[nxt].only is not c:
                     break
-                linears.append(nxt)
+                chain += [a, nxt]
                 acts.append((fa.found, a, fa.child))
                 drops += ds
                 run += [a] + between + [nxt]
                 cur = nxt
             seen.update(run)
+            linears = chain[0::2]
             if len(linears) < 2 or all(x.op == "call_module" for x in run):
                 continue
-            labels = []
-            for k, lin in enumerate(linears):
-                labels.append(facts[lin].label)
-                if k < len(acts):
-                    labels.append(facts[acts[k][1]].label)
-            call = InlineCall(owner, path, t, tuple(linears), tuple(run), tuple(labels),
-                              collapse_activations([f.name for f, _, _ in acts]),
-                              tuple(n for n in run if n.op == "call_module" and
-                                    n not in linears), acts=tuple(acts), drops=tuple(drops))
+            labels = tuple(facts[x].label for x in chain)
+            call = InlineCall(owner, path, t, tuple(linears), tuple(run), labels,
+                              collapse_activations([f.name for f, _, _ in acts]), tuple(
+                                  n for n in run if n.op == "call_module" and n not in linears),
+                              acts=tuple(acts), drops=tuple(drops))
             call.problems = tuple(dict.fromkeys(p for p in _problems(graph, call) if p))
             found.append(call)
         return found
 
     def decide(self, graph: ModelGraph, c: InlineCall, options: Options):
-        """The policy's unit over all its Linears (with the masks of the Dropouts drawing now
-        counted), or left alone with its problems."""
+        """The policy's unit over all its Linears, or left alone with its problems."""
         layers = _shapes(graph, c)
         names = tuple(found.name for found, _, _ in c.acts)
         if c.problems:
@@ -164,29 +152,23 @@ class Inline(RegionKind):
         (unit,), _ = decide(chain, options.policy)
         d = unit.decision
         drawing = [x for x in c.drops if x.drawing(c.owner.training)]
-        masks: Dict[int, int] = {}
-        for x in drawing:
-            masks[x.item] = masks.get(x.item, 0) + 1
+        masks = collections.Counter(x.item for x in drawing)
         on_cuda = stored_weight(c.child(c.linears[0])).device.type == "cuda"
         freed = d.bytes_per_row + mask_bytes(masks, layers, names, on_cuda)
         calls = [graph.nodes[n].label for _, n, sub in c.acts if sub is None] + \
             [x.label for x in c.drops if x.module is None]
-        why = (f"{d.why}; {', '.join(calls)}, between its Linears, "
-               f"run on a zero-width placeholder" +
-               (f"; {len(drawing)} Dropout mask(s) drawn inside the unit and again in backward "
-                f"from the generator's saved state" if drawing else ""))
+        why = (f"{d.why}; {', '.join(calls)}, between its Linears, run on a zero-width placeholder"
+               + (f"; {len(drawing)} Dropout mask(s) drawn inside the unit and again in backward "
+                  f"from the generator's saved state" if drawing else ""))
         return [dataclasses.replace(d, bytes_per_row=freed, why=why)], []
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _InlineRun:
         c = p.found
         return _InlineRun(
-            labels=c.labels, members=[s.module for s in p.layer_calls],
-            activation=p.activation,
-            acts=[(sub, graph.path[id(sub)], found.name) for found, _, sub in c.acts
-                  if sub is not None],
-            drops=c.drops, slots=p.slots,
-            unhooked=[(m, graph.path[id(m)]) for m in p.unhooked], owner=p.owner,
-            calls=p.calls, decision=decision)
+            labels=c.labels, members=[s.module for s in p.layer_calls], activation=p.activation,
+            acts=[(sub, graph.path[id(sub)], f.name) for f, _, sub in c.acts if sub is not None],
+            drops=c.drops, slots=p.slots, unhooked=[(m, graph.path[id(m)]) for m in p.unhooked],
+            owner=p.owner, calls=p.calls, decision=decision)
 
     def key(self, p: Placement):
         return ("inline", tuple(c.module for c in p.layer_calls), p.activation)

@@ -1,17 +1,15 @@
-"""The plain kind: runs of Linear/activation *module* calls (elements of Sequentials, children an
-analysed forward calls, across Sequentials and child forwards: graph.follow), each computed by
-the Sequential holding it or in the forward of its lowest common caller, whose calls become its
-members; applied as ``_Run``. Design: docs/converter.md, "Where a run is computed"."""
+"""The plain kind: runs of Linear/activation module calls, computed by a Sequential or in their
+lowest common caller's forward, applied as ``_Run``. Design: docs/converter.md."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import nn
 
-from ..modules import LayerActivations
-from .facts import (LayerKind, own_forward, Slot, join_path, module_tensors, passes_through,
-                    passing_name, stored_weight)
+from .facts import (LayerKind, own_forward, Slot, failing, join_path, module_tensors,
+                    passes_through, passing_name, stored_weight)
 from .graph import Fate, LayerCall, ModelGraph
 from .policy import Chain, LayerShape, Unit, chain_problem, decide, item_misses, mask_bytes, \
     split_at_problems
@@ -21,9 +19,7 @@ from .units import MemberPlan, Options, PartPlan, Placement, UnitKind, arguments
 
 
 class Run(NamedTuple):
-    """A maximal run of layer calls ``Linear, Act, Linear, ...``, each value going to the next
-    only; ``through[call]``: the Identity and Dropout modules after a call; ``stop``: why it
-    does not go on after its last call."""
+    """A maximal run of layer calls ``Linear, Act, Linear, ...``, and why it ``stop``s there."""
     calls: List[LayerCall]
     through: Dict[LayerCall, Tuple[Slot, ...]]
     stop: Optional[str]
@@ -34,9 +30,7 @@ class Run(NamedTuple):
 class Plain(UnitKind):
     def find(self, graph: ModelGraph, taken: set, options: Options) -> List[Run]:
         calls = [s for s in graph.layer_calls if s.node is None or s.node not in taken]
-        links: Dict[LayerCall, LayerCall] = {}
-        stops: Dict[LayerCall, str] = {}
-        through: Dict[LayerCall, Tuple[Slot, ...]] = {}
+        links, stops, through = {}, {}, {}  # by call: the next call, why not, the Slots between
         for s, (nxt, problem, through[s]) in graph.follow(calls).items():
             if nxt is None or nxt.kind == s.kind:
                 continue
@@ -44,9 +38,9 @@ class Plain(UnitKind):
                 drawing = [p for p in through[s] if not passes_through(p.module)]
                 if drawing:
                     problem = problem or (
-                        f"dropout p>0 between it and its activation: {drawing[0].label} "
-                        f"(p={drawing[0].module.p}) draws a mask in training that the fused op "
-                        f"would not (in eval() it is fused)")
+                        f"dropout p>0 between it and its activation: {drawing[0].label} (p="
+                        f"{drawing[0].module.p}) draws a mask in training that the fused op would "
+                        f"not (in eval() it is fused)")
             if problem:
                 stops[s] = problem
             else:
@@ -56,10 +50,9 @@ class Plain(UnitKind):
         for s in calls:
             if s in has_prev:
                 continue
-            path, seen = [s], {s}
-            while path[-1] in links and links[path[-1]] not in seen:
+            path = [s]
+            while path[-1] in links and links[path[-1]] not in path:
                 path.append(links[path[-1]])
-                seen.add(path[-1])
             while path and path[0].kind is not LayerKind.LINEAR:
                 path.pop(0)
             if len(path) >= 2:
@@ -75,10 +68,10 @@ class Plain(UnitKind):
         misses = item_misses(at, labels, problems)
         shapes = [LayerShape(s.label, *graph.facts[id(s.module)].width)
                   for s in layer_calls[0::2]]
-        full = Chain(at, "", labels, layer_calls, shapes,
-                     tuple(s.activation for s in layer_calls[1::2]), len(layer_calls) % 2 == 0,
-                     lambda: Fate(None, ""),
-                     tuple(module_tensors(s.module, s.activation) for s in layer_calls[1::2]))
+        acts = layer_calls[1::2]
+        full = Chain(at, "", labels, layer_calls, shapes, tuple(s.activation for s in acts),
+                     len(layer_calls) % 2 == 0, lambda: Fate(None, ""),
+                     tuple(module_tensors(s.module, s.activation) for s in acts))
         units: List[Unit] = []
         for s, e in split_at_problems(problems, len(layer_calls)):
             last = layer_calls[e - 1]
@@ -95,14 +88,11 @@ class Plain(UnitKind):
             misses += sub_misses
         return units, misses
 
-    def place(self, graph: ModelGraph, run: Run, units: Sequence[Unit],
-              misses: Sequence[Decision]):
-        """In call order: each unit placed, and the near misses at the module holding their
-        layers; those holding the run's last call say why it stops there."""
+    def place(self, graph: ModelGraph, run: Run, units: Sequence[Unit], misses):
+        """In call order: each unit placed, and the near misses where their layers are held."""
         placed: List[Tuple[Decision, Optional[Placement]]] = [(d, None) for d in misses]
         for u in units:
-            a, b = u.chain.span(u.first, u.last, u.last_act)
-            calls = u.chain.items[a:b]
+            calls = u.items
             between = [run.through[c] for c in calls[:-1]]
             p = _placement(graph, self, calls, u.activation, u.last_act, between)
             d = u.decision
@@ -111,19 +101,14 @@ class Plain(UnitKind):
                     d, action="left alone", unit="", how="", bytes_per_row=0,
                     why="its layers share no container that calls them in sequence"), None))
                 continue
-            note = p.note
-            if p.passes:
-                note = "; ".join(filter(None, [_through(p.passes), note]))
-            masks: Dict[int, int] = {}
-            for slot, k in p.passes:
-                if not passes_through(slot.module):
-                    masks[k] = masks.get(k, 0) + 1
+            note = "; ".join(filter(None, [_through(p.passes) if p.passes else "", p.note]))
+            masks = collections.Counter(k for slot, k in p.passes
+                                        if not passes_through(slot.module))
             w = stored_weight(calls[0].module)
             freed = mask_bytes(masks, u.chain.layers[u.first:], u.chain.activations[u.first:],
                                w is not None and w.device.type == "cuda")
-            d = dataclasses.replace(d, where=p.where, how=p.how,
-                                    bytes_per_row=d.bytes_per_row + freed,
-                                    why=d.why + (f"; {note}" if note else ""))
+            d = dataclasses.replace(d, where=p.where, how=p.how, bytes_per_row=d.bytes_per_row
+                                    + freed, why=d.why + (f"; {note}" if note else ""))
             placed.append((arguments_note(graph, p, d), p))
         labels = [s.label for s in run.calls]
         position = {label: i for i, label in enumerate(labels)}
@@ -139,51 +124,42 @@ class Plain(UnitKind):
         return out
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Optional[Decision]) -> _Run:
-        layer_calls = p.layer_calls
+        calls = p.layer_calls
         return _Run(
-            labels=[s.label for s in layer_calls], members=[s.module for s in layer_calls],
-            layers=[s.module for s in layer_calls[0::2]], last_activation=p.last_act,
-            activation=p.activation,
-            sequences=[(seq, graph.path[id(seq)]) for seq in p.sequences], slots=p.slots,
+            labels=[s.label for s in calls], members=[s.module for s in calls],
+            layers=[s.module for s in calls[0::2]], last_activation=p.last_act, owner=p.owner,
+            activation=p.activation, slots=p.slots, calls=p.calls, decision=decision,
+            sequences=[(seq, graph.path[id(seq)]) for seq in p.sequences],
             unhooked=[(m, graph.path[id(m)]) for m in p.unhooked]
-            + [(s.module, s.label) for s in layer_calls],
-            owner=p.owner, calls=p.calls,
-            elements=[(s.container, s.name) for s in layer_calls if s.node is None],
-            decision=decision, passes=[(slot.module, slot.label, k) for slot, k in p.passes])
+            + [(s.module, s.label) for s in calls],
+            elements=[(s.container, s.name) for s in calls if s.node is None],
+            passes=[(slot.module, slot.label, k) for slot, k in p.passes])
 
 
 def _problem(graph: ModelGraph, s: LayerCall) -> Optional[str]:
     """What keeps a call from a run: how it is called, or its module."""
     if s.node is None:
-        own = own_forward(s.container, graph.path[id(s.container)] or "<model>")
-        if not own.holds():
-            return own.describe()
+        problem = failing([own_forward(s.container, graph.path[id(s.container)] or "<model>")])
     else:
-        p = graph.child_problem(s.container, s.trace, s.name, s.label, s.module)
-        if p is not None:
-            return p
-    return graph.facts[id(s.module)].problem
+        problem = graph.child_problem(s.container, s.trace, s.name, s.label, s.module)
+    return problem if problem is not None else graph.facts[id(s.module)].problem
 
 
 def _through(passes: Sequence[Tuple[Slot, int]]) -> str:
     slots = [slot for slot, _ in passes]
     drawing = [slot.label for slot in slots if not passes_through(slot.module)]
+    one = len(drawing) == 1
     return ("through " + ", ".join(f"{s.label} ({passing_name(s.module)})" for s in slots) +
-            (f"; {', '.join(drawing)} " +
-             ("draws its mask" if len(drawing) == 1 else "draw their masks") +
-             " inside the unit, which keeps the generator's state and draws "
-             + ("it" if len(drawing) == 1 else "them") + " again in backward"
-             if drawing else "") +
-            "; a call in which one of them draws a mask fuse cannot draw computes module by "
-            "module")
+            (f"; {', '.join(drawing)} {'draws its mask' if one else 'draw their masks'} inside "
+             f"the unit, which keeps the generator's state and draws {'it' if one else 'them'} "
+             f"again in backward" if drawing else "") +
+            "; a call in which one of them draws a mask fuse cannot draw computes module by module")
 
 
-# ------------------------------------------------------------------------------------------------
-# Where a unit of module calls is computed
+# -- Where a unit of module calls is computed ------------------------------------------------------
 
 def _ancestry(graph: ModelGraph, layer_calls: Sequence[LayerCall]):
-    """Each call's containers from its own upward (each held at one place), and the lowest one
-    they share."""
+    """Each call's containers upward (each held at one place), and the lowest one they share."""
     chains = []
     for s in layer_calls:
         chain = [s.container]
@@ -209,8 +185,7 @@ def _below(graph: ModelGraph, upper: nn.Module, lower: nn.Module) -> str:
 
 def _descent(graph: ModelGraph, call: LayerCall, chain: List[nn.Module], lca: nn.Module):
     """[(container, the name of what it holds next)] from the lca down to the call."""
-    ids = [id(c) for c in chain]
-    path = chain[:ids.index(id(lca)) + 1][::-1]  # lca, ..., call.container
+    path = chain[:[id(c) for c in chain].index(id(lca)) + 1][::-1]  # lca, ..., call.container
     steps = [(upper, _below(graph, upper, lower)) for upper, lower in zip(path, path[1:])]
     return steps + [(call.container, call.name)]
 
@@ -227,21 +202,14 @@ def _after(steps):
                  for seq, name in reversed(steps) if name != list(seq._modules)[-1])
 
 
-def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
-               activation: LayerActivations, last_act: bool,
-               between: Sequence[Sequence[Slot]] = ()) -> Optional[Placement]:
-    """Where the unit of these calls is computed: by the Sequential holding them all, or in the
-    forward of their lowest common caller (the owner), whose calls become members (an Identity
-    or Dropout it calls after call i too: ``between[i]``); None when none calls them all."""
+def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall], activation,
+               last_act: bool, between: Sequence[Sequence[Slot]] = ()) -> Optional[Placement]:
+    """Where the unit is computed: by a Sequential holding it all, or in its lowest caller."""
     chains, lca = _ancestry(graph, layer_calls)
     if lca is None:
         return None
-    inside: Dict[int, nn.Module] = {}  # containers below the lca that hold layers of the run
-    for chain in chains:
-        for c in chain:
-            if c is lca:
-                break
-            inside[id(c)] = c
+    belows = [chain[:[id(c) for c in chain].index(id(lca))] for chain in chains]
+    inside = {id(c): c for below in belows for c in below}  # containers below the lca
     p = Placement("", graph.path[id(lca)], layer_calls, activation, last_act, kind)
     first = _descent(graph, layer_calls[0], chains[0], lca)
     last = _descent(graph, layer_calls[-1], chains[-1], lca)
@@ -270,8 +238,7 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
     # the members, in order: child Linear/activation modules of the lca or of a module whose
     # forward it crosses, or the outermost Sequential on the way down to a layer
     units: List[Any] = []
-    for i, (s, chain) in enumerate(zip(layer_calls, chains)):
-        below = chain[:[id(c) for c in chain].index(id(lca))]
+    for i, (s, below) in enumerate(zip(layer_calls, belows)):
         u = next((c for c in reversed(below) if graph.facts[id(c)].sequential), s)
         if not units or units[-1] is not u:
             units.append(u)
@@ -306,34 +273,28 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall],
                                     k, (), _after(down[1:])))
         else:
             p.parts.append(PartPlan(u, tuple(names), PartRole.ON, k, (), ()))
-        alone = _alone(u, layer_calls)
-        if alone:
+        if alone := _alone(u, layer_calls):
             p.alone[id(u)] = alone
     p.how = "children" if all(isinstance(u, LayerCall) and u.container is lca for u in units) \
         else "across"
-    p.owner = lca
-    where = p.where or "<model>"
-    method = graph.trace.get(id(lca)).method
+    p.owner, where = lca, p.where or "<model>"
     if p.how == "across":
         crosses = ", ".join([graph.path[id(c)] for c in crossed] or p.calls)
-        p.note = (f"it crosses {crosses} in {where}: inside {where}.{method}, "
-                  f"{p.calls[0]} computes the whole run and {', '.join(p.calls[1:])} "
+        p.note = (f"it crosses {crosses} in {where}: inside {where}.{graph.trace[id(lca)].method}"
+                  f", {p.calls[0]} computes the whole run and {', '.join(p.calls[1:])} "
                   f"pass{'es' if len(p.calls) == 2 else ''} its output on; called any other "
                   f"way, each computes its own layers")
-        for alone_calls in p.alone.values():
-            p.note += (f" ({alone_calls[0].label}..{alone_calls[-1].label} as one run of "
-                       f"its own)")
+        p.note += "".join(f" ({a[0].label}..{a[-1].label} as one run of its own)"
+                          for a in p.alone.values())
     return p
 
 
 def _alone(seq: nn.Module, layer_calls: Sequence[LayerCall]) -> Optional[List[LayerCall]]:
-    """The longest stretch of the run's layers that are consecutive elements of ``seq``, from a
-    Linear to a Linear with at least two of them: what seq computes fused on its own."""
-    best: List[LayerCall] = []
-    stretch: List[LayerCall] = []
+    """The longest stretch Linear..Linear of the run's layers that are elements of ``seq``."""
+    best, stretch = [], []
     for s in list(layer_calls) + [None]:
-        if s is not None and s.node is None and s.container is seq and \
-                (not stretch or s.index == stretch[-1].index + 1):
+        mine = s is not None and s.node is None and s.container is seq
+        if mine and (not stretch or s.index == stretch[-1].index + 1):
             stretch.append(s)
             continue
         while stretch and stretch[0].kind is not LayerKind.LINEAR:
@@ -342,7 +303,7 @@ def _alone(seq: nn.Module, layer_calls: Sequence[LayerCall]) -> Optional[List[La
             stretch.pop()
         if len(stretch) >= 3 and len(stretch) > len(best):
             best = stretch
-        stretch = [s] if s is not None and s.node is None and s.container is seq else []
+        stretch = [s] if mine else []
     return best or None
 
 

@@ -1,7 +1,5 @@
-"""Planning: one loop over the kinds of unit, in priority order, before anything changes. Each
-kind finds its candidates among the nodes no kind before it took, decides and places them; the
-plan holds every placed unit (with the run an earlier fuse put in place for exactly it, kept)
-and every decision of the report, by the module holding its layers."""
+"""Planning, before anything changes: one loop over the kinds of unit, in priority order, each
+finding its candidates among the nodes no kind before it took, deciding and placing them."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,20 +30,14 @@ class Placed(NamedTuple):
 @dataclass
 class Plan:
     placed: List[Placed] = field(default_factory=list)
-    fused_at: Dict[str, List[Decision]] = field(default_factory=dict)  # by where, fused first
-    missed_at: Dict[str, List[Decision]] = field(default_factory=dict)
+    at: Dict[str, List[Decision]] = field(default_factory=dict)  # the decisions, by where
     not_analysed: List[Tuple[str, str]] = field(default_factory=list)
 
-    def add(self, d: Decision) -> None:
-        (self.missed_at if d.action == "left alone" else self.fused_at).setdefault(
-            d.where, []).append(d)
-
     def decisions(self, model: nn.Module) -> List[Decision]:
-        """Every decision, in the order of the modules holding their layers."""
+        """Every decision, in the order of the modules holding their layers, fused first."""
         order = [path for path, _ in model.named_modules()]
-        return [d for path in order + sorted((set(self.fused_at) | set(self.missed_at)) -
-                                             set(order))
-                for d in self.fused_at.get(path, []) + self.missed_at.get(path, [])]
+        return [d for path in order + sorted(set(self.at) - set(order))
+                for d in sorted(self.at.get(path, []), key=lambda d: d.action == "left alone")]
 
     @property
     def rewritten(self) -> List[str]:
@@ -54,8 +46,12 @@ class Plan:
 
 
 def make_plan(graph: ModelGraph, options: Options) -> Plan:
-    plan, taken = Plan(), set()
-    existing = {r.key: r for r in _existing_runs(graph.model)}
+    plan, taken, runs = Plan(), set(), {}
+    for m in graph.model.modules():  # the runs an earlier fuse put in place, each once
+        for run in [p.run for p in m._ckpt_ext_runs] if isinstance(m, FusedSequential) else \
+                [m._ckpt_ext_run] if isinstance(m, RunMember) and m._ckpt_ext_run else []:
+            runs.setdefault(id(run), run)
+    existing = {r.key: r for r in runs.values()}
     for kind in KINDS:
         for found in kind.find(graph, taken, options):
             units, misses = kind.decide(graph, found, options)
@@ -63,30 +59,21 @@ def make_plan(graph: ModelGraph, options: Options) -> Plan:
                 already = _in_place(graph, p, existing) if p is not None else None
                 if p is not None:
                     plan.placed.append(Placed(p, d, already))
-                plan.add(dataclasses.replace(d, action="already fused") if already else d)
+                d = dataclasses.replace(d, action="already fused") if already else d
+                plan.at.setdefault(d.where, []).append(d)
             taken.update(found.takes)
             plan.not_analysed += found.not_analysed
     return plan
 
 
-def _existing_runs(model: nn.Module) -> List[_Run]:
-    """The runs an earlier fuse put in place, each once."""
-    runs: Dict[int, _Run] = {}
-    for m in model.modules():
-        for run in [p.run for p in m._ckpt_ext_runs] if isinstance(m, FusedSequential) else \
-                [m._ckpt_ext_run] if isinstance(m, RunMember) and m._ckpt_ext_run else []:
-            runs.setdefault(id(run), run)
-    return list(runs.values())
-
-
 def _in_place(graph: ModelGraph, p: Placement, existing: Dict[Any, _Run]) -> Optional[_Run]:
     """The run an earlier fuse put in place for exactly this placement, if it is still whole."""
-    run = existing.get(p.key) if existing and p.source is None else None
+    run = existing.get(p.kind.key(p)) if existing and p.source is None else None
     if run is None or run.problem() is not None:
         return None
-    for seq, key in p.part_keys():
-        parts = getattr(seq, "_ckpt_ext_runs", ())
-        if not any(part.key == key and part.run is run for part in parts):
+    for part in p.parts:  # each Sequential holds its part of exactly this run
+        if not any(x.key == (part.names, part.role, part.index, run.key) and x.run is run
+                   for x in getattr(part.seq, "_ckpt_ext_runs", ())):
             return None
     if any(getattr(c.module, "_ckpt_ext_run", None) is not run or c.module._ckpt_ext_index != k
            for c, k in p.members):

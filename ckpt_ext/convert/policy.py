@@ -1,6 +1,5 @@
 """The policy: which stretches of a chain of Linear/activation calls fuse as one unit, the near
-misses, and the report's figures (bytes freed and FLOPs added per row, each layer's from its own
-activation's row). Design: docs/converter.md, "Activations"."""
+misses, and the report's figures per row. Design: docs/converter.md, "Activations"."""
 from __future__ import annotations
 
 import enum
@@ -11,14 +10,13 @@ from torch import nn
 
 from .. import ops
 from ..modules import LayerActivations, collapse_activations
-from .facts import DISPLAY, SAVES_INPUT, one_dtype_device
+from .facts import DISPLAY, SAVES_INPUT, failing, one_dtype_device
 from .graph import Fate
 from .report import Decision
 
 
 class Policy(str, enum.Enum):
-    """``MEMORY``: maximal runs, with their trailing activation and lone pairs where that frees
-    memory; ``ALL``: the same runs with their trailing activation, and every lone pair."""
+    """``MEMORY``: maximal runs, and what else frees memory; ``ALL``: every lone pair too."""
     MEMORY = "memory"
     ALL = "all"
 
@@ -50,8 +48,7 @@ def _unit_name(layers: Sequence[LayerShape], activations: Sequence[str], last_ac
 
 @dataclass
 class Chain:
-    """Calls ``Linear, Act, Linear, ...`` in which each value goes only to the next: item ``2j``
-    is Linear ``j``, item ``2j + 1`` its activation ``activations[j]``."""
+    """Calls ``Linear, Act, ...``, each value going to the next only: item ``2j`` is Linear j."""
     where: str                    # the module holding its items
     how: str                      # "rewrite", "children", or "" (placed later)
     labels: List[str]             # one per item, in call order
@@ -76,8 +73,7 @@ class Chain:
 
 
 class Unit(NamedTuple):
-    """Layers ``first..last`` of a chain (and the last one's activation if ``last_act``), fused
-    as one op, and the report's decision for them."""
+    """Layers ``first..last`` of a chain (with the last's activation if ``last_act``) as one op."""
     chain: Chain
     first: int
     last: int
@@ -91,17 +87,14 @@ class Unit(NamedTuple):
 
     @property
     def items(self) -> List[Any]:
-        s, e = self.chain.span(self.first, self.last, self.last_act)
-        return self.chain.items[s:e]
+        return self.chain.items[slice(*self.chain.span(self.first, self.last, self.last_act))]
 
 
 def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
     """The units to fuse in a chain and the near misses, with their figures."""
-    L, acts = chain.layers, chain.activations
-    m = len(L)
+    L, acts, m = chain.layers, chain.activations, len(chain.layers)
     keeps_z = [SAVES_INPUT[a] for a in acts]  # its backward keeps z: fusing frees it anyway
-    units: List[Unit] = []
-    misses: List[Decision] = []
+    units, misses = [], []
 
     def figures(a: int, b: int, last_act: bool, last_freed: bool) -> Tuple[int, int, int]:
         freed = sum(chain.kept[j] * L[j].out_features * L[j].itemsize for j in range(a, b))
@@ -112,8 +105,7 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
         return freed, extra, sum(3 * gemm(L[j]) for j in range(a, b + 1))
 
     def labels(a: int, b: int, last_act: bool) -> Tuple[str, ...]:
-        s, e = chain.span(a, b, last_act)
-        return tuple(chain.labels[s:e])
+        return tuple(chain.labels[slice(*chain.span(a, b, last_act))])
 
     def unit(a: int, b: int, last_act: bool, last_freed: bool, why: str) -> None:
         freed, extra, plain = figures(a, b, last_act, last_freed)
@@ -123,15 +115,14 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
                      activation=names[0] if len(set(names)) == 1 else ", ".join(names))
         units.append(Unit(chain, a, b, last_act, d))
 
-    def miss(a: int, b: int, kept: Optional[bool], why: str, what: str,
-             layers: Optional[Tuple[str, ...]] = None) -> None:
+    def miss(a: int, b: int, kept: Optional[bool], why: str, what: str, layers=None) -> None:
         freed, extra, plain = figures(a, b, True, kept is None)
         pot = "free nothing" if kept else \
             f"free {freed:,} B/row only if that consumer does not keep it"
         misses.append(Decision(chain.where, layers or labels(a, b, True), "left alone", "", "",
-                               freed if kept is None else 0, extra, plain,
-                               f"{what}: {why}; fusing it would {pot} and cost "
-                               f"+{extra:,} FLOPs/row", activation=acts[b]))
+                               freed if kept is None else 0, extra, plain, f"{what}: {why}; "
+                               f"fusing it would {pot} and cost +{extra:,} FLOPs/row",
+                               activation=acts[b]))
 
     def own_input(j: int) -> str:
         return f"{DISPLAY[acts[j]]}'s backward keeps its input, the fused op does not"
@@ -160,15 +151,13 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
             if kept is False:
                 last_act, last_why = True, f"; its last output too ({why})"
             else:
-                miss(m - 1, m - 1, kept, why, f"the trailing {DISPLAY[acts[m - 1]]} is left out "
-                     "of the run " + ("(its output is kept anyway)" if kept
-                                      else "(its output may be kept)"),
+                miss(m - 1, m - 1, kept, why, f"the trailing {DISPLAY[acts[m - 1]]} is left out of "
+                     f"the run (its output {'is kept anyway' if kept else 'may be kept'})",
                      (chain.labels[2 * m - 1],))
         names = chain.unit_activations(0, m - 1, last_act)
         mixed = f" of mixed activations ({', '.join(names)})" if len(set(names)) > 1 else ""
-        unit(0, m - 1, last_act, True,
-             f"a run{mixed}: {m - 1} inner {_inner_kept(acts[:m - 1])} are no longer kept, only "
-             f"the run's input" + last_why)
+        unit(0, m - 1, last_act, True, f"a run{mixed}: {m - 1} inner {_inner_kept(acts[:m - 1])} "
+             f"are no longer kept, only the run's input" + last_why)
     elif chain.ends_with_act and keeps_z[0]:
         unit(0, 0, True, True, f"a lone pair: {own_input(0)}")
     elif chain.ends_with_act:
@@ -219,15 +208,11 @@ def chain_problem(shapes: Sequence[LayerShape], layers: Sequence[nn.Module]) -> 
         if b.in_features != a.out_features:
             return (f"layer {i}: in_features {b.in_features} does not match the previous "
                     f"Linear's out_features {a.out_features}")
-    same = one_dtype_device(tuple(layers), tuple(s.label for s in shapes))
-    return None if same.holds() else same.describe()
+    return failing([one_dtype_device(tuple(layers), tuple(s.label for s in shapes))])
 
 
-def mask_bytes(masks: Dict[int, int], layers: Sequence[LayerShape], activations: Sequence[str],
-               on_cuda: bool) -> int:
-    """What stock autograd keeps per row for ``masks[k]`` Dropouts drawing a mask after item k:
-    each mask (the dtype's size on the CPU, a byte on CUDA), and their output, which the next
-    Linear keeps instead of the activation's where the activation keeps its output too."""
+def mask_bytes(masks: Dict[int, int], layers: Sequence[LayerShape], activations, on_cuda) -> int:
+    """What stock autograd keeps per row for ``masks[k]`` Dropouts drawing after item k."""
     total = 0
     for k, n in masks.items():
         layer = layers[k // 2]

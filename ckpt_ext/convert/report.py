@@ -1,8 +1,8 @@
-"""What ``fuse`` says it did: one :class:`Decision` per run or pair of Linear/activation layers
-(fused, already fused, or left alone, with its activation, bytes freed and FLOPs added per row),
+"""What ``fuse`` says it did: one :class:`Decision` per run or pair of Linear/activation layers,
 gathered in a :class:`FuseReport`; ``fuse`` returns ``Fused(model, report)``."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Tuple
@@ -12,26 +12,19 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Decision:
-    """One run or pair of Linear/activation layers and what fuse did with it.
-
-    Byte and FLOP figures are per *row*: one row of the layers' input (one sample; for a sequence
-    input, one token — every leading dimension counts). For a near miss they say what fusing would
-    have freed and cost.
-    """
+    """One run or pair of Linear/activation layers and what fuse did with it. Figures are per *row*
+    of the layers' input (every leading dimension counts); a near miss's, what fusing would do."""
     where: str                # module holding the layers ("" = the model itself)
     layers: Tuple[str, ...]   # the layers in call order: paths, or "F.linear" / "torch.tanh" / ...
     action: str               # "fused", "already fused" or "left alone"
-    unit: str                 # what runs them ("tanh_mlp, 3 layers 4->64->64->2", "linear_tanh",
-    #                           "mlp gelu, 2 layers 32->64->32",
-    #                           "mlp mixed (relu, relu, tanh), 3 layers 17->64->64->6, last tanh")
+    unit: str                 # what runs them: "tanh_mlp, 3 layers 4->64->64->2", "linear_tanh",
+    #                           "mlp mixed (relu, relu, tanh), 3 layers 17->64->64->6, last tanh"
     how: str                  # "sequential", "children", "rewrite" ("" when left alone)
     bytes_per_row: int        # activation bytes per row no longer kept for backward
     flops_per_row: int        # extra FLOPs per row: the forward GEMMs that backward recomputes
     plain_flops_per_row: int  # these layers' forward + backward GEMM FLOPs per row, unfused
     why: str
-    # the layers' activation (ckpt_ext.ACTIVATIONS), "" if not known; a unit mixing them names
-    # each layer's, joined by ", " ("relu, relu, tanh")
-    activation: str = ""
+    activation: str = ""      # ckpt_ext.ACTIVATIONS' name, "" if not known; mixed: "relu, tanh"
 
     @property
     def extra_cost(self) -> float:
@@ -45,13 +38,11 @@ class FuseReport:
     policy: str
     rewrite: bool
     decisions: List[Decision] = field(default_factory=list)
-    #: (module path, why) for every module with a forward of its own (not torch.nn's) that fuse did
-    #: not analyse: no run goes through its calls and its code is not rewritten.
+    #: (path, why) for every module with a forward of its own (not torch.nn's) fuse did not analyse
     not_analysed: List[Tuple[str, str]] = field(default_factory=list)
     #: modules whose instance got a rewritten forward (rewrite=True)
     rewritten: List[str] = field(default_factory=list)
-    #: (path, why) for every nn.Linear and transformers Conv1D that no decision names: why no run
-    #: starts or goes through it. With the decisions, every Linear of the model is accounted for.
+    #: (path, why) for every nn.Linear and transformers Conv1D that no decision names
     other_layers: List[Tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -102,27 +93,18 @@ _INDEX = re.compile(r"(?<=[A-Za-z_]\.)\d+(?=\.|\b)")
 
 
 def grouped(lines: List[str]) -> List[str]:
-    """Lines that differ only in the indices of module paths printed once, each index that varies
-    as the set it takes (``layers.{0..31}.fc1 -> layers.{0..31}.fc2``), where the lines are
-    exactly every combination of those sets (an index repeated in a line counts once)."""
-    groups: Dict[str, List[Tuple[int, ...]]] = {}
+    """Lines that differ only in the indices of module paths printed once, where they are every
+    combination of the sets the indices take (``layers.{0..31}.fc1 -> layers.{0..31}.fc2``)."""
+    groups: Dict[str, List[str]] = {}
     for line in lines:
-        key = _INDEX.sub("#", line)
-        groups.setdefault(key, []).append(tuple(int(i) for i in _INDEX.findall(line)))
-    out, done = [], set()
-    for line in lines:
-        key = _INDEX.sub("#", line)
-        if key in done:
-            continue
-        done.add(key)
-        rows = sorted(set(groups[key]))
+        groups.setdefault(_INDEX.sub("#", line), []).append(line)
+    out: List[str] = []
+    for key, group in groups.items():
+        rows = sorted({tuple(int(i) for i in _INDEX.findall(line)) for line in group})
         columns = list(zip(*rows)) if rows and rows[0] else []
         distinct = {c for c in columns if len(set(c)) > 1}
-        combinations = 1
-        for c in distinct:
-            combinations *= len(set(c))
-        if len(rows) < 2 or combinations != len(rows):
-            out += [ln for ln in lines if _INDEX.sub("#", ln) == key]
+        if len(rows) < 2 or math.prod(len(set(c)) for c in distinct) != len(rows):
+            out += group
             continue
         shown = [("{" + _spans(sorted(set(c))) + "}") if c in distinct else str(c[0])
                  for c in columns]

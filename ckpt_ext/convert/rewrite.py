@@ -1,16 +1,14 @@
-"""The rewrite kind (``rewrite=True``): chains in a forward's code that hold a function call
-(``F.linear``, ``torch.tanh``, ``F.gelu``, ...) or a Linear held in a list, fused by replacing
-the forward's code with code generated from its graph, each unit one fused call; the owner's
-``_OwnerForward`` compiles (and pickles by) that source. The code is generated when the plan is
-made, so a forward that cannot be rewritten is refused before anything changes. Without
-``rewrite=True``, or where a forward cannot be rewritten, such chains are near misses."""
+"""The rewrite kind (``rewrite=True``): chains holding a function call or a Linear held in a list,
+fused by generating the forward's code from its graph; otherwise near misses."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from torch import fx, nn
+from torch.nn.utils import parametrize
 
 from ..modules import as_mlp_argument
 from .. import ops
@@ -37,39 +35,25 @@ class ForwardChains:
         return [x for chain in self.chains for x in chain.items if x.op == "call_module"]
 
 
-def _getattr_path(root: Any, target: str) -> Any:
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _stored_attr(root: nn.Module, target: str) -> Any:
-    """``getattr`` along a dotted path that evaluates nothing: a parametrized attribute gives its
-    stored original, not the tensor its parametrization would compute."""
-    from torch.nn.utils import parametrize
-
+    """``getattr`` along a dotted path; a parametrized attribute gives its stored original."""
     *parents, name = target.split(".")
-    obj = _getattr_path(root, ".".join(parents)) if parents else root
+    obj = functools.reduce(getattr, parents, root)
     if isinstance(obj, nn.Module) and parametrize.is_parametrized(obj, name):
         return next(iter(obj.parametrizations[name].parameters()), None)
     return getattr(obj, name)
 
 
-def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rewrite: bool,
-                   taken: set) -> ForwardChains:
-    """Chains in one module's graph that hold a function call or a Linear held in a list: to
-    rewrite (``rewrite`` and the forward can be rewritten), else near misses. Chains of direct
-    child modules only are other kinds'."""
+def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rewrite: bool, taken):
+    """The chains of one forward that hold a function call or a Linear held in a list."""
     facts = graph.nodes
     kind = {n: None if n in taken else facts[n].kind for n in t.graph.nodes}
     where = path or "<model>"
 
     def nxt(n: fx.Node) -> Optional[fx.Node]:
-        users = list(n.users)
-        if len(users) != 1:
+        if len(n.users) != 1:
             return None
-        u = users[0]
+        u, = n.users
         want = LayerKind.ACTIVATION if kind[n] is LayerKind.LINEAR else LayerKind.LINEAR
         return u if kind[u] == want and facts[u].input is n else None
 
@@ -94,11 +78,6 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
         return graph.child_problem(owner, t, n.target, label, owner.get_submodule(n.target)) \
             or own_problem(n)
 
-    def rewrite_problem(n: fx.Node) -> Optional[str]:
-        if t.rewrite_problem is not None:
-            return f"{where}.forward cannot be rewritten: {t.rewrite_problem}"
-        return own_problem(n)
-
     def layer_of(n: fx.Node) -> Optional[LayerShape]:
         if n.op == "call_module":
             return LayerShape(facts[n].label, *graph.facts[id(owner.get_submodule(n.target))].width)
@@ -113,9 +92,9 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
     for n in t.graph.nodes:
         if kind[n] is LayerKind.LINEAR and len(n.users) > 1 and \
                 any(kind[u] is LayerKind.ACTIVATION for u in n.users):
-            out.misses.append(Decision(path, (facts[n].label,), "left alone", "", "", 0, 0,
-                                       0, f"its output has {len(n.users)} users, so it is kept "
-                                          f"for the others anyway"))
+            out.misses.append(Decision(path, (facts[n].label,), "left alone", "", "", 0, 0, 0,
+                                       f"its output has {len(n.users)} users, so it is kept for "
+                                       f"the others anyway"))
         if kind[n] is not LayerKind.LINEAR or n in has_prev or nxt(n) is None:
             continue
         items = [n]
@@ -125,16 +104,16 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
         if not any(only):
             continue  # module calls only: another kind's
         labels = [facts[x].label for x in items]
-        rw = [rewrite_problem(x) for x in items]
+        rw = [f"{where}.forward cannot be rewritten: {t.rewrite_problem}"
+              if t.rewrite_problem is not None else own_problem(x) for x in items]
         layers = [layer_of(x) for x in items[0::2]]
         if rewrite and all(p is None for p in rw) and all(lay is not None for lay in layers):
             names = tuple(facts[x].found.name for x in items[1::2])
-            last = items[-1]
             modules = [owner.get_submodule(x.target) if x.op == "call_module" else None
                        for x in items[1::2]]
             out.chains.append(Chain(
                 path, "rewrite", labels, items, layers, names, len(items) % 2 == 0,
-                lambda last=last: graph.fate(owner, last),
+                lambda last=items[-1]: graph.fate(owner, last),
                 tuple(module_tensors(m, name) for m, name in zip(modules, names))))
             continue
         # Not rewritten: the pairs that hold a function call or a Linear held in a list (pairs
@@ -155,20 +134,14 @@ class Rewrite(UnitKind):
         return [f for f in found if f.chains or f.misses]
 
     def decide(self, graph: ModelGraph, f: ForwardChains, options: Options):
-        units: List[Unit] = []
-        misses: List[Decision] = []
-        for chain in f.chains:
-            chain_units, chain_misses = decide(chain, options.policy)
-            units += chain_units
-            misses += chain_misses
-        return units, misses + f.misses
+        decided = [decide(chain, options.policy) for chain in f.chains]
+        return [u for us, _ in decided for u in us], [d for _, ds in decided for d in ds] + f.misses
 
-    def place(self, graph: ModelGraph, f: ForwardChains, units: Sequence[Unit],
-              misses: Sequence[Decision]):
+    def place(self, graph: ModelGraph, f: ForwardChains, units: Sequence[Unit], misses):
         if not units:
             return [(d, None) for d in misses]
         try:
-            source = _rewritten(f.owner, f.trace.graph, units, f.trace.counts)
+            source = _rewritten(f.owner, f.trace.graph, graph.nodes, units, f.trace.counts)
         except Exception as e:  # refused rather than guessed: the forward is left alone
             f.not_analysed.append((f.path, f"forward not rewritten: {type(e).__name__}: {e}"))
             return [(dataclasses.replace(u.decision, action="left alone", unit="", how="",
@@ -181,27 +154,17 @@ class Rewrite(UnitKind):
         return ("rewrite", p.owner)
 
 
-def _input(n: fx.Node) -> Any:
-    """A Linear node's data input (a module call's one argument, F.linear's input)."""
-    if n.op == "call_module":
-        return n.args[0] if len(n.args) == 1 and not n.kwargs else None
-    x, w, b = linear_args(n)
-    return x if all(a is not x for a in (w, b)) else None
-
-
-def _rewritten(owner: nn.Module, traced: fx.Graph, units: Sequence[Unit],
-               counts: Sequence[Tuple[str, str, int]] = ()) -> str:
-    """The source of ``owner``'s forward with each unit's nodes replaced by one fused call (on a
-    copy of the traced graph), which first adds to each count (path, name, delta) what a call of
-    the class's forward adds."""
+def _rewritten(owner: nn.Module, traced: fx.Graph, nodes, units: Sequence[Unit], counts=()) -> str:
+    """``owner``'s forward with each unit one fused call, replaying each count's delta."""
     graph = fx.Graph()
     copied: Dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(traced, copied))
     for u in units:
-        nodes = [copied[n] for n in u.items]
-        lins = nodes[0::2]
-        x = _input(lins[0])
-        with graph.inserting_before(nodes[-1]):  # after every weight's own get_attr
+        items = [copied[n] for n in u.items]
+        lins = items[0::2]
+        x = nodes[u.items[0]].input  # the first Linear's data input
+        x = copied[x] if isinstance(x, fx.Node) else x
+        with graph.inserting_before(items[-1]):  # after every weight's own get_attr
             ws, bs = [], []
             for n in lins:
                 if n.op == "call_module":
@@ -221,13 +184,13 @@ def _rewritten(owner: nn.Module, traced: fx.Graph, units: Sequence[Unit],
                 new = graph.call_function(fn, (x, ws[0], bs[0]))
             else:
                 new = graph.call_function(fn, (x, ws, bs, u.last_act))
-        nodes[-1].replace_all_uses_with(new)
-        for n in reversed(nodes):
+        items[-1].replace_all_uses_with(new)
+        for n in reversed(items):
             graph.erase_node(n)
     graph.lint()
-    for n in graph.nodes:
+    for n in graph.nodes:  # an AttributeError: a get_attr of a constant fx made on the copy
         if n.op == "get_attr":
-            _getattr_path(owner, n.target)  # AttributeError: a constant fx made on the copy
+            functools.reduce(getattr, n.target.split("."), owner)
     from torch.fx.graph_module import _format_import_block
     from torch.package import sys_importer
     code = graph.python_code(root_module="self")

@@ -1,11 +1,5 @@
-"""What ``fuse`` leaves inside users' models, and so in their pickles: the member classes set on
-the user's own objects (:class:`FusedSequential`, :class:`RunLinear`, :class:`RunTanh` and the
-other :class:`RunMember` classes made by :func:`member_class`), the runs they share
-(:class:`_Run`, :class:`_GatedRun`, :class:`_InlineRun`), the parts (:class:`_RunPart`) of a
-Sequential, and the :class:`_OwnerForward` set on an owner's instance with the guards it checks
-(:class:`_Guard`, :class:`_ArgGuard`). A run builds its conditions (facts.py) from what it keeps
-and checks them at every call. Pickles name these classes: ``ckpt_ext.convert.runtime.<name>``.
-Design: docs/converter.md, "Where a run is computed"."""
+"""What ``fuse`` leaves inside users' models, and so in their pickles, which name these classes at
+``ckpt_ext.convert.runtime``. Design: docs/converter.md, "Where a run is computed"."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +8,7 @@ import enum
 import inspect
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -23,70 +17,70 @@ from .. import ops
 from ..modules import LayerActivations, as_mlp_argument, each_layer
 from .. import _dropout_autograd as dropout_unit
 from .facts import (GLOBAL, computes, elements, mask_inside, masks_drawable, no_hooks, of_class,
-                    own_forward, SetByFuse, Slot, base_type, conv1d_class, failing, join_path,
-                    linear_weight, of_weights, passes_through)
+                    own_forward, SetByFuse, Slot, base_type, conv1d_class, failing, is_conv1d,
+                    join_path, of_weights, passes_through)
 
 if TYPE_CHECKING:
     from .report import Decision
 
-__all__ = ["Slot"]  # a run's slots pickle as facts.Slot; older pickles name it here
+__all__ = ["Slot"]  # a run's slots pickle as facts.Slot; pickles may name it here
 
 
 class _Region(threading.local):
     """A run's region, per thread: [the next member, the tensor it must receive, the state of an
-    enclosing call] inside its owner's forward; None outside it."""
+    enclosing call]; None outside the owner's forward."""
     state: Optional[list] = None
 
 
+def _by_state(self, memo):
+    """``__deepcopy__`` through ``__getstate__`` and ``__setstate__``."""
+    new = type(self).__new__(type(self))
+    memo[id(self)] = new
+    new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+    return new
+
+
 class _Run:
-    """One run of Linear/activation layers as fuse applied it. With ``owner`` None the Sequential
-    holding it computes it; otherwise the owner's forward marks a region (:meth:`enter`,
-    :meth:`leave`; per thread, for one call) in which each member takes its :meth:`turn` in the
-    analysed order: the first computes the run, each later one passes its output on."""
+    """One run of Linear/activation layers, computed by the Sequential holding it (``owner`` None)
+    or in the region its owner's forward marks, in which each member takes its :meth:`turn`: the
+    first computes the run, each later one passes its output on."""
 
     activation = "tanh"  # what a run pickled without one computes
     passes: Tuple[Tuple[nn.Module, str, int], ...] = ()
 
-    def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
-                 layers: Sequence[nn.Module], last_activation: bool,
-                 sequences: Sequence[Tuple[nn.Module, str]], slots: Sequence[Slot],
-                 unhooked: Sequence[Tuple[nn.Module, str]], owner: Optional[nn.Module],
-                 calls: Sequence[str], elements: Sequence[Tuple[nn.Module, str]],
-                 decision: Optional[Decision] = None, activation: LayerActivations = "tanh",
-                 passes: Sequence[Tuple[nn.Module, str, int]] = ()) -> None:
+    def __init__(self, labels, members, layers, last_activation: bool, sequences, slots, unhooked,
+                 owner: Optional[nn.Module], calls, elements, decision: Optional[Decision] = None,
+                 activation: LayerActivations = "tanh", passes=()) -> None:
         self.labels = tuple(labels)        # the layers' paths in call order
         self.key = (tuple(members), bool(last_activation))  # the modules fused (identity)
         self.layers = tuple(layers)        # its Linear modules, in order
         self.activation = activation       # a name, or a tuple of one per activated layer
         self.last_activation = bool(last_activation)
-        # Sequentials whose elements must stay exactly these (name, module) pairs
+        # (Sequential, label): Sequentials whose elements must stay exactly these (name, module)
         self.sequences = tuple((seq, label, tuple(seq._modules), tuple(seq._modules.values()))
                                for seq, label in sequences)
-        self.slots = tuple(slots)          # members that must stay where they are held
+        self.slots = tuple(slots)          # Slots: members that must stay where they are held
         self.unhooked = tuple(unhooked)    # (module, label): hooks the fused op would skip
         self.owner = owner                 # the module whose forward marks the region, or None
         self.calls = tuple(calls)          # the members' labels in the owner's call order
         self.elements = tuple(elements)    # (Sequential, name) of its layers that are elements
         self.decision = decision           # what the report said when fuse applied it
-        # (module, label, k): the Identity and Dropout modules after its item k (Linear j is
-        # item 2j, its activation 2j + 1)
-        self.passes = tuple(passes)
+        self.passes = tuple(passes)  # (module, label, k): Identity/Dropout modules after item k
         self._region = _Region()
 
     @property
     def conditions(self) -> tuple:
-        """What must hold at a call for the fused op to compute the run (made once)."""
+        """What must hold at a call for the fused op to compute the run (made once; not by
+        functools.cached_property, whose lock torch.compile cannot trace on Python 3.11)."""
         if "_made_conditions" not in self.__dict__:
             self.__dict__["_made_conditions"] = tuple(self._conditions())
         return self.__dict__["_made_conditions"]
 
     def _conditions(self):
         yield from GLOBAL
-        for m, label in zip(self.key[0], self.labels):
-            yield own_forward(m, label)
+        yield from (own_forward(m, label) for m, label in zip(self.key[0], self.labels))
         yield from self._placement()
-        for m, label, name in zip(self.key[0][1::2], self.labels[1::2], self.activations):
-            yield computes(m, label, name)
+        yield from map(computes, self.key[0][1::2], self.labels[1::2], self.activations)
         for m, label, k in self.passes:
             yield from (own_forward(m, label), no_hooks(m, label), mask_inside(m, label, k))
         yield masks_drawable(self)
@@ -112,11 +106,7 @@ class _Run:
         self.__dict__.update(state)
         self._region = _Region()
 
-    def __deepcopy__(self, memo):
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        return new
+    __deepcopy__ = _by_state
 
     @property
     def last_tanh(self) -> bool:
@@ -124,7 +114,6 @@ class _Run:
 
     @property
     def activations(self) -> Tuple[str, ...]:
-        """The activation of each activated layer, in order."""
         return each_layer(self.activation, len(self.layers) - (not self.last_activation))
 
     def problem(self) -> Optional[str]:
@@ -132,19 +121,14 @@ class _Run:
         return failing(self.conditions)
 
     def masks(self) -> Dict[int, Tuple[float, ...]]:
-        """The p of each Dropout drawing a mask now, by the item it follows."""
-        out: Dict[int, Tuple[float, ...]] = {}
-        for m, _, k in self.passes:
-            if not passes_through(m):
-                out[k] = out.get(k, ()) + (m.p,)
-        return out
+        """The p of each Dropout drawing a mask at this call, by the item it follows."""
+        return _by_item((k, m.p) for m, _, k in self.passes if not passes_through(m))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weights = [linear_weight(layer) for layer in self.layers]
+        weights = [lin.weight.t() if is_conv1d(lin) else lin.weight for lin in self.layers]
         biases = [layer.bias for layer in self.layers]
         _as_layer_would(x, self.layers[0], weights[0])
-        masks = self.masks()
-        if masks:
+        if masks := self.masks():
             return dropout_unit.plain(x, weights, biases, self.activations, masks)
         return ops.mlp(x, weights, biases, activation=as_mlp_argument(self.activation),
                        last_activation=self.last_activation)
@@ -159,8 +143,7 @@ class _Run:
             raise RuntimeError(self._strayed(state[0], "the forward returned"))
 
     def turn(self, index: int, x: Any) -> Optional[list]:
-        """The region's state if member ``index`` is to take its part in the run now (the first
-        member: compute it; a later one: pass ``x`` on), else None: compute its own output."""
+        """The region's state if member ``index`` is to take its part in the run here, else None."""
         state = self._region.state
         if state is None:
             return None
@@ -177,13 +160,12 @@ class _Run:
         return None
 
     def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
-        """What member ``index`` returns when it takes its part now, else None."""
+        """What member ``index`` returns when it takes its part here, else None."""
         state = self.turn(index, x)
-        if state is not None:
-            x = self(x) if index == 0 else x
-            state[0], state[1] = index + 1, x
-            return x
-        return None
+        if state is None:
+            return None
+        state[0], state[1] = index + 1, self(x) if index == 0 else x
+        return state[1]
 
     def _strayed(self, expected: int, event: str) -> str:
         owner = self.calls and (self.decision.where if self.decision else "") or ""
@@ -195,16 +177,12 @@ class _Run:
 
 
 class _PlaceholderRun(_Run):
-    """A unit whose owner's forward computes something between its Linear members (a gated MLP's
-    product; an activation function, ``F.dropout``): inside the region the first member computes
-    the whole op and returns a zero-width placeholder of x's rows, on which what the forward does
-    between runs at no cost; each later member checks what it received (:meth:`_carried`), the
-    last returns the op's output."""
+    """A unit whose forward computes something between its Linears: the first member computes it
+    and returns a zero-width placeholder, on which that code runs; the last returns the output."""
 
     def _conditions(self):
         yield from GLOBAL
-        for m, label in self.unhooked:
-            yield own_forward(m, label)
+        yield from (own_forward(m, label) for m, label in self.unhooked)
         yield from self._placement()
         yield from self._own()
         yield masks_drawable(self)
@@ -234,9 +212,8 @@ class _PlaceholderRun(_Run):
             state[0], state[1] = index + 1, out
             return out
         if 0 < expected <= last:
-            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called" +
-                                             (" with another value" if expected == index
-                                              else "")))
+            other = " with another value" if expected == index else ""
+            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called{other}"))
         return None
 
     def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
@@ -244,22 +221,16 @@ class _PlaceholderRun(_Run):
 
 
 class _GatedRun(_PlaceholderRun):
-    """A gated MLP, ``down(act(gate(x)) * up(x))``, computed by ``gated_mlp``; the up projection
-    is called with the gate's very input. Design: docs/converter.md, "Gated MLPs"."""
+    """A gated MLP, ``down(act(gate(x)) * up(x))``, computed by ``gated_mlp``."""
 
-    def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
-                 gate: nn.Linear, up: Optional[nn.Linear], down: nn.Linear, activation: str,
-                 act_module: Optional[nn.Module], dropouts: Sequence[nn.Module],
-                 gate_second: bool, slots: Sequence[Slot],
-                 unhooked: Sequence[Tuple[nn.Module, str]], owner: nn.Module,
-                 calls: Sequence[str], decision: Optional[Decision] = None) -> None:
+    def __init__(self, labels, members, gate: nn.Linear, up: Optional[nn.Linear], down: nn.Linear,
+                 activation: str, act_module: Optional[nn.Module], dropouts, gate_second: bool,
+                 slots, unhooked, owner: nn.Module, calls, decision: Optional[Decision] = None):
         super().__init__(labels, members, [gate] + ([up] if up is not None else []) + [down],
                          False, (), slots, unhooked, owner, calls, (), decision, activation)
         self.key = ("gated", tuple(members), activation, bool(gate_second))
-        self.members = tuple(members)
-        self.gate, self.up, self.down = gate, up, down
-        self.act_module = act_module
-        self.dropouts = tuple(dropouts)
+        self.members, self.dropouts = tuple(members), tuple(dropouts)
+        self.gate, self.up, self.down, self.act_module = gate, up, down, act_module
         self.gate_second = bool(gate_second)
 
     def _own(self):
@@ -280,8 +251,7 @@ class _GatedRun(_PlaceholderRun):
         _as_layer_would(x, self.members[0], self.members[0].weight)
         w_up, b_up = (up.weight, up.bias) if up is not None else (None, None)
         w, b = gate.weight, gate.bias
-        masks = self.masks()
-        if masks:
+        if masks := self.masks():
             return dropout_unit.gated(x, w, w_up, down.weight, b, b_up, down.bias,
                                       self.activation, self.gate_second, masks)
         if up is None and self.gate_second:  # the activation takes the second half
@@ -291,9 +261,8 @@ class _GatedRun(_PlaceholderRun):
 
 
 class InlineDrop(NamedTuple):
-    """A Dropout between activation ``item // 2`` and the next Linear: a child module
-    (``module``), or an ``F.dropout`` call with its ``p`` and whether it draws in train() and in
-    eval() (``training=self.training`` draws in train() only)."""
+    """A Dropout after activation ``item // 2``: a child ``module``, or an ``F.dropout`` call with
+    its ``p`` and whether it ``draws`` in train() and in eval()."""
     item: int
     label: str
     module: Optional[nn.Module]
@@ -308,35 +277,32 @@ class InlineDrop(NamedTuple):
 
 
 class _InlineRun(_PlaceholderRun):
-    """A run ``Linear, act, [Dropout ...], Linear, ...`` whose owner's forward calls function calls
-    between its Linears, computed by the plain run's op; ``acts``: (module, label, name) of each
-    activation that is a child module. Design: docs/converter.md, "Function calls inside a run"."""
+    """A run with function calls between its Linears; ``acts``: its activation modules'."""
 
-    def __init__(self, labels: Sequence[str], members: Sequence[nn.Module],
-                 activation: LayerActivations, acts: Sequence[Tuple[nn.Module, str, str]],
-                 drops: Sequence[InlineDrop], slots: Sequence[Slot],
-                 unhooked: Sequence[Tuple[nn.Module, str]], owner: nn.Module,
-                 calls: Sequence[str], decision: Optional[Decision] = None) -> None:
+    def __init__(self, labels, members, activation: LayerActivations, acts, drops, slots, unhooked,
+                 owner: nn.Module, calls, decision: Optional[Decision] = None) -> None:
         super().__init__(labels, members, members, False, (), slots, unhooked, owner, calls, (),
                          decision, activation)
         self.key = ("inline", tuple(members), activation)
-        self.acts = tuple(acts)
-        self.drops = tuple(drops)
+        self.acts, self.drops = tuple(acts), tuple(drops)
 
     def _own(self):
-        for m, label, name in self.acts:
-            yield computes(m, label, name)
+        yield from (computes(m, label, name) for m, label, name in self.acts)
         for d in self.drops:
             if d.module is not None:
                 yield of_class(d.module, d.label, (nn.Dropout, nn.Identity))
 
     def masks(self) -> Dict[int, Tuple[float, ...]]:
-        out: Dict[int, Tuple[float, ...]] = {}
-        for d in self.drops:
-            if d.drawing(self.owner.training):
-                out[d.item] = out.get(d.item, ()) + (d.module.p if d.module is not None
-                                                     else d.p,)
-        return out
+        return _by_item((d.item, d.module.p if d.module is not None else d.p)
+                        for d in self.drops if d.drawing(self.owner.training))
+
+
+def _by_item(pairs) -> Dict[int, Tuple[float, ...]]:
+    """(item, p) pairs as {item: (p, ...)}."""
+    out: Dict[int, Tuple[float, ...]] = {}
+    for k, p in pairs:
+        out[k] = out.get(k, ()) + (p,)
+    return out
 
 
 def _placeholder(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -349,8 +315,7 @@ def _is_placeholder(h: Any, x: torch.Tensor) -> bool:
 
 
 def _as_layer_would(x: Any, layer: nn.Module, weight: torch.Tensor) -> None:
-    """Input the run's first Linear would refuse raises what the unfused call raises (F.linear's
-    RuntimeError), not the op's own errors, which name arguments the user never passed."""
+    """Input the first Linear would refuse raises its error, not the op's (naming its arguments)."""
     if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[-1] == weight.shape[1] and \
             x.device == weight.device and (x.dtype == weight.dtype or
                                            torch.is_autocast_enabled(x.device.type)):
@@ -366,13 +331,10 @@ class PartRole(str, enum.Enum):
 
 
 class _RunPart:
-    """The consecutive elements ``names`` of one FusedSequential that a run covers, and its
-    ``role``; where the run is not computed the Sequential runs them one by one. ``alone``: the
-    stretch of its own elements a FIRST/ON part computes fused when it is not the owner's run."""
+    """The elements ``names`` of a FusedSequential a run covers; ``alone``: what a FIRST/ON part
+    computes fused outside the owner's run."""
 
-    def __init__(self, run: _Run, names: Sequence[str], role: PartRole, index: int,
-                 before: Sequence[Tuple[nn.Module, Tuple[str, ...]]],
-                 after: Sequence[Tuple[nn.Module, Tuple[str, ...]]]) -> None:
+    def __init__(self, run: _Run, names, role: PartRole, index: int, before, after) -> None:
         self.run, self.names, self.role, self.index = run, tuple(names), role, index
         self.before, self.after = tuple(before), tuple(after)
         self.alone: Optional["_RunPart"] = None
@@ -427,9 +389,7 @@ def _elements(steps: Sequence[Tuple[nn.Module, Tuple[str, ...]]], x: torch.Tenso
 
 class FusedSequential(nn.Sequential):
     """The class fuse sets on the user's own ``nn.Sequential`` (same object, elements and keys):
-    its planned runs each compute through one fused op, re-checked at every call; a run that goes
-    on into its caller's forward only there (called on its own, it computes its elements). A slice
-    is a FusedSequential without a plan."""
+    each run computes through one fused op while its conditions hold."""
 
     _ckpt_ext_base = nn.Sequential
     _ckpt_ext_runs: Tuple[_RunPart, ...] = ()
@@ -455,16 +415,12 @@ class FusedSequential(nn.Sequential):
         return input
 
     def extra_repr(self) -> str:
-        if not self._ckpt_ext_runs:
-            return ""
-        return "fused runs: " + ", ".join(p.describe() for p in self._ckpt_ext_runs)
+        runs = self._ckpt_ext_runs
+        return "fused runs: " + ", ".join(p.describe() for p in runs) if runs else ""
 
 
 class RunMember:
-    """The class fuse gives a module that an owner's forward calls as a member of a run, mixed
-    into its own class by :func:`member_class` (a subclass: same object, parameters, keys):
-    inside the owner's forward, in the analysed order, the first member computes the run and a
-    later one passes it on; called any other way it is exactly its class."""
+    """Mixed into a run member's class: inside the owner's forward it takes its part in the run."""
 
     _ckpt_ext_run: Optional[_Run] = None
     _ckpt_ext_index: int = 0
@@ -514,14 +470,11 @@ _MEMBER_CLASSES: Dict[type, type] = {nn.Linear: RunLinear, nn.Tanh: RunTanh}
 def member_class(cls: type) -> type:
     """The class fuse gives a member of class ``cls``: a subclass made once per class."""
     base = getattr(cls, "_ckpt_ext_base", cls)
-    sub = _MEMBER_CLASSES.get(base)
-    if sub is None:
-        name = f"Run{base.__name__}"
-        mixin = RunMember if conv1d_class(base) else RunActivation
-        sub = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name,
-                                         "_ckpt_ext_base": base})
-        _MEMBER_CLASSES[base] = sub
-    return sub
+    if base not in _MEMBER_CLASSES:
+        name, mixin = f"Run{base.__name__}", RunMember if conv1d_class(base) else RunActivation
+        _MEMBER_CLASSES[base] = type(name, (mixin, base), {
+            "__module__": __name__, "__qualname__": name, "_ckpt_ext_base": base})
+    return _MEMBER_CLASSES[base]
 
 
 def _new_member(base: type, *args: Any) -> nn.Module:
@@ -538,17 +491,19 @@ def _named(cls: type) -> bool:
 
 
 class _OwnerForward(SetByFuse):
-    """The forward fuse sets on an owner's instance (or, as ``method``, the method its forward
-    names): the class's method, or the rewritten ``source``, run inside the region of each of its
-    runs while every guard holds; the class's method as it is, unfused, when one does not or the
-    class's method is no longer the one analysed. Pickles and deep-copies by its source."""
+    """The forward (or ``method``) fuse sets on an owner's instance: while every guard holds, the
+    class's method (or the rewritten ``source``) in the regions of its runs; else the class's."""
 
-    def __init__(self, owner: nn.Module, runs: Sequence[_Run] = (),
-                 guards: Sequence[_Guard] = (), source: Optional[str] = None,
-                 method: str = "forward", arg_guard: Optional["_ArgGuard"] = None) -> None:
+    def __init__(self, owner: nn.Module, runs=(), guards=(), source: Optional[str] = None,
+                 method: str = "forward", arg_guard: Optional[_ArgGuard] = None) -> None:
         self.owner, self.runs, self.guards, self.source = owner, tuple(runs), tuple(guards), source
         self.method, self.arg_guard = method, arg_guard
-        self._fn = _compile_forward(source) if source is not None else None
+        self._fn = None
+        if source is not None:
+            scope: Dict[str, Any] = {}
+            exec(compile(source, "<ckpt_ext.fuse rewritten forward>", "exec", dont_inherit=True),
+                 scope)
+            self._fn = scope["forward"]
         self._analysed = getattr(type(owner), method, None)
 
     def __call__(self, *args, **kwargs):
@@ -583,19 +538,14 @@ class _OwnerForward(SetByFuse):
         self.__init__(state["owner"], state["runs"], state["guards"], state["source"],
                       state.get("method", "forward"), state.get("arg_guard"))
 
-    def __deepcopy__(self, memo):
-        new = _OwnerForward.__new__(_OwnerForward)
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        return new
+    __deepcopy__ = _by_state
 
 
 MISSING = object()
 
 
 class _Guard(NamedTuple):
-    """An attribute the analysed forward read, and the value it read: ``path`` is the module
-    holding it, relative to the owner; ``same`` compares by identity, else by type and value."""
+    """An attribute the analysed forward read, and its value (``same``: compared by identity)."""
     path: str
     name: str
     value: Any
@@ -615,9 +565,7 @@ class _Guard(NamedTuple):
 
 
 class _ArgGuard(NamedTuple):
-    """What the analysed forward assumed of its arguments (arguments.py): each argument of
-    ``given`` is not None; ``order`` the parameters positional arguments bind; more than
-    ``positional`` of them is an error the class's forward raises."""
+    """What the analysed forward assumed of its arguments: each of ``given`` is not None."""
     names: frozenset
     positional: int
     given: Tuple[str, ...] = ()
@@ -634,9 +582,3 @@ class _ArgGuard(NamedTuple):
 
     def describe(self) -> str:
         return ", ".join(f"{name} given (not None)" for name in self.given)
-
-
-def _compile_forward(source: str) -> Callable:
-    scope: Dict[str, Any] = {}
-    exec(compile(source, "<ckpt_ext.fuse rewritten forward>", "exec", dont_inherit=True), scope)
-    return scope["forward"]

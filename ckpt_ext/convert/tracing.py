@@ -1,8 +1,5 @@
-"""Tracing each user forward with ``torch.fx`` on a deep copy of the model whose parameters and
-buffers are on the ``meta`` device, every child opaque: one :class:`Trace` per module, in train()
-and in eval(). Each attribute the forward reads is recorded (ints as :class:`_Counted`, to tell a
-count from a value it branches on) and becomes a :class:`_Guard`; what tracing changed is found
-from snapshots; which statements ran, from a line tracer. Design: docs/converter.md, "Guards"."""
+"""Tracing each user forward with ``torch.fx`` on a meta-device copy, every child opaque: one
+:class:`Trace` per module, with a guard per attribute it reads. Design: docs/converter.md."""
 from __future__ import annotations
 
 import ast
@@ -34,8 +31,7 @@ _MODULE_FILE = inspect.getsourcefile(nn.Module)
 
 
 class _LocalTracer(fx.Tracer):
-    """Every child opaque; notes each child call not made by the traced method's own code
-    (through ``torch.utils.checkpoint``, a helper, a lambda), which may run again on its own."""
+    """Every child opaque; notes each child call the traced method's own code did not make."""
 
     def __init__(self, forward_code: Any, method: str) -> None:
         super().__init__()
@@ -60,13 +56,13 @@ class _LocalTracer(fx.Tracer):
         return out
 
     def to_bool(self, obj: fx.Proxy) -> bool:
-        """A branch of the traced method's own loopless code on a traced value: the trace goes on
-        as if it were False, and :func:`_cut_at_branch` keeps only the nodes before it. A branch
-        elsewhere (in a helper) raises fx's error."""
+        """A branch of the method's own loopless code on a traced value: go on (then cut there)."""
         frame = sys._getframe(1)
         while frame is not None and frame.f_code is not self.forward_code:
             frame = frame.f_back
-        if frame is None or self.forward_code is None or not _loopless(self.forward_code):
+        parsed = _parsed(self.forward_code) if frame is not None else None
+        if parsed is None or any(isinstance(n, (ast.For, ast.AsyncFor, ast.While))
+                                 for n in ast.walk(parsed[0])):  # a loop: lines run out of order
             return super().to_bool(obj)
         if self.cut is None:  # what the code from the branch on can read: the local variables
             live: Dict[fx.Node, None] = {}
@@ -85,32 +81,14 @@ class Trace:
     already_rewritten: bool = False
     indirect: Dict[str, str] = field(default_factory=dict)  # see _LocalTracer
     guards: Tuple[_Guard, ...] = ()
-    # why the forward may not mark a region (its children's run), or be rewritten; None if it may
-    region_problem: Optional[str] = None
-    rewrite_problem: Optional[str] = None
-    # first lines of its simple statements that may not have run whole in either trace (a branch
-    # fx decided on a value it does not record, a conditional expression); None: no source
+    region_problem: Optional[str] = None   # why it may not mark a region; None if it may
+    rewrite_problem: Optional[str] = None  # why it may not be rewritten; None if it may
+    # first lines of its simple statements that may not have run whole (see _unrun); None: no source
     unrun: Optional[Tuple[int, ...]] = ()
-    # the Python functions of neither torch nor the standard library it called directly
-    calls_out: Tuple[str, ...] = ()
-    # (path, name, delta): each pure count it changes, by what one call adds (a rewrite replays)
-    counts: Tuple[Tuple[str, str, int], ...] = ()
-    # what it assumed of its optional arguments and **kwargs (arguments.py)
-    arg_guard: Optional[_ArgGuard] = None
-    # where it branches on a traced value: the graph holds the nodes before, then after_branch
-    cut_line: Optional[int] = None
-
-
-def analysis_copy(model: nn.Module) -> nn.Module:
-    """A deep copy to trace, its parameters and buffers on the meta device (never a full copy)."""
-    memo: Dict[int, Any] = {}
-    for p in model.parameters():  # a lazy parameter has no shape yet
-        memo[id(p)] = nn.UninitializedParameter(p.requires_grad, device="meta") if is_lazy(p) \
-            else nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = nn.UninitializedBuffer(device="meta") if is_lazy(b) else \
-            torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
+    calls_out: Tuple[str, ...] = ()  # Python functions not torch's or the stdlib's it called
+    counts: Tuple[Tuple[str, str, int], ...] = ()  # (path, name, what one call adds): replayed
+    arg_guard: Optional[_ArgGuard] = None  # what it assumed of its optional arguments
+    cut_line: Optional[int] = None  # a branch on a traced value: the graph ends in after_branch
 
 
 def _fingerprint(v: Any, depth: int = 0) -> Any:
@@ -154,9 +132,7 @@ class _Reads:
 
 
 class _Counted(int):
-    """An int attribute as the traced forward sees it: adding or subtracting a number gives
-    another (``self.nfe += 1``); any other use (a comparison, a branch, an index) marks it as one
-    the forward looks at, not just a count."""
+    """An int attribute: adding a number gives another (a count); any other use is a look."""
 
     def __new__(cls, value: int, key: Tuple[int, str]):
         obj = super().__new__(cls, value)
@@ -188,15 +164,11 @@ def _looking(name: str):
     return method
 
 
-for _name in ("__bool__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__hash__",
-              "__index__", "__int__", "__float__", "__complex__", "__str__", "__repr__",
-              "__format__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__floordiv__",
-              "__rfloordiv__", "__mod__", "__rmod__", "__divmod__", "__rdivmod__", "__pow__",
-              "__rpow__", "__neg__", "__pos__", "__abs__", "__invert__", "__and__", "__rand__",
-              "__or__", "__ror__", "__xor__", "__rxor__", "__lshift__", "__rlshift__",
-              "__rshift__", "__rrshift__", "__round__", "__trunc__", "__floor__", "__ceil__",
-              "bit_length", "bit_count", "to_bytes", "conjugate", "as_integer_ratio",
-              "is_integer"):
+for _name in ([f"__{op}__" for op in "bool eq ne lt le gt ge hash index int float complex str repr "
+                                     "format neg pos abs invert round trunc floor ceil".split()]
+              + [f"__{r}{op}__" for op in "mul truediv floordiv mod divmod pow and or xor lshift "
+                                          "rshift".split() for r in ("", "r")]
+              + "bit_length bit_count to_bytes conjugate as_integer_ratio is_integer".split()):
     if hasattr(int, _name):
         setattr(_Counted, _name, _looking(_name))
 
@@ -205,8 +177,7 @@ _RECORDING: Dict[type, type] = {}
 
 
 def _recording_class(cls: type) -> type:
-    """A subclass of ``cls`` logging, while a trace runs, the first value of each attribute the
-    forward reads that is state: of the instance, or a plain value of the user's class."""
+    """A subclass of ``cls`` logging the first value of each attribute a traced forward reads."""
     sub = _RECORDING.get(cls)
     if sub is not None:
         return sub
@@ -226,9 +197,8 @@ def _recording_class(cls: type) -> type:
         log.setdefault(key, value)
         return value
 
-    sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
-                                      "__module__": cls.__module__,
-                                      "__qualname__": cls.__qualname__})
+    sub = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__, "__module__":
+                                      cls.__module__, "__qualname__": cls.__qualname__})
     _RECORDING[cls] = sub
     return sub
 
@@ -245,30 +215,17 @@ def _class_value(cls: type, name: str) -> bool:
     return False
 
 
-def record_reads(clone: nn.Module) -> Optional[str]:
-    """Give every module of the analysis copy its recording class; why not, if it cannot."""
-    try:
-        for m in clone.modules():
-            m.__class__ = _recording_class(type(m))
-    except TypeError as e:
-        return f"fuse cannot record what its forward reads ({type(e).__name__}: {e})"
-    return None
-
-
 def _guard_value(v: Any, depth: int = 0) -> Optional[bool]:
-    """How a guard compares a value a forward read: False by value, True by identity, None when
-    it cannot cheaply and exactly (a tensor, a module, an arbitrary object)."""
+    """How a guard compares a value: False by value, True by identity, None: it cannot."""
     if v is None or type(v) in (bool, int, float, complex, str, bytes, torch.dtype,
                                 torch.device, _Counted):
         return False
     if isinstance(v, enum.Enum):
         return True
     # a container compares by value (a copy): == on functions, classes, enums is identity
-    if type(v) in (tuple, list, frozenset, set) and depth < 3:
-        return False if all(_guard_value(x, depth + 1) is not None for x in v) else None
-    if type(v) is dict and depth < 3:
-        return False if all(_guard_value(k, depth + 1) is not None and
-                            _guard_value(x, depth + 1) is not None for k, x in v.items()) else None
+    if type(v) in (tuple, list, frozenset, set, dict) and depth < 3:
+        items = [*v, *v.values()] if type(v) is dict else v
+        return False if all(_guard_value(x, depth + 1) is not None for x in items) else None
     if inspect.isfunction(v) or inspect.isbuiltin(v) or isinstance(v, type):
         return True
     return None
@@ -302,54 +259,35 @@ def _signature_problem(m: nn.Module, method: str) -> Optional[str]:
     return None
 
 
-def named_methods(m: nn.Module) -> List[str]:
-    """The methods of ``m``'s class (not nn.Module's) that its forward's own code names."""
-    code = getattr(inspect.unwrap(type(m).forward), "__code__", None)
-    names = []
-    for name in dict.fromkeys(code.co_names if code is not None else ()):
-        raw = inspect.getattr_static(type(m), name, None)
-        if name != "forward" and name not in vars(nn.Module) and inspect.isfunction(raw) and \
-                not name.startswith("__"):
-            names.append(name)
-    return names
-
-
 def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> Trace:
     fwd = vars(orig).get(method)  # one fuse set: its class's method is what fx traces
     already = isinstance(fwd, _OwnerForward) and fwd.source is not None
     if fwd is not None and not isinstance(fwd, _OwnerForward):
         return Trace(False, f"its {method} is set on the instance (fx would trace its class's "
                             f"{method}, not what runs)")
-    problem = _signature_problem(orig, method)
-    arguments = None
+    problem, arguments = _signature_problem(orig, method), None
     if problem and method == "forward":
         arguments = plan_arguments(orig)
-        if isinstance(arguments, str):
-            return Trace(False, arguments)
-        problem = None
+        problem = arguments if isinstance(arguments, str) else None
     if problem:
         return Trace(False, problem)
     code = getattr(inspect.unwrap(getattr(type(orig), method)), "__code__", None)
-    traced = method if arguments is None else STAND_IN
-    codes, graph, eval_graph, indirect, cut_line = [], None, None, {}, None
-    ran: set = set()
+    graphs, cut_line, ran = [], None, set()
     calls_out: Dict[str, None] = {}
     reads: Dict[Tuple[int, str], Any] = {}
-    changed: set = set()
-    deltas: Dict[Tuple[str, str], set] = {}
+    deltas: Dict[Tuple[str, str], set] = {}  # each attribute tracing changed: by how much
     _Reads.observed = set()
     for mode in (True, False):
         clone.train(mode)
         before = _snapshot(clone)
-        tracer = _LocalTracer(code, traced)
+        tracer = _LocalTracer(code, method if arguments is None else STAND_IN)
         _Reads.log = reads
         if arguments is not None:
             setattr(type(clone), STAND_IN, arguments.stand_in)
         try:  # warnings of the run on placeholders are not the model's
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _lines_run(code, ran, calls_out):
                 warnings.simplefilter("ignore")
-                with _lines_run(code, ran, calls_out):
-                    g = tracer.trace(clone)
+                g = tracer.trace(clone)
         except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             return Trace(False, f"torch.fx cannot trace it ({type(e).__name__}: {msg[:160]})")
@@ -357,22 +295,23 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
             _Reads.log = None
             if arguments is not None:
                 delattr(type(clone), STAND_IN)
-        if tracer.cut is not None:
-            _cut_at_branch(g, tracer.cut[0], tracer.cut[2])
-            cut_line = tracer.cut[1]
+        if tracer.cut is not None:  # nodes before the branch, then after_branch(what is live)
+            at, cut_line, live_at = tracer.cut
+            nodes = list(g.nodes)
+            kept = set(nodes[:at])
+            live = dict.fromkeys(n for n in live_at if n in kept)  # the locals at the branch
+            live.update((a, None) for n in nodes[at:] for a in n.all_input_nodes if a in kept)
+            for n in reversed(nodes[at:]):
+                g.erase_node(n)
+            g.output(g.call_function(after_branch, tuple(live)))
         after = _snapshot(clone)
-        now = {(p, k) for (p, k) in set(before) | set(after)
-               if before.get((p, k)) != after.get((p, k))}
-        changed |= now
-        for key in now:
+        for key in set(before) | set(after):
             a, b = before.get(key), after.get(key)
-            deltas.setdefault(key, set()).add(
-                b - a if type(a) is int and type(b) is int else None)
-        codes.append(g.python_code(root_module="self").src)
-        if graph is None:
-            graph, indirect = g, tracer.indirect
-        else:
-            eval_graph = g
+            if a != b:
+                deltas.setdefault(key, set()).add(b - a if type(a) is type(b) is int else None)
+        graphs.append((g, tracer.indirect))
+    (graph, indirect), (eval_graph, _) = graphs
+    codes = [g.python_code(root_module="self").src for g, _ in graphs]
     # F.dropout(h, p, training=self.training): the same code in both modes but for that value
     hands_training = codes[0] != codes[1]
     if hands_training and _TRAINING_ARG.sub("", codes[0]) != _TRAINING_ARG.sub("", codes[1]):
@@ -383,14 +322,13 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
               arg_guard=arguments.guard if arguments is not None else None, cut_line=cut_line)
     # every attribute that could steer the forward is a guard; one it changes must be a count
     paths = {id(m): p for p, m in clone.named_modules()}
-    changed_names = {join_path(p, k) for p, k in changed}
+    changed_names = {join_path(p, k) for p, k in deltas}
     guards, unchecked, steering = [], [], []
     for (mid, name), value in reads.items():
         path = paths.get(mid)
-        label = join_path(path, name) if path is not None else None
-        same = _guard_value(value)
-        if label is None:
+        if path is None:
             continue
+        label, same = join_path(path, name), _guard_value(value)
         if label in changed_names:
             if type(value) is not _Counted or (mid, name) in _Reads.observed:
                 steering.append(label)
@@ -406,8 +344,8 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     t.guards = tuple(guards)
     odd = sorted(join_path(p, k) for (p, k), d in deltas.items() if len(d) != 1 or None in d)
     t.region_problem = _first([
-        (checkpointing is True, "gradient checkpointing is on for it "
-                                "(gradient_checkpointing=True)"),
+        (checkpointing is True,
+         "gradient checkpointing is on for it (gradient_checkpointing=True)"),
         (steering, f"tracing its {method} changed {', '.join(sorted(steering))}, which it also "
                    f"reads other than to count: fuse cannot tell that its path does not depend "
                    f"on them"),
@@ -418,13 +356,12 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
                          f"training=self.training)), whose value a rewritten forward would fix"),
         (arguments, "its forward has optional arguments or **kwargs: fuse marks regions in it, "
                     "but rewrites only forwards without them"),
-        (cut_line is not None, f"its {method} branches on a traced value at line {cut_line}, "
-                               f"which fx cannot follow"),
+        (cut_line is not None,
+         f"its {method} branches on a traced value at line {cut_line}, which fx cannot follow"),
         (method != "forward", f"fuse rewrites forward code only, and {method} is another method"),
-        (changed_names and odd, f"tracing its forward changed {', '.join(odd)} by different "
-                                f"amounts in train() and eval(): a rewritten forward would not "
-                                f"know what to replay")])
-    if changed_names and not t.rewrite_problem:  # a rewrite replays what each count adds
+        (odd, f"tracing its forward changed {', '.join(odd)} by different amounts in train() and "
+              f"eval(): a rewritten forward would not know what to replay")])
+    if deltas and not t.rewrite_problem:  # a rewrite replays what each count adds
         t.counts = tuple(sorted((p, k, next(iter(d))) for (p, k), d in deltas.items()))
     return t
 
@@ -441,24 +378,9 @@ def after_branch(*values: Any) -> Any:
 def _proxies_in(v: Any, out: Dict[fx.Node, None], depth: int) -> None:
     if isinstance(v, fx.Proxy):
         out[v.node] = None
-    elif depth < 4 and isinstance(v, (list, tuple, set, frozenset)):
-        for x in v:
+    elif depth < 4 and isinstance(v, (list, tuple, set, frozenset, dict)):
+        for x in v.values() if isinstance(v, dict) else v:
             _proxies_in(x, out, depth + 1)
-    elif depth < 4 and isinstance(v, dict):
-        for x in v.values():
-            _proxies_in(x, out, depth + 1)
-
-
-def _cut_at_branch(g: fx.Graph, at: int, live_at_branch: Tuple[fx.Node, ...]) -> None:
-    """Keep the first ``at`` nodes of ``g``; those the local variables held at the branch, and
-    those later nodes use, go to one ``after_branch`` call, which the graph returns."""
-    nodes = list(g.nodes)
-    kept = set(nodes[:at])
-    live = dict.fromkeys(n for n in live_at_branch if n in kept)
-    live.update(dict.fromkeys(a for n in nodes[at:] for a in n.all_input_nodes if a in kept))
-    for n in reversed(nodes[at:]):
-        g.erase_node(n)
-    g.output(g.call_function(after_branch, tuple(live)))
 
 
 def _parsed(code: Any) -> Optional[Tuple[ast.AST, int]]:
@@ -470,34 +392,34 @@ def _parsed(code: Any) -> Optional[Tuple[ast.AST, int]]:
         return None
 
 
-def _loopless(code: Any) -> bool:
-    """Whether the function of ``code`` has no loop: its lines run in the order written."""
-    tree = _parsed(code)
-    return tree is not None and not any(isinstance(n, (ast.For, ast.AsyncFor, ast.While))
-                                        for n in ast.walk(tree[0]))
+# -- Every user forward of one model, traced -------------------------------------------------------
 
-
-# ------------------------------------------------------------------------------------------------
-# Every user forward of one model, traced
-
-def trace_model(model: nn.Module, facts: Dict[int, Fact]) -> \
-        Tuple[Dict[int, Trace], List[Tuple[str, str]]]:
-    """The :class:`Trace` of each module with a forward of its own, by id, and (path, why) for
-    each one not analysed, or analysed in part."""
-    traces: Dict[int, Trace] = {}
-    not_analysed: List[Tuple[str, str]] = []
+def trace_model(model: nn.Module, facts: Dict[int, Fact]):
+    """The :class:`Trace` of each module by id, and (path, why) for those not fully analysed."""
     wanted = [(p, m) for p, m in model.named_modules() if facts[id(m)].traced]
+    traces, not_analysed = {}, []
     if not wanted:
         return traces, not_analysed
     with _rng_kept():
-        try:
-            clone = analysis_copy(model)
+        try:  # a deep copy, its parameters and buffers on the meta device (never a full copy)
+            memo: Dict[int, Any] = {}
+            for p in model.parameters():  # a lazy parameter has no shape yet
+                memo[id(p)] = nn.UninitializedParameter(p.requires_grad, device="meta") \
+                    if is_lazy(p) else nn.Parameter(torch.empty_like(p, device="meta"),
+                                                    requires_grad=p.requires_grad)
+            for b in model.buffers():
+                memo[id(b)] = nn.UninitializedBuffer(device="meta") if is_lazy(b) else \
+                    torch.empty_like(b, device="meta")
+            clone = copy.deepcopy(model, memo)
         except Exception as e:
-            return traces, [("", f"the model could not be copied for analysis "
-                                 f"({type(e).__name__}: {e}); only nn.Sequential contents were "
-                                 f"considered")]
-        clones = dict(clone.named_modules())
-        unrecorded = record_reads(clone)
+            return traces, [("", f"the model could not be copied for analysis ({type(e).__name__}"
+                                 f": {e}); only nn.Sequential contents were considered")]
+        clones, unrecorded = dict(clone.named_modules()), None
+        try:  # every module of the copy gets its recording class
+            for m in clone.modules():
+                m.__class__ = _recording_class(type(m))
+        except TypeError as e:
+            unrecorded = f"fuse cannot record what its forward reads ({type(e).__name__}: {e})"
         for path, m in wanted:
             t = trace_module(clones[path], m)
             calls = [n for n in t.graph.nodes if n.op == "call_module"] if t.ok else []
@@ -509,9 +431,9 @@ def trace_model(model: nn.Module, facts: Dict[int, Fact]) -> \
             if not t.ok:
                 not_analysed.append((path, t.reason))
             elif t.cut_line is not None:
-                not_analysed.append((path, f"fuse analysed its {t.method} up to line "
-                                           f"{t.cut_line}, where it branches on a traced value "
-                                           f"(fx cannot follow that)"))
+                not_analysed.append((path, f"fuse analysed its {t.method} up to line {t.cut_line}, "
+                                           f"where it branches on a traced value (fx cannot "
+                                           f"follow that)"))
             elif t.method != "forward":
                 not_analysed.append((path, f"{t.reason}; fuse analysed the method its forward "
                                            f"names, {t.method}, in its place"))
@@ -519,10 +441,13 @@ def trace_model(model: nn.Module, facts: Dict[int, Fact]) -> \
 
 
 def _method_trace(clone: nn.Module, m: nn.Module, t: Trace) -> Trace:
-    """The trace of the one method the forward names that calls children (handed to a helper
-    such as ``apply_chunking_to_forward``), else ``t``, the forward's."""
+    """The trace of the one method the forward names that calls children, else ``t``."""
+    code = getattr(inspect.unwrap(type(m).forward), "__code__", None)
     found = []
-    for name in named_methods(m):
+    for name in dict.fromkeys(code.co_names if code is not None else ()):
+        if name == "forward" or name in vars(nn.Module) or name.startswith("__") or \
+                not inspect.isfunction(inspect.getattr_static(type(m), name, None)):
+            continue
         mt = trace_module(clone, m, name)
         if mt.ok and any(n.op == "call_module" for n in mt.graph.nodes):
             found.append(mt)
@@ -535,11 +460,9 @@ def _method_trace(clone: nn.Module, m: nn.Module, t: Trace) -> Trace:
 
 @contextlib.contextmanager
 def _rng_kept():
-    """Every generator a traced forward could draw from (``torch.rand`` for LayerDrop runs for
-    real) put back as it was: torch's CPU and CUDA ones, Python's, numpy's."""
+    """Every generator a traced forward could draw from (torch's, Python's, numpy's) kept."""
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    py_state = random.getstate()
-    np = sys.modules.get("numpy")
+    py_state, np = random.getstate(), sys.modules.get("numpy")
     np_state = np.random.get_state() if np is not None else None
     try:
         with torch.random.fork_rng(devices=cuda):
@@ -552,15 +475,19 @@ def _rng_kept():
 
 @contextlib.contextmanager
 def _lines_run(code: Any, ran: set, calls_out: Dict[str, None]):
-    """Adds to ``ran`` each line of ``code`` that runs in the block, to ``calls_out`` each Python
-    function it calls that is not torch's, the standard library's or ckpt_ext's. A tracer already
-    installed (coverage, a debugger) still gets every event."""
-    if code is None:
-        yield
-        return
+    """Adds to ``ran`` each line of ``code`` that runs, to ``calls_out`` each function of the
+    user's it calls; a tracer already installed (coverage, a debugger) gets every event."""
     prev = sys.gettrace()
 
-    def local(chained):
+    def scope(frame, event, arg):
+        chained = prev(frame, event, arg) if prev is not None else None
+        caller = frame.f_back
+        if caller is not None and caller.f_code is code and \
+                not os.path.realpath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
+            calls_out[f"{frame.f_code.co_name} ({frame.f_code.co_filename})"] = None
+        if frame.f_code is not code:
+            return chained
+
         def step(frame, event, arg):
             nonlocal chained
             if event == "line":
@@ -570,15 +497,6 @@ def _lines_run(code: Any, ran: set, calls_out: Dict[str, None]):
             return step
         return step
 
-    def scope(frame, event, arg):
-        chained = prev(frame, event, arg) if prev is not None else None
-        caller = frame.f_back
-        if caller is not None and caller.f_code is code and not _library_code(frame.f_code):
-            calls_out[f"{frame.f_code.co_name} ({frame.f_code.co_filename})"] = None
-        if frame.f_code is code:
-            return local(chained)
-        return chained
-
     sys.settrace(scope)
     try:
         yield
@@ -586,14 +504,10 @@ def _lines_run(code: Any, ran: set, calls_out: Dict[str, None]):
         sys.settrace(prev)
 
 
+#: torch's, the standard library's and ckpt_ext's code: it reads no state of the user's
 _LIBRARY_DIRS = tuple(os.path.join(os.path.realpath(d), "") for d in
                       (os.path.dirname(torch.__file__), os.path.dirname(os.__file__),
                        os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def _library_code(code: Any) -> bool:
-    """torch's, the standard library's or ckpt_ext's code: it reads no state of the user's."""
-    return os.path.realpath(code.co_filename).startswith(_LIBRARY_DIRS)
 
 
 # expressions that run in part: a statement holding one may run a part tracing did not see
@@ -602,30 +516,12 @@ _PARTIAL = (ast.IfExp, ast.BoolOp, ast.ListComp, ast.SetComp, ast.DictComp, ast.
 
 
 def _unrun(code: Any, ran: set) -> Optional[Tuple[int, ...]]:
-    """The first lines of the simple statements of ``code`` of which no line ran, or that hold an
-    expression that runs in part; None where the source cannot be read."""
-    statements = _statement_lines(code)
-    if statements is None:
-        return None
-    return tuple(first for first, lines, partial in statements if partial or not ran & lines)
-
-
-def _statement_lines(code: Any) -> Optional[List[Tuple[int, set, bool]]]:
-    """(first line, its lines, whether it holds an expression of _PARTIAL) of each simple
-    statement of ``code``'s function, its docstring left out; None without readable source."""
-    parsed = _parsed(code) if code is not None else None
-    if parsed is None:
-        return None
-    tree, start = parsed
-    fn = tree.body[0] if tree.body else None
+    """First lines of the simple statements that did not run, or run in part; None: no source."""
+    parsed = _parsed(code)
+    fn = parsed[0].body[0] if parsed is not None and parsed[0].body else None
     if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
-    body = list(fn.body)
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
-            isinstance(body[0].value.value, str):
-        body = body[1:]
-    out: List[Tuple[int, set, bool]] = []
-    shift = start - 1
+    shift, out = parsed[1] - 1, []
     compound = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Try, ast.With, ast.AsyncWith)
     silent = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Global, ast.Nonlocal,
               ast.Pass)
@@ -635,15 +531,15 @@ def _statement_lines(code: Any) -> Optional[List[Tuple[int, set, bool]]]:
             if isinstance(st, compound) or type(st).__name__ in ("Match", "TryStar"):
                 for field_name in ("body", "orelse", "finalbody", "handlers", "cases"):
                     for child in getattr(st, field_name, ()):
-                        walk(child.body if isinstance(child, (ast.ExceptHandler,)) or
+                        walk(child.body if isinstance(child, ast.ExceptHandler) or
                              type(child).__name__ == "match_case" else [child])
             elif not isinstance(st, silent):
-                partial = any(isinstance(n, _PARTIAL) for n in ast.walk(st))
-                out.append((st.lineno + shift, set(range(st.lineno + shift,
-                                                          (st.end_lineno or st.lineno) + shift
-                                                          + 1)), partial))
-    walk(body)
-    return out
+                first, last = st.lineno + shift, (st.end_lineno or st.lineno) + shift
+                if not ran & set(range(first, last + 1)) or \
+                        any(isinstance(n, _PARTIAL) for n in ast.walk(st)):
+                    out.append(first)
+    walk(fn.body[1:] if ast.get_docstring(fn) is not None else fn.body)
+    return tuple(out)
 
 
 def statement_source(code: Any, line: int) -> Optional[ast.stmt]:

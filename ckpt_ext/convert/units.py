@@ -1,12 +1,10 @@
-"""What every kind of unit is to the planning loop: one protocol (:class:`UnitKind`) and the
-:class:`Placement` a unit hands to applying. A kind is one file implementing the protocol and
-one line in planning's list of kinds; :class:`RegionKind` is the protocol's part shared by the
-kinds whose units an owner's forward computes from the child Linears it calls."""
+"""What every kind of unit is to the planning loop: the :class:`UnitKind` protocol, the
+:class:`Placement` a unit hands to applying, and what region kinds share."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import fx, nn
 
@@ -41,8 +39,7 @@ class MemberPlan(NamedTuple):
 
 @dataclass
 class Placement:
-    """Where and how one unit is computed: by a Sequential holding it, in the forward of its
-    owner (whose calls are its members), or by the owner's rewritten forward (``source``)."""
+    """Where and how one unit is computed: by a Sequential, in its owner's region, or rewritten."""
     how: str                          # "sequential", "children", "across" or "rewrite"
     where: str                        # the module holding every layer of the unit ("" = model)
     layer_calls: List[LayerCall]
@@ -63,36 +60,13 @@ class Placement:
     note: str = ""
     source: Optional[str] = None
 
-    @property
-    def key(self) -> Tuple[Any, ...]:
-        """The ``key`` of the runtime object that computes exactly this unit."""
-        return self.kind.key(self)
-
-    def part_keys(self) -> List[Tuple[nn.Module, Tuple[Any, ...]]]:
-        return [(part.seq, (part.names, part.role, part.index, self.key)) for part in self.parts]
-
 
 class UnitKind:
-    """One kind of unit. ``find``: its candidates on the graph among the fx nodes no kind before
-    it took; each has ``takes`` (nodes it takes from the kinds after it) and ``not_analysed``
-    ((path, why) of forwards found unusable). ``decide``: a candidate's units and near misses.
-    ``place``: its decisions in the report's order, each unit's with its :class:`Placement`
-    (None: left alone). ``runtime``: the object applying puts in the model; ``key``: what
-    identifies that object."""
-
-    def find(self, graph: ModelGraph, taken: set, options: Options) -> Iterable[Any]:
-        raise NotImplementedError
-
-    def decide(self, graph: ModelGraph, found: Any,
-               options: Options) -> Tuple[List[Any], List[Decision]]:
-        raise NotImplementedError
-
-    def place(self, graph: ModelGraph, found: Any, units: Sequence[Any],
-              misses: Sequence[Decision]) -> List[Tuple[Decision, Optional[Placement]]]:
-        raise NotImplementedError
-
-    def runtime(self, graph: ModelGraph, p: Placement, decision: Optional[Decision]) -> Any:
-        raise NotImplementedError
+    """One kind of unit, with methods ``find(graph, taken, options)``: its candidates among the fx
+    nodes no kind before it took, each with the ``takes`` it takes and the ``not_analysed`` it
+    found; ``decide(graph, found, options)``: (units, near misses); ``place(graph, found, units,
+    misses)``: [(decision, its :class:`Placement` or None)] in report order; ``runtime(graph,
+    placement, decision)``: the object put in the model; ``key(placement)``: what identifies it."""
 
     def key(self, p: Placement) -> Tuple[Any, ...]:
         return (tuple(c.module for c in p.layer_calls), p.last_act)
@@ -101,8 +75,7 @@ class UnitKind:
 @dataclass(eq=False)
 class InForward:
     """A candidate unit of one analysed forward, computed in its owner's region: its members are
-    the child Linears ``linears`` (in call order); ``others`` the other child modules of its
-    pattern, held in place and unhooked; ``nodes`` every node of the pattern."""
+    the child Linears ``linears``; ``others``: its other child modules; ``nodes``: all its nodes."""
     owner: nn.Module
     path: str
     trace: Trace
@@ -123,8 +96,7 @@ class InForward:
 
 
 class RegionKind(UnitKind):
-    def place(self, graph: ModelGraph, c: InForward, units: Sequence[Decision],
-              misses: Sequence[Decision]) -> List[Tuple[Decision, Optional[Placement]]]:
+    def place(self, graph: ModelGraph, c: InForward, units: Sequence[Decision], misses):
         out: List[Tuple[Decision, Optional[Placement]]] = [(d, None) for d in misses]
         for d in units:
             calls = [LayerCall(c.owner, n.target, c.child(n), LayerKind.LINEAR,
@@ -140,11 +112,10 @@ class RegionKind(UnitKind):
 
 
 def arguments_note(graph: ModelGraph, p: Placement, d: Decision) -> Decision:
-    """A unit whose owner's forward was traced with an argument given that it tests against
-    None is computed fused only in calls where it is given: the decision says so."""
+    """The decision, saying so where the unit is computed fused only in calls giving arguments."""
     t = graph.trace.get(id(p.owner)) if p.owner is not None else None
     if t is None or t.arg_guard is None or not t.arg_guard.given:
         return d
-    return dataclasses.replace(d, why=f"{d.why}; computed fused in calls giving "
-                                      f"{', '.join(t.arg_guard.given)} (not None), module by "
-                                      f"module in others")
+    given = ", ".join(t.arg_guard.given)
+    return dataclasses.replace(d, why=f"{d.why}; computed fused in calls giving {given} (not "
+                                      f"None), module by module in others")
