@@ -16,12 +16,12 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.modules.module as _module_hooks  # the hooks registered for every module
 from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
 from .. import _C, ops
+from .._observers import foreign_global_hooks
 from ..modules import LayerActivations, _has_hooks, as_mlp_argument, each_layer
 from ..ops import SUPPORTED_DTYPES, linear_tanh, tanh_mlp
 from . import dropout_unit
@@ -169,9 +169,9 @@ class _Run:
         for m, label in self.unhooked:
             if _has_hooks(m):
                 return f"{label or '<model>'} has hooks, which the fused run would not call"
-        if _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks or \
-                _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks:
-            return "hooks registered for every module, which the fused run would not call"
+        foreign = foreign_global_hooks()  # torch's module trackers only observe
+        if foreign is not None:
+            return f"{foreign}, which the fused run would not call"
         return None
 
     def _activation_problem(self) -> Optional[str]:
