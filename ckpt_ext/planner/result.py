@@ -60,13 +60,13 @@ class Plan:
             kept = " / ".join(f"{o.value} {_b(f.fwd_growth)}" for o, f in figs.items())
             base = figs[Option.NONE].flops
             choice = Option(self.choices[unit.path])
-            rows.append((unit.path, f"{unit.cls:<22s} {choice.value:<10s} "
-                         f"+{figs[choice].flops - base:>14,} FLOPs  kept: {kept}"))
+            added = f"+{figs[choice].flops - base:,}"
+            rows.append((unit.path, f"{unit.cls:<22s} {choice.value:<10s} {added:>16s}  {kept}"))
         if rows:
             rows = _grouped(rows)
             w = max(len(path) for path, _ in rows)
-            lines.append(f"  {'unit':<{w}s} {'class':<22s} {'choice':<10s} {'added FLOPs':>21s}"
-                         f"  kept in forward, per option")
+            lines.append(f"  {'unit':<{w}s} {'class':<22s} {'choice':<10s} {'added FLOPs':>16s}"
+                         f"  kept in its forward, per option")
             lines += [f"  {path:<{w}s} {rest}" for path, rest in rows]
         for unit in self.units:
             for option, why in unit.why_not.items():
