@@ -61,7 +61,8 @@ class Plan:
             base = figs[Option.NONE].flops
             choice = Option(self.choices[unit.path])
             added = f"+{figs[choice].flops - base:,}"
-            rows.append((unit.path, f"{unit.cls:<22s} {choice.value:<10s} {added:>16s}  {kept}"))
+            rows.append((unit.path or "<model>",
+                         f"{unit.cls:<22s} {choice.value:<10s} {added:>16s}  {kept}"))
         if rows:
             rows = _grouped(rows)
             w = max(len(path) for path, _ in rows)
@@ -71,7 +72,7 @@ class Plan:
         for unit in self.units:
             for option, why in unit.why_not.items():
                 if option != Option.FUSE or unit.kind != "block" or "no unit" not in why:
-                    lines.append(f"  {unit.path}: no {option.value}: {why}")
+                    lines.append(f"  {unit.path or '<model>'}: no {option.value}: {why}")
         lines += [f"  not planned: {path or '<model>'}: {why}" for path, why in self.notes]
         return "\n".join(lines)
 
