@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .. import _aten_flops  # noqa: F401  (the CPU attention counted)
 from .._block_checkpoint import cache_argument, checkpoint_block
 from ..convert import fuse, unfuse
 from ..memory import MemoryMeter
