@@ -15,7 +15,7 @@ import torch._dynamo
 
 from ..memory import show_usage
 from ..models import NETWORKS, is_pinn
-from . import plan_plot, plan_report, plan_section
+from . import headline, plan_plot, plan_report, plan_section
 from .orchestrate import run
 from .plan_section import METHODS as PLAN_METHODS
 from .plot import plot
@@ -175,6 +175,10 @@ def main(argv=None) -> int:
     if plot(results, stem + ".png"):
         written.append(stem + ".png")
     print(table)
+    try:  # the README's figures block, for this run's networks
+        print("The README's figures, from this run:\n\n" + headline.block([results]) + "\n")
+    except KeyError:  # a mode the block reads did not run (--modes) or failed: the table has it
+        pass
     errors = [f"{n}/{m}: {r['error']}" for n, modes in results["networks"].items()
               for m, r in modes.items() if "error" in r]
     if errors:  # reported in the table as n/a; said here too, so no failure goes unseen
