@@ -26,7 +26,7 @@ def plot(res: dict, path: str) -> bool:
 
     c, s = res["conditions"], res["sizes"]
     configs = res["configs"]
-    fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=110)
+    fig, ax = plt.subplots(figsize=(8.5, 5.6), dpi=110)
     scale = 2**20
     for b in res["budgets"]:
         ax.axvline(b / scale, color="#bbbbbb", ls="--", lw=0.8, zorder=0)
@@ -43,20 +43,29 @@ def plot(res: dict, path: str) -> bool:
                 mfc=colour if kind in ("plan", "plain") else "white", mew=1.5,
                 label=None if kind in seen else label, zorder=3)
         seen.add(kind)
-        tag = (f"n={r['every_n']}" if "every_n" in r else
-               f"{r['fraction']:g}" if "fraction" in r else "")
-        if tag:
-            ax.annotate(tag, (r["peak"] / scale, r["time_vs_plain"]), xytext=(4, 4),
-                        textcoords="offset points", fontsize=7, color=colour)
+        if "fraction" in r:
+            ax.annotate(f"{r['fraction']:g}", (r["peak"] / scale, r["time_vs_plain"]),
+                        xytext=(4, 4), textcoords="offset points", fontsize=7, color=colour)
+    # every n-th layer: one label per peak (n = 4..7 checkpoint the same two layers)
+    by_peak: dict = {}
+    for r in configs.values():
+        if "every_n" in r and r.get("time_vs_plain") is not None:
+            by_peak.setdefault(r["peak"], []).append(r)
+    for peak, rs in by_peak.items():
+        top = max(rs, key=lambda r: r["time_vs_plain"])
+        ax.annotate("n=" + ",".join(str(r["every_n"]) for r in rs),
+                    (peak / scale, top["time_vs_plain"]), xytext=(4, 4),
+                    textcoords="offset points", fontsize=7, color=_STYLE["hf"][0])
     plans = [configs[row["plan"]] for row in res["rows"]]
     ax.plot([r["peak"] / scale for r in plans], [r["time_vs_plain"] for r in plans], "-",
             color=_STYLE["plan"][0], lw=1, alpha=0.6, zorder=2)
     ax.set_xlabel("measured peak above before forward, MiB (dashed: the budgets)")
     ax.set_ylabel(f"step time × plain (median of {s['steps']})")
     ax.grid(alpha=0.25)
-    ax.legend(fontsize=8, loc="upper right")
-    ax.set_title(f"Fitting a budget: step time against peak — {s['layers']}-layer Llama "
-                 f"(hidden {s['hidden']}, {s['batch']}×{s['seq']} tokens), {c['device']}, "
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3,
+              frameon=False)
+    ax.set_title(f"Fitting a budget: step time against peak, {s['layers']}-layer Llama "
+                 f"(hidden {s['hidden']}, {s['batch']}×{s['seq']} tokens)\n{c['device']}, "
                  f"{c['dtype']}, torch {c['torch']}", fontsize=8.5)
     fig.tight_layout()
     fig.savefig(path)

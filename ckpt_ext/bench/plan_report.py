@@ -24,7 +24,9 @@ def conditions_line(res: dict) -> str:
             f"(`ckpt_ext.planner.measure_step`); FLOPs = `FlopCounterMode` per step (a "
             f"compiled step's counted on its partitioned graphs run eagerly); step time = median "
             f"of {s['steps']} steps after {s['warmup']} warm-up, configurations interleaved, "
-            f"counting allocator uninstalled, × plain's steps in the same loop; compile backend "
+            f"counting allocator uninstalled; × plain = the median over rounds of the step over "
+            f"plain's step in the same round (each compiled configuration in a loop of its own "
+            f"with plain); compile backend "
             f"{c['compile_backend']}. Budgets from plain's peak down to the least any plan "
             f"reaches. Command: `{c['command']}`.")
 

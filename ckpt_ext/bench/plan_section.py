@@ -133,8 +133,10 @@ class Section:
         self.models[name] = model
 
     def time_loop(self, names: List[str]) -> None:
-        """Median step time of each configuration, interleaved (plain first in the loop), on
-        the stock allocator; ratios to plain's steps in the same loop."""
+        """Median step time of each configuration, interleaved (plain first in each round), on
+        the stock allocator; its ratio to plain is the median over rounds of its step over
+        plain's step in the same round, so that others' work on a shared machine, which comes and
+        goes between rounds, hits both sides of each ratio alike."""
         s = self.sizes
         times: Dict[str, List[float]] = {n: [] for n in names}
         with uninstrumented(self.device):
@@ -156,8 +158,9 @@ class Section:
             if n == "plain" and "step_ms" in self.configs[n]:
                 continue  # plain's own row: its first loop
             ms = statistics.median(times[n]) * 1e3
+            ratio = statistics.median(t / p for t, p in zip(times[n], times["plain"]))
             self.configs[n].update(step_ms=ms, step_ms_all=[t * 1e3 for t in times[n]],
-                                   plain_ms_same_loop=plain_ms, time_vs_plain=ms / plain_ms)
+                                   plain_ms_same_loop=plain_ms, time_vs_plain=ratio)
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> dict:
