@@ -230,8 +230,7 @@ def test_presets_and_defaults():
     assert cfg.preset == "cpu-default" and cfg.out == "bench_out"  # untracked (.gitignore)
     # without --full: the README's figures (headline.block reads exactly these modes)
     assert cfg.modes == ["plain", "checkpoint", "checkpoint-stack", "fused", "compile-checkpoint"]
-    assert cfg.networks == ["chain", "residual", "mlp", "bert-mlp", "pinn", "pinn-sin",
-                            "pinn-silu"]
+    assert cfg.networks == ["chain", "residual", "mlp", "pinn", "pinn-sin", "pinn-silu"]
     assert cfg.section == "main"
     cfg = cli.config_from_args(["--device", "cpu", "--full"])
     assert cfg.modes == presets.DEFAULT_MODES and "checkpoint-reentrant" not in cfg.modes
