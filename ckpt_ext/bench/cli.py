@@ -176,7 +176,8 @@ def main(argv=None) -> int:
         written.append(stem + ".png")
     print(table)
     try:  # the README's figures block, for this run's networks
-        print("The README's figures, from this run:\n\n" + headline.block([results]) + "\n")
+        table_only = headline.block([results]).split("\n\n")[0]  # its caption is the README's
+        print("The README's figures, from this run:\n\n" + table_only + "\n")
     except KeyError:  # a mode the block reads did not run (--modes) or failed: the table has it
         pass
     errors = [f"{n}/{m}: {r['error']}" for n, modes in results["networks"].items()
