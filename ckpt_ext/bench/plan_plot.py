@@ -3,7 +3,7 @@ against the measured peak, one point per configuration measured, the plans joine
 order, the budgets as vertical lines. Its raw numbers are the run's JSON beside it."""
 from __future__ import annotations
 
-import sys
+from .plot import pyplot
 
 _STYLE = {"plan": ("#d62728", "o"), "hf": ("#1f77b4", "s"), "compile": ("#7f7f7f", "^"),
           "fuse-all": ("#ff7f0e", "D"), "plain": ("#000000", "o")}
@@ -15,14 +15,9 @@ def _kind(name: str) -> str:
 
 def plot(res: dict, path: str) -> bool:
     """Writes the PNG; False (and a message) where matplotlib is not installed."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("bench: matplotlib is not installed; no plot written (pip install matplotlib)",
-              file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     c, s = res["conditions"], res["sizes"]
     configs = res["configs"]

@@ -65,7 +65,7 @@ def every_choice(model, surveyed):
     the layer's MLP, or a checkpoint of the layer) and measured: choice -> (peak, FLOPs)."""
     net = copy.deepcopy(model)
     layers = net.model.layers
-    now = [Option.NONE] * LAYERS
+    current = [Option.NONE] * LAYERS
     out = {}
     was_enabled = gc.isenabled()
     gc.collect()
@@ -73,14 +73,14 @@ def every_choice(model, surveyed):
     try:
         with MemoryMeter("cpu") as meter:
             for choice in itertools.product(list(Option), repeat=LAYERS):
-                for layer, old, new in zip(layers, now, choice):
-                    if new != old:
+                for layer, was, wanted in zip(layers, current, choice):
+                    if wanted != was:
                         ckpt_ext.unfuse(layer)
-                        if new == Option.FUSE:
+                        if wanted == Option.FUSE:
                             ckpt_ext.fuse(layer.mlp)
-                        elif new == Option.CHECKPOINT:
+                        elif wanted == Option.CHECKPOINT:
                             checkpoint_block(layer)
-                now = list(choice)
+                current = list(choice)
                 clear_grads(net)
                 peak = measured_step(lambda inputs: net(**inputs), INPUTS, meter,
                                      loss_fn=lambda o, _: o.loss)["peak_above_before_forward"]
