@@ -13,9 +13,8 @@ from typing import Dict, List, NamedTuple, Tuple
 from torch import nn
 
 from .._block_checkpoint import checkpoint_block, is_checkpointed
-from ..convert import FusedSequential, RunLinear, RunMember, fuse, unfuse
-from ..convert.report import Decision
-from ..convert.runtime import _OwnerForward
+from ..convert import Decision, FusedSequential, RunLinear, RunMember, fuse, unfuse
+from ..convert import _OwnerForward  # the forward fuse sets on an owner's instance
 from .figures import OptionFigures
 from .units import Option, Unit, fuses_alone, join_path
 
