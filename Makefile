@@ -1,5 +1,7 @@
-# The two commands of the README: `make bench` (the main job) and `make test`. Both set
-# everything up first (scripts/setup.sh: venv, pinned torch, build), so they work on a fresh clone.
+# The two commands of the README: `make bench` (the main job: the README's figures, a few minutes)
+# and `make test`. Both set everything up first (scripts/setup.sh: venv, pinned torch, build), so
+# they work on a fresh clone. `make bench-full` runs the benchmark's whole matrix (every network and
+# mode), `make bench-plan` its plan section (ckpt_ext.plan against the other ways to fit a budget).
 # `make test-oldest` builds and tests against the oldest supported torch, as the GPU machine has it
 # (torch 2.11 on Python 3.12), and `make test-newest` against the newest (torch 2.15 on Python
 # 3.13), each in a venv of its own beside .venv.
@@ -15,7 +17,7 @@ find_python = $(shell for p in python$(1) $${PYENV_ROOT:-$$HOME/.pyenv}/versions
 PYTHON312 ?= $(call find_python,3.12)
 PYTHON313 ?= $(call find_python,3.13)
 
-.PHONY: setup test test-oldest test-newest bench demo clean
+.PHONY: setup test test-oldest test-newest bench bench-full bench-plan demo clean
 
 setup:
 	bash scripts/setup.sh
@@ -42,6 +44,12 @@ test-newest:
 
 bench: setup
 	$(PYTHON) -m ckpt_ext.bench
+
+bench-full: setup
+	$(PYTHON) -m ckpt_ext.bench --full
+
+bench-plan: setup
+	$(PYTHON) -m ckpt_ext.bench --section plan
 
 demo: bench
 

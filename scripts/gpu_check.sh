@@ -41,6 +41,7 @@ SUMMARY_CAP=10
 # when the total cap still leaves it its minimum; each ends before the summary's reserve.
 OPTIONAL=(
   "racecheck 40 45 compute-sanitizer racecheck on the bias sums' combine (shared memory)"
+  "bench_plan 60 150 python -m ckpt_ext.bench --section plan, bfloat16, eager methods: plan vs transformers' checkpointing"
   "timing 35 45 gpu_timing.py: FusedLinearTanh/FusedTanhMLP vs Sequential and checkpoint"
   "bench_compile 120 600 python -m ckpt_ext.bench --networks chain, the torch.compile modes"
 )
@@ -69,7 +70,8 @@ START=$(date +%s)
 DRY=${GPU_CHECK_DRY_RUN:-0}
 DEST=${OUT:-bench_out/gpu_check}
 mkdir -p "$DEST"
-rm -rf "$DEST/gpu_check.log" "$DEST/gpu_check.json" "$DEST/bench_eager" "$DEST/bench_compile"
+rm -rf "$DEST/gpu_check.log" "$DEST/gpu_check.json" "$DEST/bench_eager" "$DEST/bench_compile" \
+  "$DEST/bench_plan"
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else PY=python3
@@ -300,6 +302,14 @@ else
           run_step racecheck "$c" "$SAN" --tool racecheck "${SAN_ARGS[@]}" "$PY" "${CASE[@]}" \
             --only combine --json "$TMP/racecheck.json" --deadline "$(deadline "$c")"
         fi ;;
+      bench_plan)
+        # ckpt_ext.plan on the GPU: predictions against the CUDA meter, the budgets kept, and the
+        # plan beside transformers' checkpointing (the compile methods: the CPU run's)
+        BP=(-m ckpt_ext.bench --section plan --device cuda --dtype bfloat16 --no-progress)
+        [ "$DRY" = 1 ] && BP=(-m ckpt_ext.bench --section plan --device cpu --preset tiny
+                              --no-progress)
+        run_step bench_plan "$c" "$PY" "${BP[@]}" --plan-methods plan,hf-every-layer,hf-every-n \
+          --out "$DEST/bench_plan" ;;
       timing)
         TM=(scripts/gpu_timing.py --json "$TMP/timing.json" --iters 10)
         [ "$DRY" = 1 ] && TM+=(--dry-run)
@@ -445,6 +455,13 @@ for path in sorted(glob.glob(os.path.join(dest, "bench_*", "*.json"))):
         b = json.load(open(path))
     except Exception as e:  # noqa: BLE001
         res.setdefault("bench", {})[run] = {"error": repr(e)}
+        continue
+    if "targets" in b:  # the plan section: its targets and the plan's predictions
+        res.setdefault("bench", {})[run] = {"file": os.path.relpath(path, dest),
+                                            "conditions": b.get("conditions"),
+                                            "targets": b["targets"], "rows": b.get("rows")}
+        met = [k for k, t in b["targets"].items() if t.get("met")]
+        notes[run] = f"plan targets met {len(met)}/{len(b['targets'])}"
         continue
     chain = b.get("networks", {}).get("chain", {})
     res.setdefault("bench", {})[run] = {

@@ -2,8 +2,10 @@
 (``python -m ckpt_ext.bench``). Not imported by ``import ckpt_ext``.
 
 presets (sizes, modes, config), measure (timing, floor, max batch), orchestrate (the run),
-report (markdown), plot (matplotlib), cli (flags, files). Method and results: docs/benchmark.md.
+report (markdown), plot (matplotlib), cli (flags, files), headline (the README's figures); the
+``plan`` section: plan_section (the run), plan_report, plan_plot. Method and results:
+docs/benchmark.md.
 """
-from .presets import DEFAULT_MODES, MODES, PRESETS
+from .presets import DEFAULT_MODES, HEADLINE_MODES, HEADLINE_NETWORKS, MODES, PRESETS
 
-__all__ = ["DEFAULT_MODES", "MODES", "PRESETS"]
+__all__ = ["DEFAULT_MODES", "HEADLINE_MODES", "HEADLINE_NETWORKS", "MODES", "PRESETS"]

@@ -1,5 +1,6 @@
 """``python -m ckpt_ext.bench``: the flags, the configuration they give, and the files a run writes
-(``<out>/<device>-<preset>.md``, ``.json`` with every raw figure, ``.png``).
+(``<out>/<device>-<preset>.md``, ``.json`` with every raw figure, ``.png``; the plan section
+``<out>/<device>-<preset>-plan.*``).
 """
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ import sys
 import time
 
 import torch
+import torch._dynamo
 
 from ..memory import show_usage
 from ..models import NETWORKS, is_pinn
+from . import headline, plan_plot, plan_report, plan_section
 from .orchestrate import run
+from .plan_section import METHODS as PLAN_METHODS
 from .plot import plot
-from .presets import (BERT_WIDTHS, DEFAULT_MODES, DTYPES, MODES, PRESETS, Config, Sizes,
-                      parse_bytes)
+from .presets import (BERT_WIDTHS, DEFAULT_MODES, DTYPES, HEADLINE_MODES, HEADLINE_NETWORKS,
+                      MODES, PRESETS, Config, Sizes, parse_bytes)
 from .report import markdown
 
 DESCRIPTION = ("What recomputation costs and saves: the write-up's experiment, with the tools a "
@@ -49,10 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=parse_bytes, default=None,
                    help="memory budget for the max-batch column of every network, e.g. 512MiB "
                         "(default: the preset's, bert-mlp's and llama-mlp's their own)")
-    p.add_argument("--networks", default=",".join(NETWORKS),
+    p.add_argument("--full", action="store_true",
+                   help="the full matrix: every network and every default mode (without it: the "
+                        f"README's figures, networks {','.join(HEADLINE_NETWORKS)} in modes "
+                        f"{','.join(HEADLINE_MODES)})")
+    p.add_argument("--networks", default=None,
                    help=f"comma-separated, from {', '.join(NETWORKS)}")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+    p.add_argument("--modes", default=None,
                    help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--section", default="main", choices=("main", "plan"),
+                   help="main: the networks and modes above; plan: ckpt_ext.plan against "
+                        "transformers' checkpointing and torch.compile's activation_memory_budget "
+                        "at budgets from plain's peak down, on an 8-layer Llama (docs/benchmark.md)")
+    p.add_argument("--plan-methods", default=",".join(PLAN_METHODS),
+                   help=f"--section plan: comma-separated, from {', '.join(PLAN_METHODS)} "
+                        "(the plan always runs)")
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of the compile* modes (inductor; aot_eager traces "
                         "the same graphs without code generation)")
@@ -96,8 +111,15 @@ def config_from_args(argv=None) -> Config:
                   a.llama_depth if a.llama_depth is not None else pl["depth"])
     steps = a.steps if a.steps is not None else ps["steps"]
     warmup = a.warmup if a.warmup is not None else ps["warmup"]
-    networks = [n.strip() for n in a.networks.split(",") if n.strip()]
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    networks = [n.strip() for n in (a.networks or ",".join(
+        NETWORKS if a.full else HEADLINE_NETWORKS)).split(",") if n.strip()]
+    modes = [m.strip() for m in (a.modes or ",".join(
+        DEFAULT_MODES if a.full else HEADLINE_MODES)).split(",") if m.strip()]
+    plan_methods = [m.strip() for m in a.plan_methods.split(",") if m.strip()]
+    for m in plan_methods:
+        if m not in PLAN_METHODS:
+            p.error(f"--plan-methods: unknown method {m!r}; expected some of "
+                    f"{', '.join(PLAN_METHODS)}")
     for n in networks:
         if n not in NETWORKS:
             p.error(f"--networks: unknown network {n!r}; expected some of {', '.join(NETWORKS)}")
@@ -129,13 +151,16 @@ def config_from_args(argv=None) -> Config:
                                              else parse_bytes(pl["budget"])),
                   networks=networks, modes=modes, out=a.out, compile_backend=a.compile_backend,
                   seed=a.seed, progress=not a.no_progress,
-                  command=" ".join(["python -m ckpt_ext.bench"] + argv))
+                  command=" ".join(["python -m ckpt_ext.bench"] + argv), section=a.section,
+                  plan_methods=plan_methods)
 
 
 def main(argv=None) -> int:
     cfg = config_from_args(argv)
     if cfg.device.type == "cuda":
         show_usage("GPU before the benchmark", cfg.device.index or 0)
+    if cfg.section == "plan":
+        return plan_main(cfg)
     t = time.perf_counter()
     results = run(cfg)
     results["conditions"]["wall_s"] = round(time.perf_counter() - t, 1)
@@ -150,6 +175,11 @@ def main(argv=None) -> int:
     if plot(results, stem + ".png"):
         written.append(stem + ".png")
     print(table)
+    try:  # the README's figures block, for this run's networks
+        table_only = headline.block([results]).split("\n\n")[0]  # its caption is the README's
+        print("The README's figures, from this run:\n\n" + table_only + "\n")
+    except KeyError:  # a mode the block reads did not run (--modes) or failed: the table has it
+        pass
     errors = [f"{n}/{m}: {r['error']}" for n, modes in results["networks"].items()
               for m, r in modes.items() if "error" in r]
     if errors:  # reported in the table as n/a; said here too, so no failure goes unseen
@@ -157,3 +187,28 @@ def main(argv=None) -> int:
     print(f"wrote {', '.join(written)} ({results['conditions']['wall_s']} s)")
     return 0
 
+
+def plan_main(cfg: Config) -> int:
+    """The plan section: ``<out>/<device>-<preset>-plan.md``, ``.json`` and ``.png``."""
+    t = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        results = plan_section.Section(
+            cfg.device, cfg.dtype, cfg.preset, cfg.plan_methods, cfg.compile_backend,
+            log=(lambda msg: print(msg, file=sys.stderr, flush=True)) if cfg.progress
+            else (lambda msg: None)).run()
+    results["conditions"] = plan_section.conditions(cfg)
+    results["conditions"]["wall_s"] = round(time.perf_counter() - t, 1)
+    os.makedirs(cfg.out, exist_ok=True)
+    stem = os.path.join(cfg.out, f"{cfg.device.type}-{cfg.preset}-plan")
+    table = plan_report.markdown(results)
+    with open(stem + ".md", "w") as f:
+        f.write(table)
+    with open(stem + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    written = [stem + ".md", stem + ".json"]
+    if plan_plot.plot(results, stem + ".png"):
+        written.append(stem + ".png")
+    print(table)
+    print(f"wrote {', '.join(written)} ({results['conditions']['wall_s']} s)")
+    return 0

@@ -82,6 +82,20 @@ def _unit(max_bytes: float) -> tuple[float, str]:
     return (2**20, "MiB") if max_bytes >= 2**20 else (2**10, "KiB")
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (and a message) where matplotlib is not
+    installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("bench: matplotlib is not installed; no plot written (pip install matplotlib)",
+              file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def plot(results: dict, path: str) -> bool:
     """Writes the PNG; False (and a message) where matplotlib is not installed.
 
@@ -89,15 +103,10 @@ def plot(results: dict, path: str) -> bool:
     against the peak: one point per mode, filled where no other mode is both faster and smaller
     (the front, joined by a staircase: what each step up in time buys). Below, the memory
     timelines of one step, one mode per row, on shared axes."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("bench: matplotlib is not installed; no plot written (pip install matplotlib)",
-              file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return False
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib
     from matplotlib.lines import Line2D
 
     nets = results["networks"]

@@ -81,6 +81,11 @@ MODES = {
 #: Reentrant checkpoint runs only when named: PyTorch recommends the non-reentrant variant, which
 #: keeps the same bytes, peaks no higher, and alone supports torch.autograd.grad.
 DEFAULT_MODES = [m for m in MODES if m != "checkpoint-reentrant"]
+#: What a run without --full measures: the modes of the README's figures (fused against plain,
+#: stock checkpoint and its compiled form) on its networks but bert-mlp, whose second-long steps
+#: would double the run (make bench: a few minutes); --full: every network in DEFAULT_MODES.
+HEADLINE_MODES = ["plain", "checkpoint", "checkpoint-stack", "fused", "compile-checkpoint"]
+HEADLINE_NETWORKS = [n for n in NETWORKS if n not in ("bert-mlp", "llama-mlp")]
 
 # Rows a network does not run because another row is the same thing: checkpoint-stack where the
 # network's checkpoint mode already covers the stack.
@@ -167,6 +172,8 @@ class Config:
     ratio: int = 4  #: MLP inner width / hidden
     llama: Sizes = None  #: llama-mlp: tokens, hidden size, intermediate size, depth
     llama_budget: int = 0
+    section: str = "main"  #: "main" or "plan" (ckpt_ext.bench.plan_section)
+    plan_methods: list = None  #: the plan section's methods besides the plan
 
     def sizes_of(self, net_name: str) -> Sizes:
         return getattr(self, size_group(net_name))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .._block_checkpoint import undo_checkpoints
 from .accounting import unaccounted
 from .applying import apply_plan, undo_all
 from .facts import survey
@@ -44,8 +45,10 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
 
 def unfuse(model: nn.Module) -> nn.Module:
     """Undo ``fuse`` in place and return ``model``: every module fuse changed gets back its own
-    class and forward; parameters, buffers and ``state_dict`` are untouched (docs/fuse-usage.md)."""
+    class and forward; parameters, buffers and ``state_dict`` are untouched; a block that
+    ``ckpt_ext.plan(...).apply`` checkpointed loses its checkpoint (docs/fuse-usage.md)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"ckpt_ext.unfuse expects an nn.Module, got {type(model).__name__}")
     undo_all(model)
+    undo_checkpoints(model)  # the checkpoint wrappers ckpt_ext.plan(...).apply sets
     return model

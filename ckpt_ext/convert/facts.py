@@ -9,7 +9,6 @@ from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-import torch.nn.modules.module as _module_hooks  # the hooks registered for every module
 from torch import fx, nn
 from torch.nn.parameter import UninitializedTensorMixin
 from torch.nn.utils import parametrize
@@ -17,6 +16,7 @@ from torch.nn.utils import parametrize
 from .. import _C, modules as _modules, ops
 from .._activation_modules import Recognised, bind, module_activation, node_activation, sig
 from .._activations import REGISTRY, stock_tensors
+from .._observers import foreign_global_hooks
 from ..modules import _has_hooks as has_hooks
 from .. import _dropout_autograd as dropout_unit
 
@@ -194,10 +194,8 @@ def masks_drawable(run: Any) -> Condition:
 
 GLOBAL = (Condition(lambda: not torch.jit.is_tracing(),  # it records each module on its own
                     lambda: "torch.jit.trace is recording the model"),
-          Condition(lambda: not any(getattr(_module_hooks, f"_global_{k}_hooks") for k in
-                                    ("forward", "forward_pre", "backward", "backward_pre")),
-                    lambda: "hooks registered for every module, which the fused run would not "
-                            "call"))
+          Condition(lambda: foreign_global_hooks() is None,  # torch's module trackers observe
+                    lambda: f"{foreign_global_hooks()}, which the fused run would not call"))
 ACROSS = "which a run computed across it would not call"
 
 

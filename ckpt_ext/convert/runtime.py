@@ -28,8 +28,11 @@ __all__ = ["Slot"]  # a run's slots pickle as facts.Slot; pickles may name it he
 
 class _Region(threading.local):
     """A run's region, per thread: [the next member, the tensor it must receive, the state of an
-    enclosing call]; None outside the owner's forward."""
-    state: Optional[list] = None
+    enclosing call]; None outside the owner's forward. Set in __init__ (per thread), so the
+    instance dict torch.compile guards on holds it from the first call."""
+
+    def __init__(self) -> None:
+        self.state: Optional[list] = None
 
 
 def _by_state(self, memo):

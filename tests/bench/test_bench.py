@@ -1,5 +1,6 @@
-"""The benchmark: the CLI on the tiny preset (every network, every default mode), the figures it
-must give exactly, timing on the stock allocator, and compile modes that must not fail silently.
+"""The benchmark: the CLI on the tiny preset (--full: every network, every default mode), the
+figures it must give exactly, timing on the stock allocator, and compile modes that must not fail
+silently.
 
 The CLI test compiles with the aot_eager backend (Dynamo + AOTAutograd, the partitioner included,
 no C++ code generation: inductor on 2 CPU cores would take minutes); one test runs inductor on the
@@ -29,7 +30,7 @@ def tiny_run(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "ckpt_ext.bench", "--device", "cpu", "--preset", "tiny",
          "--steps", "2", "--compile-backend", "aot_eager", "--threads", "1", "--out", str(out),
-         "--budget", "4MiB"],
+         "--budget", "4MiB", "--full"],
         capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stem = out / "cpu-tiny"
@@ -227,6 +228,11 @@ def test_presets_and_defaults():
         assert p["steps"] >= 15 or name == "tiny", name
     cfg = cli.config_from_args(["--device", "cpu"])
     assert cfg.preset == "cpu-default" and cfg.out == "bench_out"  # untracked (.gitignore)
+    # without --full: the README's figures (headline.block reads exactly these modes)
+    assert cfg.modes == ["plain", "checkpoint", "checkpoint-stack", "fused", "compile-checkpoint"]
+    assert cfg.networks == ["chain", "residual", "mlp", "pinn", "pinn-sin", "pinn-silu"]
+    assert cfg.section == "main"
+    cfg = cli.config_from_args(["--device", "cpu", "--full"])
     assert cfg.modes == presets.DEFAULT_MODES and "checkpoint-reentrant" not in cfg.modes
     assert cfg.networks == ["chain", "residual", "mlp", "bert-mlp", "llama-mlp", "pinn",
                             "pinn-sin", "pinn-silu"]

@@ -1,0 +1,59 @@
+"""From a model and its inputs to a plan: the probes' figures (:func:`survey`), and the choice
+for a budget (:func:`choose`), with the least peak any choice reaches."""
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from .figures import StepFigures, simulate
+from .measure import figures_of
+from .result import Plan
+from .probe import Probe
+from .solver import grouped, solve
+from .step import model_device
+from .units import Option, find_units
+
+#: Units whose figures differ by no more than this share of the plain step's peak (and FLOPs by
+#: no more than this share of its FLOPs) count as identical for the solver.
+TOLERANCE = 1e-4
+
+
+def survey(model: nn.Module, example_inputs, loss_fn, found=None):
+    """The figures of ``model`` stepping on ``example_inputs``: (figures, units, notes, spread,
+    device). ``found``: ``find_units(model)`` where the caller has it already."""
+    device = model_device(model)
+    units, notes = found if found is not None else find_units(model)
+    with Probe(model, example_inputs, loss_fn, device) as probe:
+        fig, units, notes, spread = figures_of(probe, units, notes)
+    return fig, units, notes, spread, device
+
+
+def solver_figures(fig: StepFigures) -> StepFigures:
+    plain = simulate(fig, [Option.NONE] * len(fig.units))
+    return grouped(fig, math.ceil(TOLERANCE * plain.peak), math.ceil(TOLERANCE * plain.flops))
+
+
+def least_peak(fig: StepFigures) -> int:
+    return solve(solver_figures(fig))[0].peak
+
+
+def choose(fig: StepFigures, units, notes, spread: int, budget: int, device: str) -> Plan:
+    n = len(units)
+    plain = simulate(fig, [Option.NONE] * n)
+    least = least_peak(fig)
+    if budget >= plain.peak:
+        choice = (Option.NONE,) * n  # plain fits: nothing to recompute
+    elif budget < least:
+        raise ValueError(f"ckpt_ext.plan: no plan fits a budget of {budget:,} bytes: the least "
+                         f"peak any plan reaches is {least:,} bytes (plain's: {plain.peak:,}); "
+                         f"a budget of at least {least:,} bytes fits")
+    else:
+        choice = solve(solver_figures(fig), budget)[1].choice
+    got = simulate(fig, choice)
+    return Plan(budget_bytes=budget, peak_bytes=got.peak, kept_bytes=got.kept,
+                added_flops=got.flops - plain.flops,
+                choices={u.path: o.value for u, o in zip(units, choice)},
+                plain_peak_bytes=plain.peak, plain_kept_bytes=plain.kept, plain_flops=plain.flops,
+                least_peak_bytes=min(least, plain.peak), units=list(units), figures=fig.units,
+                notes=list(notes), device=device, spread_bytes=spread)

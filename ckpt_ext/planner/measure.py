@@ -1,0 +1,51 @@
+"""The probe steps a plan needs and the figures they give: the plain step (which also says which
+units form a chain and which are handed a cache), every unit fused, every block checkpointed;
+each unit's figures under each of its options from the step where it had that option."""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from .figures import StepFigures, combine, shared_figures, spread, unit_figures
+from .probe import Probe, chain_problems
+from .units import Option, Unit
+
+
+def _without(units: List[Unit], option: Option, why: dict) -> List[Unit]:
+    out = []
+    for i, u in enumerate(units):
+        if i in why and option in u.options:
+            u = Unit(u.path, u.kind, tuple(o for o in u.options if o != option), u.fuse_targets,
+                     u.cls, {**u.why_not, option: why[i]})
+        out.append(u)
+    return out
+
+
+def figures_of(probe: Probe, units: List[Unit], notes: List[Tuple[str, str]]
+               ) -> Tuple[StepFigures, List[Unit], List[Tuple[str, str]], int]:
+    """(figures, the units kept, notes with what was dropped and why, spread in bytes)."""
+    notes = list(notes)
+    while True:  # the plain step: the units that form a chain
+        memory, flops = probe.measure(units, [Option.NONE] * len(units))
+        problems = {**chain_problems(flops, len(units)), **chain_problems(memory, len(units))}
+        if not problems:
+            break
+        notes += [(units[i].path, why) for i, why in sorted(problems.items())]
+        units = [u for i, u in enumerate(units) if i not in problems]
+    caches = {i: f"its forward is handed a cache ({arg}), which a recompute would update "
+                 f"twice; pass use_cache=False" for i, arg in memory.cache_args.items() if arg}
+    units = _without(units, Option.CHECKPOINT, caches)
+    n = len(units)
+    traces = {Option.NONE: (memory, flops)}
+    for option in (Option.FUSE, Option.CHECKPOINT):
+        if any(option in u.options for u in units):
+            config = [option if option in u.options else Option.NONE for u in units]
+            traces[option] = probe.measure(units, config)
+            problems = chain_problems(traces[option][0], n)
+            if problems:  # that option moves the unit out of the chain: not an option
+                units = _without(units, option, {
+                    i: f"with it the step is no chain ({why})" for i, why in problems.items()})
+    shared = [shared_figures(m, f, n) for m, f in traces.values()]
+    fig = combine(shared)
+    fig.units = [{o: unit_figures(*traces[o], i, n) for o in u.options}
+                 for i, u in enumerate(units)]
+    return fig, units, notes, spread(shared)

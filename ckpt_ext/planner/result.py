@@ -1,0 +1,188 @@
+"""What ``ckpt_ext.plan`` returns: the choice per unit with its predicted peak, kept bytes and added
+FLOPs, printed as a table, and :meth:`Plan.apply`, which puts it into a model in place under
+fuse's contract (docs/converter.md): the units chosen ``fuse`` through ``ckpt_ext.fuse`` of the
+module holding them, the blocks chosen ``checkpoint`` with a forward set on their instance
+(``ckpt_ext._block_checkpoint``). ``ckpt_ext.unfuse`` takes both out."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, NamedTuple, Tuple
+
+from torch import nn
+
+from .._block_checkpoint import checkpoint_block, is_checkpointed
+from ..convert import Decision, FusedSequential, RunLinear, RunMember, fuse, unfuse
+from ..convert import _OwnerForward  # the forward fuse sets on an owner's instance
+from .figures import OptionFigures
+from .units import Option, Unit, fuses_alone, join_path
+
+
+@dataclass
+class Plan:
+    """An option per unit for a step that peaks within ``budget_bytes``, at the least added FLOPs.
+
+    Bytes are tensor bytes above what was allocated before the step, as
+    ``ckpt_ext.memory.measured_step`` reports them (``peak_above_before_forward``,
+    ``kept_for_backward``); FLOPs are per step, as ``torch.utils.flop_counter.FlopCounterMode``
+    counts them."""
+    budget_bytes: int
+    peak_bytes: int          #: predicted peak of a step with the plan applied
+    kept_bytes: int          #: predicted bytes kept for backward after the loss
+    added_flops: int         #: FLOPs per step above the plain model's
+    choices: Dict[str, str]  #: unit path -> "none" | "fuse" | "checkpoint"
+    plain_peak_bytes: int    #: the plain model's step, as measured by the probe
+    plain_kept_bytes: int
+    plain_flops: int
+    least_peak_bytes: int    #: the least peak any choice reaches
+    units: List[Unit] = field(default_factory=list)
+    #: per unit: option -> its figures in the probe (bytes, FLOPs)
+    figures: List[Dict[Option, OptionFigures]] = field(default_factory=list)
+    #: (path, why) for what could not be a unit, or an option it could not take
+    notes: List[Tuple[str, str]] = field(default_factory=list)
+    device: str = "cpu"
+    #: the largest difference in bytes between the probes' figures of what lies outside the
+    #: units (0 when the step decomposes into independent units, as the prediction assumes)
+    spread_bytes: int = 0
+
+    # -- reading -------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        share = 100 * self.added_flops / self.plain_flops if self.plain_flops else 0.0
+        lines = [f"ckpt_ext.plan on {self.device}: budget {_b(self.budget_bytes)} -> predicted "
+                 f"peak {_b(self.peak_bytes)} (plain {_b(self.plain_peak_bytes)}; the least any "
+                 f"plan reaches {_b(self.least_peak_bytes)}), kept {_b(self.kept_bytes)} "
+                 f"(plain {_b(self.plain_kept_bytes)}), +{self.added_flops:,} FLOPs per step "
+                 f"(+{share:.1f} % of plain's {self.plain_flops:,})"]
+        rows = []
+        for unit, figs in zip(self.units, self.figures):
+            kept = " / ".join(f"{o.value} {_b(f.fwd_growth)}" for o, f in figs.items())
+            base = figs[Option.NONE].flops
+            choice = Option(self.choices[unit.path])
+            added = f"+{figs[choice].flops - base:,}"
+            rows.append((unit.path or "<model>",
+                         f"{unit.cls:<22s} {choice.value:<10s} {added:>16s}  {kept}"))
+        if rows:
+            rows = _grouped(rows)
+            w = max(len(path) for path, _ in rows)
+            lines.append(f"  {'unit':<{w}s} {'class':<22s} {'choice':<10s} {'added FLOPs':>16s}"
+                         f"  kept in its forward, per option")
+            lines += [f"  {path:<{w}s} {rest}" for path, rest in rows]
+        for unit in self.units:
+            for option, why in unit.why_not.items():
+                if option != Option.FUSE or unit.kind != "block" or "no unit" not in why:
+                    lines.append(f"  {unit.path or '<model>'}: no {option.value}: {why}")
+        lines += [f"  not planned: {path or '<model>'}: {why}" for path, why in self.notes]
+        return "\n".join(lines)
+
+    # -- applying ------------------------------------------------------------------------------
+    def apply(self, model: nn.Module) -> "Applied":
+        """Put the plan into ``model`` in place; returns ``(model, report)``. ``model`` must be
+        the planned model (or one of the same structure) without fuse's runs or checkpoint
+        wrappers (``ckpt_ext.unfuse`` takes them out). Every check runs before anything in the
+        model changes."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Plan.apply expects an nn.Module, got {type(model).__name__}")
+        targets = self._checked_targets(model)
+        fused: List[Decision] = []
+        checkpointed: List[str] = []
+        try:
+            for unit in self.units:
+                option = Option(self.choices[unit.path])
+                if option == Option.FUSE:
+                    for where, runs in unit.fuse_targets:
+                        report = fuse(model.get_submodule(where)).report
+                        made = [dataclasses.replace(d, where=join_path(where, d.where),
+                                                    layers=tuple(join_path(where, la)
+                                                                 for la in d.layers))
+                                for d in report.decisions if d.action == "fused"]
+                        if sorted(d.layers for d in made) != sorted(runs):
+                            raise RuntimeError(f"Plan.apply: fuse({where}) fused "
+                                               f"{[d.layers for d in made]}, not {list(runs)}")
+                        fused += made
+                elif option == Option.CHECKPOINT:
+                    checkpoint_block(targets[unit.path])
+                    checkpointed.append(unit.path)
+        except BaseException:
+            unfuse(model)  # all or nothing
+            raise
+        return Applied(model, PlanReport(self, fused, checkpointed))
+
+    def _checked_targets(self, model: nn.Module) -> Dict[str, nn.Module]:
+        """Each unit's module in ``model``, after checking that the plan can go in."""
+        for name, m in model.named_modules():
+            if isinstance(m, (RunLinear, RunMember, FusedSequential)) or is_checkpointed(m) or \
+                    any(isinstance(v, _OwnerForward) for v in vars(m).values()):
+                raise ValueError(f"Plan.apply: {name or '<model>'} holds what ckpt_ext.fuse or "
+                                 f"an applied plan put in; call ckpt_ext.unfuse(model) first")
+        targets: Dict[str, nn.Module] = {}
+        for unit in self.units:
+            try:
+                m = model.get_submodule(unit.path)
+            except AttributeError:
+                raise ValueError(f"Plan.apply: the model has no module {unit.path!r}: it is not "
+                                 f"the model that was planned") from None
+            if type(m).__name__ != unit.cls:
+                raise ValueError(f"Plan.apply: {unit.path or '<model>'} is a "
+                                 f"{type(m).__name__}, the planned model's a {unit.cls}")
+            option = Option(self.choices[unit.path])
+            if option == Option.FUSE:
+                for where, runs in unit.fuse_targets:
+                    problem = fuses_alone(model, where, list(runs))
+                    if problem:
+                        raise ValueError(f"Plan.apply: {problem}")
+            if option == Option.CHECKPOINT and "forward" in vars(m):
+                raise ValueError(f"Plan.apply: {unit.path} has a forward set on its instance "
+                                 f"({type(vars(m)['forward']).__name__}); checkpointing it would "
+                                 f"bypass that")
+            targets[unit.path] = m
+        return targets
+
+
+@dataclass
+class PlanReport:
+    """What :meth:`Plan.apply` did: fuse's decisions (paths from the model) and the blocks it
+    checkpointed."""
+    plan: Plan
+    fused: List[Decision]
+    checkpointed: List[str]
+
+    def __str__(self) -> str:
+        return (f"{self.plan}\napplied: fused {len(self.fused)} unit(s), checkpointed "
+                f"{len(self.checkpointed)} block(s)")
+
+
+class Applied(NamedTuple):
+    model: nn.Module
+    report: PlanReport
+
+
+def _b(n: float) -> str:
+    if abs(n) < 2**20:
+        return f"{n / 2**10:,.1f} KiB"
+    if abs(n) < 2**30:
+        return f"{n / 2**20:,.2f} MiB"
+    return f"{n / 2**30:,.2f} GiB"
+
+
+_LAST_INDEX = re.compile(r"^(.*\.)(\d+)$")
+
+
+def _grouped(rows: List[Tuple[str, str]]) -> List[Tuple[str, str]]:
+    """Consecutive rows that differ only in their path's last index, as ``layers.{0..7}``."""
+    out: List[Tuple[str, str]] = []
+    k = 0
+    while k < len(rows):
+        path, rest = rows[k]
+        m = _LAST_INDEX.match(path)
+        j = k + 1
+        if m:
+            while j < len(rows) and rows[j][1] == rest and \
+                    rows[j][0] == f"{m.group(1)}{int(m.group(2)) + j - k}":
+                j += 1
+        if j - k > 1:
+            out.append((f"{m.group(1)}{{{m.group(2)}..{int(m.group(2)) + j - k - 1}}}", rest))
+        else:
+            out.append((path, rest))
+        k = j
+    return out

@@ -1,0 +1,315 @@
+"""``ckpt_ext.plan`` and ``ckpt_ext.max_batch`` on a tiny transformers Llama (4 layers, built
+from a config): the choice is optimal against every per-layer choice measured, predictions agree
+with ``measured_step`` and stay within the budget, a smaller budget never peaks higher or costs
+fewer FLOPs, the planned model computes what the model computes (float64), ``unfuse`` takes the
+plan out, bad input fails before anything changes, and planning alone changes nothing."""
+from __future__ import annotations
+
+import copy
+import gc
+import itertools
+import math
+import pickle
+import re
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import ckpt_ext
+from ckpt_ext._block_checkpoint import checkpoint_block
+from ckpt_ext.memory import MemoryMeter, clear_grads, measured_step
+from ckpt_ext.planner import Option, measure_step
+from ckpt_ext.planner.choose import choose, survey
+from ckpt_ext.planner.figures import simulate
+
+from reference import TOL, rel_err
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS, SEQ, VOCAB = 4, 64, 256
+
+
+def tiny_llama(dtype=torch.float32, layers=LAYERS):
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176,
+                                   num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=2 * SEQ)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(dtype)
+
+
+IDS = torch.randint(0, VOCAB, (64, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def batch(n: int) -> dict:
+    return dict(input_ids=IDS[:n], labels=IDS[:n], use_cache=False)
+
+
+INPUTS = batch(4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def surveyed(model):
+    """The probes' figures of the model on INPUTS: (figures, units, notes, spread, device)."""
+    return survey(model, INPUTS, None)
+
+
+@pytest.fixture(scope="module")
+def every_choice(model, surveyed):
+    """Every per-layer choice (3^4), each put into one copy of the model layer by layer (fuse of
+    the layer's MLP, or a checkpoint of the layer) and measured: choice -> (peak, FLOPs)."""
+    net = copy.deepcopy(model)
+    layers = net.model.layers
+    current = [Option.NONE] * LAYERS
+    out = {}
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()  # no collection of earlier garbage inside a measured step
+    try:
+        with MemoryMeter("cpu") as meter:
+            for choice in itertools.product(list(Option), repeat=LAYERS):
+                for layer, was, wanted in zip(layers, current, choice):
+                    if wanted != was:
+                        ckpt_ext.unfuse(layer)
+                        if wanted == Option.FUSE:
+                            ckpt_ext.fuse(layer.mlp)
+                        elif wanted == Option.CHECKPOINT:
+                            checkpoint_block(layer)
+                current = list(choice)
+                clear_grads(net)
+                peak = measured_step(lambda inputs: net(**inputs), INPUTS, meter,
+                                     loss_fn=lambda o, _: o.loss)["peak_above_before_forward"]
+                clear_grads(net)
+                with FlopCounterMode(display=False) as counter:
+                    net(**INPUTS).loss.backward()
+                out[choice] = (peak, counter.get_total_flops())
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert len(out) == 3 ** len(surveyed[1]) == 81
+    return out
+
+
+def as_plan(surveyed, choice):
+    """A Plan of this choice (its figures predicted) for Plan.apply."""
+    fig, units, notes, spread, device = surveyed
+    p = choose(fig, units, notes, spread, 10**15, str(device))
+    p.choices = {u.path: o.value for u, o in zip(units, choice)}
+    return p
+
+
+def budgets(p):
+    """Five budgets from plain's peak down to the least any plan reaches."""
+    return [round(p.least_peak_bytes + f * (p.plain_peak_bytes - p.least_peak_bytes))
+            for f in (1.0, 0.75, 0.5, 0.25, 0.0)]
+
+
+# ------------------------------------------------------------------------------------------------
+# The units and the table
+
+def test_units_are_the_layers_with_three_options(model):
+    p = ckpt_ext.plan(model, INPUTS, 10**15)
+    assert list(p.choices) == [f"model.layers.{i}" for i in range(LAYERS)]
+    assert all(u.options == tuple(Option) and u.cls == "LlamaDecoderLayer" for u in p.units)
+    text = str(p)
+    assert "model.layers.{0..3}" in text and "LlamaDecoderLayer" in text
+
+
+def test_a_budget_at_plain_peak_changes_nothing(model):
+    p = ckpt_ext.plan(model, INPUTS, 10**15)
+    at_plain = ckpt_ext.plan(model, INPUTS, p.plain_peak_bytes)
+    assert at_plain.added_flops == 0 and set(at_plain.choices.values()) == {"none"}
+    net = copy.deepcopy(model)
+    net, report = at_plain.apply(net)
+    assert report.fused == [] and report.checkpointed == []
+    assert all("forward" not in vars(m) for m in net.modules())
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimality, predictions, monotonicity
+
+def test_choice_is_optimal_against_every_choice_measured(model, surveyed, every_choice):
+    """At each budget the plan's FLOPs are the least of every per-layer choice whose measured
+    peak fits (3^4 choices, each applied and measured), and the plan itself fits."""
+    plain_flops = every_choice[(Option.NONE,) * LAYERS][1]
+    fig = surveyed[0]
+    for b in budgets(ckpt_ext.plan(model, INPUTS, 10**15)):
+        p = choose(*surveyed[:4], b, "cpu")
+        chosen = tuple(Option(p.choices[u.path]) for u in surveyed[1])
+        fitting = [fl for peak, fl in every_choice.values() if peak <= b]
+        assert every_choice[chosen][0] <= b
+        assert every_choice[chosen][1] == min(fitting), b
+        assert p.added_flops == every_choice[chosen][1] - plain_flops
+        # the counted FLOPs are the probes' to the FLOP
+        assert simulate(fig, chosen).flops == every_choice[chosen][1]
+
+
+def test_predictions_of_every_choice_within_half_a_percent(surveyed, every_choice):
+    """The memory model (a chain of units' segments) against all 81 measured steps."""
+    fig = surveyed[0]
+    worst = max(abs(simulate(fig, c).peak - peak) / peak for c, (peak, _) in every_choice.items())
+    assert worst <= 5e-3, worst
+
+
+def test_applied_plan_fits_its_budget_and_prediction_monotonically(model):
+    """Public API end to end at five budgets: the measured peak is within the budget and within
+    5 % of peak_bytes, kept within 5 % of kept_bytes, and a smaller budget never gives a larger
+    measured peak or fewer added FLOPs."""
+    first = ckpt_ext.plan(model, INPUTS, 10**15)
+    last_peak, last_flops = math.inf, -1
+    seen = set()
+    for b in budgets(first):
+        p = ckpt_ext.plan(model, INPUTS, b)
+        net, _ = p.apply(copy.deepcopy(model))
+        measured = measure_step(net, INPUTS)
+        peak = measured["peak_above_before_forward"]
+        assert peak <= b
+        assert abs(peak - p.peak_bytes) <= 0.05 * p.peak_bytes
+        assert abs(measured["kept_for_backward"] - p.kept_bytes) <= 0.05 * p.kept_bytes
+        assert peak <= last_peak and p.added_flops >= last_flops
+        last_peak, last_flops = peak, p.added_flops
+        seen.update(p.choices.values())
+    assert seen == {"none", "fuse", "checkpoint"}  # the budgets exercise every option
+
+
+def test_below_the_least_budget_names_it(model):
+    p = ckpt_ext.plan(model, INPUTS, 10**15)
+    with pytest.raises(ValueError, match=re.escape(f"{p.least_peak_bytes:,} bytes")):
+        ckpt_ext.plan(model, INPUTS, p.least_peak_bytes - 1)
+    assert ckpt_ext.plan(model, INPUTS, p.least_peak_bytes).peak_bytes <= p.least_peak_bytes
+
+
+# ------------------------------------------------------------------------------------------------
+# What the planned model computes, and undoing it
+
+def _outputs_and_grads(net, inputs):
+    net.zero_grad(set_to_none=True)
+    out = net(**inputs)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad.clone()
+                                                    for n, p in net.named_parameters()}
+
+
+def test_planned_model_computes_what_the_model_computes_float64():
+    """A plan mixing the three options applied to a float64 model: logits, loss and every
+    parameter gradient equal to the unchanged model's; keys and classes as they were, and a hook
+    on the checkpointed layer runs once per step, outside the checkpoint."""
+    ref = tiny_llama(torch.float64)
+    inputs = batch(2)
+    mixed = (Option.FUSE, Option.CHECKPOINT, Option.NONE, Option.FUSE)
+    p = as_plan(survey(ref, inputs, None), mixed)
+    net = copy.deepcopy(ref)
+    calls = []
+    net.model.layers[1].register_forward_hook(lambda m, a, o: calls.append(1))
+    keys, classes = list(net.state_dict()), [type(m) for m in net.modules()]
+    net, report = p.apply(net)
+    assert report.checkpointed == ["model.layers.1"] and len(report.fused) == 2
+    assert list(net.state_dict()) == keys
+    assert [type(m) for m in net.model.layers[1].modules()] == \
+        [type(m) for m in ref.model.layers[1].modules()]
+    assert len(classes) == len(list(net.modules()))
+    logits, loss, grads = _outputs_and_grads(net, inputs)
+    ref_logits, ref_loss, ref_grads = _outputs_and_grads(ref, inputs)
+    assert calls == [1]
+    # measured: logits and loss equal to the bit, gradients within 2.0e-16
+    assert rel_err(logits, ref_logits) <= TOL[torch.float64]
+    assert rel_err(loss, ref_loss) <= TOL[torch.float64]
+    for name, g in ref_grads.items():
+        assert rel_err(grads[name], g) <= TOL[torch.float64], name
+
+
+def test_unfuse_takes_the_plan_out(model):
+    p = ckpt_ext.plan(model, INPUTS, budgets(ckpt_ext.plan(model, INPUTS, 10**15))[2])
+    net = copy.deepcopy(model)
+    before = ({n: type(m) for n, m in net.named_modules()},
+              {n: set(vars(m)) for n, m in net.named_modules()},
+              {k: v.clone() for k, v in net.state_dict().items()})
+    p.apply(net)
+    assert any("forward" in vars(m) for m in net.modules())
+    assert pickle.loads(pickle.dumps(net)) is not None  # a planned model pickles
+    ckpt_ext.unfuse(net)
+    after = ({n: type(m) for n, m in net.named_modules()},
+             {n: set(vars(m)) for n, m in net.named_modules()}, net.state_dict())
+    assert after[0] == before[0] and after[1] == before[1]
+    assert all(torch.equal(after[2][k], v) for k, v in before[2].items())
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning alone, and bad input
+
+def test_plan_alone_changes_nothing(model):
+    net = copy.deepcopy(model)
+    torch.manual_seed(3)
+    for prm in net.parameters():
+        prm.grad = torch.randn_like(prm)
+    grads = {n: (prm.grad, prm.grad.clone()) for n, prm in net.named_parameters()}
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    attrs = {n: (type(m), dict(vars(m))) for n, m in net.named_modules()}
+    rng = torch.get_rng_state()
+    ckpt_ext.plan(net, INPUTS, budgets(ckpt_ext.plan(model, INPUTS, 10**15))[3])
+    assert torch.equal(torch.get_rng_state(), rng)
+    for n, prm in net.named_parameters():
+        assert prm.grad is grads[n][0] and torch.equal(prm.grad, grads[n][1])
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in state.items())
+    for n, m in net.named_modules():
+        assert type(m) is attrs[n][0] and vars(m).keys() == attrs[n][1].keys()
+
+
+def test_bad_input_is_refused_before_anything_changes(model):
+    with pytest.raises(TypeError, match="nn.Module"):
+        ckpt_ext.plan("model", INPUTS, 10**6)
+    with pytest.raises(TypeError, match="tuple of positional arguments or a dict"):
+        ckpt_ext.plan(model, [IDS[:2]], 10**6)
+    with pytest.raises(TypeError, match="budget_bytes must be an int"):
+        ckpt_ext.plan(model, INPUTS, 1.5e6)
+    with pytest.raises(ValueError, match="budget_bytes must be > 0, got 0"):
+        ckpt_ext.plan(model, INPUTS, 0)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        ckpt_ext.plan(model, INPUTS, 10**6, loss_fn="sum")
+    with pytest.raises(ValueError, match="scalar tensor that requires grad"):
+        ckpt_ext.plan(model, INPUTS, 10**6, loss_fn=lambda out: out.logits)
+    with pytest.raises(TypeError, match="make_inputs must be callable"):
+        ckpt_ext.max_batch(model, INPUTS, 10**6)
+    p = ckpt_ext.plan(model, INPUTS, budgets(ckpt_ext.plan(model, INPUTS, 10**15))[2])
+    with pytest.raises(TypeError, match="nn.Module"):
+        p.apply(None)
+    fused = ckpt_ext.fuse(copy.deepcopy(model))[0]
+    kinds = [type(m) for m in fused.modules()]
+    with pytest.raises(ValueError, match="unfuse"):
+        p.apply(fused)
+    assert [type(m) for m in fused.modules()] == kinds
+    other = tiny_llama(layers=2)
+    with pytest.raises(ValueError, match="no module 'model.layers.2'"):
+        p.apply(other)
+    assert all("forward" not in vars(m) for m in other.modules())
+
+
+def test_a_layer_handed_a_cache_is_not_checkpointed(model):
+    """With use_cache=True each layer updates a cache, which a recompute would update twice: the
+    plan leaves checkpoint out and says why."""
+    p = ckpt_ext.plan(model, dict(input_ids=IDS[:2], labels=IDS[:2]), 10**15)
+    assert all(u.options == (Option.NONE, Option.FUSE) for u in p.units)
+    assert "cache" in str(p) and "use_cache=False" in str(p)
+
+
+# ------------------------------------------------------------------------------------------------
+# The largest batch
+
+def test_max_batch_fits_at_n_and_not_at_105_percent(model):
+    budget = 6 * 2**20
+    n, p = ckpt_ext.max_batch(model, batch, budget)
+    assert n >= 4
+    net, _ = p.apply(copy.deepcopy(model))
+    peak = measure_step(net, batch(n))["peak_above_before_forward"]
+    assert peak <= budget and abs(peak - p.peak_bytes) <= 0.05 * p.peak_bytes
+    bigger = math.ceil(1.05 * n) if math.ceil(1.05 * n) > n else n + 1
+    with pytest.raises(ValueError, match="no plan fits"):
+        ckpt_ext.plan(model, batch(bigger), budget)
+    least = ckpt_ext.plan(model, batch(bigger), 10**15).least_peak_bytes
+    net, _ = ckpt_ext.plan(model, batch(bigger), least).apply(copy.deepcopy(model))
+    assert measure_step(net, batch(bigger))["peak_above_before_forward"] > budget
