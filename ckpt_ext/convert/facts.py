@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import inspect
 import operator
+import os
+import sys
 from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -48,6 +50,15 @@ def conv1d_class(cls: type) -> bool:
 
 def is_conv1d(m: nn.Module) -> bool:
     return conv1d_class(base_type(m))
+
+
+def experts_class(cls: type) -> bool:
+    """An experts class of transformers' ``use_experts_implementation`` (a mixture of experts): its
+    forward is the decorator's, which dispatches on ``config._experts_implementation``."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    return moe is not None and code is not None and code.co_name == "forward" and \
+        os.path.normcase(code.co_filename) == os.path.normcase(moe.__file__)
 
 
 def stored_weight(lin: nn.Module) -> Optional[torch.Tensor]:
@@ -105,6 +116,7 @@ class LayerKind(enum.Enum):
     LINEAR = "Linear"
     ACTIVATION = "activation"
     PASS = "pass"  # an Identity or Dropout between them, a member of a run in its owner's forward
+    EXPERTS = "experts"  # an experts module of a mixture of experts, a unit of its own
 
 
 # -- Conditions ------------------------------------------------------------------------------------
@@ -260,7 +272,7 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
                 problem = found.problem if found.problem is not None else \
                     failing([own_forward(m, who), no_hooks(m, who)])
         cls, seq = type(m), base_type(m) is nn.Sequential
-        traced = not (seq or kind is LayerKind.LINEAR and is_conv1d(m) or
+        traced = not (seq or kind is LayerKind.LINEAR and is_conv1d(m) or experts_class(cls) or
                       isinstance(m, (nn.ModuleList, nn.ModuleDict) + OUR_MODULES) or
                       hasattr(cls, "_ckpt_ext_base") or cls.forward is nn.Module.forward or
                       cls.__module__.startswith("torch.") and cls not in _TORCH_LAYERS)

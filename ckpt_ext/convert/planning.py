@@ -11,6 +11,7 @@ from torch import nn
 from .gated import GATED
 from .graph import ModelGraph
 from .inline import INLINE
+from .moe import MOE
 from .plain import PLAIN
 from .report import Decision
 from .rewrite import REWRITE
@@ -18,7 +19,7 @@ from .runtime import FusedSequential, RunMember, _OwnerForward, _Run
 from .units import Options, Placement
 
 #: The kinds of unit, in priority order: a node one takes is no later one's.
-KINDS = (GATED, INLINE, REWRITE, PLAIN)
+KINDS = (GATED, INLINE, REWRITE, PLAIN, MOE)
 
 
 class Placed(NamedTuple):

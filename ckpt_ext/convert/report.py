@@ -25,6 +25,7 @@ class Decision:
     plain_flops_per_row: int  # these layers' forward + backward GEMM FLOPs per row, unfused
     why: str
     activation: str = ""      # ckpt_ext.ACTIVATIONS' name, "" if not known; mixed: "relu, tanh"
+    bytes_per_call: int = 0   # bytes no longer kept per call beyond the rows' (an experts unit's)
 
     @property
     def extra_cost(self) -> float:

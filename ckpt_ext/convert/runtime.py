@@ -18,7 +18,8 @@ from ..modules import LayerActivations, as_mlp_argument, each_layer
 from .. import _dropout_autograd as dropout_unit
 from .facts import (GLOBAL, computes, elements, mask_inside, masks_drawable, no_hooks, of_class,
                     own_forward, SetByFuse, Slot, base_type, conv1d_class, failing, is_conv1d,
-                    join_path, of_weights, passes_through)
+                    join_path, of_weights, passes_through, Condition, experts_class,
+                    unsupported_reason)
 
 if TYPE_CHECKING:
     from .report import Decision
@@ -474,7 +475,9 @@ def member_class(cls: type) -> type:
     """The class fuse gives a member of class ``cls``: a subclass made once per class."""
     base = getattr(cls, "_ckpt_ext_base", cls)
     if base not in _MEMBER_CLASSES:
-        name, mixin = f"Run{base.__name__}", RunMember if conv1d_class(base) else RunActivation
+        name = f"Run{base.__name__}"
+        mixin = RunExperts if experts_class(base) else RunMember if conv1d_class(base) else \
+            RunActivation
         _MEMBER_CLASSES[base] = type(name, (mixin, base), {
             "__module__": __name__, "__qualname__": name, "_ckpt_ext_base": base})
     return _MEMBER_CLASSES[base]
@@ -585,3 +588,217 @@ class _ArgGuard(NamedTuple):
 
     def describe(self) -> str:
         return ", ".join(f"{name} given (not None)" for name in self.given)
+
+
+# -- Mixture of experts: an experts module computed by moe_experts ---------------------------------
+
+#: transformers' experts implementations whose arithmetic is moe_experts': the class's own loop
+#: ("eager", or None), batched_mm and grouped_mm (transformers checks that they agree)
+_SAME_ARITHMETIC = ("batched_mm_experts_forward", "grouped_mm_experts_forward")
+#: gpt-oss's gated product, (clamp(u, -L, L) + 1) · min(g, L)·σ(α·min(g, L)): quick_gelu's when
+#: α is QuickGELU's 1.702
+GPT_OSS_GATE = ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts._apply_gate")
+QUICK_GELU_ALPHA = 1.702
+
+
+class ExpertsForm(NamedTuple):
+    """How ``moe_experts`` computes one experts module, read by fuse from its flags and modules."""
+    params: Tuple[str, str, Optional[str], Optional[str]]  # gate_up, down and their biases
+    layout: str                     # ops.MOE_LAYOUTS
+    activation: str                 # the registry's name
+    gate: str                       # "default", "gpt_oss" (clamped, up + 1) or "" (ungated)
+    flags: Tuple[bool, bool, bool, bool]  # has_gate, has_bias, is_transposed, is_concatenated
+    arguments: Tuple[str, str, str]  # the names of its forward's x, top_k_index, top_k_weights
+
+
+FLAG_NAMES = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+
+
+def experts_dispatch(cls: type) -> Tuple[Any, Any]:
+    """(the ExpertsInterface, the class's own forward) that the decorator's forward closes over."""
+    fn = cls.forward
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    return cells["experts_interface"].cell_contents, cells["original_forward"].cell_contents
+
+
+def experts_gate(m: nn.Module) -> Optional[str]:
+    """"default" (transformers' ``_default_apply_gate``) or "gpt_oss" for the gated product the
+    module's ``_apply_gate`` computes, None for any other (one set on the instance included)."""
+    moe = sys.modules["transformers.integrations.moe"]
+    fn = getattr(type(m), "_apply_gate", None)
+    if "_apply_gate" in vars(m) or fn is None:
+        return None
+    if fn is moe._default_apply_gate:
+        return "default"
+    return "gpt_oss" if (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) == \
+        GPT_OSS_GATE else None
+
+
+def _dispatched(m: nn.Module) -> Tuple[Any, Optional[Any]]:
+    """(config._experts_implementation, the function the module's forward runs for it: None
+    where the forward raises for an unknown name)."""
+    impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
+    interface, original = experts_dispatch(base_type(m))
+    if impl is not None and impl != "eager" and impl not in interface:
+        return impl, None
+    return impl, interface.get(impl, original)
+
+
+def _same_arithmetic(m: nn.Module) -> bool:
+    fn = _dispatched(m)[1]
+    moe = sys.modules["transformers.integrations.moe"]
+    return fn is not None and (fn is experts_dispatch(base_type(m))[1] or
+                               any(fn is getattr(moe, name, None) for name in _SAME_ARITHMETIC))
+
+
+def _weights_problem(m: nn.Module, label: str, form: ExpertsForm) -> Optional[str]:
+    """None while the module's parameters are 3-D expert weights (2-D biases) moe_experts takes."""
+    ps = []
+    for name, dim in zip(form.params, (3, 3, 2, 2)):
+        if name is None:
+            continue
+        p = m._parameters.get(name)
+        if p is None:
+            return (f"{join_path(label, name)} is no longer a parameter of it (computed by a "
+                    f"parametrization, as peft's ParamWrapper does for LoRA on expert weights)")
+        if type(p) not in (nn.Parameter, torch.Tensor) or p.dim() != dim:
+            return (f"{join_path(label, name)} is a {type(p).__name__} of {p.dim()} dimensions, "
+                    f"not the {dim}-D tensor moe_experts takes")
+        ps.append(p)
+    experts = {p.shape[0] for p in ps} | {getattr(m, "num_experts", ps[0].shape[0])}
+    if len(experts) != 1:
+        return f"{label}: its parameters hold different numbers of experts ({sorted(experts)})"
+    if (reason := unsupported_reason(ps[0])) is not None:
+        return f"{label}: {reason}"
+    if len({(p.dtype, p.device) for p in ps}) != 1:
+        return (f"{label}: its parameters are of different dtypes or devices (" + ", ".join(
+            f"{n}: {p.dtype} on {p.device}" for n, p in zip(form.params, ps)) + ")")
+    return None
+
+
+def experts_conditions(m: nn.Module, label: str, form: ExpertsForm,
+                       act: Optional[nn.Module]) -> list:
+    """What must hold at a call for ``moe_experts`` to compute module ``m`` as ``form`` says
+    (without ``GLOBAL``, which only a call checks)."""
+    flags = tuple(getattr(m, name, None) for name in FLAG_NAMES)
+    out = [own_forward(m, label),
+           Condition(lambda: getattr(m, "_is_expert_parallel", None) is False,
+                     lambda: f"{label} computes expert parallel (_is_expert_parallel="
+                             f"{getattr(m, '_is_expert_parallel', None)}): its experts are one "
+                             f"rank's share, which fuse leaves to its forward"),
+           Condition(lambda: getattr(m, "has_post_expert_norm", None) is False,
+                     lambda: f"{label} normalises each expert's output (has_post_expert_norm="
+                             f"{getattr(m, 'has_post_expert_norm', None)}), which moe_experts "
+                             f"does not compute"),
+           Condition(lambda: tuple(getattr(m, name, None) for name in FLAG_NAMES) == flags ==
+                     form.flags,
+                     lambda: f"{label}: its use_experts_implementation flags changed (" + ", ".join(
+                         f"{name}={getattr(m, name, None)}" for name in FLAG_NAMES) + ")"),
+           Condition(lambda: _same_arithmetic(m),
+                     lambda: f"{label}: config._experts_implementation={_dispatched(m)[0]!r} "
+                             f"runs {getattr(_dispatched(m)[1], '__name__', 'no function')}, "
+                             f"not the class's loop, batched_mm or grouped_mm, whose arithmetic "
+                             f"moe_experts computes")]
+    if form.gate:
+        out.append(Condition(lambda: experts_gate(m) == form.gate,
+                             lambda: f"{label}: its _apply_gate is not the gated product it "
+                                     f"computed when fused ({form.gate})"))
+    if form.gate == "gpt_oss":
+        out.append(Condition(
+            lambda: getattr(m, "alpha", None) == QUICK_GELU_ALPHA and
+            type(getattr(m, "limit", None)) in (int, float),
+            lambda: f"{label}: gpt-oss's gated product with alpha={getattr(m, 'alpha', None)} "
+                    f"and limit={getattr(m, 'limit', None)!r} is not quick_gelu's (alpha "
+                    f"{QUICK_GELU_ALPHA}) clamped at a number"))
+    else:
+        who = join_path(label, "act_fn")
+        out += [Slot(m, "act_fn", act, who), computes(act, who, form.activation),
+                own_forward(act, who), no_hooks(act, who)]
+    out.append(Condition(lambda: _weights_problem(m, label, form) is None,
+                         lambda: _weights_problem(m, label, form) or ""))
+    return out
+
+
+class _ExpertsRun:
+    """An experts module of transformers' ``use_experts_implementation``, computed by
+    ``moe_experts`` in its own forward while every condition holds, else by the class's."""
+
+    def __init__(self, module: nn.Module, label: str, form: ExpertsForm,
+                 act: Optional[nn.Module], decision: Optional[Decision] = None) -> None:
+        self.module, self.label, self.form, self.act = module, label, form, act
+        self.key = ("moe", module)
+        self.decision = decision
+
+    @property
+    def activation(self) -> str:
+        return self.form.activation
+
+    @property
+    def conditions(self) -> tuple:
+        """Made once, as _Run's."""
+        if "_made_conditions" not in self.__dict__:
+            self.__dict__["_made_conditions"] = GLOBAL + tuple(
+                experts_conditions(self.module, self.label, self.form, self.act))
+        return self.__dict__["_made_conditions"]
+
+    def problem(self) -> Optional[str]:
+        return failing(self.conditions)
+
+    def compute(self, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+        """The module's output by ``moe_experts``, or None where its class's forward computes it
+        (a condition fails, or input the op would refuse: the class's forward raises its own)."""
+        names = self.form.arguments
+        if kwargs or len(args) != 3:
+            if len(args) > 3 or set(kwargs) - set(names[len(args):]):
+                return None
+            args = args + tuple(kwargs.get(name) for name in names[len(args):])
+        x, idx, w = args
+        if self.problem() is not None:
+            return None
+        m, form = self.module, self.form
+        gate_up, down, gate_up_bias, down_bias = (
+            m._parameters[n] if n is not None else None for n in form.params)
+        if not (isinstance(x, torch.Tensor) and isinstance(idx, torch.Tensor) and
+                isinstance(w, torch.Tensor) and x.dim() == 2 and idx.dim() == 2 and
+                idx.shape == w.shape and idx.shape[0] == x.shape[0] and
+                x.shape[1] == gate_up.shape[1 if form.flags[2] else 2] and
+                idx.dtype in (torch.int64, torch.int32) and w.is_floating_point() and
+                x.device == idx.device == w.device == gate_up.device and
+                (x.dtype == gate_up.dtype or torch.is_autocast_enabled(x.device.type))):
+            return None
+        return ops.moe_experts(
+            x, idx, w, gate_up, down, activation=form.activation, gate_up_bias=gate_up_bias,
+            down_bias=down_bias, layout=form.layout,
+            limit=float(m.limit) if form.gate == "gpt_oss" else None,
+            up_offset=1.0 if form.gate == "gpt_oss" else 0.0)
+
+    def describe(self) -> str:
+        return f"computes moe_experts ({self.form.activation}, {self.form.layout}) in its forward"
+
+    # pickles and copies do not keep the conditions (made again at the first call)
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_made_conditions", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    __deepcopy__ = _by_state
+
+
+class RunExperts(RunMember):
+    """Mixed into an experts class: its forward computes the module by ``moe_experts`` while its
+    run's conditions hold, else runs the class's forward."""
+
+    def forward(self, *args, **kwargs):
+        run = self._ckpt_ext_run
+        out = run.compute(args, kwargs) if run is not None else None
+        return self._ckpt_ext_base.forward(self, *args, **kwargs) if out is None else out
+
+    def extra_repr(self) -> str:
+        own = self._ckpt_ext_base.extra_repr(self)
+        run = self._ckpt_ext_run
+        if run is None:
+            return own
+        return f"{own}, {run.describe()}" if own else run.describe()
