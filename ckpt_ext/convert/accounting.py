@@ -36,6 +36,10 @@ def _why(graph: ModelGraph, path: str, m: nn.Module) -> str:
         return "it is the model itself: nothing follows it"
     parent, ppath, target = caller
     caller = ppath or "<model>"
+    if hasattr(parent, "lora_A") and hasattr(parent, "parameter_name"):
+        return (f"a factor of the LoRA update peft's ParamWrapper {caller} adds to its base "
+                f"layer's {parent.parameter_name} (target_parameters): its weight is read, the "
+                f"Linear is not called")
     if hasattr(parent, "lora_A") and hasattr(parent, "lora_B"):
         return (f"inside the LoRA wrapper {caller} ({type(parent).__name__}): base_layer(x) + "
                 f"lora_B(lora_A(x))·scaling is a sum, not a Linear/activation run")

@@ -56,7 +56,7 @@ def _lora_wrapper(graph: ModelGraph, path: str) -> Optional[str]:
         return (f"it is the base layer of peft's {type(wrapper).__name__} ({at}), whose forward "
                 f"moe_experts does not compute")
     return (f"LoRA on its expert weights: peft's ParamWrapper ({at}, made by LoraConfig("
-            f"target_parameters=[...]) for {', '.join(reversed(targeted))}) adds the low-rank "
+            f"target_parameters=[...]) for {', '.join(targeted)}) adds the low-rank "
             f"update to those parameters through a parametrization at each call, and fuse does "
             f"not compute LoRA on expert weights: the experts compute their own forward")
 

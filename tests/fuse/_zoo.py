@@ -222,12 +222,17 @@ def saved_bytes(name: str, model: nn.Module, inputs: tuple) -> int:
 def peak_bytes(name: str, model: nn.Module, inputs: tuple) -> int:
     """Peak CPU bytes above the start of one training step (forward, ``.square().mean()``,
     backward), by ckpt_ext's allocator meter."""
+    return step_peak(model, lambda: call(name, model, inputs))
+
+
+def step_peak(model: nn.Module, output: Callable[[], torch.Tensor]) -> int:
+    """Peak CPU bytes above the start of a step: ``output()``, ``.square().mean()``, backward."""
     for p in model.parameters():
         p.grad = None
     with MemoryMeter("cpu") as meter:
         start = meter.current()
         meter.reset_peak()
-        call(name, model, inputs).square().mean().backward()
+        output().square().mean().backward()
         peak = meter.peak() - start
     for p in model.parameters():
         p.grad = None
@@ -297,3 +302,181 @@ def table(rows: List[Row]) -> str:
 
 def within(limit: Optional[float] = None) -> Callable[[Row], bool]:
     return lambda r: r.share >= (0.9 if limit is None else limit)
+
+
+# -- Mixtures of experts: the experts module is the MLP ------------------------------------------
+
+MOE_H, MOE_I, MOE_E, MOE_K = 64, 32, 4, 2  # hidden, expert width, experts, experts per token
+MOE_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")  # those that run on the CPU
+#: the models of the MoE table in docs/fuse-usage.md
+MOE_TABLE = ("Mixtral", "Qwen3-MoE", "DeepSeek-V3")
+
+
+def _moe(model: str, config: str, **kw):
+    t = _tf()
+    kw = dict(dict(vocab_size=V, hidden_size=MOE_H, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, head_dim=32, max_position_embeddings=32,
+                   num_experts_per_tok=MOE_K, use_cache=False), **kw)
+    return getattr(t, model)(getattr(t, config)(**kw))
+
+
+_EXPERTS = ("mlp.experts", "mlp.experts")
+MOE: Dict[str, ZooModel] = {
+    "Mixtral": ZooModel(lambda: _moe("MixtralModel", "MixtralConfig", intermediate_size=MOE_I,
+                                     num_local_experts=MOE_E), _ids, _EXPERTS),
+    "Qwen3-MoE": ZooModel(lambda: _moe("Qwen3MoeModel", "Qwen3MoeConfig",
+                                       moe_intermediate_size=MOE_I, num_experts=MOE_E), _ids,
+                          _EXPERTS),
+    "Qwen2-MoE": ZooModel(lambda: _moe("Qwen2MoeModel", "Qwen2MoeConfig",
+                                       moe_intermediate_size=MOE_I, num_experts=MOE_E,
+                                       shared_expert_intermediate_size=MOE_I), _ids, _EXPERTS),
+    "DeepSeek-V3": ZooModel(lambda: _moe(
+        "DeepseekV3Model", "DeepseekV3Config", moe_intermediate_size=MOE_I,
+        n_routed_experts=MOE_E, n_group=1, topk_group=1, first_k_dense_replace=0,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        v_head_dim=16, head_dim=16), _ids, _EXPERTS),
+    "OLMoE": ZooModel(lambda: _moe("OlmoeModel", "OlmoeConfig", intermediate_size=MOE_I,
+                                   num_experts=MOE_E), _ids, _EXPERTS),
+    "gpt-oss": ZooModel(lambda: _moe("GptOssModel", "GptOssConfig", intermediate_size=MOE_I,
+                                     num_local_experts=MOE_E), _ids, _EXPERTS),
+}
+
+
+def experts_modules(model: nn.Module) -> List[nn.Module]:
+    """The experts modules (transformers' use_experts_implementation classes) of ``model``."""
+    from ckpt_ext.convert.facts import base_type, experts_class
+    return [m for m in model.modules() if experts_class(base_type(m))]
+
+
+def make_moe(name: str, implementation: str) -> nn.Module:
+    """A MoE zoo model, float32, its experts computed by ``implementation``."""
+    model = MOE[name].make()
+    for m in experts_modules(model):
+        m.config._experts_implementation = implementation
+    return model
+
+
+@dataclass
+class ExpertsKept:
+    """What a step keeps for backward, saved-tensor hooks on the whole model: the experts'
+    storages nothing outside them keeps (beyond their input x), the whole model's; whether the
+    experts, and something outside them, keep their top_k_weights; the rows each call took."""
+    experts: int
+    total: int
+    weights_kept_inside: bool
+    weights_kept_outside: bool
+    rows: Dict[str, int]
+
+
+def experts_kept(model: nn.Module, inputs: tuple) -> ExpertsKept:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    paths = {id(m): p for p, m in model.named_modules()}
+    state: Dict[str, object] = {"x": None}
+    inner: Dict[int, int] = {}
+    outer: Dict[int, int] = {}
+    weights, rows, alive = [], {}, []
+
+    def pre(m, args):
+        state["x"] = args[0].untyped_storage().data_ptr()
+        weights.append(args[2].untyped_storage().data_ptr())
+        alive.append(args[2])  # its address not reused while counting
+        rows[paths[id(m)]] = args[0].shape[0]
+
+    def post(m, args, out):
+        state["x"] = None
+
+    def pack(t):
+        alive.append(t)  # none freed and its address reused while counting
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in params and ptr != state["x"]:
+            (inner if state["x"] is not None else outer)[ptr] = st.nbytes()
+        return t
+
+    handles = [h for m in experts_modules(model)
+               for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(*inputs)
+        del out
+    finally:
+        for h in handles:
+            h.remove()
+    mine = sum(b for p, b in inner.items() if p not in outer)
+    return ExpertsKept(mine, sum({**inner, **outer}.values()), any(w in inner for w in weights),
+                       any(w in outer for w in weights), rows)
+
+
+def meter_kept(model: nn.Module, inputs: tuple) -> int:
+    """CPU tensor bytes alive after the forward and a loss, the output and the loss dropped
+    (ckpt_ext's exact allocator meter): what autograd keeps for backward."""
+    with MemoryMeter("cpu") as meter:
+        before = meter.current()
+        out = _output(model(*inputs))
+        loss = out.square().mean()
+        del out
+        kept = meter.current() - before - loss.untyped_storage().nbytes()
+        del loss
+    return kept
+
+
+def _output(out):
+    return out if isinstance(out, torch.Tensor) else out.last_hidden_state
+
+
+@dataclass
+class MoeRow:
+    name: str
+    implementation: str
+    units: int            # experts modules fused
+    layers: int           # experts modules
+    experts_kept: int     # what the experts keep beyond x, unfused
+    freed: int            # what the experts keep, plain less fused
+    claimed: int          # the experts decisions' bytes for these rows and calls
+    kept: Tuple[int, int]  # the whole model's saved bytes, plain and fused
+    peak: Tuple[int, int]  # peak bytes of a step, plain and fused
+    weights_kept: Tuple[bool, bool]  # the unfused experts, and something outside them (the
+    #                                  router), keep top_k_weights
+
+    @property
+    def share(self) -> float:
+        return self.freed / self.experts_kept if self.experts_kept else 0.0
+
+
+def measure_moe(name: str, implementation: str) -> Tuple[MoeRow, nn.Module, nn.Module, object]:
+    """One MoE zoo model, float32 in training: its row, the plain model, the fused copy, the
+    report."""
+    torch.manual_seed(0)
+    plain = make_moe(name, implementation).train()
+    fused = copy.deepcopy(plain)
+    _, report = fuse(fused)
+    paths = {p for p, m in fused.named_modules() if m in experts_modules(fused)}
+    decided = [d for d in report.fused if d.layers[0] in paths]
+    torch.manual_seed(1)
+    inputs = MOE[name].inputs()
+    kept = []
+    for model in (plain, fused):
+        torch.manual_seed(2)
+        kept.append(experts_kept(model, inputs))
+    claimed = sum(d.bytes_per_row * kept[0].rows[d.layers[0]] + d.bytes_per_call
+                  for d in decided)
+    peaks = []
+    for model in (plain, fused):
+        torch.manual_seed(2)
+        peaks.append(step_peak(model, lambda: _output(model(*inputs))))
+    row = MoeRow(name, implementation, len(decided), len(paths), kept[0].experts,
+                 kept[0].experts - kept[1].experts, claimed, (kept[0].total, kept[1].total),
+                 tuple(peaks), (kept[0].weights_kept_inside, kept[0].weights_kept_outside))
+    return row, plain, fused, report
+
+
+def moe_table(rows: List[MoeRow]) -> str:
+    """The markdown table of the MoE models in docs/fuse-usage.md."""
+    lines = ["| model | experts implementation | experts fused | experts keep, unfused | freed "
+             "| kept for backward, plain → fused | peak of a step, plain → fused |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.name} | {r.implementation} | {r.units}/{r.layers} | "
+                     f"{r.experts_kept:,} B | {r.share:.0%} | {r.kept[0]:,} → {r.kept[1]:,} B | "
+                     f"{r.peak[0]:,} → {r.peak[1]:,} B |")
+    return "\n".join(lines)
