@@ -16,6 +16,7 @@ from torch.nn.utils import parametrize
 from .. import _C, modules as _modules, ops
 from .._activation_modules import Recognised, bind, module_activation, node_activation, sig
 from .._activations import REGISTRY, stock_tensors
+from .._block_checkpoint import CheckpointedForward
 from .._observers import foreign_global_hooks
 from ..modules import _has_hooks as has_hooks
 from .. import _dropout_autograd as dropout_unit
@@ -76,6 +77,18 @@ def op_terms(lin: nn.Module) -> Optional[tuple]:
 def layer_forward(lin: nn.Module):
     """The Linear's own class forward, bound (what it computes called without hooks)."""
     return base_type(lin).forward.__get__(lin)
+
+
+def checkpointing(m: nn.Module) -> Optional[str]:
+    """The gradient checkpointing that recomputes ``m`` whole in backward, or None: transformers'
+    (a GradientCheckpointingLayer with it switched on), or a block ckpt_ext.plan checkpointed."""
+    if getattr(m, "gradient_checkpointing", False) is True and any(
+            c.__name__ == "GradientCheckpointingLayer" and c.__module__.startswith("transformers")
+            for c in type(m).__mro__):
+        return "transformers' gradient checkpointing (gradient_checkpointing_enable)"
+    if isinstance(vars(m).get("forward"), CheckpointedForward):
+        return "the checkpoint ckpt_ext.plan(...).apply set"
+    return None
 
 
 def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:

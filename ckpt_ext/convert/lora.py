@@ -25,8 +25,11 @@ def _named(cls: type) -> Tuple[str, str]:
 
 
 def class_form(cls: type) -> Optional[str]:
-    """"lora" (peft's ``lora.Linear``), "qlora" (``lora.bnb.Linear4bit``), else None."""
-    return _FORMS.get(_named(getattr(cls, "_ckpt_ext_base", cls)))
+    """"lora" (peft's ``lora.Linear``), "qlora" (``lora.bnb.Linear4bit``), "other" (another LoRA
+    Linear of peft's: 8-bit, GPTQ, AWQ, HQQ, torchao, ... bases), else None."""
+    cls = getattr(cls, "_ckpt_ext_base", cls)
+    other = cls.__module__.startswith("peft.tuners.lora.") and "Linear" in cls.__name__
+    return _FORMS.get(_named(cls), "other" if other else None)
 
 
 def form(m: nn.Module) -> Optional[str]:
@@ -45,6 +48,10 @@ def _conv1d(b: nn.Module) -> bool:
 def problem(m: nn.Module) -> Optional[str]:
     """What keeps this LoRA Linear from any unit, whatever its state."""
     b, name = base(m), type(m).__name__
+    if form(m) == "other":
+        where = type(m).__module__.rsplit('.', 1)[-1]
+        return (f"peft's {where}.{name} over {type(b).__name__}: fuse computes the LoRA Linears "
+                f"over nn.Linear, transformers' Conv1D and bitsandbytes' Linear4bit")
     if form(m) == "qlora":
         if _named(type(b)) != _FOUR_BIT:
             return f"its base layer is {type(b).__name__}, not bitsandbytes' Linear4bit"

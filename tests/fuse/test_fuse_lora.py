@@ -215,3 +215,47 @@ def test_qlora_four_bit_bases_are_dequantized_inside_the_unit(dropout):
     assert freed >= 0.9 * mlp_kept, (freed, mlp_kept)
     assert claimed - len(units) * rng <= freed <= claimed, (freed, claimed)
     assert peak_fused < peak_plain
+
+
+def test_lora_on_some_linears_of_a_hand_written_run():
+    # A Sequential of Linears and Tanhs with LoRA on its first and last Linears only: one run,
+    # each LoRA Linear with its term, the middle one plain; the same with dropout in training.
+    from torch import nn
+    for dropout in (0.0, 0.1):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(),
+                            nn.Linear(40, 6)).double()
+        plain = lm.with_lora(net, dropout, targets=["0", "4"], r=4)
+        fused = copy.deepcopy(plain)
+        _, report = fuse(fused)
+        assert [d.unit for d in report.fused] == ["tanh_mlp, 3 layers 12->40->40->6, LoRA r=4 "
+                                                 "on base_model.model.0, base_model.model.4"]
+        x = torch.randn(5, 12, dtype=torch.float64)
+        _assert_same(plain, fused, x, f"dropout={dropout}")
+
+
+def test_gradient_checkpointing_is_named_with_its_cost():
+    model = lm.llama()
+    model.gradient_checkpointing_enable()
+    _, report = fuse(lm.with_lora(model))
+    units = _mlp_units(report)
+    assert [(p[-8:], n) for p, _, n, _ in report.checkpointed] == [("layers.0", 1), ("layers.1", 1)]
+    assert all(flops == units[0].flops_per_row for *_, flops in report.checkpointed)
+    assert "recomputed twice: base_model.model.layers.{0..1} runs under transformers' gradient " \
+           "checkpointing" in str(report)
+
+
+def test_a_lora_linear_over_another_base_names_it():
+    bnb = pytest.importorskip("bitsandbytes")
+    model = lm.llama()
+    gate = model.layers[0].mlp.gate_proj
+    q = bnb.nn.Linear8bitLt(64, 176, bias=False, has_fp16_weights=False)
+    q.weight = bnb.nn.Int8Params(gate.weight.data.clone(), requires_grad=False,
+                                 has_fp16_weights=False)
+    model.layers[0].mlp.gate_proj = q
+    model.is_loaded_in_8bit = True  # peft then makes lora.bnb.Linear8bitLt
+    _, report = fuse(lm.with_lora(model))
+    assert len(_mlp_units(report)) == 1  # layer 1's MLP
+    assert "a gated MLP: peft's bnb.Linear8bitLt over Linear8bitLt: fuse computes the LoRA " \
+           "Linears over nn.Linear, transformers' Conv1D and bitsandbytes' Linear4bit" in \
+           str(report)
