@@ -15,7 +15,8 @@ every activation of ckpt_ext.mlp (ckpt_ext.ACTIVATIONS), first order forward and
 gradient, the activation after the last layer on and off; ckpt_ext.gated_mlp with silu and
 gelu_tanh (every activation takes the same memory path; the tests check each one's values), both
 weight layouts, at intermediate widths 1 (the scalar path) and 16 (whole packs), forward and
-backward, the down weight's gradient alone too (the forward pass inside the backward).
+backward, the down weight's gradient alone too (the forward pass inside the backward);
+ckpt_ext.moe_experts in every layout and ckpt_ext.gated_mlp with LoRA terms, forward and backward.
 
 Run it with PYTORCH_NO_CUDA_MEMORY_CACHING=1: then every buffer is its own cudaMalloc and an access
 one element past a buffer is caught, instead of landing inside the caching allocator's block.
@@ -40,7 +41,8 @@ PACK = {torch.float32: 4, torch.float64: 2, torch.bfloat16: 8, torch.float16: 8}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # the most used first
 OPS_USED = [("ckpt_ext_kernels", "tanh_"), ("ckpt_ext_kernels", "tanh_backward_"),
             ("ckpt_ext_kernels", "bias_grad"), ("ckpt_ext", "mlp"), ("ckpt_ext", "mlp_backward"),
-            ("ckpt_ext", "gated_mlp"), ("ckpt_ext", "gated_mlp_backward")]
+            ("ckpt_ext", "gated_mlp"), ("ckpt_ext", "gated_mlp_backward"),
+            ("ckpt_ext", "moe_experts"), ("ckpt_ext", "lora_gated_mlp")]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 # two layers of mlp: twice tests/ops/test_mlp.py's REL_TOL in the half types (the check of a run,
 # not the test), and its RELU_HALF_TOL for relu there (a pre-activation within the GEMM's rounding
@@ -196,6 +198,72 @@ def gated(dtype):
                       scale=want[2].abs() + want[2].abs().mean())
 
 
+def routed(dtype):
+    """ckpt_ext.moe_experts in every layout (ckpt_ext.MOE_LAYOUTS, biases on and off, gpt-oss's
+    clamp on the interleaved transposed one) on 23 tokens, hidden 5, intermediate 1 or 8 (the
+    scalar path and whole packs), 4 experts top-2 with expert 3 given no token and one pair
+    routed to no expert (index E); and ckpt_ext.gated_mlp with a LoRA term (r=3) on each weight,
+    dropout 0: forward and every gradient against the same op in float64 on the CPU."""
+    g = torch.Generator().manual_seed(6)
+    E, H, T = 4, 5, 23
+    for inter in (1, 8):
+        x = torch.randn(T, H, generator=g).to(dtype)
+        idx = torch.randint(0, 3, (T, 2), generator=g)
+        idx[0, 1] = E
+        wts = torch.rand(T, 2, generator=g).to(dtype)
+        gy = torch.randn(T, H, generator=g).to(dtype)
+        for layout in ckpt_ext.MOE_LAYOUTS:
+            gated_rows = 1 if layout.startswith("ungated") else 2
+            tr = layout.endswith("transposed")
+            gu = torch.randn(E, gated_rows * inter, H, generator=g) / H ** 0.5
+            dn = torch.randn(E, H, inter, generator=g) / inter ** 0.5
+            if tr:
+                gu, dn = gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous()
+            for bias in (False, True):
+                bgu = torch.randn(E, gated_rows * inter, generator=g) if bias else None
+                bdn = torch.randn(E, H, generator=g) if bias else None
+                clamp = dict(limit=0.5, up_offset=1.0) if layout == "interleaved_transposed" else {}
+                act = "quick_gelu" if clamp else "silu"
+                name = f"moe_experts {layout} {dtype} inter {inter} bias={bias}"
+                host = [t for t in (x, wts, gu, dn, bgu, bdn) if t is not None]
+
+                def call(x, w, gu, dn, *b):
+                    return ckpt_ext.moe_experts(x, idx.to(x.device), w, gu, dn, activation=act,
+                                                gate_up_bias=b[0] if b else None,
+                                                down_bias=b[1] if b else None, layout=layout,
+                                                **clamp)
+                leaves = [t.to(DEVICE, dtype).requires_grad_() for t in host]
+                y = call(*leaves)
+                got = torch.autograd.grad(y, leaves, gy.to(DEVICE))
+                leaves64 = [t.double().requires_grad_() for t in host]
+                y64 = call(*leaves64)
+                want = torch.autograd.grad(y64, leaves64, gy.double())
+                check(f"{name}: out", y, y64, MLP_TOL[dtype] * 2, scale=y64.abs() + 1)
+                for i, (o, r) in enumerate(zip(got, want)):
+                    check(f"{name}: grad {i}", o, r, MLP_TOL[dtype] * 2,
+                          scale=r.abs() + r.abs().mean())
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ws = [torch.randn(o, i, generator=g) / i ** 0.5 for o, i in ((8, H), (8, H), (H, 8))]
+    ab = [(torch.randn(3, w.shape[1], generator=g), torch.randn(w.shape[0], 3, generator=g))
+          for w in ws]
+    gy = torch.randn(T, H, generator=g).to(dtype)
+    host = [x] + ws + [t for pair in ab for t in pair]
+
+    def lora_call(x, wg, wu, wd, *factors):
+        terms = [ckpt_ext.LoRA(factors[2 * i], factors[2 * i + 1], 2.0) for i in range(3)]
+        return ckpt_ext.gated_mlp(x, wg, wu, wd, activation="silu", lora=terms)
+    leaves = [t.to(DEVICE, dtype).requires_grad_() for t in host]
+    y = lora_call(*leaves)
+    got = torch.autograd.grad(y, leaves, gy.to(DEVICE))
+    leaves64 = [t.double().requires_grad_() for t in host]
+    y64 = lora_call(*leaves64)
+    want = torch.autograd.grad(y64, leaves64, gy.double())
+    check(f"gated_mlp with LoRA {dtype}: out", y, y64, MLP_TOL[dtype] * 2, scale=y64.abs() + 1)
+    for i, (o, r) in enumerate(zip(got, want)):
+        check(f"gated_mlp with LoRA {dtype}: grad {i}", o, r, MLP_TOL[dtype] * 2,
+              scale=r.abs() + r.abs().mean())
+
+
 def derivatives(dtype):
     """The derivative pass (_C._activation_derivative, orders 0 to 3) of every activation on 37
     rows of width 9, from an aligned and a misaligned input (the pack and one-element paths),
@@ -282,7 +350,7 @@ def cases(only=None):
     """(name, function, dtype) of every case, in the order they run: each group in every dtype
     before the next group, the kernels' own paths first (a run stopped at its time limit has
     covered the most)."""
-    groups = [combine_levels] if only == "combine" else [kernel_paths, activations, gated,
+    groups = [combine_levels] if only == "combine" else [kernel_paths, activations, gated, routed,
                                                             derivatives, terms, ops,
                                                             combine_levels]
     return [(f"{fn.__name__} {dtype}", fn, dtype) for fn in groups for dtype in DTYPES]

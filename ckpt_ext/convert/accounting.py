@@ -40,9 +40,6 @@ def _why(graph: ModelGraph, path: str, m: nn.Module) -> str:
         return (f"a factor of the LoRA update peft's ParamWrapper {caller} adds to its base "
                 f"layer's {parent.parameter_name} (target_parameters): its weight is read, the "
                 f"Linear is not called")
-    if hasattr(parent, "lora_A") and hasattr(parent, "lora_B"):
-        return (f"inside the LoRA wrapper {caller} ({type(parent).__name__}): base_layer(x) + "
-                f"lora_B(lora_A(x))·scaling is a sum, not a Linear/activation run")
     if graph.facts[id(parent)].sequential:
         return _in_sequential(parent, ppath, target) or linear_problem(m) or \
             "no activation fuse computes follows it"

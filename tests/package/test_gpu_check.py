@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import ckpt_ext
 
@@ -102,6 +103,18 @@ def test_sanitizer_case_and_kernel_bench_cover_every_activation():
     kinds = [k for k, *_ in bench.plan(["float32", "bfloat16"], [20, 24], [24], 4096)]
     assert kinds.count("activations") == 2 and kinds.count("kernels") == 2 * 3
 
+
+
+def test_sanitizer_case_routes_every_moe_layout_and_lora(monkeypatch):
+    """The experts' and LoRA's case, run on the CPU: its float64 references agree with the op in
+    float32, and it names every layout of ckpt_ext.MOE_LAYOUTS."""
+    case = _script("gpu_sanitize_case.py")
+    assert "routed torch.float32" in [name for name, _, _ in case.cases()]
+    monkeypatch.setattr(case, "DEVICE", "cpu")
+    case.routed(torch.float32)
+    with pytest.raises(AssertionError, match="moe_experts concatenated"):
+        monkeypatch.setitem(case.MLP_TOL, torch.float32, 1e-12)
+        case.routed(torch.float32)
 
 def test_the_tests_step_imports_only_files_with_cuda_tests():
     plugin = _script("gpu_check_pytest.py")
