@@ -339,8 +339,6 @@ def within(limit: Optional[float] = None) -> Callable[[Row], bool]:
 
 MOE_H, MOE_I, MOE_E, MOE_K = 64, 32, 4, 2  # hidden, expert width, experts, experts per token
 MOE_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")  # those that run on the CPU
-#: the models of the MoE table in docs/fuse-usage.md
-MOE_TABLE = ("Mixtral", "Qwen3-MoE", "DeepSeek-V3")
 
 
 def _moe(model: str, config: str, **kw):
@@ -464,6 +462,8 @@ class MoeRow:
     experts_kept: int     # what the experts keep beyond x, unfused
     freed: int            # what the experts keep, plain less fused
     claimed: int          # the experts decisions' bytes for these rows and calls
+    per_token: int        # the report's bytes per token of one experts module (top_k pairs)
+    per_call: int         # the report's bytes per call of one experts module
     kept: Tuple[int, int]  # the whole model's saved bytes, plain and fused
     peak: Tuple[int, int]  # peak bytes of a step, plain and fused
     weights_kept: Tuple[bool, bool]  # the unfused experts, and something outside them (the
@@ -496,18 +496,21 @@ def measure_moe(name: str, implementation: str) -> Tuple[MoeRow, nn.Module, nn.M
         torch.manual_seed(2)
         peaks.append(step_peak(model, lambda: _output(model(*inputs))))
     row = MoeRow(name, implementation, len(decided), len(paths), kept[0].experts,
-                 kept[0].experts - kept[1].experts, claimed, (kept[0].total, kept[1].total),
+                 kept[0].experts - kept[1].experts, claimed, decided[0].bytes_per_row,
+                 decided[0].bytes_per_call, (kept[0].total, kept[1].total),
                  tuple(peaks), (kept[0].weights_kept_inside, kept[0].weights_kept_outside))
     return row, plain, fused, report
 
 
 def moe_table(rows: List[MoeRow]) -> str:
     """The markdown table of the MoE models in docs/fuse-usage.md."""
-    lines = ["| model | experts implementation | experts fused | experts keep, unfused | freed "
-             "| kept for backward, plain → fused | peak of a step, plain → fused |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| model | experts implementation | experts fused | report: freed per token "
+             "(per call) | experts keep, unfused | freed | kept for backward, plain → fused "
+             "| peak of a step, plain → fused |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        call = f" ({r.per_call:,} B)" if r.per_call else ""
         lines.append(f"| {r.name} | {r.implementation} | {r.units}/{r.layers} | "
-                     f"{r.experts_kept:,} B | {r.share:.0%} | {r.kept[0]:,} → {r.kept[1]:,} B | "
-                     f"{r.peak[0]:,} → {r.peak[1]:,} B |")
+                     f"{r.per_token:,} B{call} | {r.experts_kept:,} B | {r.share:.1%} | "
+                     f"{r.kept[0]:,} → {r.kept[1]:,} B | {r.peak[0]:,} → {r.peak[1]:,} B |")
     return "\n".join(lines)

@@ -390,6 +390,21 @@ def test_lora_wrappers_factors_are_accounted_for():
     assert len(factors) == 4 and all("peft's ParamWrapper" in why for why in factors), factors
 
 
+def test_doc_table_names_every_family_in_every_implementation():
+    # the MoE table of docs/fuse-usage.md is scripts/zoo_table.py's
+    doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "fuse-usage.md")
+    rows = {}
+    for line in open(doc, encoding="utf-8").read().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 8 and cells[1] in MOE_IMPLEMENTATIONS:
+            rows[cells[0], cells[1]] = cells[2]
+    for name in FAMILIES:
+        for implementation in MOE_IMPLEMENTATIONS:
+            assert rows.get((name, implementation)) == "2/2", (
+                f"{name} ({implementation}) is not in the MoE table of docs/fuse-usage.md with "
+                f"2/2 experts fused: run scripts/zoo_table.py")
+
+
 # ---- what fuse leaves in the model ---------------------------------------------------------------
 
 def test_pickle_deepcopy_second_fuse_and_unfuse():
