@@ -95,7 +95,12 @@ def _form(m: nn.Module) -> Tuple[Optional[ExpertsForm], Optional[nn.Module], Opt
         if found.name is None:
             return None, None, f"its act_fn: {found.problem}"
         activation = found.name
-    names = list(inspect.signature(experts_dispatch(base_type(m))[1]).parameters)[1:4]
+    try:
+        names = list(inspect.signature(experts_dispatch(base_type(m))[1]).parameters)[1:4]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None, None, ("its forward is use_experts_implementation's, but not one that closes "
+                            "over experts_interface and original_forward, which fuse reads to "
+                            "know what each implementation runs")
     if len(names) < 3:
         return None, None, f"its forward takes {len(names)} arguments, not x and the routing"
     up = "gate_up_proj" if gated else "up_proj"

@@ -351,6 +351,17 @@ def test_left_alone_with_why():
         undo()
 
 
+def test_a_dispatch_fuse_cannot_read_is_left_alone(monkeypatch):
+    # a transformers whose decorator closes over other names: left alone, not an error
+    from ckpt_ext.convert import moe
+
+    def unreadable(cls):
+        raise KeyError("experts_interface")
+    monkeypatch.setattr(moe, "experts_dispatch", unreadable)
+    assert "which fuse reads to know what each implementation runs" in _left_alone(
+        make_moe("Mixtral", "eager"))
+
+
 def test_lora_on_expert_weights_is_left_alone_and_exact():
     # peft's ParamWrapper (LoraConfig(target_parameters=...)) holds the experts module and adds
     # the low-rank update to its weights by a parametrization at each call: fuse leaves the
