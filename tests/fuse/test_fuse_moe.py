@@ -27,6 +27,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import _zoo  # noqa: E402
 from _zoo import MOE, MOE_E, MOE_I, MOE_IMPLEMENTATIONS, MOE_K, experts_modules, make_moe  # noqa
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: transformers' eager experts loop calls index_add_ once per expert,
+    which takes tens of milliseconds on two CPU threads against microseconds on one (the results do not
+    depend on it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 FAMILIES = list(MOE)
 ROUTING_ITEMSIZE = 4  # transformers' routers give float32 routing weights
 # float64 against the unfused model, relative to each tensor's largest magnitude: the op and the
