@@ -7,6 +7,7 @@ import inspect
 import operator
 import os
 import sys
+import weakref
 from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -63,10 +64,25 @@ def experts_class(cls: type) -> bool:
         os.path.normcase(code.co_filename) == os.path.normcase(moe.__file__)
 
 
+_LORA_FORMS: "weakref.WeakKeyDictionary[type, Optional[str]]" = weakref.WeakKeyDictionary()
+
+
+def lora_form(m: nn.Module) -> Optional[str]:
+    """lora.class_form of m's class (peft's classes only), remembered per class: every stage asks
+    it of every module."""
+    cls = type(m)
+    if not getattr(cls, "_ckpt_ext_base", cls).__module__.startswith("peft."):
+        return None
+    try:
+        return _LORA_FORMS[cls]
+    except KeyError:
+        found = _LORA_FORMS[cls] = lora.class_form(cls)
+        return found
+
 def stored_weight(lin: nn.Module) -> Optional[torch.Tensor]:
     """A Linear's weight as stored (a parametrization's original, not evaluated); None if lazy.
     A LoRA Linear's: lora.stored_weight."""
-    if lora.form(lin):
+    if lora_form(lin):
         return lora.stored_weight(lin)
     w = lin._parameters.get("weight")
     if w is None and parametrize.is_parametrized(lin, "weight"):
@@ -77,7 +93,7 @@ def stored_weight(lin: nn.Module) -> Optional[torch.Tensor]:
 def op_terms(lin: nn.Module) -> Optional[tuple]:
     """A Linear as the ops take it at this call, (weight (out, in), bias, LoRA term or None); None
     for a LoRA Linear over a 4-bit base, which only its own forward computes."""
-    form = lora.form(lin)
+    form = lora_form(lin)
     if form == "qlora":
         return None
     if form == "lora":
@@ -259,7 +275,7 @@ def lora_state(lin: nn.Module, label: str) -> Condition:
 
 def of_weights(layers: Sequence[nn.Module], labels: Sequence[str]):
     return [supported(layers[0]), one_dtype_device(layers, labels)] + \
-        [lora_state(lin, label) for lin, label in zip(layers, labels) if lora.form(lin)]
+        [lora_state(lin, label) for lin, label in zip(layers, labels) if lora_form(lin)]
 
 
 def failing(conditions: Iterable) -> Optional[str]:
@@ -271,7 +287,7 @@ def linear_problem(lin: nn.Module) -> Optional[str]:
     """What keeps a Linear from any unit, wherever it is called."""
     if foreign_forward(lin):
         return own_forward(lin, "the Linear").describe()
-    if lora.form(lin):
+    if lora_form(lin):
         return lora.problem(lin) or failing([no_hooks(lin, "the LoRA Linear"), supported(lin),
                                              lora_state(lin, "the LoRA Linear")])
     if not is_conv1d(lin) and base_type(lin) is not nn.Linear:
@@ -298,6 +314,7 @@ class Fact(NamedTuple):
     #: a Linear's in, out, its weight's itemsize, its LoRA term's rank and the bytes per element
     #: of the dropout mask that term draws (0: none), whether its (base) weight is trained
     width: Tuple[int, int, int, int, int, bool] = (0, 0, 0, 0, 0, True)
+    experts: bool = False           # an experts class of a mixture of experts (experts_class)
 
 
 #: torch.nn's own modules are not traced, but for a transformer layer's Python feed-forward block
@@ -310,17 +327,17 @@ OUR_MODULES = tuple(c for c in vars(_modules).values() if isinstance(c, type) an
 def survey(model: nn.Module) -> Dict[int, Fact]:
     """The :class:`Fact` of every module of ``model``, by id."""
     out: Dict[int, Fact] = {}
-    inside = {id(sub) for m in model.modules() if lora.form(m) for sub in m.modules()
+    inside = {id(sub) for m in model.modules() if lora_form(m) for sub in m.modules()
               if sub is not m}
     for m in model.modules():
         kind, found, problem, width = None, None, None, (0, 0, 0, 0, 0, True)
         if id(m) in inside:  # a LoRA Linear's base layer and adapters: parts of that Linear
             out[id(m)] = Fact(None, None, False, False, False, None)
             continue
-        if isinstance(m, nn.Linear) or is_conv1d(m) or lora.form(m):  # linear_problem says which
+        if isinstance(m, nn.Linear) or is_conv1d(m) or lora_form(m):  # linear_problem says which
             kind, problem = LayerKind.LINEAR, linear_problem(m)
             w = stored_weight(m)  # lazy: 0 bytes
-            term = lora.shape(m) if lora.form(m) else None
+            term = lora.shape(m) if lora_form(m) else None
             size = lora.width(m) if term else \
                 m.weight.shape if is_conv1d(m) else (m.in_features, m.out_features)
             trained = term.base_trained if term else w is None or w.requires_grad
@@ -334,13 +351,14 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
                 problem = found.problem if found.problem is not None else \
                     failing([own_forward(m, who), no_hooks(m, who)])
         cls, seq = type(m), base_type(m) is nn.Sequential
-        traced = not (seq or kind is LayerKind.LINEAR and (is_conv1d(m) or lora.form(m)) or
-                      experts_class(cls) or
+        experts = experts_class(base_type(m))
+        traced = not (seq or kind is LayerKind.LINEAR and (is_conv1d(m) or lora_form(m)) or
+                      experts or
                       isinstance(m, (nn.ModuleList, nn.ModuleDict) + OUR_MODULES) or
                       hasattr(cls, "_ckpt_ext_base") or cls.forward is nn.Module.forward or
                       cls.__module__.startswith("torch.") and cls not in _TORCH_LAYERS)
         passes = base_type(m) in (nn.Identity, nn.Dropout)  # a run may go through it
-        out[id(m)] = Fact(kind, found, seq, passes, traced, problem, width)
+        out[id(m)] = Fact(kind, found, seq, passes, traced, problem, width, experts)
     return out
 
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .. import ops
-from .facts import DISPLAY, LayerKind, base_type, experts_class, failing, module_activation
+from .facts import DISPLAY, LayerKind, base_type, failing, module_activation
 from .graph import LayerCall, ModelGraph
 from .report import Decision
 from .runtime import (FLAG_NAMES, QUICK_GELU_ALPHA, ExpertsForm, _ExpertsRun, experts_conditions,
@@ -221,7 +221,7 @@ def _bilinear(p: Dict[Tuple[int, int], int]):
 
 class Moe(UnitKind):
     def find(self, graph: ModelGraph, taken: set, options: Options) -> List[Experts]:
-        return [_read(graph, path, m) for path, m in graph.modules if experts_class(base_type(m))]
+        return [_read(graph, path, m) for path, m in graph.modules if graph.facts[id(m)].experts]
 
     def decide(self, graph: ModelGraph, e: Experts, options: Options):
         m, form = e.module, e.form
