@@ -2,8 +2,10 @@
 of the generator the masks come from: backward restores that state (and the autocast settings of
 the forward) in a forked generator, recomputes, so each mask is drawn again bitwise, and
 differentiates; the generator is left as the forward left it. The units of the converter with
-Dropouts inside (convert/dropout_unit.py) and the ops' LoRA terms with dropout (_lora_dropout.py)
-run through it. Design: docs/converter.md, "Dropout inside a unit"."""
+Dropouts inside (_dropout_autograd.py) and the ops' LoRA terms with dropout (_lora_dropout.py)
+run through it; a unit the ops cannot compute (a 4-bit base) through :class:`RecomputedModules`,
+which recomputes with the modules' own parameters. Design: docs/converter.md, "Dropout inside a
+unit"."""
 from __future__ import annotations
 
 from typing import Optional
@@ -35,9 +37,11 @@ class RecomputedWithGenerator(torch.autograd.Function):
         kind = x.device.type
         ctx.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind),
                         torch.is_autocast_cache_enabled()) if kind in ("cpu", "cuda") else None
-        ctx.save_for_backward(x, *params)
+        own = ctx.own_params = getattr(compute, "own_params", False)
+        ctx.save_for_backward(x, *([] if own else params))
+        ctx.params = params if own else None
         with torch.no_grad():
-            return compute(x, *params)
+            return compute(x) if own else compute(x, *params)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -46,23 +50,40 @@ class RecomputedWithGenerator(torch.autograd.Function):
         create = torch.is_grad_enabled()  # create_graph: differentiate through the saved tensors
         inputs = [t if t is None or create else t.detach().requires_grad_(n)
                   for t, n in zip(saved, need)]
+        if ctx.own_params:  # compute reads the modules' parameters: differentiate w.r.t. them
+            inputs += list(ctx.params)
         device = ctx.device
         cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
             if device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda, device_type="cuda"), torch.enable_grad():
             _set_rng(device, ctx.rng)
+            args = inputs[:1] if ctx.own_params else inputs
             if ctx.autocast is None:
-                out = ctx.compute(*inputs)
+                out = ctx.compute(*args)
             else:
                 enabled, dtype, cache = ctx.autocast
                 with torch.autocast(device.type, dtype=dtype, enabled=enabled,
                                     cache_enabled=cache):
-                    out = ctx.compute(*inputs)
+                    out = ctx.compute(*args)
         wanted = [t for t, n in zip(inputs, need) if n and t is not None]
         grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=create,
                                          allow_unused=True) if wanted else ())
         return (None, *[next(grads) if n and t is not None else None
                         for t, n in zip(inputs, need)])
+
+
+def recomputed_modules(compute, x: Tensor, params) -> Tensor:
+    """``compute(x)``, a function of x through modules holding ``params`` (their parameters that
+    require grad), kept as x and the generator's state: backward recomputes it with those very
+    parameters and differentiates w.r.t. x and them. Where it cannot run recomputed
+    (:func:`unsupported`), compute(x) under stock autograd: the same values and draws."""
+    if unsupported() is not None:
+        return compute(x)
+
+    def run(h):
+        return compute(h)
+    run.own_params = True
+    return RecomputedWithGenerator.apply(run, x, *params)
 
 
 def _get_rng(device: torch.device) -> Tensor:

@@ -2,7 +2,8 @@
 the markers of its "The zoo" section (or prints it with --print). Each row: a model from a tiny
 config, float32 in training, one step of 2 sequences; what its MLPs keep for backward beyond
 their input unfused; the share of that `fuse` frees; the bytes autograd keeps and the step's peak,
-plain and fused (ckpt_ext's CPU meters); why its MLPs are left alone, from the report.
+plain and fused (ckpt_ext's CPU meters); the same with peft LoRA on the model (where listed);
+why its MLPs are left alone, from the report.
 
     .venv/bin/python scripts/zoo_table.py [--print]
 """
@@ -23,17 +24,21 @@ END = "<!-- end of zoo table -->"
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path[:0] = [os.path.join(ROOT, "tests", "fuse"), os.path.join(ROOT, "tests")]
+    import peft
     import transformers
     import _zoo
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     rows = [_zoo.measure(name)[0] for name in _zoo.ZOO]
+    lora = {name: _zoo.measure(name, lora=True)[0] for name in _zoo.LORA}
     conditions = (f"torch {torch.__version__}, transformers {transformers.__version__}, CPU, "
                   f"float32, train(); hidden {_zoo.H}, MLP width {_zoo.I}, 2 layers (Bart, "
                   f"Whisper: 1 encoder and 1 decoder layer), 2 sequences of {_zoo.S} tokens "
-                  f"(ViT, CLIP: 8x8 images of 4x4 patches; Whisper: 8 mel bins x 16 frames).")
-    text = "\n".join([BEGIN, "", _zoo.table(rows), "", conditions, "", END])
+                  f"(ViT, CLIP: 8x8 images of 4x4 patches; Whisper: 8 mel bins x 16 frames). "
+                  f"With LoRA: peft {peft.__version__}, get_peft_model with r=8, dropout 0, on "
+                  f"every Linear of attention and MLP, the bases frozen.")
+    text = "\n".join([BEGIN, "", _zoo.table(rows, lora), "", conditions, "", END])
     if "--print" in sys.argv:
         print(text)
         return

@@ -36,9 +36,6 @@ def _why(graph: ModelGraph, path: str, m: nn.Module) -> str:
         return "it is the model itself: nothing follows it"
     parent, ppath, target = caller
     caller = ppath or "<model>"
-    if hasattr(parent, "lora_A") and hasattr(parent, "lora_B"):
-        return (f"inside the LoRA wrapper {caller} ({type(parent).__name__}): base_layer(x) + "
-                f"lora_B(lora_A(x))·scaling is a sum, not a Linear/activation run")
     if graph.facts[id(parent)].sequential:
         return _in_sequential(parent, ppath, target) or linear_problem(m) or \
             "no activation fuse computes follows it"

@@ -7,11 +7,11 @@ from torch import nn
 from .._block_checkpoint import undo_checkpoints
 from .accounting import unaccounted
 from .applying import apply_plan, undo_all
-from .facts import survey
+from .facts import checkpointing, survey
 from .graph import ModelGraph
 from .planning import make_plan
 from .policy import Policy
-from .report import FuseReport, Fused
+from .report import FuseReport, Fused, checkpointed
 from .tracing import trace_model
 from .units import Options
 
@@ -40,7 +40,8 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
     not_analysed += plan.not_analysed
     named = [layer for d in decisions for layer in d.layers] + [p for p, _ in not_analysed]
     return Fused(model, FuseReport(dry_run, policy, rewrite, decisions, not_analysed,
-                                   plan.rewritten, unaccounted(graph, named)))
+                                   plan.rewritten, unaccounted(graph, named),
+                                   checkpointed(model, decisions, checkpointing)))
 
 
 def unfuse(model: nn.Module) -> nn.Module:

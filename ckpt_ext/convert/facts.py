@@ -16,9 +16,11 @@ from torch.nn.utils import parametrize
 from .. import _C, modules as _modules, ops
 from .._activation_modules import Recognised, bind, module_activation, node_activation, sig
 from .._activations import REGISTRY, stock_tensors
+from .._block_checkpoint import CheckpointedForward
 from .._observers import foreign_global_hooks
 from ..modules import _has_hooks as has_hooks
 from .. import _dropout_autograd as dropout_unit
+from . import lora
 
 __all__ = ["Recognised", "bind", "has_hooks", "module_activation", "node_activation"]
 
@@ -51,11 +53,42 @@ def is_conv1d(m: nn.Module) -> bool:
 
 
 def stored_weight(lin: nn.Module) -> Optional[torch.Tensor]:
-    """A Linear's weight as stored (a parametrization's original, not evaluated); None if lazy."""
+    """A Linear's weight as stored (a parametrization's original, not evaluated); None if lazy.
+    A LoRA Linear's: lora.stored_weight."""
+    if lora.form(lin):
+        return lora.stored_weight(lin)
     w = lin._parameters.get("weight")
     if w is None and parametrize.is_parametrized(lin, "weight"):
         w = next(iter(lin.parametrizations["weight"].parameters()), None)
     return None if w is None or isinstance(w, UninitializedTensorMixin) else w
+
+
+def op_terms(lin: nn.Module) -> Optional[tuple]:
+    """A Linear as the ops take it at this call, (weight (out, in), bias, LoRA term or None); None
+    for a LoRA Linear over a 4-bit base, which only its own forward computes."""
+    form = lora.form(lin)
+    if form == "qlora":
+        return None
+    if form == "lora":
+        return (*lora.weight_bias(lin), lora.term(lin))
+    return (lin.weight.t() if is_conv1d(lin) else lin.weight), lin.bias, None
+
+
+def layer_forward(lin: nn.Module):
+    """The Linear's own class forward, bound (what it computes called without hooks)."""
+    return base_type(lin).forward.__get__(lin)
+
+
+def checkpointing(m: nn.Module) -> Optional[str]:
+    """The gradient checkpointing that recomputes ``m`` whole in backward, or None: transformers'
+    (a GradientCheckpointingLayer with it switched on), or a block ckpt_ext.plan checkpointed."""
+    if getattr(m, "gradient_checkpointing", False) is True and any(
+            c.__name__ == "GradientCheckpointingLayer" and c.__module__.startswith("transformers")
+            for c in type(m).__mro__):
+        return "transformers' gradient checkpointing (gradient_checkpointing_enable)"
+    if isinstance(vars(m).get("forward"), CheckpointedForward):
+        return "the checkpoint ckpt_ext.plan(...).apply set"
+    return None
 
 
 def unsupported_reason(weight: Optional[torch.Tensor]) -> Optional[str]:
@@ -199,8 +232,22 @@ GLOBAL = (Condition(lambda: not torch.jit.is_tracing(),  # it records each modul
 ACROSS = "which a run computed across it would not call"
 
 
+def lora_state(lin: nn.Module, label: str) -> Condition:
+    """A LoRA Linear whose peft state a unit computes (lora.state_problem), with no hooks or
+    instance forwards on the modules inside it."""
+    def problem() -> Optional[str]:
+        for name, sub in lin.named_modules():
+            if name and (has_hooks(sub) or foreign_forward(sub)):
+                return f"{label}.{name} has hooks or a forward of its own, which the fused op " \
+                       f"would not call"
+        why = lora.state_problem(lin)
+        return f"{label}: {why}" if why else None
+    return Condition(lambda: problem() is None, lambda: problem() or "")
+
+
 def of_weights(layers: Sequence[nn.Module], labels: Sequence[str]):
-    return [supported(layers[0]), one_dtype_device(layers, labels)]
+    return [supported(layers[0]), one_dtype_device(layers, labels)] + \
+        [lora_state(lin, label) for lin, label in zip(layers, labels) if lora.form(lin)]
 
 
 def failing(conditions: Iterable) -> Optional[str]:
@@ -212,6 +259,9 @@ def linear_problem(lin: nn.Module) -> Optional[str]:
     """What keeps a Linear from any unit, wherever it is called."""
     if foreign_forward(lin):
         return own_forward(lin, "the Linear").describe()
+    if lora.form(lin):
+        return lora.problem(lin) or failing([no_hooks(lin, "the LoRA Linear"), supported(lin),
+                                             lora_state(lin, "the LoRA Linear")])
     if not is_conv1d(lin) and base_type(lin) is not nn.Linear:
         name = type(lin).__name__
         if parametrize.is_parametrized(lin):
@@ -233,7 +283,9 @@ class Fact(NamedTuple):
     passes: bool                    # an Identity or Dropout: a run may go through it
     traced: bool                    # it has a forward of its own that fuse traces
     problem: Optional[str]          # a Linear's or activation's: what keeps it from any unit
-    width: Tuple[int, int, int] = (0, 0, 0)  # a Linear's in, out, and its weight's itemsize
+    #: a Linear's in, out, its weight's itemsize, its LoRA term's rank and the bytes per element
+    #: of the dropout mask that term draws (0: none), whether its (base) weight is trained
+    width: Tuple[int, int, int, int, int, bool] = (0, 0, 0, 0, 0, True)
 
 
 #: torch.nn's own modules are not traced, but for a transformer layer's Python feed-forward block
@@ -246,13 +298,23 @@ OUR_MODULES = tuple(c for c in vars(_modules).values() if isinstance(c, type) an
 def survey(model: nn.Module) -> Dict[int, Fact]:
     """The :class:`Fact` of every module of ``model``, by id."""
     out: Dict[int, Fact] = {}
+    inside = {id(sub) for m in model.modules() if lora.form(m) for sub in m.modules()
+              if sub is not m}
     for m in model.modules():
-        kind, found, problem, width = None, None, None, (0, 0, 0)
-        if isinstance(m, nn.Linear) or is_conv1d(m):  # any subclass: linear_problem says which
+        kind, found, problem, width = None, None, None, (0, 0, 0, 0, 0, True)
+        if id(m) in inside:  # a LoRA Linear's base layer and adapters: parts of that Linear
+            out[id(m)] = Fact(None, None, False, False, False, None)
+            continue
+        if isinstance(m, nn.Linear) or is_conv1d(m) or lora.form(m):  # linear_problem says which
             kind, problem = LayerKind.LINEAR, linear_problem(m)
             w = stored_weight(m)  # lazy: 0 bytes
-            width = (*(m.weight.shape if is_conv1d(m) else (m.in_features, m.out_features)),
-                     w.element_size() if w is not None else 0)
+            term = lora.shape(m) if lora.form(m) else None
+            size = lora.width(m) if term else \
+                m.weight.shape if is_conv1d(m) else (m.in_features, m.out_features)
+            trained = term.base_trained if term else w is None or w.requires_grad
+            item = w.element_size() if w is not None else 0
+            mask = (1 if w.device.type == "cuda" else item) if term and term.drops else 0
+            width = (*size, item, term.rank if term else 0, mask, trained)
         else:
             found = module_activation(m)
             if found is not None:
@@ -260,7 +322,7 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
                 problem = found.problem if found.problem is not None else \
                     failing([own_forward(m, who), no_hooks(m, who)])
         cls, seq = type(m), base_type(m) is nn.Sequential
-        traced = not (seq or kind is LayerKind.LINEAR and is_conv1d(m) or
+        traced = not (seq or kind is LayerKind.LINEAR and (is_conv1d(m) or lora.form(m)) or
                       isinstance(m, (nn.ModuleList, nn.ModuleDict) + OUR_MODULES) or
                       hasattr(cls, "_ckpt_ext_base") or cls.forward is nn.Module.forward or
                       cls.__module__.startswith("torch.") and cls not in _TORCH_LAYERS)

@@ -12,9 +12,9 @@ import torch
 from torch import fx, nn
 
 from .facts import (DISPLAY, SAVES_INPUT, LayerKind, Recognised, bind, failing, module_tensors,
-                    one_dtype_device, stored_weight)
+                    is_conv1d, one_dtype_device, stored_weight)
 from .graph import ModelGraph
-from .policy import LayerShape, gemm
+from .policy import LayerShape, gemm, keeps_input, lora_bytes, lora_note, plain_gemms
 from .report import Decision
 from .runtime import _GatedRun
 from .units import InForward, Options, Placement, RegionKind
@@ -43,7 +43,9 @@ def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
 
     def linear(n: Any) -> Optional[nn.Module]:
         sub = nodes[n].child if isinstance(n, fx.Node) else None
-        return sub if isinstance(sub, nn.Linear) else None
+        fact = graph.facts.get(id(sub)) if sub is not None else None
+        return sub if fact is not None and fact.kind is LayerKind.LINEAR and \
+            not is_conv1d(sub) else None
 
     fa = nodes[a]
     if fa.kind is not LayerKind.ACTIVATION or (a.op == "call_module" and fa.child is None) or \
@@ -140,30 +142,36 @@ class Gated(RegionKind):
 
     def decide(self, graph: ModelGraph, g: GatedCall, options: Options):
         labels, facts, name = [graph.nodes[n].label for n in g.linears], graph.facts, g.act.name
-        gate = LayerShape("gate", *facts[id(g.gate)].width)
-        up = LayerShape("up", *facts[id(g.up)].width) if g.up is not None else None
-        down = LayerShape(labels[-1], *facts[id(g.down)].width)
+        label = {id(g.child(n)): n.target for n in g.linears}
+        gate, up, down = (None if m is None else LayerShape(label[id(m)], *facts[id(m)].width)
+                          for m in (g.gate, g.up, g.down))
+        ins = [gate] + ([up] if up is not None else [])
         masks = [d for d in map(g.child, g.dropouts) if d.p > 0 and d.training]
         weight = stored_weight(g.child(g.linears[0]))
         per_mask = 1 if weight is not None and weight.device.type == "cuda" else gate.itemsize
         act_tensors = module_tensors(g.act_module, name)
         # per row, as docs/converter.md, "Gated MLPs" derives them
-        tensors = act_tensors + 2 + (g.packed and not SAVES_INPUT[name])
-        extra = gemm(gate) + (gemm(up) if up is not None else 0)
-        freed = (tensors * gate.itemsize + len(masks) * per_mask) * down.in_features
-        plain = 3 * (extra + gemm(down))
+        tensors = act_tensors + 1 + (g.packed and not SAVES_INPUT[name]) + keeps_input(down)
+        extra = sum(map(gemm, ins))
+        freed = (tensors * gate.itemsize + len(masks) * per_mask) * down.in_features + \
+            sum(map(lora_bytes, ins + [down])) - \
+            (0 if any(map(keeps_input, ins)) else gate.in_features * gate.itemsize)
+        plain = sum(map(plain_gemms, ins + [down]))
         if g.problems:
             return [], [Decision(g.path, g.labels, "left alone", "", "", 0, extra, plain,
                                  "a gated MLP: " + "; ".join(g.problems), activation=name)]
         act, second = DISPLAY[name], f"; the activation takes the second half of {labels[0]}"
         unit = (f"gated_mlp {name}, {g.gate.in_features}->2x{down.in_features}->"
-                f"{down.out_features}" + (", packed gate_up" if g.packed else ""))
+                f"{down.out_features}" + (", packed gate_up" if g.packed else "")
+                + lora_note(ins + [down]))
         why = (f"a gated MLP, {act}(gate) * up -> down: the {act}'s "
                f"{'input and output' if act_tensors > 1 else 'output'}, the up projection and "
                f"their product are no longer kept, only the input"
                + (second if g.gate_second else "")
                + (f"; {len(masks)} Dropout mask(s) drawn again in backward from the generator's "
-                  f"saved state" if masks else ""))
+                  f"saved state" if masks else "")
+               + ("; the LoRA terms' rank-wide and dropout tensors too" if
+                  any(x.rank for x in ins + [down]) else ""))
         return [Decision(g.path, g.labels, "fused", unit, "children", freed, extra, plain, why,
                          activation=name)], []
 

@@ -25,22 +25,57 @@ class LayerShape(NamedTuple):
     label: str
     in_features: int
     out_features: int
-    itemsize: int   # bytes per element of its activations
+    itemsize: int      # bytes per element of its activations
+    rank: int = 0      # its LoRA term's (0: none)
+    mask: int = 0      # bytes per element of the mask its LoRA dropout draws (0: none)
+    trained: bool = True  # its (base) weight requires grad
 
 
 def gemm(layer: LayerShape) -> int:
-    """FLOPs per row of one x·Wᵀ."""
-    return 2 * layer.in_features * layer.out_features
+    """FLOPs per row of one x·Wᵀ, with its LoRA term's two GEMMs."""
+    return 2 * layer.in_features * layer.out_features + \
+        2 * layer.rank * (layer.in_features + layer.out_features)
+
+
+def plain_gemms(layer: LayerShape) -> int:
+    """FLOPs per row of a Linear's forward and backward GEMMs, unfused: the weight's gradient only
+    where it is trained; a LoRA term's forward, its input's share and its two gradients."""
+    base = 2 * layer.in_features * layer.out_features
+    return base * (2 + layer.trained) + 3 * (gemm(layer) - base)
+
+
+def keeps_input(layer: LayerShape) -> bool:
+    """Whether stock autograd keeps the Linear's input: for its weight's gradient, or for its LoRA
+    term's lora_A when no dropout stands between."""
+    return layer.trained or (layer.rank > 0 and not layer.mask)
+
+
+def lora_bytes(layer: LayerShape) -> int:
+    """What stock autograd keeps per row for a LoRA term: lora_B's input (rank wide), and with a
+    dropout its mask and the dropped input lora_A keeps."""
+    if not layer.rank:
+        return 0
+    return layer.rank * layer.itemsize + \
+        (layer.in_features * (layer.mask + layer.itemsize) if layer.mask else 0)
+
+
+def lora_note(layers: Sequence[LayerShape]) -> str:
+    """", LoRA r=8 on gate, up" for the layers with a LoRA term; "" without."""
+    on = [x for x in layers if x.rank]
+    if not on:
+        return ""
+    ranks = sorted({x.rank for x in on})
+    return f", LoRA r={'/'.join(map(str, ranks))} on {', '.join(x.label for x in on)}"
 
 
 def _unit_name(layers: Sequence[LayerShape], activations: Sequence[str], last_act: bool) -> str:
     sizes = "->".join(str(s) for s in [layers[0].in_features] + [x.out_features for x in layers])
-    last = f", last {activations[-1]}" if last_act else ""
+    last = f", last {activations[-1]}{lora_note(layers)}" if last_act else lora_note(layers)
     if len(set(activations)) > 1:
         return f"mlp mixed ({', '.join(activations)}), {len(layers)} layers {sizes}{last}"
     form = ops.named_form(activations[0], len(layers), last_act).__name__
     if form == "linear_tanh":
-        return f"linear_tanh {sizes}"
+        return f"linear_tanh {sizes}{last[len(', last tanh'):]}"
     name = "tanh_mlp" if form == "tanh_mlp" else f"mlp {activations[0]}"
     s = "s" if len(layers) > 1 or form == "tanh_mlp" else ""
     return f"{name}, {len(layers)} layer{s} {sizes}{last}"
@@ -97,12 +132,17 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
     units, misses = [], []
 
     def figures(a: int, b: int, last_act: bool, last_freed: bool) -> Tuple[int, int, int]:
-        freed = sum(chain.kept[j] * L[j].out_features * L[j].itemsize for j in range(a, b))
+        # an inner activation's output is kept by the next Linear only if that keeps its input;
+        # the unit's input x is kept by the fused op, and by stock autograd only so
+        freed = sum((chain.kept[j] - (keeps_z[j] and not keeps_input(L[j + 1])))
+                    * L[j].out_features * L[j].itemsize for j in range(a, b))
+        freed += sum(lora_bytes(L[j]) for j in range(a, b + 1))
+        freed -= 0 if keeps_input(L[a]) else L[a].in_features * L[a].itemsize
         if last_act:  # what the trailing activation keeps but its output, and that if freed
             kept = chain.kept[b] - 1 + (0 if keeps_z[b] else int(last_freed))
             freed += kept * L[b].out_features * L[b].itemsize
         extra = sum(gemm(L[j]) for j in range(a, b)) + (gemm(L[b]) if last_act else 0)
-        return freed, extra, sum(3 * gemm(L[j]) for j in range(a, b + 1))
+        return freed, extra, sum(plain_gemms(L[j]) for j in range(a, b + 1))
 
     def labels(a: int, b: int, last_act: bool) -> Tuple[str, ...]:
         return tuple(chain.labels[slice(*chain.span(a, b, last_act))])

@@ -44,6 +44,9 @@ class FuseReport:
     rewritten: List[str] = field(default_factory=list)
     #: (path, why) for every nn.Linear and transformers Conv1D that no decision names
     other_layers: List[Tuple[str, str]] = field(default_factory=list)
+    #: (module path, how, units, FLOPs per row) for each module gradient checkpointing recomputes
+    #: whole with fused units inside: their Linears' forward GEMMs run a third time.
+    checkpointed: List[Tuple[str, str, int, int]] = field(default_factory=list)
 
     @property
     def fused(self) -> List[Decision]:
@@ -85,6 +88,13 @@ class FuseReport:
                          + ", ".join(p or "<model>" for p in self.rewritten))
         for path, why in self.not_analysed:
             lines.append(f"  not analysed: {path or '<model>'}: {why}")
+        for path, how, units, flops in self.checkpointed:
+            lines.append(f"  recomputed twice: {path or '<model>'} runs under {how}, which "
+                         f"recomputes it whole in backward, so its {units} fused unit(s) compute "
+                         f"their Linears' forward GEMMs a third time (+{flops:,} FLOPs/row more); "
+                         f"with checkpointing off (gradient_checkpointing_disable()) they keep "
+                         f"only their inputs at one recompute: docs/fuse-usage.md, \"Gradient "
+                         f"checkpointing\"")
         return "\n".join(lines[:1] + grouped(lines[1:]))
 
 
@@ -121,6 +131,18 @@ def _spans(values: List[int]) -> str:
             parts.append(f"{start}..{a}" if a > start else str(start))
             start = b
     return ",".join(parts)
+
+
+def checkpointed(model: nn.Module, decisions: List[Decision], how) -> List[tuple]:
+    """FuseReport.checkpointed: ``how(module)`` names the checkpointing of a module, or None."""
+    out = []
+    fused = [d for d in decisions if d.action != "left alone" and d.unit]
+    for path, m in model.named_modules():
+        name = how(m)
+        inside = [d for d in fused if (d.where + ".").startswith(path + ".") or not path]
+        if name is not None and inside:
+            out.append((path, name, len(inside), sum(d.flops_per_row for d in inside)))
+    return out
 
 
 class Fused(NamedTuple):

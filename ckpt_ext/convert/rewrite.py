@@ -12,6 +12,7 @@ from torch.nn.utils import parametrize
 
 from ..modules import as_mlp_argument
 from .. import ops
+from . import lora
 from .facts import LayerKind, is_conv1d, linear_args, module_tensors, unsupported_reason
 from .graph import ModelGraph
 from .policy import Chain, LayerShape, Unit, decide, item_misses
@@ -60,7 +61,10 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
     def own_problem(n: fx.Node) -> Optional[str]:
         """What the layer itself keeps from being fused, wherever it is called."""
         if n.op == "call_module":
-            return graph.facts[id(owner.get_submodule(n.target))].problem
+            sub = owner.get_submodule(n.target)
+            return graph.facts[id(sub)].problem or (
+                f"{facts[n].label} is a LoRA Linear, which a rewritten forward does not compute"
+                if lora.form(sub) else None)
         if kind[n] is LayerKind.ACTIVATION:
             return facts[n].found.problem
         _, w, _ = linear_args(n)

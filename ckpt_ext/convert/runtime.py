@@ -16,9 +16,11 @@ from torch import nn
 from .. import ops
 from ..modules import LayerActivations, as_mlp_argument, each_layer
 from .. import _dropout_autograd as dropout_unit
+from .._recompute import recomputed_modules
+from . import lora
 from .facts import (GLOBAL, computes, elements, mask_inside, masks_drawable, no_hooks, of_class,
-                    own_forward, SetByFuse, Slot, base_type, conv1d_class, failing, is_conv1d,
-                    join_path, of_weights, passes_through)
+                    own_forward, SetByFuse, Slot, base_type, conv1d_class, failing, join_path,
+                    layer_forward, of_weights, op_terms, passes_through)
 
 if TYPE_CHECKING:
     from .report import Decision
@@ -128,13 +130,18 @@ class _Run:
         return _by_item((k, m.p) for m, _, k in self.passes if not passes_through(m))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weights = [lin.weight.t() if is_conv1d(lin) else lin.weight for lin in self.layers]
-        biases = [layer.bias for layer in self.layers]
+        terms, masks = [op_terms(lin) for lin in self.layers], self.masks()
+        if _through_modules(terms, bool(masks)):
+            return recomputed_modules(lambda h: dropout_unit.chain(
+                [layer_forward(lin) for lin in self.layers], self.activations, masks, h),
+                x, _trained(self.layers))
+        weights, biases, loras = map(list, zip(*terms))
         _as_layer_would(x, self.layers[0], weights[0])
-        if masks := self.masks():
+        if masks:
             return dropout_unit.plain(x, weights, biases, self.activations, masks)
         return ops.mlp(x, weights, biases, activation=as_mlp_argument(self.activation),
-                       last_activation=self.last_activation)
+                       last_activation=self.last_activation,
+                       lora=loras if any(t is not None for t in loras) else None)
 
     def enter(self) -> None:
         self._region.state = [0, None, self._region.state]
@@ -251,16 +258,28 @@ class _GatedRun(_PlaceholderRun):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.gate, self.up, self.down
-        _as_layer_would(x, self.members[0], self.members[0].weight)
-        w_up, b_up = (up.weight, up.bias) if up is not None else (None, None)
-        w, b = gate.weight, gate.bias
-        if masks := self.masks():
-            return dropout_unit.gated(x, w, w_up, down.weight, b, b_up, down.bias,
-                                      self.activation, self.gate_second, masks)
+        layers = [m for m in (gate, up, down) if m is not None]
+        terms, masks = [op_terms(m) for m in layers], self.masks()
+        up_first = up is not None and self.members[0] is up
+        loras = [t[2] for t in terms if t is not None]
+        # peft draws the LoRA masks in call order, the op gate's first; a packed gate_up's term
+        # is one, which the op would split for gate_second
+        if _through_modules(terms, bool(masks)) or any(loras) and (
+                up_first and any(t is not None and t.dropout > 0 for t in loras) or
+                up is None and self.gate_second):
+            return recomputed_modules(lambda h: dropout_unit.gated_chain(
+                layer_forward(gate), None if up is None else layer_forward(up), layer_forward(down),
+                self.activation, self.gate_second, up_first, masks, h), x, _trained(layers))
+        (w, b, _), (w_up, b_up, _) = terms[0], terms[1] if up is not None else (None, None, None)
+        w_down, b_down, _ = terms[-1]
+        _as_layer_would(x, self.members[0], w_up if up_first else w)
+        if masks:
+            return dropout_unit.gated(x, w, w_up, w_down, b, b_up, b_down, self.activation,
+                                      self.gate_second, masks)
         if up is None and self.gate_second:  # the activation takes the second half
             (w_up, w), (b_up, b) = w.chunk(2), b.chunk(2) if b is not None else (None, None)
-        return ops.gated_mlp(x, w, w_up, down.weight, b, b_up, down.bias,
-                             activation=self.activation)
+        return ops.gated_mlp(x, w, w_up, w_down, b, b_up, b_down, activation=self.activation,
+                             lora=loras if any(t is not None for t in loras) else None)
 
 
 class InlineDrop(NamedTuple):
@@ -298,6 +317,21 @@ class _InlineRun(_PlaceholderRun):
     def masks(self) -> Dict[int, Tuple[float, ...]]:
         return _by_item((d.item, d.module.p if d.module is not None else d.p)
                         for d in self.drops if d.drawing(self.owner.training))
+
+
+def _through_modules(terms: Sequence[Optional[tuple]], masks: bool) -> bool:
+    """Whether a unit is computed through its Linears' own forwards (recomputed_modules) rather
+    than the ops: a Linear only its forward computes (a 4-bit base), or a LoRA term with Dropouts
+    of the unit drawing masks or of another dtype than its base weight (peft casts the input)."""
+    if any(t is None for t in terms):
+        return True
+    loras = [(t[0], t[2]) for t in terms if t[2] is not None]
+    return bool(loras) and (masks or any(t.A.dtype != w.dtype for w, t in loras))
+
+
+def _trained(layers: Sequence[nn.Module]) -> list:
+    """The parameters of ``layers`` that require grad, each once."""
+    return list({id(p): p for m in layers for p in m.parameters() if p.requires_grad}.values())
 
 
 def _by_item(pairs) -> Dict[int, Tuple[float, ...]]:
@@ -428,10 +462,11 @@ class RunMember:
     _ckpt_ext_run: Optional[_Run] = None
     _ckpt_ext_index: int = 0
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        run = self._ckpt_ext_run
-        out = run.take(self._ckpt_ext_index, input) if run is not None else None
-        return super().forward(input) if out is None else out
+    def forward(self, input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        run = self._ckpt_ext_run  # other arguments (peft's adapter_names): its own forward
+        out = run.take(self._ckpt_ext_index, input) if run is not None and not (args or kwargs) \
+            else None
+        return super().forward(input, *args, **kwargs) if out is None else out
 
     def extra_repr(self) -> str:
         own = super().extra_repr()
@@ -474,7 +509,9 @@ def member_class(cls: type) -> type:
     """The class fuse gives a member of class ``cls``: a subclass made once per class."""
     base = getattr(cls, "_ckpt_ext_base", cls)
     if base not in _MEMBER_CLASSES:
-        name, mixin = f"Run{base.__name__}", RunMember if conv1d_class(base) else RunActivation
+        linear = conv1d_class(base) or lora.class_form(base)
+        name = f"Run{'Lora' if lora.class_form(base) else ''}{base.__name__}"
+        mixin = RunMember if linear else RunActivation
         _MEMBER_CLASSES[base] = type(name, (mixin, base), {
             "__module__": __name__, "__qualname__": name, "_ckpt_ext_base": base})
     return _MEMBER_CLASSES[base]

@@ -157,6 +157,33 @@ ZOO: Dict[str, ZooModel] = {
 }
 
 
+#: The zoo models measured with peft LoRA too (the table's LoRA column): the modules peft targets
+#: (every Linear of attention and MLP, as people fine-tune), r=8, dropout 0, bases frozen.
+LORA: Dict[str, Tuple[str, ...]] = {
+    "Llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "Qwen2": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "Phi-3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "GPT-2": ("c_attn", "c_proj", "c_fc"),
+    "BERT": ("query", "key", "value", "dense"),
+    "ViT": ("query", "key", "value", "dense", "fc1", "fc2"),
+    "CLIPVision": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    "nn.TransformerEncoderLayer": ("linear1", "linear2"),
+}
+
+
+def make(name: str, lora: bool = False) -> nn.Module:
+    """The zoo model, float32; with ``lora``, wrapped by peft's get_peft_model (LoRA weights drawn
+    seeded, B not zero)."""
+    model = ZOO[name].make()
+    if not lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(11)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA[name]), lora_dropout=0.0,
+                     init_lora_weights=False, fan_in_fan_out=name == "GPT-2")
+    return get_peft_model(model, cfg)
+
+
 def call(name: str, model: nn.Module, inputs: tuple):
     """The model's output tensor for ``inputs``."""
     z = ZOO[name]
@@ -251,10 +278,11 @@ class Row:
         return self.freed / self.mlp_kept if self.mlp_kept else 0.0
 
 
-def measure(name: str) -> Tuple[Row, nn.Module, nn.Module]:
-    """One zoo model, float32 in training: its row, and the plain model and the fused copy."""
+def measure(name: str, lora: bool = False) -> Tuple[Row, nn.Module, nn.Module]:
+    """One zoo model, float32 in training (with peft LoRA: :func:`make`): its row, and the plain
+    model and the fused copy."""
     torch.manual_seed(0)
-    plain = ZOO[name].make().train()
+    plain = make(name, lora).train()
     fused = copy.deepcopy(plain)
     _, report = fuse(fused)
     spans = mlp_spans(name, fused)
@@ -283,15 +311,18 @@ def measure(name: str) -> Tuple[Row, nn.Module, nn.Module]:
     return row, plain, fused
 
 
-def table(rows: List[Row]) -> str:
-    """The markdown table of docs/fuse-usage.md."""
+def table(rows: List[Row], lora: Dict[str, Row]) -> str:
+    """The markdown table of docs/fuse-usage.md; ``lora``: the rows measured with peft LoRA."""
     lines = ["| model | MLPs fused | MLP kept, unfused | freed | kept for backward, plain → fused "
-             "| peak of a step, plain → fused | why an MLP is left alone |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             "| peak of a step, plain → fused | with LoRA: MLPs fused, MLP kept, freed "
+             "| why an MLP is left alone |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
+        k = lora.get(r.name)
+        with_lora = f"{k.units}/{k.mlps}, {k.mlp_kept:,} B, {k.share:.0%}" if k else "—"
         lines.append(f"| {r.name} | {r.units}/{r.mlps} | {r.mlp_kept:,} B | {r.share:.0%} | "
                      f"{r.kept[0]:,} → {r.kept[1]:,} B | {r.peak[0]:,} → {r.peak[1]:,} B | "
-                     f"{r.why.replace('|', '/') or '—'} |")
+                     f"{with_lora} | {r.why.replace('|', '/') or '—'} |")
     return "\n".join(lines)
 
 

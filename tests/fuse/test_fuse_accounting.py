@@ -84,7 +84,7 @@ MUST_SAY = {
     "gpt2": ("mlp.c_fc -> ", "as mlp gelu_tanh"),
     "phi3": ("gated_mlp silu", "packed gate_up"),
     "gated, split by sizes": ("gated product",),
-    "lora wrapper": ("LoRA wrapper",),
+    "lora wrapper": ("fc1.base_layer: its output goes to operator.add",),
     "torch TransformerEncoderLayer": ("linear1 -> F.relu -> linear2",
                                       "out_proj: its caller self_attn is "
                                       "torch.nn.MultiheadAttention"),

@@ -38,23 +38,42 @@ def test_zoo_model_frees_its_mlps_or_says_why(name):
         assert row.kept[1] < row.kept[0], row
 
 
-def _close_all(a, b, what):
+@pytest.mark.parametrize("name", list(_zoo.LORA))
+def test_zoo_model_with_lora_frees_its_mlps(name):
+    pytest.importorskip("peft")
+    row, _, _ = _zoo.measure(name, lora=True)
+    assert row.units == row.mlps == 2, row
+    assert row.share >= 0.9, row
+    assert row.freed == row.claimed, row  # the report's figures, to the byte
+
+
+# GPT-2 with LoRA: the fused output is 1 ulp (2e-16) from peft's where MKL rounds a GEMM on
+# the op's buffer otherwise, which its final LayerNorm's backward amplifies in every gradient
+# (measured <= 1.0e-11 over the LoRA weights); the other models: <= 1e-15.
+TOL = {"GPT-2 + LoRA": 1e-10}
+
+
+def _close_all(a, b, what, tol=1e-13):
     scale = max(x.abs().max() for x in a if x is not None).clamp_min(1e-300)
     for i, (x, y) in enumerate(zip(a, b)):
         assert (x is None) == (y is None), f"{what} {i}"
         if x is not None:
             err = (y - x).abs().max() / scale
-            assert err <= 1e-13, f"{what} {i}: {err:.3g}"
+            assert err <= tol, f"{what} {i}: {err:.3g}"
 
 
 def _trained(model):
     return [p for p in model.parameters() if p.requires_grad]
 
 
-@pytest.mark.parametrize("name", list(_zoo.ZOO))
+@pytest.mark.parametrize("name", list(_zoo.ZOO) + [f"{n} + LoRA" for n in _zoo.LORA])
 def test_zoo_model_outputs_and_gradients_are_the_unfused_ones(name):
+    tol = TOL.get(name, 1e-13)
+    name, lora = name.removesuffix(" + LoRA"), name.endswith(" + LoRA")
+    if lora:
+        pytest.importorskip("peft")
     torch.manual_seed(0)
-    plain = _zoo.ZOO[name].make().double()
+    plain = _zoo.make(name, lora).double()
     fused = copy.deepcopy(plain)
     fuse(fused)
     torch.manual_seed(1)
@@ -67,9 +86,12 @@ def test_zoo_model_outputs_and_gradients_are_the_unfused_ones(name):
         torch.manual_seed(2)
         b = _zoo.call(name, fused, inputs)
         _close_all([a], [b], f"output, train={train}")
+        assert a.requires_grad == b.requires_grad
+        if not a.requires_grad:  # torch's fast path of an encoder layer in eval: no graph
+            continue
         ga = torch.autograd.grad(a.square().sum(), _trained(plain), allow_unused=True)
         gb = torch.autograd.grad(b.square().sum(), _trained(fused), allow_unused=True)
-        _close_all(ga, gb, f"gradient, train={train}")
+        _close_all(ga, gb, f"gradient, train={train}", tol)
 
 
 def test_doc_table_names_every_zoo_model_and_its_fused_mlps():
