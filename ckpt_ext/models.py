@@ -413,7 +413,7 @@ class _UnslothLoRAMLP(torch.autograd.Function):
         h = u2.mul_(f)  # u's buffer: h
         du = f.mul_(gh)  # e's buffer: the gradient at u
         del gh
-        grads = [None] * 13
+        grads, gx = [None] * 13, None
         for i, (dz, a, w, la, lb, s) in enumerate(((gy2, h, wd, ad, bd, sd),
                                                    (du, x2, wu, au, bu, su),
                                                    (de, x2, wg, ag, bg, sg))):
@@ -426,7 +426,7 @@ class _UnslothLoRAMLP(torch.autograd.Function):
             if need[k + 2]:
                 grads[k + 2] = (dz.t() @ (a @ la.t())).mul_(s)
             if i > 0 and need[0]:
-                gx = dz @ w if i == 1 else gx.addmm_(dz, w)
+                gx = dz @ w if gx is None else gx.addmm_(dz, w)
                 gx.addmm_(gt, la)
         if need[0]:
             grads[0] = gx.view(x.shape)
@@ -437,8 +437,9 @@ class LoRAGatedMLP(nn.Module):
     """transformers' ``LlamaMLP`` with a :class:`LoRALinear` for each of gate_proj, up_proj and
     down_proj (peft's ``target_modules`` naming the three). ``kernel`` says how it runs: "plain"
     (peft's forward), "fused" (one :func:`ckpt_ext.gated_mlp` with the three LoRA terms: it keeps
-    x only, and with dropout it draws the masks as peft does and again in backward) or "unsloth"
-    (:class:`_UnslothLoRAMLP`, dropout 0 only)."""
+    x only, and with dropout it draws the masks as peft does and again in backward), "liger"
+    (peft's projections around :class:`_SiLUMul`: Liger-Kernel's policy, gate and up kept) or
+    "unsloth" (:class:`_UnslothLoRAMLP`, dropout 0 only)."""
 
     def __init__(self, hidden: int, inter: int, r: int, alpha: float, dropout: float,
                  kernel: str = "plain", device=None, dtype=None) -> None:
@@ -462,6 +463,8 @@ class LoRAGatedMLP(nn.Module):
             return _UnslothLoRAMLP.apply(
                 x, *(t for p in projs for t in (p.base_layer.weight, p.lora_A.weight,
                                                  p.lora_B.weight)), *(p.scaling for p in projs))
+        if self.kernel == "liger":
+            return self.down_proj(_SiLUMul.apply(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -470,11 +473,12 @@ class LlamaLoRANet(_Recompute, nn.Module):
     fine-tuned with LoRA: every base weight frozen (the norms' too), each MLP a
     :class:`LoRAGatedMLP` with rank :attr:`RANK` (16), alpha :attr:`ALPHA` (32: scaling 2) and
     lora_dropout ``lora_dropout`` (default :attr:`DROPOUT`). Modes: ``checkpoint`` checkpoints each
-    block's MLP; ``fused`` runs each MLP as one :func:`ckpt_ext.gated_mlp`; ``unsloth`` keeps what
+    block's MLP; ``fused`` runs each MLP as one :func:`ckpt_ext.gated_mlp`; ``liger`` keeps what
+    Liger-Kernel's SiLU-mul keeps (gate and up) around peft's projections; ``unsloth`` keeps what
     Unsloth keeps (dropout 0 only); ``checkpoint-fused`` checkpoints each fused MLP (the gate and
     up projections then run three times). The loss is ``output.mean()``."""
 
-    MODES = ("plain", "checkpoint", "fused", "unsloth", "checkpoint-fused")
+    MODES = ("plain", "checkpoint", "fused", "liger", "unsloth", "checkpoint-fused")
     RANK = 16
     ALPHA = 32
     DROPOUT = 0.0
@@ -495,8 +499,8 @@ class LlamaLoRANet(_Recompute, nn.Module):
         if not 0.0 <= p < 1.0:
             raise ValueError(f"{type(self).__name__}: lora_dropout must be in [0, 1), got {p}")
         self.mode, self.use_reentrant, self.lora_dropout = mode, use_reentrant, p
-        kernel = {"fused": "fused", "checkpoint-fused": "fused", "unsloth": "unsloth"}.get(mode,
-                                                                                          "plain")
+        kernel = {"fused": "fused", "checkpoint-fused": "fused", "unsloth": "unsloth",
+                  "liger": "liger"}.get(mode, "plain")
         self.blocks = nn.ModuleList(
             LlamaMLPBlock(in_features, inter=hidden, mode=mode, device=device, dtype=dtype,
                           mlp=LoRAGatedMLP(in_features, hidden, self.RANK, self.ALPHA, p, kernel,
@@ -520,12 +524,12 @@ class LlamaLoRANet(_Recompute, nn.Module):
         GEMM first); the fused op at dropout 0 recomputes gate and up with their LoRA terms and
         down's ``h·A_downᵀ``, and with dropout, the whole MLP (it draws the masks again), as does
         the checkpoint's re-run of a fused MLP; Unsloth's policy recomputes the LoRA A
-        projections only."""
+        projections only, Liger's none."""
         M, W, I, r = tokens, width, inter, cls.RANK
         up = [(M, W, I), (M, W, r), (M, r, I)]
         mlp = up + up + [(M, I, W), (M, I, r), (M, r, W)]
         fused = mlp if cls.DROPOUT > 0 else up + up + [(M, I, r)]
-        per_block = {"plain": [], "checkpoint": mlp[:-1], "fused": fused,
+        per_block = {"plain": [], "liger": [], "checkpoint": mlp[:-1], "fused": fused,
                      "unsloth": [(M, W, r), (M, W, r), (M, I, r)],
                      "checkpoint-fused": mlp + fused}[mode]
         return per_block * depth

@@ -273,7 +273,7 @@ class NetworkRun:
                     self.res[mode]["grad_rel_err"] = grad_errors(self.plain, ref)
                 self.guarded(mode, agree)
                 self.bar.update(1)
-            del ref
+            ref.clear()  # agree() reads it: emptied, not unbound
             self.settle()
 
     def summarize(self) -> dict:

@@ -82,8 +82,8 @@ MODES = {
                   "per block, llama-mlp FusedGatedMLP per block, each physics-informed network "
                   "one FusedMLP of its activation"),
     "compile-fused": Mode("fused", compiled=True, doc="torch.compile of fused"),
-    "liger": Mode("liger", doc="llama-mlp only: Liger-Kernel's policy (gate and up kept, the "
-                  "product recomputed; a custom Function in plain torch)"),
+    "liger": Mode("liger", doc="llama-mlp and the LoRA networks: Liger-Kernel's policy (gate "
+                  "and up kept, the product recomputed; a custom Function in plain torch)"),
     "unsloth": Mode("unsloth", doc="llama-lora only: Unsloth's LoRA MLP policy (x, gate and up "
                     "kept, no GEMM of the base weights recomputed; a custom Function in plain "
                     "torch)"),

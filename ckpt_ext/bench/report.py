@@ -88,7 +88,7 @@ def _figure(key: str, v) -> str:
         return "n/a"
     if isinstance(v, str):
         return v
-    if key in ("ratio", "share"):
+    if key in ("ratio", "share") or key.startswith("step_ratio"):
         return f"{v:.3g}"
     if key.endswith("_ms"):
         return f"{v:.1f} ms"

@@ -47,23 +47,42 @@ def _time(modes: dict) -> dict:
     }
 
 
+def _side_by_side(modes: dict, other: str) -> dict:
+    """Fused's kept bytes and step beside mode ``other``'s (the unsloth mode, or plain where
+    Unsloth runs peft's forward) and eager checkpoint's, all from the same loop: met where fused
+    keeps no more than either."""
+    rows = {m: modes[m] for m in ("fused", other, "checkpoint")}
+    kept = {m: r["kept_for_backward"] for m, r in rows.items()}
+    step = {m: r.get("step_ms") for m, r in rows.items()}
+    out = {"met": kept["fused"] <= min(kept[other], kept["checkpoint"])}
+    out.update({f"{m}_bytes": b for m, b in kept.items()})
+    out.update({f"{m}_ms": t for m, t in step.items()})
+    out.update({f"step_ratio_to_{m}": _ratio(step["fused"], step[m]) for m in (other,
+                                                                              "checkpoint")})
+    return out
+
+
 def _lora(modes: dict) -> dict:
     """Kept beyond eager checkpoint's (the blocks' inputs, what the norms keep and an RNG state
-    per call) at most a tenth of plain's beyond it; time; max batch >= 2x plain's and >= 1.5x the
-    unsloth mode's (plain's where Unsloth runs peft's forward)."""
+    per call) at most a tenth of plain's beyond it; kept and step beside the unsloth mode's
+    (plain's where Unsloth runs peft's forward) and checkpoint's; time; max batch >= 2x plain's
+    and >= 1.5x the unsloth mode's."""
     fused, ckpt, plain = (modes[m]["kept_for_backward"] for m in ("fused", "checkpoint", "plain"))
     share = (fused - ckpt) / (plain - ckpt)
     out = {"kept beyond the blocks' inputs <= 10 % of plain's":
            {"met": share <= 0.10, "fused_bytes": fused, "checkpoint_bytes": ckpt,
             "plain_bytes": plain, "share": share}}
+    unsloth = modes.get("unsloth", {})
+    other, note = ((unsloth["same_as"], f"{unsloth['same_as']}: {unsloth['why']}")
+                   if "same_as" in unsloth else ("unsloth", ""))
+    if _ok(modes, other):
+        side = _side_by_side(modes, other)
+        out["kept <= the unsloth mode's and checkpoint's"] = \
+            dict(side, against=note) if note else side
     out.update(_time(modes))
     out["max batch >= 2x plain's"] = _at_least(modes, 2.0, "plain")
-    unsloth = modes.get("unsloth", {})
-    if "same_as" in unsloth:
-        out["max batch >= 1.5x the unsloth mode's"] = _at_least(
-            modes, 1.5, unsloth["same_as"], f"{unsloth['same_as']}: {unsloth['why']}")
-    elif _ok(modes, "unsloth"):
-        out["max batch >= 1.5x the unsloth mode's"] = _at_least(modes, 1.5, "unsloth")
+    if _ok(modes, other):
+        out["max batch >= 1.5x the unsloth mode's"] = _at_least(modes, 1.5, other, note)
     return out
 
 

@@ -60,7 +60,8 @@ def test_cli_no_mode_fails_but_compile_of_double_backward(tiny_run):
     assert list(res["networks"]) == list(NETWORKS)
     for name, modes in res["networks"].items():
         assert list(modes) == [m for m in presets.DEFAULT_MODES if presets.runs_mode(name, m)]
-        assert ("liger" in modes) == (name == "llama-mlp"), name
+        assert ("liger" in modes) == (name in ("llama-mlp", "llama-lora",
+                                               "llama-lora-dropout")), name
         for mode, r in modes.items():
             if is_pinn(name) and presets.MODES[mode].compiled:
                 assert r == {"error": f"RuntimeError: {DOUBLE_BACKWARD}"}, mode
@@ -206,6 +207,18 @@ def test_cli_targets(tiny_run):
         "unsloth_max_batch"] == res["networks"]["llama-lora"]["unsloth"]["max_batch"]
     assert res["targets"]["llama-lora-dropout"]["max batch >= 1.5x the unsloth mode's"][
         "against"].startswith("plain: Unsloth runs peft's forward")
+    # fused beside Unsloth's policy (plain's with dropout) and checkpoint, from their own rows
+    for name, other in (("llama-lora", "unsloth"), ("llama-lora-dropout", "plain")):
+        side = res["targets"][name]["kept <= the unsloth mode's and checkpoint's"]
+        modes = res["networks"][name]
+        for m in ("fused", other, "checkpoint"):
+            assert side[f"{m}_bytes"] == modes[m]["kept_for_backward"], (name, m)
+            assert side[f"{m}_ms"] == modes[m]["step_ms"], (name, m)
+        assert side[f"step_ratio_to_{other}"] == pytest.approx(
+            modes["fused"]["step_ms"] / modes[other]["step_ms"])
+        assert side["met"] == (modes["fused"]["kept_for_backward"] <= min(
+            modes[other]["kept_for_backward"], modes["checkpoint"]["kept_for_backward"]))
+    assert res["targets"]["llama-lora"]["kept <= the unsloth mode's and checkpoint's"]["met"]
 
 
 def test_network_without_its_requirements_says_so(monkeypatch, tmp_path):

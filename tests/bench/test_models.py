@@ -424,7 +424,8 @@ def test_lora_linear_is_peft_lora_linear(p):
         assert torch.equal(a.weight.grad, b.weight.grad)
 
 
-LORA_KERNEL_MODES = [(n, m) for n in LORA_NETS for m in ("fused", "checkpoint-fused", "unsloth")
+LORA_KERNEL_MODES = [(n, m) for n in LORA_NETS
+                     for m in ("fused", "checkpoint-fused", "unsloth", "liger")
                      if m in NETWORKS[n].MODES]
 
 
@@ -487,7 +488,8 @@ def test_unsloth_mode_is_exact_and_refuses_dropout():
     with pytest.raises(ValueError, match="unsloth kernel runs only at lora_dropout 0 .* got 0.05"):
         NETWORKS["llama-lora"](mode="unsloth", lora_dropout=0.05, **kw)
     with pytest.raises(ValueError, match="LlamaLoRADropoutNet: mode must be one of plain, "
-                                         "checkpoint, fused, checkpoint-fused, got 'unsloth'"):
+                                         "checkpoint, fused, liger, checkpoint-fused, got "
+                                         "'unsloth'"):
         NETWORKS["llama-lora-dropout"](mode="unsloth", **kw)
     with pytest.raises(ValueError, match="use_reentrant=True would give the first block no"):
         NETWORKS["llama-lora"](mode="checkpoint", use_reentrant=True, **kw)
@@ -497,7 +499,8 @@ def test_lora_kept_bytes(meter):
     # Exact bytes. Every mode keeps each MLP's input n (T, W) and, from the second block on, what
     # the frozen RMSNorm keeps: its input h and its (T, 1) rsqrt. Plain also keeps per block
     # g, silu(g), u and their product (T, I each), three LoRA A outputs (T, r) and the 8-byte
-    # scalar of each `* scaling`; Unsloth's policy g and u; checkpoint an RNG state per call.
+    # scalar of each `* scaling`; Liger's policy all of that but silu(g); Unsloth's policy g and u;
+    # checkpoint an RNG state per call.
     T, W, I, D = 24, 16, 40, 3
     r = NETWORKS["llama-lora"].RANK
     common = D * T * W * 4 + (D - 1) * (T * W * 4 + T * 4)
@@ -509,6 +512,8 @@ def test_lora_kept_bytes(meter):
     assert kept["llama-lora", "plain"] == common + D * (4 * T * I * 4 + 3 * T * r * 4 + 3 * 8)
     assert kept["llama-lora", "fused"] == common
     assert kept["llama-lora", "unsloth"] == common + D * 2 * T * I * 4
+    assert kept["llama-lora", "liger"] == \
+        common + D * (3 * T * I * 4 + 3 * T * r * 4 + 3 * 8)
     assert kept["llama-lora", "checkpoint-fused"] == common + D * RNG
     # with dropout the fused op keeps the generator's state too, and so does the checkpoint
     # around it; plain keeps the masks and the dropped inputs besides
