@@ -615,7 +615,7 @@ class MoENet(_Recompute, nn.Module):
     #: the packages it builds on beyond the package's own dependencies
     REQUIRES = ("transformers",)
 
-    def __init__(self, in_features: int = 1024, hidden: int = 1408, depth: int = 3,
+    def __init__(self, in_features: int = 1024, hidden: int = 1024, depth: int = 3,
                  mode: str = "plain", use_reentrant: bool = False, device=None,
                  dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()

@@ -314,7 +314,7 @@ def test_presets_and_defaults():
     assert cfg.budget_of("llama-lora-dropout") == cfg.llama_budget
     assert cfg.sizes_of("llama-lora") == cfg.llama
     assert (cfg.moe.batch, cfg.moe.in_features, cfg.moe.hidden, cfg.moe.depth) == \
-        (2048, 1024, 1408, 3)
+        (2048, 1024, 1024, 3)
     assert cfg.budget_of("moe") == cfg.moe_budget == 2 << 30
     assert (cfg.pinn.batch, cfg.pinn.in_features, cfg.pinn.hidden, cfg.pinn.depth) == \
         (4096, 2, 64, 4)
