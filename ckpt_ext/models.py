@@ -4,27 +4,33 @@ then ``block1..blockN = Sequential(Linear(H, H), Tanh())``, loss ``output.mean()
 :class:`ResidualNet` (``h + tanh(Linear(h))``), :class:`MLPNet` (``h + Linear(4H, H)(tanh(Linear(H,
 4H)(h)))``), :class:`BertMLPNet` (BERT's ``LayerNorm(h + Linear(H, W)(gelu(Linear(W, H)(h))))``),
 :class:`LlamaMLPNet` (Llama's ``h + down(silu(gate(n)) * up(n))``, ``n = RMSNorm(h)``)
-and :class:`PINNNet` (``2 -> H x D -> 1`` with any activation, a heat-equation loss needing
-``u_xx``: a double backward). Every mode shares ``nn.Linear``'s initialisation and ``state_dict``
-keys, so modes load one another's weights; :func:`recomputed_gemms` says what each mode recomputes.
-What each mode keeps and why: docs/benchmark.md#networks-and-modes.
+with LoRA adapters on frozen weights (:class:`LlamaLoRANet`), a mixture of experts
+(:class:`MoENet`, transformers' Mixtral experts and router) and :class:`PINNNet` (``2 -> H x D ->
+1`` with any activation, a heat-equation loss needing ``u_xx``: a double backward). Every mode
+shares ``nn.Linear``'s initialisation and ``state_dict`` keys, so modes load one another's
+weights; :func:`recomputed_gemms` says what each mode recomputes. What each mode keeps and why:
+docs/benchmark.md#networks-and-modes.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ._activations import QuickGELU, Sin  # noqa: F401  (the modules of sin, quick_gelu)
 from ._activations import MODULE_OF, activation_backward
+from ._lora import LoRA
 from .modules import FusedGatedMLP, FusedLinearTanh, FusedMLP, FusedTanhMLP
-from .ops import tanh_mlp
+from .ops import gated_mlp, moe_experts, tanh_mlp
 
 #: Every mode some network has; each class lists its own in ``MODES``.
-ALL_MODES = ("plain", "checkpoint", "checkpoint-stack", "fused", "liger")
+ALL_MODES = ("plain", "checkpoint", "checkpoint-stack", "fused", "liger", "unsloth",
+             "checkpoint-fused")
 
 
 #: The stock module of each activation name of ``ckpt_ext.mlp``: what the plain and checkpoint
@@ -289,13 +295,17 @@ class GatedMLP(nn.Module):
 class LlamaMLPBlock(nn.Module):
     """A Llama decoder layer's MLP sublayer: ``h + mlp(norm(h))`` with ``norm = nn.RMSNorm(W,
     eps=1e-6)`` and ``mlp`` :class:`GatedMLP` (W -> I -> W, SiLU), or :class:`~ckpt_ext.FusedGatedMLP`
-    when ``fused`` (the same keys and seeded values). ``forward(h, recompute)`` runs ``mlp``
-    through ``recompute(mlp, n)`` where given (a checkpoint call)."""
+    when ``fused`` (the same keys and seeded values), or the ``mlp`` given.
+    ``forward(h, recompute)`` runs ``mlp`` through ``recompute(mlp, n)`` where given (a
+    checkpoint call)."""
 
-    def __init__(self, width: int, inter: int, mode: str, device=None, dtype=None) -> None:
+    def __init__(self, width: int, inter: int, mode: str, device=None, dtype=None,
+                 mlp: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.norm = nn.RMSNorm(width, eps=1e-6, device=device, dtype=dtype)
-        if mode == "fused":
+        if mlp is not None:
+            self.mlp = mlp
+        elif mode == "fused":
             self.mlp = FusedGatedMLP(width, inter, "silu", device=device, dtype=dtype)
         else:
             self.mlp = GatedMLP(width, inter, mode == "liger", device=device, dtype=dtype)
@@ -331,6 +341,323 @@ class LlamaMLPNet(_Recompute, nn.Module):
         for block in self.blocks:
             h = block(h, self._checkpoint if self.mode == "checkpoint" else None)
         return h
+
+
+# ---- LoRA adapters on a Llama MLP ----------------------------------------------------------------
+
+class LoRALinear(nn.Module):
+    """peft's vanilla ``lora.Linear`` with one adapter on a frozen bias-free ``nn.Linear``:
+    ``base_layer(x) + lora_B(lora_A(lora_dropout(x))) * scaling``, op for op, with ``lora_A =
+    Linear(in, r)`` and ``lora_B = Linear(r, out)`` (no biases), ``scaling = alpha / r`` and
+    ``lora_dropout`` an ``nn.Dropout(p)`` (``nn.Identity`` for p = 0), as peft names them. Both LoRA
+    weights get ``nn.Linear``'s initialisation: peft's zero B would give A no gradient."""
+
+    def __init__(self, in_features: int, out_features: int, r: int, alpha: float, dropout: float,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.base_layer = nn.Linear(in_features, out_features, **kw).requires_grad_(False)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_A = nn.Linear(in_features, r, **kw)
+        self.lora_B = nn.Linear(r, out_features, **kw)
+        self.scaling = alpha / r
+
+    def forward(self, x: Tensor) -> Tensor:
+        result = self.base_layer(x)
+        return result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def term(self) -> LoRA:
+        """The adapter as the ops take it: its dropout's p while it trains, else 0."""
+        drop = self.lora_dropout
+        p = drop.p if isinstance(drop, nn.Dropout) and drop.training else 0.0
+        return LoRA(self.lora_A.weight, self.lora_B.weight, self.scaling, None, p)
+
+
+def _lora_linear(x: Tensor, w: Tensor, a: Tensor, b: Tensor, s: float) -> Tensor:
+    """:class:`LoRALinear`'s forward at dropout 0, op for op."""
+    return F.linear(x, w) + F.linear(F.linear(x, a), b) * s
+
+
+class _UnslothLoRAMLP(torch.autograd.Function):
+    """``down(silu(gate(x)) * up(x))``, each a :class:`LoRALinear` at dropout 0, keeping what
+    Unsloth's ``LoRA_MLP`` keeps: x, the gate's output e and the up projection's u (not silu(e),
+    not the product h), written in plain torch (Unsloth's Triton kernels need a GPU). Backward
+    recomputes no base GEMM: h and the two gradients from e and u in their own buffers and one
+    more (Unsloth's kernel needs none more), and the LoRA A projections of x and h, as Unsloth's.
+
+    apply(x, W_gate, A_gate, B_gate, W_up, A_up, B_up, W_down, A_down, B_down, s_gate, s_up,
+    s_down)."""
+
+    @staticmethod
+    def forward(ctx, x, wg, ag, bg, wu, au, bu, wd, ad, bd, sg, su, sd):
+        e = _lora_linear(x, wg, ag, bg, sg)
+        u = _lora_linear(x, wu, au, bu, su)
+        y = _lora_linear(F.silu(e) * u, wd, ad, bd, sd)
+        ctx.save_for_backward(x, e, u, wg, ag, bg, wu, au, bu, wd, ad, bd)
+        ctx.scalings = (sg, su, sd)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, e, u, wg, ag, bg, wu, au, bu, wd, ad, bd = ctx.saved_tensors
+        sg, su, sd = ctx.scalings
+        need = ctx.needs_input_grad
+        x2, e2, u2, gy2 = (t.reshape(-1, t.shape[-1]) for t in (x, e, u, gy))
+        gt_d = (gy2 @ bd).mul_(sd)  # the gradient at down's lora_A output
+        gh = gy2 @ wd
+        gh.addmm_(gt_d, ad)
+        # e and u are written over (a second backward through this graph fails on their versions)
+        sig = torch.sigmoid(e2)
+        f = e2.mul_(sig)  # e's buffer: silu(e)
+        de = sig.addcmul_(f, sig, value=-1).add_(f).mul_(u2).mul_(gh)  # silu'(e) = σ + f·(1 − σ)
+        h = u2.mul_(f)  # u's buffer: h
+        du = f.mul_(gh)  # e's buffer: the gradient at u
+        del gh
+        grads, gx = [None] * 13, None
+        for i, (dz, a, w, la, lb, s) in enumerate(((gy2, h, wd, ad, bd, sd),
+                                                   (du, x2, wu, au, bu, su),
+                                                   (de, x2, wg, ag, bg, sg))):
+            k = (7, 4, 1)[i]  # W's position among the inputs; A and B follow it
+            gt = gt_d if i == 0 else (dz @ lb).mul_(s)
+            if need[k]:
+                grads[k] = dz.t() @ a
+            if need[k + 1]:
+                grads[k + 1] = gt.t() @ a
+            if need[k + 2]:
+                grads[k + 2] = (dz.t() @ (a @ la.t())).mul_(s)
+            if i > 0 and need[0]:
+                gx = dz @ w if gx is None else gx.addmm_(dz, w)
+                gx.addmm_(gt, la)
+        if need[0]:
+            grads[0] = gx.view(x.shape)
+        return tuple(grads)
+
+
+class LoRAGatedMLP(nn.Module):
+    """transformers' ``LlamaMLP`` with a :class:`LoRALinear` for each of gate_proj, up_proj and
+    down_proj (peft's ``target_modules`` naming the three). ``kernel`` says how it runs: "plain"
+    (peft's forward), "fused" (one :func:`ckpt_ext.gated_mlp` with the three LoRA terms: it keeps
+    x only, and with dropout it draws the masks as peft does and again in backward), "liger"
+    (peft's projections around :class:`_SiLUMul`: Liger-Kernel's policy, gate and up kept) or
+    "unsloth" (:class:`_UnslothLoRAMLP`, dropout 0 only)."""
+
+    def __init__(self, hidden: int, inter: int, r: int, alpha: float, dropout: float,
+                 kernel: str = "plain", device=None, dtype=None) -> None:
+        super().__init__()
+        if kernel == "unsloth" and dropout > 0:
+            raise ValueError(f"LoRAGatedMLP: the unsloth kernel runs only at lora_dropout 0 "
+                             f"(Unsloth falls back to peft's forward otherwise), got {dropout}")
+        lora = dict(r=r, alpha=alpha, dropout=dropout, device=device, dtype=dtype)
+        self.gate_proj = LoRALinear(hidden, inter, **lora)
+        self.up_proj = LoRALinear(hidden, inter, **lora)
+        self.down_proj = LoRALinear(inter, hidden, **lora)
+        self.act_fn = nn.SiLU()
+        self.kernel = kernel
+
+    def forward(self, x: Tensor) -> Tensor:
+        projs = (self.gate_proj, self.up_proj, self.down_proj)
+        if self.kernel == "fused":
+            return gated_mlp(x, *(p.base_layer.weight for p in projs), activation="silu",
+                             lora=[p.term() for p in projs])
+        if self.kernel == "unsloth":
+            return _UnslothLoRAMLP.apply(
+                x, *(t for p in projs for t in (p.base_layer.weight, p.lora_A.weight,
+                                                 p.lora_B.weight)), *(p.scaling for p in projs))
+        if self.kernel == "liger":
+            return self.down_proj(_SiLUMul.apply(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaLoRANet(_Recompute, nn.Module):
+    """:class:`LlamaMLPNet`'s blocks (``h + mlp(norm(h))``, ``norm = nn.RMSNorm(W, eps=1e-6)``)
+    fine-tuned with LoRA: every base weight frozen (the norms' too), each MLP a
+    :class:`LoRAGatedMLP` with rank :attr:`RANK` (16), alpha :attr:`ALPHA` (32: scaling 2) and
+    lora_dropout ``lora_dropout`` (default :attr:`DROPOUT`). Modes: ``checkpoint`` checkpoints each
+    block's MLP; ``fused`` runs each MLP as one :func:`ckpt_ext.gated_mlp`; ``liger`` keeps what
+    Liger-Kernel's SiLU-mul keeps (gate and up) around peft's projections; ``unsloth`` keeps what
+    Unsloth keeps (dropout 0 only); ``checkpoint-fused`` checkpoints each fused MLP (the gate and
+    up projections then run three times). The loss is ``output.mean()``."""
+
+    MODES = ("plain", "checkpoint", "fused", "liger", "unsloth", "checkpoint-fused")
+    RANK = 16
+    ALPHA = 32
+    DROPOUT = 0.0
+
+    def __init__(self, in_features: int = 1024, hidden: int = 2816, depth: int = 3,
+                 mode: str = "plain", use_reentrant: bool = False, device=None,
+                 dtype: Optional[torch.dtype] = None, lora_dropout: Optional[float] = None) -> None:
+        super().__init__()
+        _check_args(type(self), mode, use_reentrant)
+        if use_reentrant:
+            raise ValueError(f"{type(self).__name__}: use_reentrant=True would give the first "
+                             f"block no gradients (reentrant checkpoint differentiates only "
+                             f"through inputs that require grad, and the frozen norm's output "
+                             f"of the token rows does not)")
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        p = self.DROPOUT if lora_dropout is None else float(lora_dropout)
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"{type(self).__name__}: lora_dropout must be in [0, 1), got {p}")
+        self.mode, self.use_reentrant, self.lora_dropout = mode, use_reentrant, p
+        kernel = {"fused": "fused", "checkpoint-fused": "fused", "unsloth": "unsloth",
+                  "liger": "liger"}.get(mode, "plain")
+        self.blocks = nn.ModuleList(
+            LlamaMLPBlock(in_features, inter=hidden, mode=mode, device=device, dtype=dtype,
+                          mlp=LoRAGatedMLP(in_features, hidden, self.RANK, self.ALPHA, p, kernel,
+                                           device, dtype))
+            for _ in range(depth))
+        for block in self.blocks:
+            block.norm.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x
+        recompute = self._checkpoint if self.mode in ("checkpoint", "checkpoint-fused") else None
+        for block in self.blocks:
+            h = block(h, recompute)
+        return h
+
+    @classmethod
+    def recomputed_gemms(cls, mode: str, tokens: int, width: int, inter: int, depth: int) -> list:
+        """:func:`recomputed_gemms` of this network (lora_dropout :attr:`DROPOUT`): each
+        projection is its base GEMM and the two of its LoRA term. Checkpoint re-runs the MLP up
+        to down's lora_B, whose saved input is the last tensor backward needs (peft runs the base
+        GEMM first); the fused op at dropout 0 recomputes gate and up with their LoRA terms and
+        down's ``h·A_downᵀ``, and with dropout, the whole MLP (it draws the masks again), as does
+        the checkpoint's re-run of a fused MLP; Unsloth's policy recomputes the LoRA A
+        projections only, Liger's none."""
+        M, W, I, r = tokens, width, inter, cls.RANK
+        up = [(M, W, I), (M, W, r), (M, r, I)]
+        mlp = up + up + [(M, I, W), (M, I, r), (M, r, W)]
+        fused = mlp if cls.DROPOUT > 0 else up + up + [(M, I, r)]
+        per_block = {"plain": [], "liger": [], "checkpoint": mlp[:-1], "fused": fused,
+                     "unsloth": [(M, W, r), (M, W, r), (M, I, r)],
+                     "checkpoint-fused": mlp + fused}[mode]
+        return per_block * depth
+
+
+class LlamaLoRADropoutNet(LlamaLoRANet):
+    """:class:`LlamaLoRANet` with lora_dropout 0.05 when none is given (network
+    ``llama-lora-dropout``); no ``unsloth`` mode (Unsloth runs peft's forward at dropout > 0)."""
+    MODES = tuple(m for m in LlamaLoRANet.MODES if m != "unsloth")
+    DROPOUT = 0.05
+
+
+# ---- a mixture of experts ------------------------------------------------------------------------
+
+def experts_implementation(dtype: Optional[torch.dtype], hidden: int, inter: int) -> str:
+    """transformers' experts implementation :class:`MoENet` runs in plain mode: ``grouped_mm``
+    (torch's grouped GEMM) where torch's takes the dtype and widths, else ``eager`` (transformers'
+    loop over experts): torch's CPU grouped_mm takes no float64 and rows of a multiple of 16
+    bytes only."""
+    dtype = dtype or torch.get_default_dtype()
+    size = torch.empty((), dtype=dtype).element_size()
+    if dtype == torch.float64 or (hidden * size) % 16 or (inter * size) % 16:
+        return "eager"
+    return "grouped_mm"
+
+
+class SparseMoE(nn.Module):
+    """Mixtral's sparse MoE block on rows of tokens, built from transformers' own modules: the
+    router ``gate`` (``MixtralTopKRouter``: softmax in float32 over the experts, top-k,
+    renormalised) and ``experts`` (``MixtralExperts``, weights (E, 2·inter, hidden) and (E, hidden,
+    inter), SiLU), in transformers' experts implementation ``implementation``; ``fused``: the
+    experts through :func:`ckpt_ext.moe_experts` over their own parameters (it keeps x and the
+    routing only). Parameters drawn as ``nn.Linear``'s (uniform within 1/√fan_in)."""
+
+    def __init__(self, hidden: int, inter: int, experts: int, top_k: int, fused: bool,
+                 implementation: str, device=None, dtype=None) -> None:
+        super().__init__()
+        try:
+            from transformers import MixtralConfig
+            from transformers.models.mixtral.modeling_mixtral import (MixtralExperts,
+                                                                      MixtralTopKRouter)
+        except ImportError as e:
+            raise ImportError(f"SparseMoE builds transformers' Mixtral router and experts; "
+                              f"transformers is not importable here ({e})") from e
+        config = MixtralConfig(hidden_size=hidden, intermediate_size=inter,
+                               num_local_experts=experts, num_experts_per_tok=top_k,
+                               hidden_act="silu")
+        config._experts_implementation = implementation
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            self.gate = MixtralTopKRouter(config)
+            self.experts = MixtralExperts(config)
+        self.to(dtype=dtype or torch.get_default_dtype())
+        with torch.no_grad():
+            for p, fan_in in ((self.gate.weight, hidden), (self.experts.gate_up_proj, hidden),
+                              (self.experts.down_proj, inter)):
+                p.uniform_(-fan_in ** -0.5, fan_in ** -0.5)
+        self.fused = fused
+
+    def forward(self, n: Tensor) -> Tensor:
+        rows = n.reshape(-1, n.shape[-1])
+        _, top_k_weights, top_k_index = self.gate(rows)
+        if self.fused:
+            y = moe_experts(rows, top_k_index, top_k_weights, self.experts.gate_up_proj,
+                            self.experts.down_proj, activation="silu")
+        else:
+            y = self.experts(rows, top_k_index, top_k_weights)
+        return y.reshape(n.shape)
+
+
+class MoENet(_Recompute, nn.Module):
+    """A Mixtral decoder layer's MoE sublayer, ``depth`` times: ``h + moe(norm(h))`` with
+    ``norm = nn.RMSNorm(W, eps=1e-6)`` and ``moe`` a :class:`SparseMoE` of :attr:`EXPERTS` (8)
+    experts, top :attr:`TOP_K` (2), hidden size ``in_features`` and expert intermediate size
+    ``hidden``, on rows of tokens ``(..., W)``. Needs transformers. Plain runs transformers'
+    ``grouped_mm`` experts implementation (:func:`experts_implementation` says where it cannot);
+    ``checkpoint`` checkpoints each MoE block (router and experts; the norm and the add stay
+    outside); ``fused`` runs the experts through :func:`ckpt_ext.moe_experts`. The loss is
+    ``output.mean()``."""
+
+    MODES = ("plain", "checkpoint", "fused")
+    EXPERTS = 8
+    TOP_K = 2
+    #: the packages it builds on beyond the package's own dependencies
+    REQUIRES = ("transformers",)
+
+    def __init__(self, in_features: int = 1024, hidden: int = 1024, depth: int = 3,
+                 mode: str = "plain", use_reentrant: bool = False, device=None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        _check_args(type(self), mode, use_reentrant)
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.mode, self.use_reentrant = mode, use_reentrant
+        self.experts_implementation = experts_implementation(dtype, in_features, hidden)
+        self.blocks = nn.ModuleList(
+            LlamaMLPBlock(in_features, inter=hidden, mode=mode, device=device, dtype=dtype,
+                          mlp=SparseMoE(in_features, hidden, self.EXPERTS, self.TOP_K,
+                                        mode == "fused", self.experts_implementation, device,
+                                        dtype))
+            for _ in range(depth))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x
+        for block in self.blocks:
+            h = block(h, self._checkpoint if self.mode == "checkpoint" else None)
+        return h
+
+    @classmethod
+    def routing_bytes(cls, tokens: int, depth: int) -> int:
+        """What the routing adds to the blocks' inputs in a mode that keeps the experts' input
+        only, in bytes: per block what transformers' router keeps, its float32 probabilities
+        (tokens, E), the top-k indices (int64), the top-k probabilities before and after their
+        renormalisation and their sum (float32)."""
+        E, k = cls.EXPERTS, cls.TOP_K
+        return depth * tokens * (4 * E + 8 * k + 2 * 4 * k + 4)
+
+    @classmethod
+    def recomputed_gemms(cls, mode: str, tokens: int, width: int, inter: int, depth: int) -> list:
+        """:func:`recomputed_gemms` of this network, each expert GEMM as one over every routed
+        row (tokens·k of them; the same FLOPs as the experts' GEMMs over their own rows).
+        Checkpoint re-runs the router and both expert GEMMs (the routing weights' product keeps
+        the down projection's output); the fused op recomputes the gate and up projections."""
+        rows = tokens * cls.TOP_K
+        gate_up = (rows, width, 2 * inter)
+        per_block = {"plain": [], "fused": [gate_up],
+                     "checkpoint": [(tokens, width, cls.EXPERTS), gate_up,
+                                    (rows, inter, width)]}[mode]
+        return per_block * depth
 
 
 class PINNNet(_Recompute, nn.Module):
@@ -427,7 +754,9 @@ class SiLUPINNNet(PINNNet):
 #: The benchmark's networks by name; each takes ``(in_features, hidden, depth, mode,
 #: use_reentrant, device, dtype)`` and has ``MODES`` and ``loss(out, x)``.
 NETWORKS = {"chain": Net, "residual": ResidualNet, "mlp": MLPNet, "bert-mlp": BertMLPNet,
-            "llama-mlp": LlamaMLPNet, "pinn": PINNNet, "pinn-sin": SinPINNNet, "pinn-silu": SiLUPINNNet}
+            "llama-mlp": LlamaMLPNet, "llama-lora": LlamaLoRANet,
+            "llama-lora-dropout": LlamaLoRADropoutNet, "moe": MoENet, "pinn": PINNNet,
+            "pinn-sin": SinPINNNet, "pinn-silu": SiLUPINNNet}
 
 
 def is_pinn(name: str) -> bool:
@@ -445,8 +774,11 @@ def recomputed_gemms(name: str, mode: str, batch: int, in_features: int, hidden:
     for its "floor" column; tests/bench/test_models.py checks them against FLOP counts."""
     if is_pinn(name):
         return None
-    if mode not in NETWORKS[name].MODES:
-        raise ValueError(f"{NETWORKS[name].__name__} has no mode {mode!r}")
+    cls = NETWORKS[name]
+    if mode not in cls.MODES:
+        raise ValueError(f"{cls.__name__} has no mode {mode!r}")
+    if hasattr(cls, "recomputed_gemms"):
+        return cls.recomputed_gemms(mode, batch, in_features, hidden, depth)
     # An MLP block's two Linears (bert-mlp, llama-mlp: in_features -> hidden -> in_features)
     width, inner = ((in_features, hidden) if name in ("bert-mlp", "llama-mlp")
                     else (hidden, ratio * hidden))

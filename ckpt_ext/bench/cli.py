@@ -47,12 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="overrides the preset (bert-mlp; widths 768 -> 3072 -> 768)")
     for name in ("tokens", "depth"):
         p.add_argument(f"--llama-{name}", type=int, default=None,
-                       help="overrides the preset (llama-mlp; widths the preset's)")
+                       help="overrides the preset (llama-mlp, llama-lora, llama-lora-dropout; "
+                            "widths the preset's)")
+    for name in ("tokens", "depth"):
+        p.add_argument(f"--moe-{name}", type=int, default=None,
+                       help="overrides the preset (moe; widths the preset's)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per mode (preset's)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--budget", type=parse_bytes, default=None,
                    help="memory budget for the max-batch column of every network, e.g. 512MiB "
-                        "(default: the preset's, bert-mlp's and llama-mlp's their own)")
+                        "(default: the preset's; bert-mlp, the llama networks and moe have "
+                        "their own)")
     p.add_argument("--full", action="store_true",
                    help="the full matrix: every network and every default mode (without it: the "
                         f"README's figures, networks {','.join(HEADLINE_NETWORKS)} in modes "
@@ -105,10 +110,13 @@ def config_from_args(argv=None) -> Config:
     bert = Sizes(a.bert_tokens if a.bert_tokens is not None else ps["bert"]["batch"],
                  BERT_WIDTHS["in_features"], BERT_WIDTHS["hidden"],
                  a.bert_depth if a.bert_depth is not None else ps["bert"]["depth"])
-    pl = ps["llama"]
+    pl, pm = ps["llama"], ps["moe"]
     llama = Sizes(a.llama_tokens if a.llama_tokens is not None else pl["batch"],
                   pl["in_features"], pl["hidden"],
                   a.llama_depth if a.llama_depth is not None else pl["depth"])
+    moe = Sizes(a.moe_tokens if a.moe_tokens is not None else pm["batch"],
+                pm["in_features"], pm["hidden"],
+                a.moe_depth if a.moe_depth is not None else pm["depth"])
     steps = a.steps if a.steps is not None else ps["steps"]
     warmup = a.warmup if a.warmup is not None else ps["warmup"]
     networks = [n.strip() for n in (a.networks or ",".join(
@@ -132,7 +140,7 @@ def config_from_args(argv=None) -> Config:
         if s.batch < 2 or s.hidden < 1 or s.depth < 1:
             p.error(f"--{what}{'points' if what else 'batch'} must be >= 2 and --{what}hidden, "
                     f"--{what}depth >= 1, got {s.batch}, {s.hidden}, {s.depth}")
-    for what, s in (("bert", bert), ("llama", llama)):
+    for what, s in (("bert", bert), ("llama", llama), ("moe", moe)):
         if s.batch < 2 or s.depth < 1:
             p.error(f"--{what}-tokens must be >= 2 and --{what}-depth >= 1, got {s.batch}, "
                     f"{s.depth}")
@@ -149,6 +157,8 @@ def config_from_args(argv=None) -> Config:
                                else parse_bytes(ps["bert"]["budget"])),
                   llama=llama, llama_budget=(a.budget if a.budget is not None
                                              else parse_bytes(pl["budget"])),
+                  moe=moe, moe_budget=(a.budget if a.budget is not None
+                                       else parse_bytes(pm["budget"])),
                   networks=networks, modes=modes, out=a.out, compile_backend=a.compile_backend,
                   seed=a.seed, progress=not a.no_progress,
                   command=" ".join(["python -m ckpt_ext.bench"] + argv), section=a.section,

@@ -69,9 +69,12 @@ def uninstrumented(device: torch.device):
 
 
 def grad_errors(net: nn.Module, ref: dict[str, torch.Tensor]) -> float:
-    """The largest relative error of a parameter gradient of ``net`` against ``ref``."""
+    """The largest relative error of a parameter gradient of ``net`` against ``ref`` (every
+    trainable parameter's; frozen ones have none)."""
     worst = 0.0
     for name, p in net.named_parameters():
+        if not p.requires_grad:
+            continue
         if p.grad is None:
             return math.inf
         g, r = p.grad.double(), ref[name].double()

@@ -1,11 +1,14 @@
 """A benchmark run: every network in every mode, in phases that each measure one thing (warm-up,
 memory with the counting allocator, step times without it, gradient agreement), then per-mode
-figures. Returns a results dict (``conditions`` and ``networks``: name -> mode -> figures,
-``{"error": ...}`` or ``{"same_as": ..., "why": ...}``); the method is in docs/benchmark.md.
+figures. Returns a results dict (``conditions``, ``networks``: name -> mode -> figures,
+``{"error": ...}`` or ``{"same_as": ..., "why": ...}``, and ``targets``: name -> what -> met and
+figures, for the networks that have targets); the method is in docs/benchmark.md.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib.util
 import os
 import platform
 import statistics
@@ -20,7 +23,8 @@ from ..memory import MemoryMeter, clear_grads, measured_step
 from ..models import NETWORKS, PINNNet, is_pinn, recomputed_gemms
 from .measure import (grad_errors, max_batch, share_parameters, timed_gemms, timed_step,
                       uninstrumented)
-from .presets import MODES, SAME_AS, Config, model_mode, runs_mode
+from .presets import MODES, SAME_AS, Config, model_mode, runs_mode, sizes_in
+from .targets import targets
 
 
 class _PlainProgress:
@@ -50,7 +54,7 @@ def run(cfg: Config) -> dict:
     meter = MemoryMeter(cfg.device)
     meter.start()
     torch.manual_seed(cfg.seed)
-    results: dict = {"conditions": conditions(cfg), "networks": {}}
+    results: dict = {"conditions": conditions(cfg), "networks": {}, "targets": {}}
     # per mode: warm-up at 2 batch sizes, memory at 2, steps, agreement
     total = len(cfg.networks) * len(cfg.modes) * (2 * cfg.warmup + 2 + cfg.steps + 1)
     bar = tqdm(total=total, desc="bench", disable=not cfg.progress, file=sys.stderr,
@@ -60,13 +64,29 @@ def run(cfg: Config) -> dict:
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
             for net_name in cfg.networks:
                 bar.set_postfix_str(net_name)
+                missing = missing_requirements(net_name)
+                if missing:  # every row says why, and main() lists them
+                    results["networks"][net_name] = {
+                        m: {"error": f"needs {missing}, which is not installed"}
+                        for m in cfg.modes if runs_mode(net_name, m)}
+                    continue
                 torch._dynamo.reset()  # each network starts with empty compile caches
-                results["networks"][net_name] = run_network(cfg, net_name, meter, bar)
+                modes = results["networks"][net_name] = run_network(cfg, net_name, meter, bar)
                 torch._dynamo.reset()
+                met = targets(net_name, modes, sizes_in(results["conditions"], net_name))
+                if met:
+                    results["targets"][net_name] = met
     finally:
         bar.close()
         meter.stop()
     return results
+
+
+def missing_requirements(net_name: str) -> str:
+    """The packages network ``net_name`` builds on (its class's ``REQUIRES``) that are not
+    installed, comma-separated, or ""."""
+    return ", ".join(m for m in getattr(NETWORKS[net_name], "REQUIRES", ())
+                     if importlib.util.find_spec(m) is None)
 
 
 class NetworkRun:
@@ -226,20 +246,34 @@ class NetworkRun:
                     self.times["plain"] = plain_here
                 self.settle()
 
+    @contextlib.contextmanager
+    def same_draws(self):
+        """The generator seeded alike for each step it wraps, and left as it was: random masks
+        (LoRA dropout) drawn the same in every mode."""
+        cfg = self.cfg
+        with torch.random.fork_rng(devices=[cfg.device.index or 0]
+                                   if cfg.device.type == "cuda" else []):
+            torch.manual_seed(cfg.seed)
+            yield
+
     def check_gradients(self) -> None:
-        """Gradient agreement with plain on the same weights and input."""
+        """Gradient agreement with plain on the same weights, input and random draws (a compiled
+        mode's draws come from its own generator code; inductor's differ from eager's)."""
         with uninstrumented(self.cfg.device):
             self.settle()
-            self.loss_fn(self.plain(self.x), self.x).backward()
-            ref = {n: p.grad.detach().clone() for n, p in self.plain.named_parameters()}
+            with self.same_draws():
+                self.loss_fn(self.plain(self.x), self.x).backward()
+            ref = {n: p.grad.detach().clone() for n, p in self.plain.named_parameters()
+                   if p.grad is not None}
             for mode in self.modes:
                 def agree():
                     self.settle()
-                    self.loss_fn(self.nets[mode](self.x), self.x).backward()
+                    with self.same_draws():
+                        self.loss_fn(self.nets[mode](self.x), self.x).backward()
                     self.res[mode]["grad_rel_err"] = grad_errors(self.plain, ref)
                 self.guarded(mode, agree)
                 self.bar.update(1)
-            del ref
+            ref.clear()  # agree() reads it: emptied, not unbound
             self.settle()
 
     def summarize(self) -> dict:
@@ -298,9 +332,10 @@ def conditions(cfg: Config) -> dict:
     return {
         "device": dev, "dtype": str(cfg.dtype).replace("torch.", ""), "preset": cfg.preset,
         "sizes": vars(cfg.sizes), "pinn_sizes": {**vars(cfg.pinn), "out_features": 1},
-        "bert_sizes": vars(cfg.bert), "llama_sizes": vars(cfg.llama), "mlp_ratio": cfg.ratio,
-        "steps": cfg.steps, "warmup": cfg.warmup, "budget_bytes": cfg.budget,
-        "bert_budget_bytes": cfg.bert_budget, "llama_budget_bytes": cfg.llama_budget,
+        "bert_sizes": vars(cfg.bert), "llama_sizes": vars(cfg.llama), "moe_sizes": vars(cfg.moe),
+        "mlp_ratio": cfg.ratio, "steps": cfg.steps, "warmup": cfg.warmup,
+        "budget_bytes": cfg.budget, "bert_budget_bytes": cfg.bert_budget,
+        "llama_budget_bytes": cfg.llama_budget, "moe_budget_bytes": cfg.moe_budget,
         "compile_backend": cfg.compile_backend,
         "torch": torch.__version__, "python": platform.python_version(),
         "memory_meter": ("exact bytes of every CPU tensor allocation (ckpt_ext counting allocator)"

@@ -13,7 +13,8 @@ from .report import fmt_bytes, pareto_front
 # One colour per mode, the same in every panel; compiled modes share their eager mode's hue.
 _COLOURS = {"plain": "#555555", "compile": "#999999", "checkpoint": "#1f77b4",
             "checkpoint-reentrant": "#17becf", "checkpoint-stack": "#6a3d9a",
-            "compile-checkpoint": "#9e9ac8", "fused": "#d62728", "compile-fused": "#fc8d59"}
+            "compile-checkpoint": "#9e9ac8", "fused": "#d62728", "compile-fused": "#fc8d59",
+            "checkpoint-fused": "#8c564b", "liger": "#2ca02c", "unsloth": "#e377c2"}
 
 
 def _place_labels(ax, xy: list[tuple[float, float]], labels: list[str], colours: list[str]):

@@ -1,8 +1,9 @@
 """What a benchmark run covers: the size presets, the modes compared, and the run's configuration.
 
 Sizes are (batch, in_features, hidden, depth) for chain/residual/mlp, (points, hidden, depth) for the
-physics-informed networks, (tokens, depth) for bert-mlp and (tokens, hidden size, intermediate size,
-depth) for llama-mlp; the method behind each preset is in docs/benchmark.md.
+physics-informed networks, (tokens, depth) for bert-mlp, (tokens, hidden size, intermediate size,
+depth) for llama-mlp, llama-lora and llama-lora-dropout, and (tokens, hidden size, expert
+intermediate size, depth) for moe; the method behind each preset is in docs/benchmark.md.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import NETWORKS, BertMLPNet, LlamaMLPNet, is_pinn
+from ..models import NETWORKS, BertMLPNet, LlamaLoRANet, LlamaMLPNet, MoENet, is_pinn
 
 #: The physics-informed networks of every preset but tiny: 2 -> 64x4 -> 1 on 4096 points.
 PINN_SIZES = dict(batch=4096, hidden=64, depth=4)
@@ -24,14 +25,19 @@ PRESETS = {
     "tiny": dict(batch=16, in_features=32, hidden=64, depth=3, steps=3, warmup=1, budget="8MiB",
                  pinn=dict(batch=64, hidden=16, depth=3),
                  bert=dict(batch=16, depth=2, budget="128MiB"),
-                 llama=dict(batch=16, in_features=32, hidden=88, depth=2, budget="8MiB")),
+                 llama=dict(batch=16, in_features=32, hidden=88, depth=2, budget="8MiB"),
+                 moe=dict(batch=16, in_features=32, hidden=32, depth=2, budget="8MiB")),
     # The small-layer regime of RL policies and physics-informed nets: per-op overheads (Python,
     # autograd nodes, allocations) weigh as much as the GEMMs. Steps are short, so take many.
     # bert-mlp: 4 sequences of 128 tokens.
     # llama-mlp: 512 tokens, hidden 256, intermediate 704 (Llama's 2.75 ratio).
+    # moe (every preset): llama-mlp's hidden size, and each expert's intermediate size the same:
+    # at cpu-default plain's step then takes as long as llama-mlp's (measured on a 2-core Xeon:
+    # 1009 against 995 ms; at half llama-mlp's intermediate size, the same GEMM work, 1.4x).
     "small": dict(batch=2048, in_features=64, hidden=64, depth=4, steps=41, warmup=3,
                   budget="64MiB", pinn=PINN_SIZES, bert=dict(batch=512, depth=2, budget="256MiB"),
-                  llama=dict(batch=512, in_features=256, hidden=704, depth=2, budget="64MiB")),
+                  llama=dict(batch=512, in_features=256, hidden=704, depth=2, budget="64MiB"),
+                  moe=dict(batch=512, in_features=256, hidden=256, depth=2, budget="128MiB")),
     # A wide batch and a narrow hidden size, so that activations (batch x hidden) outweigh the
     # weights, as they do in training at scale; with hidden >> batch the weights and their
     # gradients fill the peak whatever the mode. GEMMs dominate the step here.
@@ -40,14 +46,18 @@ PRESETS = {
                         budget="512MiB", pinn=PINN_SIZES,
                         bert=dict(batch=2048, depth=3, budget="1GiB"),
                         llama=dict(batch=2048, in_features=1024, hidden=2816, depth=3,
-                                   budget="1GiB")),
+                                   budget="1GiB"),
+                        moe=dict(batch=2048, in_features=1024, hidden=1024, depth=3,
+                                 budget="2GiB")),
     # The write-up: input (512, 1024), linear1 1024 -> 10240, three 10240 x 10240 blocks.
     # bert-mlp: 64 sequences of 128 tokens. llama-mlp: Llama-2-7B's widths, 8192 tokens.
     "writeup": dict(batch=512, in_features=1024, hidden=10240, depth=3, steps=15, warmup=3,
                     budget="40GiB", pinn=PINN_SIZES,
                     bert=dict(batch=8192, depth=4, budget="40GiB"),
                     llama=dict(batch=8192, in_features=4096, hidden=11008, depth=2,
-                               budget="40GiB")),
+                               budget="40GiB"),
+                    moe=dict(batch=8192, in_features=4096, hidden=4096, depth=2,
+                             budget="40GiB")),
 }
 
 
@@ -73,8 +83,13 @@ MODES = {
                   "per block, llama-mlp FusedGatedMLP per block, each physics-informed network "
                   "one FusedMLP of its activation"),
     "compile-fused": Mode("fused", compiled=True, doc="torch.compile of fused"),
-    "liger": Mode("liger", doc="llama-mlp only: Liger-Kernel's policy (gate and up kept, the "
-                  "product recomputed; a custom Function in plain torch)"),
+    "liger": Mode("liger", doc="llama-mlp and the LoRA networks: Liger-Kernel's policy (gate "
+                  "and up kept, the product recomputed; a custom Function in plain torch)"),
+    "unsloth": Mode("unsloth", doc="llama-lora only: Unsloth's LoRA MLP policy (x, gate and up "
+                    "kept, no GEMM of the base weights recomputed; a custom Function in plain "
+                    "torch)"),
+    "checkpoint-fused": Mode("checkpoint-fused", doc="llama-lora, llama-lora-dropout: "
+                             "checkpoint of each fused MLP"),
     "checkpoint-reentrant": Mode("checkpoint", reentrant=True,
                                  doc="torch.utils.checkpoint(use_reentrant=True), as checkpoint"),
 }
@@ -82,17 +97,22 @@ MODES = {
 #: keeps the same bytes, peaks no higher, and alone supports torch.autograd.grad.
 DEFAULT_MODES = [m for m in MODES if m != "checkpoint-reentrant"]
 #: What a run without --full measures: the modes of the README's figures (fused against plain,
-#: stock checkpoint and its compiled form) on its networks but bert-mlp, whose second-long steps
-#: would double the run (make bench: a few minutes); --full: every network in DEFAULT_MODES.
+#: stock checkpoint and its compiled form) on its networks but those whose second-long steps
+#: would multiply the run (make bench: a few minutes); --full: every network in DEFAULT_MODES.
 HEADLINE_MODES = ["plain", "checkpoint", "checkpoint-stack", "fused", "compile-checkpoint"]
-HEADLINE_NETWORKS = [n for n in NETWORKS if n not in ("bert-mlp", "llama-mlp")]
+HEADLINE_NETWORKS = [n for n in NETWORKS if n not in ("bert-mlp", "llama-mlp", "llama-lora",
+                                                      "llama-lora-dropout", "moe")]
 
 # Rows a network does not run because another row is the same thing: checkpoint-stack where the
-# network's checkpoint mode already covers the stack.
+# network's checkpoint mode already covers the stack; Unsloth's policy where Unsloth runs peft's
+# own forward, at LoRA dropout above 0.
 SAME_AS = {
     (name, "checkpoint-stack"): ("checkpoint", "the whole MLP is already one checkpoint"
                                  if is_pinn(name) else "every block is already checkpointed")
     for name, cls in NETWORKS.items() if "checkpoint-stack" not in cls.MODES}
+SAME_AS.update({(name, "unsloth"): ("plain", "Unsloth runs peft's forward at lora_dropout > 0")
+                for name, cls in NETWORKS.items()
+                if issubclass(cls, LlamaLoRANet) and cls.DROPOUT > 0})
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -130,12 +150,16 @@ class Sizes:
 
 def size_group(net_name: str) -> str:
     """Which of a preset's sizes network ``net_name`` takes: "pinn" (the physics-informed
-    networks), "bert" (bert-mlp), "llama" (llama-mlp) or "sizes" (chain, residual, mlp)."""
+    networks), "bert" (bert-mlp), "llama" (llama-mlp and the LoRA networks on its shapes), "moe"
+    or "sizes" (chain, residual, mlp)."""
+    cls = NETWORKS[net_name]
     if is_pinn(net_name):
         return "pinn"
-    if issubclass(NETWORKS[net_name], LlamaMLPNet):
+    if issubclass(cls, (LlamaMLPNet, LlamaLoRANet)):
         return "llama"
-    return "bert" if issubclass(NETWORKS[net_name], BertMLPNet) else "sizes"
+    if issubclass(cls, MoENet):
+        return "moe"
+    return "bert" if issubclass(cls, BertMLPNet) else "sizes"
 
 
 def runs_mode(net_name: str, mode: str) -> bool:
@@ -147,7 +171,7 @@ def runs_mode(net_name: str, mode: str) -> bool:
 def sizes_in(conditions: dict, net_name: str) -> dict:
     """Network ``net_name``'s sizes in a results dict's ``conditions``."""
     return conditions[{"sizes": "sizes", "pinn": "pinn_sizes", "bert": "bert_sizes",
-                       "llama": "llama_sizes"}[size_group(net_name)]]
+                       "llama": "llama_sizes", "moe": "moe_sizes"}[size_group(net_name)]]
 
 
 @dataclass
@@ -170,8 +194,10 @@ class Config:
     progress: bool = True
     command: str = ""
     ratio: int = 4  #: MLP inner width / hidden
-    llama: Sizes = None  #: llama-mlp: tokens, hidden size, intermediate size, depth
+    llama: Sizes = None  #: llama-mlp, llama-lora: tokens, hidden size, intermediate size, depth
     llama_budget: int = 0
+    moe: Sizes = None  #: moe: tokens, hidden size, expert intermediate size, depth
+    moe_budget: int = 0
     section: str = "main"  #: "main" or "plan" (ckpt_ext.bench.plan_section)
     plan_methods: list = None  #: the plan section's methods besides the plan
 
@@ -180,4 +206,5 @@ class Config:
 
     def budget_of(self, net_name: str) -> int:
         group = size_group(net_name)
-        return {"bert": self.bert_budget, "llama": self.llama_budget}.get(group, self.budget)
+        return {"bert": self.bert_budget, "llama": self.llama_budget,
+                "moe": self.moe_budget}.get(group, self.budget)

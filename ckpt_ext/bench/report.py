@@ -1,6 +1,7 @@
 """The benchmark's markdown: the conditions line, the table of every mode per network (memory
-kept and peak, step time against plain and the floor, the front, gradient error, max batch) and the
-write-up's four readings. Input: the results dict that :func:`ckpt_ext.bench.orchestrate.run` returns.
+kept and peak, step time against plain and the floor, the front, gradient error, max batch), the
+targets met and missed, and the write-up's four readings. Input: the results dict that
+:func:`ckpt_ext.bench.orchestrate.run` returns.
 """
 from __future__ import annotations
 
@@ -45,18 +46,55 @@ def conditions_line(c: dict) -> str:
         f"timed alone in the same loop; memory = {c['memory_meter']}, from separate steps; "
         f"torch.compile backend {c['compile_backend']}; budget {fmt_bytes(c['budget_bytes'])} "
         f"(bert-mlp: {fmt_bytes(c['bert_budget_bytes'])}"
-        + (f", llama-mlp: {fmt_bytes(c['llama_budget_bytes'])}" if "llama_budget_bytes" in c
-           else "") + f"). Command: `{c['command']}`.")
+        + (f", llama-mlp and the LoRA networks: {fmt_bytes(c['llama_budget_bytes'])}"
+           if "llama_budget_bytes" in c else "")
+        + (f", moe: {fmt_bytes(c['moe_budget_bytes'])}" if "moe_budget_bytes" in c else "")
+        + f"). Command: `{c['command']}`.")
 
 
 def _llama(c: dict) -> str:
-    """llama-mlp's sizes, where the results have them."""
-    lm = c.get("llama_sizes")
-    if not lm:
-        return ""
-    return (f"llama-mlp: {lm['batch']} tokens, {lm['depth']} blocks of RMSNorm and "
-            f"{lm['in_features']} -> 2×{lm['hidden']} -> {lm['in_features']} (gated SiLU), "
-            f"residual; ")
+    """llama-mlp's, the LoRA networks' and moe's sizes, where the results have them."""
+    lm, moe = c.get("llama_sizes"), c.get("moe_sizes")
+    out = ""
+    if lm:
+        lora = NETWORKS["llama-lora"]
+        out += (f"llama-mlp: {lm['batch']} tokens, {lm['depth']} blocks of RMSNorm and "
+                f"{lm['in_features']} -> 2×{lm['hidden']} -> {lm['in_features']} (gated SiLU), "
+                f"residual; llama-lora, llama-lora-dropout: the same, base weights frozen, "
+                f"LoRA r {lora.RANK}, alpha {lora.ALPHA} on gate, up and down, lora_dropout "
+                f"{lora.DROPOUT:g} and {NETWORKS['llama-lora-dropout'].DROPOUT:g}; ")
+    if moe:
+        cls = NETWORKS["moe"]
+        out += (f"moe: {moe['batch']} tokens, {moe['depth']} blocks of RMSNorm and "
+                f"{cls.EXPERTS} experts of {moe['in_features']} -> 2×{moe['hidden']} -> "
+                f"{moe['in_features']} (gated SiLU), top-{cls.TOP_K}, residual; ")
+    return out
+
+
+def _targets(results: dict) -> list[str]:
+    """The targets section: per network, each target met or missed with its figures."""
+    lines = []
+    for net_name, met in results.get("targets", {}).items():
+        lines += ["", f"Targets, {net_name} (fused; same run):", ""]
+        for what, t in met.items():
+            word = {True: "**met**", False: "**missed**", None: "not tested"}[t["met"]]
+            figures = ", ".join(f"{k}: {_figure(k, v)}" for k, v in t.items() if k != "met")
+            lines.append(f"- {what}: {word} ({figures})")
+    return lines
+
+
+def _figure(key: str, v) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, str):
+        return v
+    if key in ("ratio", "share") or key.startswith("step_ratio"):
+        return f"{v:.3g}"
+    if key.endswith("_ms"):
+        return f"{v:.1f} ms"
+    if key.endswith("_bytes"):
+        return fmt_bytes(v)
+    return f"{v:,}"
 
 
 def _fronts(modes: dict) -> dict[str, list[str]]:
@@ -91,6 +129,7 @@ def markdown(results: dict) -> str:
                 f" | {fmt_bytes(r['peak_above_before_forward'])}"
                 f" | {r['step_ms']:.2f} | {ratio} | {floor} | {vs_floor} | {front}"
                 f" | {r['grad_rel_err']:.1e} | {mb if mb is not None else 'n/a'} |")
+    lines += _targets(results)
     lines += ["", "The write-up's four readings (tensor bytes alive; kept for bwd = after loss − "
               "before fwd − the loss):", "",
               "| network | mode | before fwd | after fwd | after loss | after bwd "

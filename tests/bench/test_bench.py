@@ -60,7 +60,8 @@ def test_cli_no_mode_fails_but_compile_of_double_backward(tiny_run):
     assert list(res["networks"]) == list(NETWORKS)
     for name, modes in res["networks"].items():
         assert list(modes) == [m for m in presets.DEFAULT_MODES if presets.runs_mode(name, m)]
-        assert ("liger" in modes) == (name == "llama-mlp"), name
+        assert ("liger" in modes) == (name in ("llama-mlp", "llama-lora",
+                                               "llama-lora-dropout")), name
         for mode, r in modes.items():
             if is_pinn(name) and presets.MODES[mode].compiled:
                 assert r == {"error": f"RuntimeError: {DOUBLE_BACKWARD}"}, mode
@@ -124,6 +125,25 @@ def test_cli_exact_memory_figures(tiny_run):
         two = 2 * (bert_unit if name == "bert-mlp" else unit)
         assert compiled["peak_above_before_forward"] <= fused["peak_above_before_forward"] + two, \
             name
+    # llama-lora: every mode keeps each MLP's input and, from the second block on, the frozen
+    # norm's input and (tokens, 1) rsqrt; Unsloth's policy the gate's and up's outputs besides;
+    # checkpoint an RNG state and peft's three 8-byte scaling scalars per block
+    # (tests/bench/test_models.py has every mode's figure)
+    lm = presets.PRESETS["tiny"]["llama"]
+    T, W, I, D = lm["batch"], lm["in_features"], lm["hidden"], lm["depth"]
+    common = D * T * W * 4 + (D - 1) * (T * W * 4 + T * 4)
+    lora, lora_drop = nets["llama-lora"], nets["llama-lora-dropout"]
+    assert lora["fused"]["kept_for_backward"] == common
+    assert lora["unsloth"]["kept_for_backward"] == common + D * 2 * T * I * 4
+    assert lora["checkpoint"]["kept_for_backward"] == common + D * (RNG + 3 * 8)
+    assert lora_drop["fused"]["kept_for_backward"] == common + D * RNG
+    assert lora_drop["unsloth"] == {"same_as": "plain",
+                                    "why": "Unsloth runs peft's forward at lora_dropout > 0"}
+    # moe: fused keeps what checkpoint keeps but its RNG states, and the routing
+    m = presets.PRESETS["tiny"]["moe"]
+    moe = nets["moe"]
+    assert moe["fused"]["kept_for_backward"] == moe["checkpoint"]["kept_for_backward"] \
+        - m["depth"] * RNG + NETWORKS["moe"].routing_bytes(m["batch"], m["depth"])
     for name, modes in nets.items():
         for mode, r in modes.items():
             if "readings" not in r:
@@ -162,6 +182,58 @@ def test_cli_times_floors_and_gradients(tiny_run):
                 assert r["time_vs_floor"] == pytest.approx(r["step_ms"] / r["floor_ms"])
             else:
                 assert "floor_ms" not in r, (name, mode)
+
+
+def test_cli_targets(tiny_run):
+    # Each network with targets has them in the JSON and the table, computed from its own rows.
+    _, stem, res = tiny_run
+    assert set(res["targets"]) == {"llama-lora", "llama-lora-dropout", "moe"}
+    table = stem.with_suffix(".md").read_text()
+    for name, met in res["targets"].items():
+        assert f"Targets, {name} (fused; same run):" in table
+        modes = res["networks"][name]
+        assert met["max batch >= 2x plain's"]["ratio"] == pytest.approx(
+            modes["fused"]["max_batch"] / modes["plain"]["max_batch"])
+        assert met["step <= 1.05x the floor"]["ratio"] == modes["fused"]["time_vs_floor"]
+        for what, t in met.items():
+            assert t["met"] in (True, False), (name, what)
+            word = "**met**" if t["met"] else "**missed**"
+            assert f"- {what}: {word} (" in table
+    # fused keeps no more than the blocks' inputs: met at every size
+    assert res["targets"]["moe"]["kept <= the blocks' inputs and the routing"]["met"]
+    for name in ("llama-lora", "llama-lora-dropout"):
+        assert res["targets"][name]["kept beyond the blocks' inputs <= 10 % of plain's"]["met"]
+    assert res["targets"]["llama-lora"]["max batch >= 1.5x the unsloth mode's"][
+        "unsloth_max_batch"] == res["networks"]["llama-lora"]["unsloth"]["max_batch"]
+    assert res["targets"]["llama-lora-dropout"]["max batch >= 1.5x the unsloth mode's"][
+        "against"].startswith("plain: Unsloth runs peft's forward")
+    # fused beside Unsloth's policy (plain's with dropout) and checkpoint, from their own rows
+    for name, other in (("llama-lora", "unsloth"), ("llama-lora-dropout", "plain")):
+        side = res["targets"][name]["kept <= the unsloth mode's and checkpoint's"]
+        modes = res["networks"][name]
+        for m in ("fused", other, "checkpoint"):
+            assert side[f"{m}_bytes"] == modes[m]["kept_for_backward"], (name, m)
+            assert side[f"{m}_ms"] == modes[m]["step_ms"], (name, m)
+        assert side[f"step_ratio_to_{other}"] == pytest.approx(
+            modes["fused"]["step_ms"] / modes[other]["step_ms"])
+        assert side["met"] == (modes["fused"]["kept_for_backward"] <= min(
+            modes[other]["kept_for_backward"], modes["checkpoint"]["kept_for_backward"]))
+    assert res["targets"]["llama-lora"]["kept <= the unsloth mode's and checkpoint's"]["met"]
+
+
+def test_network_without_its_requirements_says_so(monkeypatch, tmp_path):
+    real = orchestrate.importlib.util.find_spec
+    monkeypatch.setattr(orchestrate.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    cfg = cli.config_from_args(["--device", "cpu", "--preset", "tiny", "--networks", "moe",
+                                "--modes", "plain,fused", "--steps", "1", "--warmup", "0",
+                                "--out", str(tmp_path), "--no-progress"])
+    res = orchestrate.run(cfg)
+    assert res["networks"]["moe"] == {m: {"error": "needs transformers, which is not installed"}
+                                      for m in ("plain", "fused")}
+    assert res["targets"] == {}
+    assert "| moe | fused | n/a (needs transformers, which is not installed) |" in \
+        report.markdown(res)
 
 
 def test_timed_steps_run_on_the_stock_allocator(monkeypatch, tmp_path):
@@ -234,11 +306,16 @@ def test_presets_and_defaults():
     assert cfg.section == "main"
     cfg = cli.config_from_args(["--device", "cpu", "--full"])
     assert cfg.modes == presets.DEFAULT_MODES and "checkpoint-reentrant" not in cfg.modes
-    assert cfg.networks == ["chain", "residual", "mlp", "bert-mlp", "llama-mlp", "pinn",
-                            "pinn-sin", "pinn-silu"]
+    assert cfg.networks == ["chain", "residual", "mlp", "bert-mlp", "llama-mlp", "llama-lora",
+                            "llama-lora-dropout", "moe", "pinn", "pinn-sin", "pinn-silu"]
     assert (cfg.llama.batch, cfg.llama.in_features, cfg.llama.hidden, cfg.llama.depth) == \
         (2048, 1024, 2816, 3)
     assert cfg.budget_of("llama-mlp") == cfg.llama_budget == 1 << 30
+    assert cfg.budget_of("llama-lora-dropout") == cfg.llama_budget
+    assert cfg.sizes_of("llama-lora") == cfg.llama
+    assert (cfg.moe.batch, cfg.moe.in_features, cfg.moe.hidden, cfg.moe.depth) == \
+        (2048, 1024, 1024, 3)
+    assert cfg.budget_of("moe") == cfg.moe_budget == 2 << 30
     assert (cfg.pinn.batch, cfg.pinn.in_features, cfg.pinn.hidden, cfg.pinn.depth) == \
         (4096, 2, 64, 4)
     assert (cfg.bert.batch, cfg.bert.in_features, cfg.bert.hidden, cfg.bert.depth) == \
@@ -252,8 +329,12 @@ def test_presets_and_defaults():
                                 "--budget", "1MiB"])
     assert (cfg.bert.batch, cfg.bert.depth, cfg.bert_budget, cfg.budget) == \
         (64, 1, 1 << 20, 1 << 20)
-    cfg = cli.config_from_args(["--device", "cpu", "--llama-tokens", "64", "--llama-depth", "1"])
+    cfg = cli.config_from_args(["--device", "cpu", "--llama-tokens", "64", "--llama-depth", "1",
+                                "--moe-tokens", "32", "--moe-depth", "2"])
     assert (cfg.llama.batch, cfg.llama.depth, cfg.llama_budget) == (64, 1, 1 << 30)
+    assert (cfg.moe.batch, cfg.moe.depth) == (32, 2)
+    cfg = cli.config_from_args(["--device", "cpu", "--networks", "llama-lora,moe"])
+    assert cfg.networks == ["llama-lora", "moe"]
     cfg = cli.config_from_args(["--device", "cpu", "--preset", "small", "--hidden", "32",
                                   "--pinn-points", "512", "--steps", "20"])
     assert (cfg.sizes.batch, cfg.sizes.hidden, cfg.pinn.batch, cfg.pinn.hidden, cfg.steps) == \
