@@ -16,14 +16,22 @@ def _register(op_name: str, formula) -> None:
     _fc.register_flop_formula(op)(formula)
 
 
+
+def _broadcast_heads(query_shape, key_shape, value_shape):
+    """Key and value shapes with the query's heads: grouped-query attention (fewer key/value
+    heads) computes as if each were repeated, and the formulas of older torch take equal heads."""
+    h = query_shape[1]
+    return tuple((*s[:1], h, *s[2:]) for s in (key_shape, value_shape))
+
 def _cpu_flash_attention_flop(query_shape, key_shape, value_shape, *args, out_shape=None,
                               **kwargs) -> int:
-    return _fc.sdpa_flop_count(query_shape, key_shape, value_shape)
+    return _fc.sdpa_flop_count(query_shape, *_broadcast_heads(query_shape, key_shape, value_shape))
 
 
 def _cpu_flash_attention_backward_flop(grad_out_shape, query_shape, key_shape, value_shape,
                                        *args, out_shape=None, **kwargs) -> int:
-    return _fc.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+    return _fc.sdpa_backward_flop_count(grad_out_shape, query_shape,
+                                        *_broadcast_heads(query_shape, key_shape, value_shape))
 
 
 _register("_scaled_dot_product_flash_attention_for_cpu", _cpu_flash_attention_flop)
