@@ -198,6 +198,20 @@ def gated(dtype):
                       scale=want[2].abs() + want[2].abs().mean())
 
 
+def against_float64(name, call, host, gy, dtype):
+    """call's output and every input's gradient on DEVICE in dtype against call in float64 on
+    the CPU, from the host tensors host and the incoming gradient gy."""
+    leaves = [t.to(DEVICE, dtype).requires_grad_() for t in host]
+    y = call(*leaves)
+    got = torch.autograd.grad(y, leaves, gy.to(DEVICE))
+    leaves64 = [t.double().requires_grad_() for t in host]
+    y64 = call(*leaves64)
+    want = torch.autograd.grad(y64, leaves64, gy.double())
+    check(f"{name}: out", y, y64, MLP_TOL[dtype] * 2, scale=y64.abs() + 1)
+    for i, (o, r) in enumerate(zip(got, want)):
+        check(f"{name}: grad {i}", o, r, MLP_TOL[dtype] * 2, scale=r.abs() + r.abs().mean())
+
+
 def routed(dtype):
     """ckpt_ext.moe_experts in every layout (ckpt_ext.MOE_LAYOUTS, biases on and off, gpt-oss's
     clamp on the interleaved transposed one) on 23 tokens, hidden 5, intermediate 1 or 8 (the
@@ -232,16 +246,7 @@ def routed(dtype):
                                                 gate_up_bias=b[0] if b else None,
                                                 down_bias=b[1] if b else None, layout=layout,
                                                 **clamp)
-                leaves = [t.to(DEVICE, dtype).requires_grad_() for t in host]
-                y = call(*leaves)
-                got = torch.autograd.grad(y, leaves, gy.to(DEVICE))
-                leaves64 = [t.double().requires_grad_() for t in host]
-                y64 = call(*leaves64)
-                want = torch.autograd.grad(y64, leaves64, gy.double())
-                check(f"{name}: out", y, y64, MLP_TOL[dtype] * 2, scale=y64.abs() + 1)
-                for i, (o, r) in enumerate(zip(got, want)):
-                    check(f"{name}: grad {i}", o, r, MLP_TOL[dtype] * 2,
-                          scale=r.abs() + r.abs().mean())
+                against_float64(name, call, host, gy, dtype)
     x = torch.randn(T, H, generator=g).to(dtype)
     ws = [torch.randn(o, i, generator=g) / i ** 0.5 for o, i in ((8, H), (8, H), (H, 8))]
     ab = [(torch.randn(3, w.shape[1], generator=g), torch.randn(w.shape[0], 3, generator=g))
@@ -252,16 +257,7 @@ def routed(dtype):
     def lora_call(x, wg, wu, wd, *factors):
         terms = [ckpt_ext.LoRA(factors[2 * i], factors[2 * i + 1], 2.0) for i in range(3)]
         return ckpt_ext.gated_mlp(x, wg, wu, wd, activation="silu", lora=terms)
-    leaves = [t.to(DEVICE, dtype).requires_grad_() for t in host]
-    y = lora_call(*leaves)
-    got = torch.autograd.grad(y, leaves, gy.to(DEVICE))
-    leaves64 = [t.double().requires_grad_() for t in host]
-    y64 = lora_call(*leaves64)
-    want = torch.autograd.grad(y64, leaves64, gy.double())
-    check(f"gated_mlp with LoRA {dtype}: out", y, y64, MLP_TOL[dtype] * 2, scale=y64.abs() + 1)
-    for i, (o, r) in enumerate(zip(got, want)):
-        check(f"gated_mlp with LoRA {dtype}: grad {i}", o, r, MLP_TOL[dtype] * 2,
-              scale=r.abs() + r.abs().mean())
+    against_float64(f"gated_mlp with LoRA {dtype}", lora_call, host, gy, dtype)
 
 
 def derivatives(dtype):
