@@ -24,6 +24,7 @@ from .._observers import foreign_global_hooks
 from ..modules import _has_hooks as has_hooks
 from .. import _dropout_autograd as dropout_unit
 from . import lora
+from .engines import fix_for as hooks_fix
 
 __all__ = ["Recognised", "bind", "has_hooks", "module_activation", "node_activation"]
 
@@ -171,9 +172,11 @@ class LayerKind(enum.Enum):
 # -- Conditions ------------------------------------------------------------------------------------
 
 class Condition(NamedTuple):
-    """What must hold for a unit to be computed fused: ``holds()``, and ``describe()`` why not."""
+    """What must hold for a unit to be computed fused: ``holds()``, ``describe()`` why not, and
+    ``fix()`` what the user can do about it (None: nothing known)."""
     holds: Callable[[], bool]
     describe: Callable[[], str]
+    fix: Callable[[], Optional[str]] = lambda: None
 
 
 class Slot(NamedTuple):
@@ -194,11 +197,13 @@ def own_forward(m: nn.Module, who: str) -> Condition:
     return Condition(lambda: not foreign_forward(m),
                      lambda: f"{who}: its forward is set on the instance (an instance forward, as "
                              f"accelerate's add_hook_to_module sets), which the fused op would "
-                             f"not call")
+                             f"not call",
+                     lambda: hooks_fix(m))
 
 
 def no_hooks(m: nn.Module, who: str, because: str = "which the fused op would not call"):
-    return Condition(lambda: not has_hooks(m), lambda: f"{who} has hooks, {because}")
+    return Condition(lambda: not has_hooks(m), lambda: f"{who} has hooks, {because}",
+                     lambda: hooks_fix(m))
 
 
 def elements(seq: nn.Module, label: str, names: tuple, modules: tuple) -> Condition:
@@ -281,6 +286,11 @@ def of_weights(layers: Sequence[nn.Module], labels: Sequence[str]):
 def failing(conditions: Iterable) -> Optional[str]:
     """The description of the first condition that does not hold, else None."""
     return next((c.describe() for c in conditions if not c.holds()), None)
+
+
+def first_failing(conditions: Iterable) -> Optional[Condition]:
+    """The first condition that does not hold, else None."""
+    return next((c for c in conditions if not c.holds()), None)
 
 
 def linear_problem(lin: nn.Module) -> Optional[str]:
