@@ -16,11 +16,12 @@ WITH_CUDA: bool = bool(_C.WITH_CUDA)
 __version__ = "0.1.0"
 
 from . import memory  # noqa: E402  (the meter: ckpt_ext.memory.MemoryMeter, measured_step)
-from .convert import FuseReport, fuse, unfuse  # noqa: E402
+from .convert import FallbackWarning, FuseReport, fuse, stats, unfuse  # noqa: E402
 from .models import Net  # noqa: E402  (the write-up's network; the others in ckpt_ext.models)
 from .planner import Plan, max_batch, plan  # noqa: E402  (the least recompute within a budget)
 
 __all__ = ["linear_tanh", "tanh_mlp", "mlp", "gated_mlp", "LoRA", "moe_experts", "moe_layout",
            "MOE_LAYOUTS", "ACTIVATIONS", "FusedLinearTanh", "FusedTanhMLP", "FusedMLP",
            "FusedGatedMLP", "WITH_CUDA",
-           "fuse", "unfuse", "FuseReport", "Net", "plan", "max_batch", "Plan"]
+           "fuse", "unfuse", "FuseReport", "FallbackWarning", "stats", "Net", "plan",
+           "max_batch", "Plan"]

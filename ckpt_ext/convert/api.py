@@ -7,13 +7,16 @@ from torch import nn
 from .._block_checkpoint import undo_checkpoints
 from .accounting import unaccounted
 from .applying import apply_plan, undo_all
-from .facts import checkpointing, survey
+from .engines import sharded
+from .facts import LayerKind, checkpointing, survey
+from .fallback import Stats, stats
 from .graph import ModelGraph
 from .planning import make_plan
 from .policy import Policy
 from .report import FuseReport, Fused, checkpointed
 from .tracing import trace_model
 from .units import Options
+from .zero3 import mark_leaves, unmark
 
 POLICIES = tuple(p.value for p in Policy)
 
@@ -31,17 +34,25 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
         raise ValueError(f"ckpt_ext.fuse: policy must be one of {', '.join(map(repr, POLICIES))},"
                          f" got {policy!r}")
     facts = survey(model)
+    refused = sharded(model)  # sharded by an engine already: nothing changes, each Linear says why
+    if refused is not None:
+        return Fused(model, FuseReport(dry_run, policy, rewrite, not_analysed=[("", refused)],
+                                       other_layers=[(p, refused) for p, m in model.named_modules()
+                                                     if facts[id(m)].kind is LayerKind.LINEAR]))
     traces, not_analysed = trace_model(model, facts) if trace else ({}, [])  # on a meta copy
     graph = ModelGraph(model, facts, traces)
     plan = make_plan(graph, Options(Policy(policy), rewrite))  # before anything changes
     if not dry_run:
         apply_plan(graph, plan)
+        # each unit's owner a ZeRO-3 leaf: DeepSpeed gathers its weights there, hooks none inside
+        mark_leaves(model, [model.get_submodule(p.placement.where) for p in plan.placed])
     decisions = plan.decisions(model)
     not_analysed += plan.not_analysed
     named = [layer for d in decisions for layer in d.layers] + [p for p, _ in not_analysed]
     return Fused(model, FuseReport(dry_run, policy, rewrite, decisions, not_analysed,
                                    plan.rewritten, unaccounted(graph, named),
-                                   checkpointed(model, decisions, checkpointing)))
+                                   checkpointed(model, decisions, checkpointing),
+                                   Stats() if dry_run else stats(model)))
 
 
 def unfuse(model: nn.Module) -> nn.Module:
@@ -51,5 +62,7 @@ def unfuse(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"ckpt_ext.unfuse expects an nn.Module, got {type(model).__name__}")
     undo_all(model)
+    for m in model.modules():
+        unmark(m)  # the ZeRO-3 leaf flags fuse set
     undo_checkpoints(model)  # the checkpoint wrappers ckpt_ext.plan(...).apply sets
     return model

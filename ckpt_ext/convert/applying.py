@@ -7,6 +7,8 @@ from typing import List
 from torch import nn
 
 from ..modules import collapse_activations
+from .facts import checkpointing_layer
+from .fallback import attach
 from .graph import ModelGraph
 from .planning import Plan
 from .plain import PLAIN
@@ -35,6 +37,7 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
             sources[id(p.owner)] = p.source
             continue
         run = run if run is not None else p.kind.runtime(graph, p, d)
+        attach(run, d, _ancestors(graph.model, d.where))
         for call, k in p.members:
             m = call.module
             if type(m) not in classes:
@@ -78,6 +81,19 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
                                                fwd.arg_guard) == (runs, guards, source, arg_guard):
             continue  # as it is: keep the very object
         setattr(m, method, _OwnerForward(m, runs, guards, source, method, arg_guard))
+
+
+def _ancestors(model: nn.Module, where: str) -> list:
+    """(path, module) of the modules on ``where``'s path that transformers' checkpointing can
+    recompute whole (the unit's own module included)."""
+    out, m, path = [], model, ""
+    for name in [""] + (where.split(".") if where else []):
+        if name:
+            m = m._modules.get(name) if m is not None else None
+            path = f"{path}.{name}" if path else name
+        if m is not None and checkpointing_layer(m):
+            out.append((path, m))
+    return out
 
 
 def undo_all(model: nn.Module) -> None:

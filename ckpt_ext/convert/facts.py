@@ -25,6 +25,7 @@ from ..modules import _has_hooks as has_hooks
 from .. import _dropout_autograd as dropout_unit
 from . import lora
 from .engines import fix_for as hooks_fix
+from .zero3 import real_shape
 
 __all__ = ["Recognised", "bind", "has_hooks", "module_activation", "node_activation"]
 
@@ -107,12 +108,17 @@ def layer_forward(lin: nn.Module):
     return base_type(lin).forward.__get__(lin)
 
 
+def checkpointing_layer(m: nn.Module) -> bool:
+    """A transformers GradientCheckpointingLayer: its call recomputes it whole in backward while
+    its ``gradient_checkpointing`` is True and it is in training."""
+    return any(c.__name__ == "GradientCheckpointingLayer" and
+               c.__module__.startswith("transformers") for c in type(m).__mro__)
+
+
 def checkpointing(m: nn.Module) -> Optional[str]:
     """The gradient checkpointing that recomputes ``m`` whole in backward, or None: transformers'
     (a GradientCheckpointingLayer with it switched on), or a block ckpt_ext.plan checkpointed."""
-    if getattr(m, "gradient_checkpointing", False) is True and any(
-            c.__name__ == "GradientCheckpointingLayer" and c.__module__.startswith("transformers")
-            for c in type(m).__mro__):
+    if getattr(m, "gradient_checkpointing", False) is True and checkpointing_layer(m):
         return "transformers' gradient checkpointing (gradient_checkpointing_enable)"
     if isinstance(vars(m).get("forward"), CheckpointedForward):
         return "the checkpoint ckpt_ext.plan(...).apply set"
@@ -203,7 +209,11 @@ def own_forward(m: nn.Module, who: str) -> Condition:
 
 def no_hooks(m: nn.Module, who: str, because: str = "which the fused op would not call"):
     return Condition(lambda: not has_hooks(m), lambda: f"{who} has hooks, {because}",
-                     lambda: hooks_fix(m))
+                     lambda: hooks_fix(m) or _OWN_HOOK_FIX)
+
+
+_OWN_HOOK_FIX = ("a hook of your own: register it on the module that holds the unit, whose hooks "
+                 "run around the fused op, or unfuse the model while you need it")
 
 
 def elements(seq: nn.Module, label: str, names: tuple, modules: tuple) -> Condition:
@@ -322,8 +332,9 @@ class Fact(NamedTuple):
     traced: bool                    # it has a forward of its own that fuse traces
     problem: Optional[str]          # a Linear's or activation's: what keeps it from any unit
     #: a Linear's in, out, its weight's itemsize, its LoRA term's rank and the bytes per element
-    #: of the dropout mask that term draws (0: none), whether its (base) weight is trained
-    width: Tuple[int, int, int, int, int, bool] = (0, 0, 0, 0, 0, True)
+    #: of the dropout mask that term draws (0: none), whether its (base) weight is trained, the
+    #: itemsize of the term's tensors where peft casts the input to the adapter's dtype (0: none)
+    width: Tuple[int, int, int, int, int, bool, int] = (0, 0, 0, 0, 0, True, 0)
     experts: bool = False           # an experts class of a mixture of experts (experts_class)
 
 
@@ -340,7 +351,7 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
     inside = {id(sub) for m in model.modules() if lora_form(m) for sub in m.modules()
               if sub is not m}
     for m in model.modules():
-        kind, found, problem, width = None, None, None, (0, 0, 0, 0, 0, True)
+        kind, found, problem, width = None, None, None, (0, 0, 0, 0, 0, True, 0)
         if id(m) in inside:  # a LoRA Linear's base layer and adapters: parts of that Linear
             out[id(m)] = Fact(None, None, False, False, False, None)
             continue
@@ -349,11 +360,13 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
             w = stored_weight(m)  # lazy: 0 bytes
             term = lora.shape(m) if lora_form(m) else None
             size = lora.width(m) if term else \
-                m.weight.shape if is_conv1d(m) else (m.in_features, m.out_features)
+                real_shape(m.weight) if is_conv1d(m) else (m.in_features, m.out_features)
             trained = term.base_trained if term else w is None or w.requires_grad
             item = w.element_size() if w is not None else 0
-            mask = (1 if w.device.type == "cuda" else item) if term and term.drops else 0
-            width = (*size, item, term.rank if term else 0, mask, trained)
+            mask = (1 if w.device.type == "cuda" else term.cast or item) if term and \
+                term.drops else 0
+            width = (*size, item, term.rank if term else 0, mask, trained,
+                     term.cast if term else 0)
         else:
             found = module_activation(m)
             if found is not None:

@@ -9,6 +9,8 @@ from typing import Dict, List, NamedTuple, Tuple
 
 from torch import nn
 
+from .fallback import Stats
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -20,7 +22,8 @@ class Decision:
     unit: str                 # what runs them: "tanh_mlp, 3 layers 4->64->64->2", "linear_tanh",
     #                           "mlp mixed (relu, relu, tanh), 3 layers 17->64->64->6, last tanh"
     how: str                  # "sequential", "children", "rewrite" ("" when left alone)
-    bytes_per_row: int        # activation bytes per row no longer kept for backward
+    bytes_per_row: int        # activation bytes per row no longer kept for backward, in the
+    #                           dtypes the parameters set (not under torch.autocast)
     flops_per_row: int        # extra FLOPs per row: the forward GEMMs that backward recomputes
     plain_flops_per_row: int  # these layers' forward + backward GEMM FLOPs per row, unfused
     why: str
@@ -48,6 +51,8 @@ class FuseReport:
     #: (module path, how, units, FLOPs per row) for each module gradient checkpointing recomputes
     #: whole with fused units inside: their Linears' forward GEMMs run a third time.
     checkpointed: List[Tuple[str, str, int, int]] = field(default_factory=list)
+    #: the fused units' counts of calls since fuse (ckpt_ext.stats), shown once any call counted
+    calls: Stats = field(default_factory=Stats, repr=False, compare=False)
 
     @property
     def fused(self) -> List[Decision]:
@@ -96,7 +101,10 @@ class FuseReport:
                          f"with checkpointing off (gradient_checkpointing_disable()) they keep "
                          f"only their inputs at one recompute: docs/fuse-usage.md, \"Gradient "
                          f"checkpointing\"")
-        return "\n".join(lines[:1] + grouped(lines[1:]))
+        out = lines[:1] + grouped(lines[1:])
+        if self.calls.fused_calls or self.calls.unfused_calls:
+            out.append("  " + str(self.calls).replace("\n", "\n  "))
+        return "\n".join(out)
 
 
 # An index in a module path ("layers.5.mlp"): a number right after a name and a dot.

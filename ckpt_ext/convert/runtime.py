@@ -21,7 +21,8 @@ from . import lora
 from .facts import (GLOBAL, computes, elements, mask_inside, masks_drawable, no_hooks, of_class,
                     own_forward, SetByFuse, Slot, base_type, conv1d_class, failing, join_path,
                     layer_forward, of_weights, op_terms, passes_through, Condition,
-                    experts_class, unsupported_reason)
+                    experts_class, first_failing, unsupported_reason)
+from .fallback import counting, fell_back, unit_stats
 
 if TYPE_CHECKING:
     from .report import Decision
@@ -36,6 +37,10 @@ class _Region(threading.local):
 
     def __init__(self) -> None:
         self.state: Optional[list] = None
+
+
+#: a region's first field while its owner computes the class's forward (_OwnerForward refused)
+_REFUSED = -2
 
 
 def _by_state(self, memo):
@@ -106,6 +111,30 @@ class _Run:
         state.pop("_made_conditions", None)
         return state
 
+    def refused(self) -> bool:
+        """At its first member's call: False while every condition holds; else the call is
+        counted unfused with the failing condition's reason, and True."""
+        failed = first_failing(self.conditions)
+        if failed is None:
+            return False
+        fell_back(self, failed)
+        return True
+
+    def missed(self, extra: bool) -> None:
+        """Count a call of the first member that computed the run unfused without a condition
+        failing (those are counted where they fail): the reason the region was not marked."""
+        state = self._region.state
+        if state is None:
+            if self.owner is not None:
+                unit_stats(self).unfused(*_outside_region(self))
+        elif state[0] == _REFUSED:
+            state[0] = -1
+            unit_stats(self).unfused(*state[3])
+        elif state[0] == 0 and extra:
+            unit_stats(self).unfused(
+                f"{self.calls[0]} was called with arguments beyond its input, which the fused "
+                f"op does not take")
+
     def __setstate__(self, state):
         if "last_tanh" in state:  # a state that names it last_tanh holds a tanh run
             state["last_activation"] = state.pop("last_tanh")
@@ -131,6 +160,7 @@ class _Run:
         return _by_item((k, m.p) for m, _, k in self.passes if not passes_through(m))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        unit_stats(self).fused()
         terms, masks = [op_terms(lin) for lin in self.layers], self.masks()
         if _through_modules(terms, bool(masks)):
             return recomputed_modules(lambda h: dropout_unit.chain(
@@ -144,8 +174,11 @@ class _Run:
                        last_activation=self.last_activation,
                        lora=loras if any(t is not None for t in loras) else None)
 
-    def enter(self) -> None:
-        self._region.state = [0, None, self._region.state]
+    def enter(self, refusal: Optional[Tuple[str, Optional[str]]] = None) -> None:
+        """Mark the region of one owner's call; ``refusal`` (reason, fix): the owner computes
+        its class's forward, and the run's first member counts the call unfused."""
+        self._region.state = [0 if refusal is None else _REFUSED, None, self._region.state,
+                              refusal]
 
     def leave(self, completed: bool) -> None:
         state = self._region.state
@@ -160,7 +193,7 @@ class _Run:
             return None
         expected = state[0]
         if expected == index and (index == 0 or x is state[1]):
-            if index == 0 and self.problem() is not None:
+            if index == 0 and self.refused():
                 state[0] = -1  # computed member by member for the rest of this call
                 return None
             return state
@@ -199,9 +232,11 @@ class _PlaceholderRun(_Run):
         yield masks_drawable(self)
         yield from of_weights(self.layers, self.calls)
 
-    def enter(self) -> None:
-        # [the next member, x, the state of an enclosing call, the op's output until returned]
-        self._region.state = [0, None, self._region.state, None]
+    def enter(self, refusal: Optional[Tuple[str, Optional[str]]] = None) -> None:
+        # [the next member, x, the state of an enclosing call, the op's output until returned
+        # (or the refusal _Run.enter takes)]
+        self._region.state = [0 if refusal is None else _REFUSED, None, self._region.state,
+                              refusal]
 
     def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
         state = self._region.state
@@ -209,7 +244,7 @@ class _PlaceholderRun(_Run):
             return None
         expected, last = state[0], len(self.calls) - 1
         if expected == index == 0:
-            if self.problem() is not None:
+            if self.refused():
                 state[0] = -1  # computed module by module for the rest of this call
                 return None
             out = self(x)
@@ -258,6 +293,7 @@ class _GatedRun(_PlaceholderRun):
         return tuple(d.p for d in self.dropouts if d.p > 0 and d.training)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        unit_stats(self).fused()
         gate, up, down = self.gate, self.up, self.down
         layers = [m for m in (gate, up, down) if m is not None]
         terms, masks = [op_terms(m) for m in layers], self.masks()
@@ -318,6 +354,22 @@ class _InlineRun(_PlaceholderRun):
     def masks(self) -> Dict[int, Tuple[float, ...]]:
         return _by_item((d.item, d.module.p if d.module is not None else d.p)
                         for d in self.drops if d.drawing(self.owner.training))
+
+
+def _outside_region(run: _Run) -> Tuple[str, str]:
+    """(reason, fix) for a run whose first member was called with no region of its owner's."""
+    owner = run.decision.where if run.decision else "its owner"
+    owner = owner or "<model>"
+    fwd = [v for v in vars(run.owner).values() if isinstance(v, _OwnerForward)]
+    if not fwd:
+        why = (f"{owner}'s forward is no longer the one fuse set on it (replaced on the "
+               f"instance), so the run's region is not marked")
+    else:
+        why = (f"{run.calls[0]} was called outside {owner}'s forward as fuse set it (a forward "
+               f"patched on {owner} as a closure over the method fuse replaced, or the member "
+               f"called on its own)")
+    return why, ("call ckpt_ext.fuse after what patches the forward (on the model the trainer "
+                 "actually trains), or call the module itself rather than its old bound forward")
 
 
 def _through_modules(terms: Sequence[Optional[tuple]], masks: bool) -> bool:
@@ -389,7 +441,7 @@ class _RunPart:
         """The output of this part's elements computed as the run, or None to run them."""
         run = self.run
         if self.role == PartRole.WHOLE:
-            if run.problem() is not None:
+            if run.refused():
                 return None
             return _elements(self.after, run(_elements(self.before, x)))
         state = run.turn(self.index, x)
@@ -465,9 +517,14 @@ class RunMember:
 
     def forward(self, input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         run = self._ckpt_ext_run  # other arguments (peft's adapter_names): its own forward
-        out = run.take(self._ckpt_ext_index, input) if run is not None and not (args or kwargs) \
-            else None
-        return super().forward(input, *args, **kwargs) if out is None else out
+        if run is None:
+            return super().forward(input, *args, **kwargs)
+        out = run.take(self._ckpt_ext_index, input) if not (args or kwargs) else None
+        if out is None:
+            if self._ckpt_ext_index == 0 and counting():
+                run.missed(bool(args or kwargs))
+            return super().forward(input, *args, **kwargs)
+        return out
 
     def extra_repr(self) -> str:
         own = super().extra_repr()
@@ -550,13 +607,17 @@ class _OwnerForward(SetByFuse):
     def __call__(self, *args, **kwargs):
         owner = self.owner
         cls_fn = getattr(type(owner), self.method)
+        refusal = None
         if torch.jit.is_tracing() or cls_fn is not self._analysed or \
                 not all(guard.holds(owner) for guard in self.guards) or \
                 (self.arg_guard is not None and not self.arg_guard.holds(args, kwargs)):
-            return cls_fn(owner, *args, **kwargs)  # the class's own code, exactly
-        fn = self._fn if self._fn is not None else cls_fn
+            if not self.runs or not counting():
+                return cls_fn(owner, *args, **kwargs)  # the class's own code, exactly
+            refusal, fn = self.refusal(args, kwargs), cls_fn  # the same, counted by its runs
+        else:
+            fn = self._fn if self._fn is not None else cls_fn
         for run in self.runs:
-            run.enter()
+            run.enter(refusal)
         completed = False
         try:
             out = fn(owner, *args, **kwargs)
@@ -565,6 +626,27 @@ class _OwnerForward(SetByFuse):
             for run in self.runs:
                 run.leave(completed)
         return out
+
+    def refusal(self, args: tuple, kwargs: dict) -> Tuple[str, Optional[str]]:
+        """(reason, fix) why this call computes the class's forward rather than the runs'."""
+        owner, cls = self.owner, type(self.owner).__name__
+        where = next((r.decision.where for r in self.runs if r.decision is not None), "")
+        where = where or "<model>"
+        if torch.jit.is_tracing():
+            return GLOBAL[0].describe(), None
+        if getattr(type(owner), self.method) is not self._analysed:
+            return (f"{cls}.{self.method} is no longer the method fuse analysed in {where}",
+                    "fuse again after changing the class")
+        for guard in self.guards:
+            if not guard.holds(owner):
+                return (f"{where}.{self.method} read {guard.describe()} when fuse analysed it, "
+                        f"and that no longer holds, so its path may differ",
+                        "fuse again after changing it")
+        assumed = f"at most {self.arg_guard.positional} positional argument(s)"
+        if self.arg_guard.given:
+            assumed += ", " + self.arg_guard.describe()
+        return (f"{where}.{self.method} was called with arguments its analysis did not cover "
+                f"(it assumed {assumed})", None)
 
     @property
     def __signature__(self) -> inspect.Signature:  # the class method's, for libraries that look
@@ -785,10 +867,14 @@ class _ExpertsRun:
         names = self.form.arguments
         if kwargs or len(args) != 3:
             if len(args) > 3 or set(kwargs) - set(names[len(args):]):
+                unit_stats(self).unfused(f"{self.label} was called with arguments beyond "
+                                         f"{', '.join(names)}, which moe_experts does not take")
                 return None
             args = args + tuple(kwargs.get(name) for name in names[len(args):])
         x, idx, w = args
-        if self.problem() is not None:
+        failed = first_failing(self.conditions)
+        if failed is not None:
+            fell_back(self, failed)
             return None
         m, form = self.module, self.form
         gate_up, down, gate_up_bias, down_bias = (
@@ -800,7 +886,10 @@ class _ExpertsRun:
                 idx.dtype in (torch.int64, torch.int32) and w.is_floating_point() and
                 x.device == idx.device == w.device == gate_up.device and
                 (x.dtype == gate_up.dtype or torch.is_autocast_enabled(x.device.type))):
+            unit_stats(self).unfused(f"{self.label} was called with input moe_experts does not "
+                                     f"take (its class's forward computes it)")
             return None
+        unit_stats(self).fused()
         return ops.moe_experts(
             x, idx, w, gate_up, down, activation=form.activation, gate_up_bias=gate_up_bias,
             down_bias=down_bias, layout=form.layout,

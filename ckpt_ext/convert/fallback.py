@@ -1,0 +1,189 @@
+"""What each fused unit computed, counted at its calls: fused, unfused (with the reason, the same
+string its warning gives), or fused inside a checkpointed ancestor that recomputes it whole. A
+unit that computes otherwise than the report said warns ``FallbackWarning`` once per reason;
+``ckpt_ext.stats(model)`` reads the counts. Only calls that record gradients count: under
+``no_grad`` and inference nothing is kept, fused or not. Docs: docs/fuse-usage.md, "Is it fused?"."""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .facts import SetByFuse
+
+
+class FallbackWarning(UserWarning):
+    """A fused unit computed unfused (or recomputed by checkpointing around it): warned once per
+    unit and reason, with the fix where there is one."""
+
+
+class UnitStats:
+    """One unit's calls with gradients recorded: ``fused_calls``, ``unfused_calls`` and their
+    ``reasons`` (reason -> count), ``recomputed_calls`` (fused calls inside a module that gradient
+    checkpointing recomputes whole). ``path``: the module holding the unit, as the report names it;
+    ``layers``: its layers in call order."""
+
+    __slots__ = ("path", "layers", "fused_calls", "unfused_calls", "recomputed_calls", "reasons",
+                 "_warned", "_checkpointed")
+
+    def __init__(self, path: str, layers: Tuple[str, ...], checkpointed=()) -> None:
+        self.path, self.layers = path, tuple(layers)
+        self.fused_calls = self.unfused_calls = self.recomputed_calls = 0
+        self.reasons: Dict[str, int] = {}
+        self._warned: set = set()
+        # (path, module): the unit's ancestors that transformers' checkpointing can recompute whole
+        self._checkpointed = tuple(checkpointed)
+
+    @property
+    def name(self) -> str:
+        """The unit as warnings and tables name it: its path and, if more than one, its layers."""
+        where = self.path or "<model>"
+        if len(self.layers) == 1 and self.layers[0] == self.path:
+            return where
+        return f"{where} ({' -> '.join(self.layers)})"
+
+    def fused(self) -> None:
+        if not counting():
+            return
+        self.fused_calls += 1
+        for path, m in self._checkpointed:
+            if m.training and getattr(m, "gradient_checkpointing", False) is True:
+                self.recomputed_calls += 1
+                self._warn(_RECOMPUTED.format(path=path or "<model>"), _RECOMPUTED_FIX, "is")
+                return
+
+    def unfused(self, reason: str, fix: Optional[str] = None) -> None:
+        if not counting():
+            return
+        self.unfused_calls += 1
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        self._warn(reason, fix, "computed unfused:")
+
+    def _warn(self, reason: str, fix: Optional[str], what: str) -> None:
+        if reason in self._warned:
+            return
+        self._warned.add(reason)
+        warnings.warn(f"ckpt_ext: the fused unit {self.name} {what} {reason}" +
+                      (f". Fix: {fix}" if fix else ""), FallbackWarning, stacklevel=_caller())
+
+    def __repr__(self) -> str:
+        return (f"UnitStats(path={self.path!r}, fused_calls={self.fused_calls}, "
+                f"unfused_calls={self.unfused_calls}, recomputed_calls={self.recomputed_calls}, "
+                f"reasons={self.reasons!r})")
+
+    # pickles and copies start counting afresh
+    def __reduce__(self):
+        return (UnitStats, (self.path, self.layers, self._checkpointed))
+
+
+_RECOMPUTED = ("recomputed twice: {path} runs under transformers' gradient checkpointing "
+               "(switched on after fuse, as Trainer.train() and TRL do), which recomputes it "
+               "whole in backward, so the unit computes its forward GEMMs a third time")
+_RECOMPUTED_FIX = ("switch checkpointing off where the batch fits: TrainingArguments("
+                   "activation_checkpointing=False) (TRL's configs, SFTConfig and the others, set "
+                   "it on by default); model.gradient_checkpointing_disable() alone is undone by "
+                   "train()")
+
+
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+_WRAPPERS = ("forward", "__call__", "wrapper", "wrapped_func", "inner")
+
+
+def _caller() -> int:
+    """The stacklevel of the first frame outside ckpt_ext, torch and modules' forwards: the call
+    of the model."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (frame.f_code.co_filename.startswith((_OURS, _TORCH)) or
+                                 frame.f_code.co_name in _WRAPPERS or
+                                 isinstance(frame.f_locals.get("self"), nn.Module)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def counting() -> bool:
+    """Calls count where gradients are recorded, outside torch.compile's tracing (a count read in
+    a compiled graph would be a guard that recompiles it at every call)."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def unit_stats(run: Any) -> UnitStats:
+    """The counts of a unit's run object (made at the first call where fuse made none)."""
+    stats = run.__dict__.get("_ckpt_ext_stats")
+    if stats is None:
+        d = getattr(run, "decision", None)
+        labels = getattr(run, "labels", None) or (getattr(run, "label", ""),)
+        stats = run.__dict__["_ckpt_ext_stats"] = UnitStats(
+            d.where if d is not None else labels[0], d.layers if d is not None else labels)
+    return stats
+
+
+def attach(run: Any, decision: Any, checkpointed) -> None:
+    """Give a run fuse places its counts, named as ``decision`` names it; ``checkpointed``:
+    (path, module) of its ancestors that transformers' checkpointing can recompute whole."""
+    if "_ckpt_ext_stats" not in run.__dict__:
+        run.__dict__["_ckpt_ext_stats"] = UnitStats(decision.where, decision.layers, checkpointed)
+
+
+def fell_back(run: Any, condition: Any) -> None:
+    """Count an unfused call of ``run`` because ``condition`` (a facts.Condition) fails."""
+    fix = getattr(condition, "fix", None)
+    unit_stats(run).unfused(condition.describe(), fix() if fix is not None else None)
+
+
+class Stats(List[UnitStats]):
+    """``ckpt_ext.stats(model)``: one :class:`UnitStats` per fused unit, in the model's order."""
+
+    @property
+    def fused_calls(self) -> int:
+        return sum(s.fused_calls for s in self)
+
+    @property
+    def unfused_calls(self) -> int:
+        return sum(s.unfused_calls for s in self)
+
+    @property
+    def recomputed_calls(self) -> int:
+        return sum(s.recomputed_calls for s in self)
+
+    def __str__(self) -> str:
+        lines = [f"ckpt_ext.stats: {len(self)} fused unit(s); calls with gradients recorded: "
+                 f"{self.fused_calls:,} fused, {self.unfused_calls:,} unfused"
+                 + (f", {self.recomputed_calls:,} recomputed by checkpointing around them"
+                    if self.recomputed_calls else "")]
+        for s in self:
+            extra = f", {s.recomputed_calls:,} under checkpointing" if s.recomputed_calls else ""
+            lines.append(f"  {s.name}: {s.fused_calls:,} fused, {s.unfused_calls:,} unfused{extra}")
+            lines += [f"    {n:,} x {reason}" for reason, n in s.reasons.items()]
+        return "\n".join(lines)
+
+
+def _runs(model: nn.Module) -> Iterator[Any]:
+    """Every run object fuse left in ``model`` (members', Sequentials' parts, owners' forwards)."""
+    for m in model.modules():
+        run = vars(m).get("_ckpt_ext_run")
+        if run is not None:
+            yield run
+        for part in vars(m).get("_ckpt_ext_runs", ()):
+            yield part.run
+            if part.alone is not None:
+                yield part.alone.run
+        for v in vars(m).values():
+            yield from getattr(v, "runs", ()) if isinstance(v, SetByFuse) else ()
+
+
+def stats(model: nn.Module) -> Stats:
+    """The calls of every unit fuse (or an applied plan) put in ``model``, counted since fuse."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ckpt_ext.stats expects an nn.Module, got {type(model).__name__}")
+    seen: Dict[int, Any] = {}
+    for run in _runs(model):  # a Sequential's stretch computed alone counts once it runs
+        if run.__dict__.get("decision") is not None or run.__dict__.get("_ckpt_ext_stats"):
+            seen.setdefault(id(run), run)
+    return Stats(unit_stats(run) for run in seen.values())
