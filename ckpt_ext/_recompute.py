@@ -40,8 +40,10 @@ class RecomputedWithGenerator(torch.autograd.Function):
         own = ctx.own_params = getattr(compute, "own_params", False)
         ctx.save_for_backward(x, *([] if own else params))
         ctx.params = params if own else None
+        if own:
+            return _as_in_a_step(compute, x)
         with torch.no_grad():
-            return compute(x) if own else compute(x, *params)
+            return compute(x, *params)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -77,13 +79,32 @@ def recomputed_modules(compute, x: Tensor, params) -> Tensor:
     require grad), kept as x and the generator's state: backward recomputes it with those very
     parameters and differentiates w.r.t. x and them. Where it cannot run recomputed
     (:func:`unsupported`), compute(x) under stock autograd: the same values and draws."""
-    if unsupported() is not None:
+    if unsupported() is not None or not torch.is_grad_enabled():
         return compute(x)
 
     def run(h):
         return compute(h)
     run.own_params = True
     return RecomputedWithGenerator.apply(run, x, *params)
+
+
+def _as_in_a_step(compute, x: Tensor) -> Tensor:
+    """compute(x) with grad enabled and its graph keeping nothing, then dropped: modules see what
+    they see in a step, tensors that require grad. bitsandbytes' Linear4bit, in eval() on a CPU
+    with AVX512-BF16, repacks its weight for inference at a call whose input does not; under
+    no_grad the unit's inner Linears would take that path (which fails for widths that are not a
+    multiple of 32, and leaves the weight packed for the backward's recompute)."""
+    h = x.detach().requires_grad_(x.requires_grad)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_kept_as_nothing, _never):
+        return compute(h).detach()
+
+
+def _kept_as_nothing(t: Tensor) -> None:
+    return None
+
+
+def _never(_) -> Tensor:
+    raise RuntimeError("ckpt_ext: a graph recorded to be dropped was differentiated")
 
 
 def _get_rng(device: torch.device) -> Tensor:

@@ -29,6 +29,8 @@ class LayerShape(NamedTuple):
     rank: int = 0      # its LoRA term's (0: none)
     mask: int = 0      # bytes per element of the mask its LoRA dropout draws (0: none)
     trained: bool = True  # its (base) weight requires grad
+    cast: int = 0      # bytes per element of its LoRA term's tensors where peft casts the input
+    #                    to the adapter's dtype, another than the weight's (0: no cast)
 
 
 def gemm(layer: LayerShape) -> int:
@@ -46,17 +48,20 @@ def plain_gemms(layer: LayerShape) -> int:
 
 def keeps_input(layer: LayerShape) -> bool:
     """Whether stock autograd keeps the Linear's input: for its weight's gradient, or for its LoRA
-    term's lora_A when no dropout stands between."""
-    return layer.trained or (layer.rank > 0 and not layer.mask)
+    term's lora_A when neither a dropout nor a cast to the adapter's dtype stands between."""
+    return layer.trained or (layer.rank > 0 and not layer.mask and not layer.cast)
 
 
 def lora_bytes(layer: LayerShape) -> int:
-    """What stock autograd keeps per row for a LoRA term: lora_B's input (rank wide), and with a
-    dropout its mask and the dropped input lora_A keeps."""
+    """What stock autograd keeps per row for a LoRA term, in the adapter's dtype (peft casts the
+    input to it): lora_B's input (rank wide), and the input lora_A keeps where it is not the
+    Linear's own: the dropped input and its dropout's mask, or the input cast."""
     if not layer.rank:
         return 0
-    return layer.rank * layer.itemsize + \
-        (layer.in_features * (layer.mask + layer.itemsize) if layer.mask else 0)
+    item = layer.cast or layer.itemsize
+    taken = layer.in_features * (layer.mask + item) if layer.mask else \
+        layer.in_features * layer.cast
+    return layer.rank * item + taken
 
 
 def lora_note(layers: Sequence[LayerShape]) -> str:
