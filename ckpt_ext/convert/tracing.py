@@ -411,9 +411,10 @@ def trace_model(model: nn.Module, facts: Dict[int, Fact]):
                 memo[id(b)] = nn.UninitializedBuffer(device="meta") if is_lazy(b) else \
                     torch.empty_like(b, device="meta")
             clone = copy.deepcopy(model, memo)
-        except Exception as e:
-            return traces, [("", f"the model could not be copied for analysis ({type(e).__name__}"
-                                 f": {e}); only nn.Sequential contents were considered")]
+        except Exception as e:  # each module failed, with why: the reason its Linears give
+            why = f"the model could not be copied for analysis ({type(e).__name__}: {e})"
+            return {id(m): Trace(False, why) for _, m in wanted}, \
+                [("", f"{why}; only nn.Sequential contents were considered")]
         clones, unrecorded = dict(clone.named_modules()), None
         try:  # every module of the copy gets its recording class
             for m in clone.modules():

@@ -12,6 +12,7 @@ import inspect
 import io
 import pickle
 import pickletools
+import threading
 
 import pytest
 import torch
@@ -1058,6 +1059,26 @@ def test_trace_false_only_sequential():
     fused, report = fuse(model, trace=False)
     assert fused is model and [d.how for d in report.fused] == ["sequential"]
     assert type(model.pooler.dense) is nn.Linear
+
+
+def test_model_that_cannot_be_copied_says_why():
+    """A model fuse cannot copy for analysis (it holds a lock): each Linear's line gives that
+    reason, not trace=False, which the caller did not pass."""
+    class Locked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)
+            self.lock = threading.Lock()
+
+        def forward(self, x):
+            return self.fc2(self.act(self.fc1(x)))
+
+    _, report = fuse(Locked())
+    assert len(report) == 0 and "trace=False" not in str(report), str(report)
+    assert [path for path, _ in report.other_layers] == ["fc1", "fc2"]
+    for _, why in report.other_layers:
+        assert why.startswith("its caller <model> was not analysed: the model could not be "
+                              "copied for analysis (TypeError: "), why
 
 
 def test_meta_device_and_whole_model_pickle():
