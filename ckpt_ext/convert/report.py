@@ -98,7 +98,8 @@ class FuseReport:
             lines.append(f"  recomputed twice: {path or '<model>'} runs under {how}, which "
                          f"recomputes it whole in backward, so its {units} fused unit(s) compute "
                          f"their Linears' forward GEMMs a third time (+{flops:,} FLOPs/row more); "
-                         f"with checkpointing off (gradient_checkpointing_disable()) they keep "
+                         f"with checkpointing off (TrainingArguments(activation_checkpointing="
+                         f"False): train() switches it on again otherwise) they keep "
                          f"only their inputs at one recompute: docs/fuse-usage.md, \"Gradient "
                          f"checkpointing\"")
         out = lines[:1] + grouped(lines[1:])
