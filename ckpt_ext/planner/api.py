@@ -40,7 +40,9 @@ def plan(model: nn.Module, example_inputs, budget_bytes: int, *,
     copy sharing the model's parameters (plain, every unit fused, every block checkpointed, each
     after a FLOP-counted one) give each unit's bytes and FLOPs under each option; the choice is
     exact. Nothing in the model changes: its gradients, buffers and the RNG are as they were.
-    ``ValueError`` when no choice fits, naming the least budget that does."""
+    ``ValueError`` when no choice fits, naming the least budget that does; an error naming
+    ``example_inputs`` when the model cannot take them; ``RuntimeError`` when the probe step runs
+    the model's own units instead of the copy's, or none, naming them."""
     where = "ckpt_ext.plan"
     check_common(where, model, budget_bytes, loss_fn)
     check_inputs(where, example_inputs)

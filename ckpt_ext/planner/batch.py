@@ -43,7 +43,9 @@ def figures_at(fa: StepFigures, fb: StepFigures, na: int, nb: int, n: int) -> St
                    head_excess=line(fa.head_excess, fb.head_excess),
                    head_growth=line(fa.head_growth, fb.head_growth),
                    head_kept=line(fa.head_kept, fb.head_kept),
-                   other_flops=line(fa.other_flops, fb.other_flops), units=units)
+                   other_flops=line(fa.other_flops, fb.other_flops),
+                   plain_peak=line(fa.plain_peak, fb.plain_peak),
+                   plain_kept=line(fa.plain_kept, fb.plain_kept), units=units)
 
 
 def _largest(fits: Callable[[int], bool]) -> int:
@@ -66,8 +68,9 @@ def largest_batch(model: nn.Module, make_inputs: Callable[[int], object], budget
 
     def probe(n: int):
         inputs = make_inputs(n)
-        check_inputs(f"ckpt_ext.max_batch: make_inputs({n})", inputs)
-        return survey(model, inputs, loss_fn, found)
+        where = f"ckpt_ext.max_batch: make_inputs({n})"
+        check_inputs(where, inputs)
+        return survey(model, inputs, loss_fn, found, where)
 
     points = {1: probe(1), 2: probe(2)}
     fig1, units, notes, spread, device = points[1]

@@ -19,12 +19,13 @@ from .units import Option, find_units
 TOLERANCE = 1e-4
 
 
-def survey(model: nn.Module, example_inputs, loss_fn, found=None):
+def survey(model: nn.Module, example_inputs, loss_fn, found=None, where="ckpt_ext.plan"):
     """The figures of ``model`` stepping on ``example_inputs``: (figures, units, notes, spread,
-    device). ``found``: ``find_units(model)`` where the caller has it already."""
+    device). ``found``: ``find_units(model)`` where the caller has it already; ``where`` begins
+    the probe's errors."""
     device = model_device(model)
     units, notes = found if found is not None else find_units(model)
-    with Probe(model, example_inputs, loss_fn, device) as probe:
+    with Probe(model, example_inputs, loss_fn, device, where) as probe:
         fig, units, notes, spread = figures_of(probe, units, notes)
     return fig, units, notes, spread, device
 

@@ -40,6 +40,10 @@ class StepFigures:
     head_kept: int                    # bytes the head keeps at "loss", the loss itself not counted
     other_flops: int                  # FLOPs outside every unit
     units: List[Dict[Option, OptionFigures]] = field(default_factory=list)
+    #: the plain step as its own probe measured it (peak; kept after the loss): the prediction of
+    #: every unit ``none``, free of the other probes' spread
+    plain_peak: int = 0
+    plain_kept: int = 0
 
 
 def _by_label(trace: StepTrace) -> Dict[Tuple[str, int], int]:
@@ -119,7 +123,17 @@ class Prediction:
 
 
 def simulate(fig: StepFigures, choice: Sequence[Option]) -> Prediction:
-    """The step's peak, kept bytes and FLOPs with unit i under option ``choice[i]``."""
+    """The step's peak, kept bytes and FLOPs with unit i under option ``choice[i]``: for every
+    unit ``none`` the plain probe's own figures, else :func:`chain_prediction`."""
+    got = chain_prediction(fig, choice)
+    if all(o == Option.NONE for o in choice):
+        return Prediction(fig.plain_peak, fig.plain_kept, got.flops)
+    return got
+
+
+def chain_prediction(fig: StepFigures, choice: Sequence[Option]) -> Prediction:
+    """The chain's sums: the step's peak, kept bytes and FLOPs with unit i under option
+    ``choice[i]``."""
     n = len(fig.units)
     cur, peak = fig.first_growth, fig.first_excess
     flops = fig.other_flops

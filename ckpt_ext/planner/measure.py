@@ -3,9 +3,10 @@ units form a chain and which are handed a cache), every unit fused, every block 
 each unit's figures under each of its options from the step where it had that option."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List, Tuple
 
-from .figures import StepFigures, combine, shared_figures, spread, unit_figures
+from .figures import StepFigures, chain_prediction, combine, shared_figures, spread, unit_figures
 from .probe import Probe, chain_problems
 from .units import Option, Unit
 
@@ -48,4 +49,7 @@ def figures_of(probe: Probe, units: List[Unit], notes: List[Tuple[str, str]]
     fig = combine(shared)
     fig.units = [{o: unit_figures(*traces[o], i, n) for o in u.options}
                  for i, u in enumerate(units)]
+    # every unit none in plain's own figures: its probe's peak and kept bytes, exactly
+    plain = chain_prediction(replace(shared[0], units=fig.units), [Option.NONE] * n)
+    fig.plain_peak, fig.plain_kept = plain.peak, plain.kept
     return fig, units, notes, spread(shared)

@@ -8,10 +8,11 @@ alive above the step's start, the peak since the previous mark (ckpt_ext.memory.
 bytes on CPU, requested bytes on CUDA) and, in a step counted with ``FlopCounterMode``, the FLOPs
 so far. Memory and FLOPs come from separate steps: the counter's module tracker holds gradients
 in its hooks and moves the backward's memory. The user's model, its gradients, buffers and the RNG
-are left as they were (docs/plan.md, "The probe")."""
+are left as they were (docs/plan.md, "The probe"). A step that runs the model's own units instead
+of the copy's, or none of the units, is an error that names them and the forwards set on an
+instance on their way: nothing is planned from a step that was not measured."""
 from __future__ import annotations
 
-import copy
 import gc
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -24,7 +25,8 @@ from .. import _aten_flops  # noqa: F401  (the CPU attention counted)
 from .._block_checkpoint import cache_argument, checkpoint_block
 from ..convert import fuse, unfuse
 from ..memory import MemoryMeter
-from .step import Inputs, call, first_floating, loss_of
+from .rebind import describe_forward, probe_copy
+from .step import Inputs, call, first_floating, inputs_error, loss_of
 from .units import Option, Unit
 
 
@@ -51,14 +53,15 @@ class Probe:
     its own, so a probe step never moves the model's), with everything ``fuse`` or a plan put
     in taken out: configurations are relative to plain. Use as a context manager: it stashes the
     gradients of the parameters (and of leaf inputs that require grad) and the RNG state on
-    entry and puts them back on exit."""
+    entry and puts them back on exit. ``where`` begins its errors ("ckpt_ext.plan")."""
 
     def __init__(self, model: nn.Module, inputs: Inputs, loss_fn: Optional[Callable],
-                 device: torch.device) -> None:
+                 device: torch.device, where: str) -> None:
         self.model, self.inputs, self.loss_fn, self.device = model, inputs, loss_fn, device
-        memo = {id(p): p for p in model.parameters()}
-        self.copy = unfuse(copy.deepcopy(model, memo))
+        self.where = where
+        self.copy = unfuse(probe_copy(model))
         self.meter = MemoryMeter(device)
+        self.stepped = False  # a step ran: the model takes the inputs
 
     def __enter__(self) -> "Probe":
         leaves = [t for t in _tensors(self.inputs) if t.requires_grad and t.is_leaf]
@@ -97,6 +100,7 @@ class Probe:
         state = {"base": 0, "counter": None}
         cache_args: Dict[int, str] = {}
         calls: Dict[int, int] = {}
+        escaped: Dict[int, int] = {}  # calls of the model's own units (not the copy's)
         problems: Dict[int, str] = {}
 
         def mark(label: str, unit: int = -1) -> None:
@@ -131,11 +135,19 @@ class Probe:
                 t.register_hook(lambda grad: mark("grad", i))
             return hook
 
+        def model_pre(i: int):
+            def hook(module, args):
+                if not in_backward():
+                    escaped[i] = escaped.get(i, 0) + 1
+            return hook
+
         handles = []
         for i, unit in enumerate(units):
             m = self.copy.get_submodule(unit.path)
             handles.append(m.register_forward_pre_hook(pre(i), with_kwargs=True))
             handles.append(m.register_forward_hook(post(i), with_kwargs=True))
+            handles.append(self.model.get_submodule(unit.path).register_forward_pre_hook(
+                model_pre(i)))
         for p, _ in self._grads:
             p.grad = None
         was_enabled = gc.isenabled()
@@ -148,7 +160,13 @@ class Probe:
             state["base"] = meter.current()
             meter.reset_peak()
             mark("start")
-            out = call(self.copy, self.inputs)
+            try:
+                out = call(self.copy, self.inputs)
+            except Exception as e:
+                if self.stepped:
+                    raise
+                raise inputs_error(self.where, self.inputs, e) from e
+            self.stepped = True
             loss = loss_of(self.loss_fn, out)
             loss_bytes = loss.numel() * loss.element_size()
             del out
@@ -165,11 +183,39 @@ class Probe:
                 gc.enable()
             for p, _ in self._grads:
                 p.grad = None
+        if escaped:
+            raise RuntimeError(self._unmeasured(
+                [units[i] for i in sorted(escaped)], "ran the model's own {} instead of the "
+                "copy's", "a forward or hook reaches the model's own modules through an object "
+                "the copy cannot rebind (a trainer's state, a global). Plan the model before "
+                "that forward is set (the plan applies to the model afterwards)"))
+        if units and not calls:
+            raise RuntimeError(self._unmeasured(
+                units, "never ran {}", "the model's forward does not call them on these inputs"))
         for i in range(len(units)):
             if calls.get(i, 0) != 1:
                 problems.setdefault(i, f"its forward ran {calls.get(i, 0)} times in the step "
                                        f"(a unit runs once)")
         return StepTrace(marks, loss_bytes, cache_args, problems)
+
+    def _unmeasured(self, units: Sequence[Unit], what: str, why: str) -> str:
+        """The error for a step that did not measure ``units``: ``what`` it did to them, the
+        forwards set on an instance from the model down to them, and ``why``."""
+        paths = [u.path for u in units]
+        patched: List[str] = []
+        for path in paths:
+            parts = path.split(".") if path else []
+            for k in range(len(parts) + 1):
+                at = ".".join(parts[:k])
+                found = describe_forward(self.model.get_submodule(at))
+                line = f"{at or '<model>'}.forward is set on its instance ({found})"
+                if found and line not in patched:
+                    patched.append(line)
+        on_the_way = "; ".join(patched) if patched else "no forward is set on an instance on " \
+                                                         "their way"
+        return (f"{self.where}: the probe step on a copy of the model "
+                f"{what.format(', '.join(paths))}, so it cannot measure them ({on_the_way}): "
+                f"{why}")
 
     def measure(self, units: Sequence[Unit], options: Sequence[Option]
                 ) -> Tuple[StepTrace, StepTrace]:

@@ -22,6 +22,30 @@ def check_inputs(where: str, example_inputs: Any) -> None:
                         f"{type(example_inputs).__name__}")
 
 
+def describe_inputs(inputs: Inputs) -> str:
+    """What was given as inputs, for a message: a tensor's shape and dtype, a plain value's repr,
+    another object's type."""
+    def one(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"{str(v.dtype).replace('torch.', '')} tensor {tuple(v.shape)}"
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return repr(v)
+        return type(v).__name__
+    if isinstance(inputs, dict):
+        return "a dict: " + ", ".join(f"{k}={one(v)}" for k, v in inputs.items()) \
+            if inputs else "an empty dict"
+    return "a tuple: " + ", ".join(one(v) for v in inputs) if inputs else "an empty tuple"
+
+
+def inputs_error(where: str, inputs: Inputs, error: Exception) -> Exception:
+    """The error for inputs the model cannot take (its forward raised ``error`` on them): a
+    TypeError where the call's arguments were refused, else a ValueError."""
+    spelled = "model(**example_inputs)" if isinstance(inputs, dict) else "model(*example_inputs)"
+    kind = TypeError if isinstance(error, TypeError) else ValueError
+    return kind(f"{where}: the model cannot take example_inputs ({describe_inputs(inputs)}): "
+                f"{spelled} raised {type(error).__name__}: {error}")
+
+
 def call(model: nn.Module, inputs: Inputs) -> Any:
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 

@@ -130,6 +130,17 @@ def test_a_budget_at_plain_peak_changes_nothing(model):
     assert all("forward" not in vars(m) for m in net.modules())
 
 
+def test_a_budget_at_plains_measured_peak_changes_nothing(model):
+    """At exactly the peak measure_step measures for the plain model, nothing is recomputed and
+    the predicted peak is that measurement (the other probes' spread does not raise it)."""
+    measured = measure_step(model, INPUTS)["peak_above_before_forward"]
+    p = ckpt_ext.plan(model, INPUTS, measured)
+    assert p.added_flops == 0 and set(p.choices.values()) == {"none"}
+    assert p.peak_bytes == p.plain_peak_bytes == measured
+    below = ckpt_ext.plan(model, INPUTS, measured - 1)
+    assert below.added_flops > 0 and below.peak_bytes <= measured - 1
+
+
 # ------------------------------------------------------------------------------------------------
 # Optimality, predictions, monotonicity
 
@@ -287,6 +298,32 @@ def test_bad_input_is_refused_before_anything_changes(model):
     with pytest.raises(ValueError, match="no module 'model.layers.2'"):
         p.apply(other)
     assert all("forward" not in vars(m) for m in other.modules())
+
+
+def test_inputs_the_model_cannot_take_are_named(model):
+    """Inputs the model's forward refuses: the error names example_inputs and what was given
+    (each argument's dtype and shape), and the model is as it was."""
+    grads = [prm.grad for prm in model.parameters()]
+    misspelled = dict(inputs_ids=IDS[:2], labels=IDS[:2], use_cache=False)
+    with pytest.raises(ValueError, match=re.escape(
+            "ckpt_ext.plan: the model cannot take example_inputs (a dict: inputs_ids=int64 "
+            "tensor (2, 64), labels=int64 tensor (2, 64), use_cache=False): "
+            "model(**example_inputs) raised ValueError: ")):
+        ckpt_ext.plan(model, misspelled, 10**15)
+    with pytest.raises(TypeError, match=re.escape(
+            "ckpt_ext.plan: the model cannot take example_inputs (a tuple: int64 tensor (2, 64), "
+            "'x', 3.5, list" + ", None" * 15 + "): model(*example_inputs) raised TypeError: ")):
+        ckpt_ext.plan(model, (IDS[:2], "x", 3.5, [1]) + (None,) * 15, 10**15)
+    out_of_range = dict(input_ids=IDS[:2] + VOCAB, use_cache=False)
+    with pytest.raises(ValueError, match=r"cannot take example_inputs \(a dict: input_ids=int64 "
+                                         r"tensor \(2, 64\), use_cache=False\): .* raised "
+                                         r"IndexError"):
+        ckpt_ext.plan(model, out_of_range, 10**15)
+    with pytest.raises(ValueError, match=re.escape(
+            "ckpt_ext.max_batch: make_inputs(1): the model cannot take example_inputs (a dict: "
+            "inputs_ids=int64 tensor (1, 64))")):
+        ckpt_ext.max_batch(model, lambda n: dict(inputs_ids=IDS[:n]), 10**15)
+    assert [prm.grad for prm in model.parameters()] == grads
 
 
 def test_a_layer_handed_a_cache_is_not_checkpointed(model):
