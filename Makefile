@@ -2,6 +2,9 @@
 # and `make test`. Both set everything up first (scripts/setup.sh: venv, pinned torch, build), so
 # they work on a fresh clone. `make bench-full` runs the benchmark's whole matrix (every network and
 # mode), `make bench-plan` its plan section (ckpt_ext.plan against the other ways to fit a budget).
+# `make test-dispatch` runs tests/ops with MKL's, oneDNN's and ATen's kernel choice moved off this
+# machine's default (docs/testing.md, "The dispatch step"), so a test that leans on one CPU's
+# kernels fails here first.
 # `make test-oldest` builds and tests against the oldest supported torch, as the GPU machine has it
 # (torch 2.11 on Python 3.12), and `make test-newest` against the newest (torch 2.15 on Python
 # 3.13), each in a venv of its own beside .venv.
@@ -17,7 +20,7 @@ find_python = $(shell for p in python$(1) $${PYENV_ROOT:-$$HOME/.pyenv}/versions
 PYTHON312 ?= $(call find_python,3.12)
 PYTHON313 ?= $(call find_python,3.13)
 
-.PHONY: setup test test-oldest test-newest bench bench-full bench-plan demo clean
+.PHONY: setup test test-dispatch test-oldest test-newest bench bench-full bench-plan demo clean
 
 setup:
 	bash scripts/setup.sh
@@ -28,6 +31,16 @@ EXPECT_CUDA = CKPT_EXT_EXPECT_CUDA=$$(command -v nvcc >/dev/null && [ "$${CKPT_E
 
 test: setup
 	$(EXPECT_CUDA) $(PYTHON) -m pytest -q tests
+
+# What each variable moves (torch 2.14's bundled libraries on an AMD EPYC, docs/testing.md):
+# MKL_CBWR MKL's float32/float64 GEMM kernels; ONEDNN_MAX_CPU_ISA oneDNN's bfloat16 GEMMs;
+# ATEN_CPU_CAPABILITY ATen's vectorised kernels and ckpt_ext's own level with them.
+# MKL_ENABLE_INSTRUCTIONS changed no bit there; MKL documents it for Intel CPUs.
+DISPATCH_ENV := MKL_CBWR=COMPATIBLE MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+  ATEN_CPU_CAPABILITY=avx2
+
+test-dispatch: setup
+	$(DISPATCH_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider tests/ops
 
 test-oldest:
 	@[ -n "$(PYTHON312)" ] || { echo "make test-oldest: no Python 3.12 found (PYTHON312=...)" >&2; exit 1; }

@@ -1,9 +1,9 @@
 """LoRA terms on ckpt_ext.mlp and ckpt_ext.gated_mlp (ckpt_ext.LoRA; the lora_mlp and
 lora_gated_mlp ops): values and gradients against the float64 reference in every dtype, odd
 shapes and ranks, LoRA on some weights and not others, with and without the LoRA bias, frozen and
-trainable base; bitwise equal to peft's formula on the CPU where the arithmetic allows it; no
+trainable base; within a few ulps of peft's formula where the arithmetic allows it; no
 grad_W GEMM for a frozen base; gradcheck/gradgradcheck, torch.func, torch.compile, autocast,
-opcheck, FLOPs; dropout masks drawn as peft draws them and redrawn bitwise in backward; what is
+opcheck, FLOPs; dropout masks drawn as peft draws them and redrawn in backward; what is
 kept for backward, in bytes; bad input. (peft's own modules: test_lora_peft.py.)"""
 from __future__ import annotations
 
@@ -151,24 +151,36 @@ def test_no_lora_is_the_op_without():
                        ckpt_ext.gated_mlp(x, *ws, *bs))
 
 
-# ---- bitwise against peft's formula ------------------------------------------------------------
+# ---- against peft's formula --------------------------------------------------------------------
+
+# Where the activation is exact, the forward is peft's ops in peft's order, one rounding per op,
+# but not its GEMM calls: the fused op runs its GEMMs on other operand layouts (a packed gate_up,
+# a transposed operand), for which MKL may pick other kernels. So within 4 ulps relative, not
+# bitwise (docs/testing.md, "Bitwise or within a bound"): float32 ~4x the largest measured over
+# seeds 0-29 (--seed-sweep=0:30), 9.8e-08 with this machine's kernels, 0 under the dispatch
+# step's, 1.05e-07 with ATEN_CPU_CAPABILITY=default; the other dtypes measured 0.
+PEFT_FORMULA_ULPS = 4
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_is_peft_formula_bitwise(dtype):
-    # Where the activation is exact (none, relu) or computed as stock PyTorch computes it (relu's
-    # product f(g)·u), the forward is peft's ops in peft's order on the CPU: the same GEMMs, one
-    # rounding per op. A single Linear with LoRA; a relu run; a relu gated MLP, packed too.
-    x, ws, bs, _ = mlp_inputs((2, 9), [42, 123, 17], dtype, seed=3)
-    loras = lora_terms(ws, [8, 3], bias=True, scaling=0.25, seed=3)
-    assert torch.equal(ckpt_ext.mlp(x, ws[:1], bs[:1], last_activation=False, lora=loras[:1]),
-                       lora_linear_ref(x, ws[0], bs[0], loras[0]))
-    assert torch.equal(ckpt_ext.mlp(x, ws, bs, "relu", False, lora=loras),
-                       lora_mlp_ref(x, ws, bs, "relu", False, loras))
+def test_forward_is_peft_formula(dtype, seed):
+    # The activation exact (none, relu) or computed as stock PyTorch computes it (relu's product
+    # f(g)·u): a single Linear with LoRA; a relu run; a relu gated MLP, packed too.
+    bound = PEFT_FORMULA_ULPS * torch.finfo(dtype).eps
+    dt = str(dtype).removeprefix("torch.")
+    x, ws, bs, _ = mlp_inputs((2, 9), [42, 123, 17], dtype, seed=seed)
+    loras = lora_terms(ws, [8, 3], bias=True, scaling=0.25, seed=seed)
+    pairs = [("linear", ckpt_ext.mlp(x, ws[:1], bs[:1], last_activation=False, lora=loras[:1]),
+              lora_linear_ref(x, ws[0], bs[0], loras[0])),
+             ("relu run", ckpt_ext.mlp(x, ws, bs, "relu", False, lora=loras),
+              lora_mlp_ref(x, ws, bs, "relu", False, loras))]
     for packed in (False, True):
-        x, ws, bs, _ = gated_inputs((2, 9), 42, 30, 42, dtype, packed, seed=4)
-        loras = lora_terms(ws, [8, 3, 1][:len(ws)], bias=True, scaling=2.0, seed=4)
-        assert torch.equal(gated_call("relu")(x, ws, bs, loras),
-                           lora_gated_ref(x, ws, bs, "relu", loras)), packed
+        x, ws, bs, _ = gated_inputs((2, 9), 42, 30, 42, dtype, packed, seed=seed + 1)
+        loras = lora_terms(ws, [8, 3, 1][:len(ws)], bias=True, scaling=2.0, seed=seed + 1)
+        pairs.append((f"gated packed={packed}", gated_call("relu")(x, ws, bs, loras),
+                      lora_gated_ref(x, ws, bs, "relu", loras)))
+    for what, got, want in pairs:
+        assert measured(f"lora_peft_formula/{dt}", rel_err(got, want)) <= bound, what
 
 
 def test_transposed_base_weights():
@@ -388,9 +400,10 @@ def test_opcheck(gated):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_dropout_draws_peft_masks_and_redraws_them(unit, p, dtype, seed):
     # One mask per LoRA Linear, on its input, in the unit's call order: the output is the
-    # reference's under the same seed, to the bit; the generator is left where the reference
-    # leaves it; the backward redraws the masks (other draws in between), so every gradient is
-    # the reference's, to the bit.
+    # reference's under the same seed; the generator is left where the reference leaves it, to the
+    # bit; the backward redraws the masks (other draws in between), so every gradient is the
+    # reference's. Values within PEFT_FORMULA_ULPS (the reference's GEMMs run on other operand
+    # layouts); another mask is off by O(1).
     if unit == "mlp":
         x, ws, bs, loras, gy, acts, last = mlp_case(2, dtype, "silu", seed, dropout=p)
         fused, ref = mlp_call(acts, last), mlp_ref(acts, last)
@@ -412,11 +425,14 @@ def test_dropout_draws_peft_masks_and_redraws_them(unit, p, dtype, seed):
 
     y, after, grads, end = run(fused)
     y_ref, after_ref, grads_ref, end_ref = run(ref)
-    assert torch.equal(y, y_ref)
     assert torch.equal(after, after_ref) and torch.equal(end, end_ref)
-    for g, w in zip(grads, grads_ref):
-        assert torch.equal(g, w)
-    assert not torch.equal(y, fused(x, ws, bs, [t and t._replace(dropout=0.0) for t in loras]))
+    bound = PEFT_FORMULA_ULPS * torch.finfo(dtype).eps
+    dt = str(dtype).removeprefix("torch.")
+    assert measured(f"lora_dropout/{dt}/out", rel_err(y, y_ref)) <= bound
+    for k, (g, w) in enumerate(zip(grads, grads_ref)):
+        assert measured(f"lora_dropout/{dt}/grad", rel_err(g, w)) <= bound, k
+    no_dropout = fused(x, ws, bs, [t and t._replace(dropout=0.0) for t in loras])
+    assert rel_err(no_dropout, y) > 1e3 * bound
 
 
 def test_dropout_under_compile_and_func_runs_the_unfused_ops():

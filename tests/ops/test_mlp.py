@@ -402,17 +402,19 @@ def test_broadcast_grad_of_mean_loss(act, dtype, last, poison):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_padded_row_stride_inputs_and_grads(act, dtype, poison):
     # x and grad_out as (rows, n) views of (rows, n + pad) buffers, rows 16-byte aligned: read in
-    # place. The top layer's bias gradient (the backward kernels alone) has the same bits as with
-    # a contiguous grad_out; everything against the float64 reference.
+    # place, everything against the float64 reference. The top layer's bias gradient (the backward
+    # kernels alone) from a padded grad_out has the same bits as from a contiguous one, on the same
+    # x: a padded x is another GEMM operand layout, which may run other BLAS kernels.
     x, ws, bs, gy = mlp_inputs((67,), [13, 24, 16], dtype, seed=5)
     xp = padded_rows(x, aligned_pad(13, dtype))
     gyp = padded_rows(gy, aligned_pad(16, dtype))
     assert xp.stride(0) > 13 and gyp.stride(0) > 16 and xp.stride(0) * dtype.itemsize % 16 == 0
     for last in (True, False):
         got = mlp_grads(xp, ws, bs, gyp, act, last)
-        dense = mlp_grads(x, ws, bs, gy, act, last)
-        assert torch.equal(got[-1], dense[-1]), "top bias gradient: padded grad_out vs contiguous"
         assert_mlp_matches_reference(got, mlp_ref_grads(x, ws, bs, gy, act, last), act, dtype)
+        padded_gy = mlp_grads(x, ws, bs, gyp, act, last)
+        dense = mlp_grads(x, ws, bs, gy, act, last)
+        assert torch.equal(padded_gy[-1], dense[-1]), "top bias gradient: padded grad_out"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

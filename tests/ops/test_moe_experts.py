@@ -38,6 +38,11 @@ MOE_REL_TOL = {torch.float64: 4e-15, torch.float32: 2e-6, torch.bfloat16: 5e-2,
 # 4.5e-07, bfloat16 1.5e-02, float16 1.3e-03.
 MOE_WEIGHTS_COND_TOL = {torch.float64: 2e-15, torch.float32: 2e-6, torch.bfloat16: 8e-2,
                         torch.float16: 6e-3}
+# One float32 computation against itself on other weight and input layouts: 4 ulps (float32 eps
+# 1.2e-7), ~4x the largest measured over seeds 0-29, under this machine's kernels and under the
+# dispatch step's (`make test-dispatch`; ATEN_CPU_CAPABILITY=default too): output 1.2e-07, the
+# gradient through a stored view 3.8e-08.
+LAYOUT_REL_TOL = 4 * torch.finfo(torch.float32).eps
 
 # (lead dims, hidden, intermediate, experts, top_k, biases (gate_up, down), experts used): odd
 # sizes, one token, zero tokens, a 3-D x, one expert, more experts than pairs (some get none),
@@ -149,9 +154,10 @@ def test_weights_of_another_dtype():
 
 
 def test_layouts_of_the_same_experts_agree_and_strided_inputs_are_read():
-    # The same experts stored as each gated layout give the same bits for the output (each
-    # stored form is a view of one tensor: padded x rows, transposed and interleaved weights), and
-    # int32 indices the same as int64.
+    # The same experts stored as each gated layout (each stored form a view of one tensor: padded
+    # x rows, transposed and interleaved weights) give the same output within LAYOUT_REL_TOL, and
+    # int32 indices the same as int64. Not bitwise: each layout is a GEMM on other operand
+    # layouts, which MKL may run with other kernels (docs/testing.md, "Bitwise or within a bound").
     x, idx, w, gu, d, gub, db, gy = moe_inputs((13,), 6, 5, 4, 2, torch.float32, seed=21)
     E, I = 4, 5
     inter = lambda t: t.view(E, 2, I, *t.shape[2:]).transpose(1, 2).reshape(t.shape)
@@ -165,7 +171,7 @@ def test_layouts_of_the_same_experts_agree_and_strided_inputs_are_read():
     want = ckpt_ext.moe_experts(x, idx, w, gu, d, gate_up_bias=gub, down_bias=db,
                                 activation="silu")
     for name, y in outs.items():
-        assert torch.equal(y, want), (name, rel_err(y, want))
+        assert measured("moe_layouts/out", rel_err(y, want)) <= LAYOUT_REL_TOL, name
     # the gradient of a stored view reaches its base
     base = gu.clone().requires_grad_()
     y = ckpt_ext.moe_experts(x, idx, w, base.transpose(1, 2), d.transpose(1, 2),
@@ -173,7 +179,7 @@ def test_layouts_of_the_same_experts_agree_and_strided_inputs_are_read():
     (g_view,) = torch.autograd.grad(y, base, gy)
     (g_direct,) = torch.autograd.grad(
         ckpt_ext.moe_experts(x, idx, w, base, d, activation="silu"), base, gy)
-    assert rel_err(g_view, g_direct) <= 1e-6
+    assert measured("moe_layouts/grad_gate_up", rel_err(g_view, g_direct)) <= LAYOUT_REL_TOL
 
 
 def test_forward_is_deterministic_and_the_recompute_is_the_forwards():
