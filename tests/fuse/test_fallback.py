@@ -329,3 +329,38 @@ def test_stats_takes_a_module():
     with pytest.raises(TypeError, match="ckpt_ext.stats expects an nn.Module, got int"):
         ckpt_ext.stats(3)
     assert list(ckpt_ext.stats(nn.Linear(2, 2))) == []
+
+
+@pytest.mark.parametrize("checkpointing", [None, False])
+def test_trls_default_checkpointing_is_seen_and_its_config_switches_it_off(tmp_path,
+                                                                           checkpointing):
+    # TRL's configs set checkpointing on by default and SFTTrainer switches it on in train(),
+    # after fuse; SFTConfig(activation_checkpointing=False) keeps it off.
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    import transformers as t
+    from trl import SFTConfig, SFTTrainer
+    model = _causal_lm()
+    vocab = tokenizers.models.WordLevel({f"t{i}": i for i in range(50)}, unk_token="t0")
+    tokenizer = t.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(vocab),
+                                          pad_token="t0", eos_token="t1")
+    switch = {} if checkpointing is None else {"activation_checkpointing": checkpointing}
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+                     report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                     disable_tqdm=True, bf16=False, **switch)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
+                         train_dataset=datasets.Dataset.from_dict(
+                             {"input_ids": lm.ids(4, 16).tolist()}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    ours = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    stats = ckpt_ext.stats(model)
+    assert stats.unfused_calls == 0 and stats.fused_calls >= 4, str(stats)
+    if checkpointing is None:
+        assert len(ours) == 2 and all("recomputed twice" in m and "activation_checkpointing="
+                                      "False" in m for m in ours), ours
+        assert stats.recomputed_calls == stats.fused_calls
+    else:
+        assert ours == [] and stats.recomputed_calls == 0, ours
