@@ -163,8 +163,8 @@ class Probe:
             try:
                 out = call(self.copy, self.inputs)
             except Exception as e:
-                if self.stepped:
-                    raise
+                if self.stepped or isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+                    raise  # not the inputs' fault
                 raise inputs_error(self.where, self.inputs, e) from e
             self.stepped = True
             loss = loss_of(self.loss_fn, out)
