@@ -34,9 +34,24 @@ def _fsdp2(m: nn.Module) -> Optional[str]:
             "fsdp_transformer_layer_cls_to_wrap=<the decoder layer class>, not Linear)")
 
 
+def _zero3_hooked(m: nn.Module) -> bool:
+    """Whether ``deepspeed.initialize`` registered ZeRO-3's hooks on ``m``: it sets the module's
+    ``ds_id``, and its hooks are functions of deepspeed's own modules."""
+    hooks = (*m._forward_pre_hooks.values(), *m._forward_hooks.values(),
+             *m._backward_hooks.values(), *getattr(m, "_backward_pre_hooks", {}).values())
+    return isinstance(getattr(m, "ds_id", None), int) and any(
+        (getattr(h, "__module__", None) or "").startswith("deepspeed.") for h in hooks)
+
+
 def _deepspeed(m: nn.Module) -> Optional[str]:
-    """DeepSpeed ZeRO-3's parameter hooks on a member of a unit."""
-    return None
+    """DeepSpeed ZeRO-3's parameter hooks on a member of a unit: ZeRO-3 gathers each module's
+    parameters around its own call, so the unit must lie inside one ZeRO-3 leaf module."""
+    if not _zero3_hooked(m):
+        return None
+    owner = getattr(getattr(m, "_ckpt_ext_run", None), "owner", None)
+    name = type(owner).__name__ if owner is not None else "<the class whose forward computes it>"
+    return ("call ckpt_ext.fuse before deepspeed.initialize (it marks each unit's module a ZeRO-3 "
+            f"leaf module), or deepspeed.utils.set_z3_leaf_modules(model, [{name}]) before it")
 
 
 _ENGINES: List[Callable[[nn.Module], Optional[str]]] = [_fsdp2, _deepspeed]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .._lora import LoRA
+from .zero3 import real_shape
 
 _FORMS = {("peft.tuners.lora.layer", "Linear"): "lora",
           ("peft.tuners.lora.bnb", "Linear4bit"): "qlora"}
@@ -140,4 +141,4 @@ def shape(m: nn.Module) -> Shape:
     trained = w is not None and w.requires_grad and form(m) == "lora"
     if t is None:
         return Shape(0, False, trained)
-    return Shape(int(t.A.shape[0]), t.dropout > 0, trained)
+    return Shape(int(real_shape(t.A)[0]), t.dropout > 0, trained)

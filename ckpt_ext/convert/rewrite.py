@@ -19,6 +19,7 @@ from .policy import Chain, LayerShape, Unit, decide, item_misses
 from .report import Decision
 from .tracing import Trace
 from .units import Options, Placement, UnitKind
+from .zero3 import real_shape
 
 
 @dataclass
@@ -88,7 +89,8 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
         _, w, _ = linear_args(n)
         if isinstance(w, fx.Node) and w.op == "get_attr":
             wt = _stored_attr(owner, w.target)
-            return LayerShape("F.linear", wt.shape[1], wt.shape[0], wt.element_size())
+            out_f, in_f = real_shape(wt)
+            return LayerShape("F.linear", in_f, out_f, wt.element_size())
         return None
 
     has_prev = {nxt(n) for n in t.graph.nodes if kind[n] is not None} - {None}

@@ -24,6 +24,7 @@ from torch.nn.parameter import is_lazy
 from .arguments import STAND_IN, plan_arguments
 from .facts import Fact, join_path
 from .runtime import MISSING, _ArgGuard, _Guard, _OwnerForward
+from .zero3 import real_shape
 
 
 _FX_DIR = os.path.dirname(fx.__file__)
@@ -405,8 +406,9 @@ def trace_model(model: nn.Module, facts: Dict[int, Fact]):
             memo: Dict[int, Any] = {}
             for p in model.parameters():  # a lazy parameter has no shape yet
                 memo[id(p)] = nn.UninitializedParameter(p.requires_grad, device="meta") \
-                    if is_lazy(p) else nn.Parameter(torch.empty_like(p, device="meta"),
-                                                    requires_grad=p.requires_grad)
+                    if is_lazy(p) else nn.Parameter(
+                        torch.empty(real_shape(p), dtype=p.dtype, device="meta"),
+                        requires_grad=p.requires_grad)
             for b in model.buffers():
                 memo[id(b)] = nn.UninitializedBuffer(device="meta") if is_lazy(b) else \
                     torch.empty_like(b, device="meta")

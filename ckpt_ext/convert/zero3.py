@@ -1,0 +1,51 @@
+"""DeepSpeed ZeRO-3 as fuse meets it: a partitioned parameter's real shape, and the leaf-module
+marks that make ZeRO-3 gather a unit's weights at the module computing it.
+
+ZeRO-3 hooks every module and, between its hooks, leaves each parameter a shape-[0] tensor (the
+real shape in ``param.ds_shape``). A unit's call finds hooks on its member Linears and computes
+unfused. A module flagged ``_z3_leaf`` (what ``deepspeed.utils.set_z3_leaf_modules`` sets, read
+by ``deepspeed.utils.z3_leaf_module``) gets ZeRO-3's hooks itself and none below it, and every
+parameter under it is gathered for its forward and its backward: so fuse flags the module whose
+forward computes each unit (its *owner*), and the unit finds its weights whole and its members
+unhooked. Nothing here imports deepspeed. Docs: docs/fuse-usage.md, "DeepSpeed ZeRO"."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+LEAF = "_z3_leaf"               # DeepSpeed's flag (deepspeed/utils/z3_leaf_module.py)
+MARKED = "_ckpt_ext_z3_leaf"    # set beside it where fuse set the flag, for unfuse
+
+
+def real_shape(t: torch.Tensor) -> torch.Size:
+    """The shape of ``t``, or of the whole parameter where ZeRO-3 holds a partition of it."""
+    shape = getattr(t, "ds_shape", None)
+    return shape if isinstance(shape, torch.Size) else t.shape
+
+
+def _registered(m: nn.Module) -> bool:
+    """Whether ``deepspeed.initialize`` gave ``m`` ZeRO-3's hooks (its ``ds_id`` is set then)."""
+    return isinstance(getattr(m, "ds_id", None), int)
+
+
+def mark_leaves(model: nn.Module, owners: Iterable[nn.Module]) -> None:
+    """Flag each of ``owners`` a ZeRO-3 leaf, where neither the user (any value of the flag) nor
+    ZeRO-3 (hooks already registered under it) has decided; drop the flags an earlier fuse set on
+    modules that own no unit now."""
+    owners = {id(m): m for m in owners}
+    for m in model.modules():
+        if vars(m).get(MARKED) and id(m) not in owners:
+            unmark(m)
+    for m in owners.values():
+        if LEAF in vars(m) or any(_registered(sub) for sub in m.modules()):
+            continue
+        setattr(m, LEAF, True)
+        setattr(m, MARKED, True)
+
+
+def unmark(m: nn.Module) -> None:
+    """Take the flag off ``m`` where fuse set it."""
+    if vars(m).pop(MARKED, False):
+        vars(m).pop(LEAF, None)
