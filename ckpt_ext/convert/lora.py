@@ -129,10 +129,13 @@ def width(m: nn.Module) -> Tuple[int, int]:
 
 class Shape(NamedTuple):
     """What a LoRA Linear adds to what stock autograd keeps per row, at fuse time: the active
-    term's rank, whether its dropout draws a mask, and whether the base weight is trained."""
+    term's rank, whether its dropout draws a mask, whether the base weight is trained, and the
+    bytes per element of the term's tensors where peft casts the input to the adapter's dtype,
+    another than the base weight's (0: no cast; the term's tensors in the base's dtype)."""
     rank: int = 0
     drops: bool = False
     base_trained: bool = True
+    cast: int = 0
 
 
 def shape(m: nn.Module) -> Shape:
@@ -141,4 +144,6 @@ def shape(m: nn.Module) -> Shape:
     trained = w is not None and w.requires_grad and form(m) == "lora"
     if t is None:
         return Shape(0, False, trained)
-    return Shape(int(real_shape(t.A)[0]), t.dropout > 0, trained)
+    cast = t.A.element_size() if form(m) == "lora" and w is not None and \
+        t.A.dtype != w.dtype else 0
+    return Shape(int(real_shape(t.A)[0]), t.dropout > 0, trained, cast)
