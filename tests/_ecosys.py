@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from reference import rel_err  # noqa: F401  (re-exported for the ecosystem tests)
+from reference import measured, rel_err  # noqa: F401  (rel_err re-exported for the ecosystem tests)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,3 +131,31 @@ def kept_bytes(model: nn.Module, x: Tensor) -> int:
         kept = meter.current() - before - loss.untyped_storage().nbytes()
         loss.backward()
     return kept
+
+
+# ------------------------------------------------------------------------------------------------
+# generate() of a fused model against its unfused copy
+
+def assert_same_greedy_tokens(plain: nn.Module, fused: nn.Module, ids: Tensor, tol: float,
+                              key: str, **kw) -> None:
+    """Greedy ``generate()`` of a fused model against the unfused copy. The fused MLPs run other
+    kernels (ckpt_ext's activation, its GEMMs into buffers of its own), so the logits agree within
+    a bound, not to the bit: each step's logits within ``tol`` (``rel_err``, recorded under
+    ``key``), and each step's tokens equal wherever the unfused step's two best scores lie more
+    than ``2·tol·‖logits‖`` apart, the most the bound lets an argmax move. At a nearer tie either
+    token is right: the two generations part there, and the comparison ends."""
+    kw = dict(kw, do_sample=False, return_dict_in_generate=True, output_logits=True,
+              output_scores=True)
+    a, b = plain.generate(ids, **kw), fused.generate(ids, **kw)
+    # generated tokens; while they agree, both runs stop at the same step
+    ta, tb = a.sequences[:, -len(a.logits):], b.sequences[:, -len(b.logits):]
+    for i in range(min(len(a.logits), len(b.logits))):
+        assert measured(key, rel_err(b.logits[i], a.logits[i])) <= tol, f"step {i}"
+        if torch.equal(ta[:, i], tb[:, i]):
+            continue
+        top2 = a.scores[i].double().topk(2, dim=-1).values
+        margin = (top2[:, 0] - top2[:, 1])[ta[:, i] != tb[:, i]]
+        assert (margin <= 2 * tol * a.logits[i].double().norm()).all(), \
+            f"step {i}: another token where the margin was {margin.min().item():.3g}"
+        return
+    assert torch.equal(a.sequences, b.sequences)

@@ -398,7 +398,9 @@ LORA_NETS = ("llama-lora", "llama-lora-dropout")
 @pytest.mark.parametrize("p", [0.0, 0.05])
 def test_lora_linear_is_peft_lora_linear(p):
     # The same weights in peft's own lora.Linear: the same output to the bit, the same LoRA
-    # gradients, and with dropout the same masks from the same seed.
+    # gradients, and with dropout the same masks from the same seed. Bitwise because both run the
+    # same ops in the same order (base_layer(x) + lora_B(lora_A(dropout(x))) * scaling, each an
+    # nn.Linear on contiguous weights of the same shapes): the same GEMM calls on the same layouts.
     peft = pytest.importorskip("peft")
     from ckpt_ext.models import LoRALinear
     torch.manual_seed(0)
@@ -478,7 +480,9 @@ def test_unsloth_mode_is_exact_and_refuses_dropout():
     unsloth = NETWORKS["llama-lora"](mode="unsloth", **kw)
     unsloth.load_state_dict(plain.state_dict())
     x = torch.randn(7, 16)
-    assert torch.equal(unsloth(x), plain(x))  # the forward is plain's ops, in plain's order
+    # the forward is plain's ops in plain's order (F.linear on the same weights and input): the
+    # same GEMM calls on the same layouts, so the same bits
+    assert torch.equal(unsloth(x), plain(x))
     # it writes h and the gradients over the gate and up outputs it kept: a second backward
     # through the graph fails loudly, never reads them
     loss = unsloth(x).mean()
@@ -529,7 +533,8 @@ def test_lora_kept_bytes(meter):
 
 def test_moe_is_mixtrals_sparse_block():
     # SparseMoE on rows is transformers' MixtralSparseMoeBlock (its router and experts, no
-    # jitter) on (batch, seq, W), to the bit, in the grouped_mm implementation and the eager one.
+    # jitter) on (batch, seq, W), to the bit, in the grouped_mm implementation and the eager one:
+    # both run the same router and experts modules on the same (batch·seq, W) rows.
     mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
     from transformers import MixtralConfig
     for dtype, impl in ((torch.float32, "grouped_mm"), (torch.float64, "eager")):

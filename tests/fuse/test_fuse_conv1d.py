@@ -15,13 +15,17 @@ import torch.nn.functional as F
 import ckpt_ext
 from ckpt_ext import fuse, unfuse
 from ckpt_ext.convert import RunMember
-from _ecosys import saved_activation_bytes
+from _ecosys import assert_same_greedy_tokens, saved_activation_bytes
 
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 E, V = 16, 50
+# The fused MLPs' logits against the unfused model's: measured 0 here; the same plain model's
+# logits under other MKL/oneDNN/ATen kernels (make test-dispatch's variables) move by up to
+# 1.3e-7 relative, so a bound of ~8x that.
+GENERATE_TOL = 1e-6
 
 
 def _stored(k, n, gen):
@@ -185,8 +189,9 @@ def test_gpt2_generate_save_and_unfuse(tmp_path):
     fused = copy.deepcopy(plain)
     fuse(fused)
     ids = torch.randint(1, V, (1, 4))
-    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(plain.generate(ids, **kw), fused.generate(ids, **kw))
+    # float32 logits within GENERATE_TOL of the unfused model's (not bitwise: other kernels)
+    assert_same_greedy_tokens(plain, fused, ids, GENERATE_TOL, "fuse.conv1d.generate",
+                              max_new_tokens=6, pad_token_id=0)
     fused.save_pretrained(tmp_path)
     saved = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     for (name, p), (_, q) in zip(plain.state_dict().items(), saved.state_dict().items()):
