@@ -20,6 +20,7 @@ from .report import Decision
 from .runtime import (FLAG_NAMES, QUICK_GELU_ALPHA, ExpertsForm, _ExpertsRun, experts_conditions,
                       experts_dispatch, experts_gate)
 from .units import MemberPlan, Options, Placement, UnitKind
+from .zero3 import real_shape
 
 #: the probe's widths (hidden, intermediate): four to fit what the module keeps, one to check it;
 #: multiples of 8 elements, the 16-byte strides torch's grouped_mm takes in every dtype it takes
@@ -138,7 +139,7 @@ def _probe_kept(m: nn.Module, form: ExpertsForm, top_k: int, h: int, i: int, tok
     probe tokens at hidden ``h`` and intermediate ``i``, beyond x and top_k_index; whether it
     keeps top_k_weights): a copy of the module holding probe parameters, not the user's."""
     gate_up = m._parameters[form.params[0]]
-    experts, dtype = gate_up.shape[0], gate_up.dtype
+    experts, dtype = real_shape(gate_up)[0], gate_up.dtype
     width = 2 * i if form.flags[0] else i
     transposed = form.flags[2]
     shapes = [(experts, h, width) if transposed else (experts, width, h),
@@ -178,12 +179,13 @@ def _kept(m: nn.Module, form: ExpertsForm, top_k: int):
     extrapolate; bytes kept per call; whether top_k_weights is kept; the implementation's name),
     measured on probes of the module's class at small widths, bilinear in hidden and
     intermediate (gathered rows, gate and up, expert outputs; batched_mm's gathered weights)."""
-    gate_up, down = (m._parameters[n] for n in form.params[:2])
+    gate_up, down = (real_shape(m._parameters[n]) for n in form.params[:2])
+    dtype = m._parameters[form.params[0]].dtype
     impl = getattr(m.config, "_experts_implementation", None) or "eager"
-    key = (base_type(m), form, tuple(gate_up.shape), tuple(down.shape), gate_up.dtype, top_k,
+    key = (base_type(m), form, tuple(gate_up), tuple(down), dtype, top_k,
            impl, tuple(m._parameters[n].requires_grad for n in form.params if n))
     if key not in _PROBED:
-        experts = gate_up.shape[0]
+        experts = gate_up[0]
         per_token, per_call, w_kept = {}, set(), set()
         try:
             for h, i in _FIT + (_CHECK,):
@@ -196,9 +198,9 @@ def _kept(m: nn.Module, form: ExpertsForm, top_k: int):
             _PROBED[key] = None, 0, False, impl
             return _PROBED[key]
         fit = _bilinear(per_token)
-        hidden = gate_up.shape[1 if form.flags[2] else 2]
-        inter = down.shape[1 if form.flags[2] else 2]
-        out = down.shape[2 if form.flags[2] else 1]
+        hidden = gate_up[1 if form.flags[2] else 2]
+        inter = down[1 if form.flags[2] else 2]
+        out = down[2 if form.flags[2] else 1]
         good = fit(*_CHECK) == per_token[_CHECK] and len(per_call) == 1 and len(w_kept) == 1 and \
             out == hidden
         good = good and fit(hidden, inter).denominator == 1
@@ -231,10 +233,11 @@ class Moe(UnitKind):
                                  f"{what}: {e.problem}",
                                  activation=form.activation if form else "")]
         gate_up, down = (m._parameters[n] for n in form.params[:2])
+        up_shape, down_shape = real_shape(gate_up), real_shape(down)  # whole under zero.Init
         transposed = form.flags[2]
-        experts, width = gate_up.shape[0], gate_up.shape[2 if transposed else 1]
-        hidden = gate_up.shape[1 if transposed else 2]
-        inter, out = down.shape[1 if transposed else 2], down.shape[2 if transposed else 1]
+        experts, width = up_shape[0], up_shape[2 if transposed else 1]
+        hidden = up_shape[1 if transposed else 2]
+        inter, out = down_shape[1 if transposed else 2], down_shape[2 if transposed else 1]
         top_k = getattr(m.config, "num_experts_per_tok", None)
         pairs = top_k or 1
         first, second = 2 * hidden * width, 2 * inter * out  # FLOPs per pair of each GEMM

@@ -23,6 +23,7 @@ from .facts import (GLOBAL, computes, elements, mask_inside, masks_drawable, no_
                     layer_forward, of_weights, op_terms, passes_through, Condition,
                     experts_class, first_failing, unsupported_reason)
 from .fallback import counting, fell_back, unit_stats
+from .zero3 import real_shape
 
 if TYPE_CHECKING:
     from .report import Decision
@@ -769,7 +770,8 @@ def _same_arithmetic(m: nn.Module) -> bool:
 
 
 def _weights_problem(m: nn.Module, label: str, form: ExpertsForm) -> Optional[str]:
-    """None while the module's parameters are 3-D expert weights (2-D biases) moe_experts takes."""
+    """None while the module's parameters are 3-D expert weights (2-D biases) moe_experts takes,
+    read at their real shapes (ZeRO-3 holds a shape-[0] partition of each between calls)."""
     ps = []
     for name, dim in zip(form.params, (3, 3, 2, 2)):
         if name is None:
@@ -778,11 +780,11 @@ def _weights_problem(m: nn.Module, label: str, form: ExpertsForm) -> Optional[st
         if p is None:
             return (f"{join_path(label, name)} is no longer a parameter of it (computed by a "
                     f"parametrization, as peft's ParamWrapper does for LoRA on expert weights)")
-        if type(p) not in (nn.Parameter, torch.Tensor) or p.dim() != dim:
-            return (f"{join_path(label, name)} is a {type(p).__name__} of {p.dim()} dimensions, "
-                    f"not the {dim}-D tensor moe_experts takes")
+        if type(p) not in (nn.Parameter, torch.Tensor) or len(real_shape(p)) != dim:
+            return (f"{join_path(label, name)} is a {type(p).__name__} of {len(real_shape(p))} "
+                    f"dimensions, not the {dim}-D tensor moe_experts takes")
         ps.append(p)
-    experts = {p.shape[0] for p in ps} | {getattr(m, "num_experts", ps[0].shape[0])}
+    experts = {real_shape(p)[0] for p in ps} | {getattr(m, "num_experts", real_shape(ps[0])[0])}
     if len(experts) != 1:
         return f"{label}: its parameters hold different numbers of experts ({sorted(experts)})"
     if (reason := unsupported_reason(ps[0])) is not None:
@@ -879,6 +881,12 @@ class _ExpertsRun:
         m, form = self.module, self.form
         gate_up, down, gate_up_bias, down_bias = (
             m._parameters[n] if n is not None else None for n in form.params)
+        if any(p is not None and p.shape != real_shape(p)
+               for p in (gate_up, down, gate_up_bias, down_bias)):
+            unit_stats(self).unfused(f"{self.label}: its weights are ZeRO-3 partitions at this "
+                                     f"call (shape [0]): ZeRO-3 gathers them only where "
+                                     f"deepspeed.initialize's hooks are on it")
+            return None
         if not (isinstance(x, torch.Tensor) and isinstance(idx, torch.Tensor) and
                 isinstance(w, torch.Tensor) and x.dim() == 2 and idx.dim() == 2 and
                 idx.shape == w.shape and idx.shape[0] == x.shape[0] and

@@ -4,12 +4,20 @@
 gathers the unit's weights at its owner and hooks none of its members: every call of every unit
 is fused (``ckpt_ext.stats``), and the gradients, averaged over the two half batches, equal
 those of the unfused model on the whole batch in one process (float32: see TOL_GRADS). The same
-for a model
-built under ``deepspeed.zero.Init``, whose weights are shape-[0] partitions at fuse time: the
-report's figures are those of the whole model. ZeRO-1/2 leave the modules alone and stay fused.
-A unit whose owner the user keeps off the leaves falls back with the fix; ``unfuse`` takes off
-the flags fuse set, and only those. Ranks meet through a FileStore and report through files, as
-in test_distributed.py.
+for a model built under ``deepspeed.zero.Init``, whose weights are shape-[0] partitions at fuse
+time: the report's figures are those of the whole model. The same for a mixture of experts
+(Mixtral), whose experts module computes its own unit and is its own leaf. ZeRO-1/2 leave the
+modules alone and stay fused. A unit whose owner the user keeps off the leaves falls back with
+the fix; ``unfuse`` takes off the flags fuse set, and only those.
+
+transformers' ``Trainer`` with a ZeRO-3 config, on a CPU: ``TrainingArguments(use_cpu=True,
+deepspeed=...)`` makes accelerate's state MULTI_CPU over gloo (both ranks), and the Trainer's
+``Accelerator``, given the DeepSpeed plugin, turns it to DEEPSPEED, so ``train()`` runs
+``deepspeed.initialize`` on the fused model. (Without ``use_cpu`` accelerate finds no device
+backend on a CPU and counts one process, and DeepSpeed's batch check refuses the config.) Each
+step's loss and gradients equal the unfused model's whole-batch step in one process.
+
+Ranks meet through a FileStore and report through files, as in test_distributed.py.
 """
 from __future__ import annotations
 
@@ -38,10 +46,15 @@ def _config(stage: int) -> dict:
             "zero_optimization": {"stage": stage}}
 
 
-def _model(lora: bool):
+def _model(name: str):
+    """The tiny Llama ("llama"), with peft LoRA ("lora"), or the tiny Mixtral ("moe"), float32."""
     import _lora_models as lm
+    if name == "moe":
+        import _zoo
+        torch.manual_seed(0)
+        return _zoo.make_moe("Mixtral", "eager")
     model = lm.llama(torch.float32)
-    return lm.with_lora(model) if lora else model
+    return lm.with_lora(model) if name == "lora" else model
 
 
 def _figures(report) -> list:
@@ -76,12 +89,12 @@ def _compare(grads: dict, ref: dict) -> float:
     return max(((g - ref[n]).norm() / ref[n].norm()).item() for n, g in grads.items())
 
 
-def _case(deepspeed, ckpt_ext, rank: int, lora: bool, stage: int, under_init: bool) -> dict:
-    plain = _model(lora)
+def _case(deepspeed, ckpt_ext, rank: int, name: str, stage: int, under_init: bool) -> dict:
+    plain = _model(name)
     whole = _figures(ckpt_ext.fuse(copy.deepcopy(plain), dry_run=True).report)
     if under_init:
         with deepspeed.zero.Init(config_dict_or_path=_config(stage)):  # float32: see TOL_GRADS
-            model = _model(lora)
+            model = _model(name)
         shapes = {tuple(p.shape) for p in model.parameters()}
         assert shapes == {(0,)}, shapes  # partitioned: each rank holds a flat share
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
@@ -106,7 +119,7 @@ def _case(deepspeed, ckpt_ext, rank: int, lora: bool, stage: int, under_init: bo
 def _fallback(deepspeed, ckpt_ext, rank: int) -> dict:
     """One MLP kept off the leaves by the user after fuse: it computes unfused, with the fix;
     unfuse removes fuse's flags only."""
-    model, _ = ckpt_ext.fuse(_model(True))
+    model, _ = ckpt_ext.fuse(_model("lora"))
     mlps = [m for m in model.modules() if vars(m).get("_z3_leaf")]
     mlps[0]._z3_leaf = False  # the user's own decision: fuse's flag no longer
     vars(mlps[0]).pop("_ckpt_ext_z3_leaf")
@@ -120,24 +133,120 @@ def _fallback(deepspeed, ckpt_ext, rank: int) -> dict:
             "flags": [(vars(m).get("_z3_leaf"), "_ckpt_ext_z3_leaf" in vars(m)) for m in mlps]}
 
 
-CASES = {"z3-fuse-first": (False, 3, False), "z3-fuse-first-lora": (True, 3, False),
-         "z3-init": (False, 3, True), "z3-init-lora": (True, 3, True),
-         "z1-lora": (True, 1, False), "z2": (False, 2, False)}
+CASES = {"z3-fuse-first": ("llama", 3, False), "z3-fuse-first-lora": ("lora", 3, False),
+         "z3-init": ("llama", 3, True), "z3-init-lora": ("lora", 3, True),
+         "z1-lora": ("lora", 1, False), "z2": ("llama", 2, False),
+         "z3-fuse-first-moe": ("moe", 3, False), "z3-init-moe": ("moe", 3, True)}
+
+
+# -- transformers' Trainer -------------------------------------------------------------------------
+
+LR, STEPS = 0.5, 2  # plain SGD, constant rate: the second step's weights are the first's update
+
+
+def _trainer_config() -> dict:
+    """A ZeRO-3 config as users give the Trainer: the sizes and clipping filled in by it."""
+    return {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 3}}
+
+
+def _causal_lm(lora: bool):
+    import transformers
+    import _lora_models as lm
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(lm.llama(torch.float32).config)
+    return lm.with_lora(model) if lora else model
+
+
+def _reference_steps(plain, x) -> tuple:
+    """(each step's loss, each step's gradients by name) of the unfused model on the whole batch,
+    SGD as the Trainer's, in this process."""
+    params = [p for p in plain.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=LR)
+    losses, grads = [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = plain(input_ids=x, labels=x).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in plain.named_parameters() if p.requires_grad})
+        opt.step()
+    return losses, grads
+
+
+def _trainer_case(deepspeed, ckpt_ext, rank: int, lora: bool, out_dir: str) -> dict:
+    """``STEPS`` steps of ``Trainer.train()`` on the fused model with a ZeRO-3 config: the units'
+    stats on the model fused (the Trainer holds it in a DeepSpeedEngine), each step's gradients
+    (taken as the engine steps) and loss against the unfused model's."""
+    import transformers
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    import _lora_models as lm
+    plain = _causal_lm(lora)
+    x = lm.ids(BATCH, SEQ)
+    ref_losses, ref_grads = _reference_steps(copy.deepcopy(plain), x)
+    model, _ = ckpt_ext.fuse(plain)
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(out_dir, f"trainer{rank}"), use_cpu=True,
+        deepspeed=_trainer_config(), per_device_train_batch_size=BATCH // WORLD,
+        max_steps=STEPS, optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
+        weight_decay=0.0, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
+        report_to="none", disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args,
+                                   train_dataset=[{"input_ids": r, "labels": r} for r in x])
+    grads = []
+
+    class Grads(transformers.TrainerCallback):
+        """Each step's full gradients, taken when the engine steps (it zeroes them then)."""
+
+        def on_train_begin(self, *args, **kwargs):
+            engine = trainer.model_wrapped
+            step = engine.step
+
+            def recorded_step(*a, **k):
+                grads.append({n: deepspeed.utils.safe_get_full_grad(p)
+                              for n, p in model.named_parameters() if p.requires_grad})
+                return step(*a, **k)
+            engine.step = recorded_step
+
+    trainer.add_callback(Grads())
+    try:
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return {"engine": type(trainer.model_wrapped).__name__,
+                "processes": trainer.accelerator.num_processes,
+                "calls": [(s.path, s.fused_calls, s.unfused_calls) for s in
+                          ckpt_ext.stats(model)],
+                "err": [_compare(g, r) for g, r in zip(grads, ref_grads)],
+                "steps": len(grads),
+                "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                "losses": losses}
+    finally:  # the Trainer's global state, for whatever this process runs next
+        unset_hf_deepspeed_config()
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+TRAINER_CASES = {"trainer": False, "trainer-lora": True}
 
 
 def _rank_main(rank: int, store_file: str, out_dir: str) -> None:
     import torch.distributed as dist
     result = {"rank": rank}
     try:
+        # LOCAL_WORLD_SIZE as torchrun sets it: accelerate's MULTI_CPU state reads it
         os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank),
-                          WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
+                          WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                          OMP_NUM_THREADS="1")
         torch.set_num_threads(1)
         sys.path[:0] = [HERE, os.path.join(HERE, "fuse")]
         dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
                                 world_size=WORLD)
         # imported before zero.Init, which patches torch.Tensor.__new__ (torch._dynamo, imported
         # by transformers' generation code, refuses the patched one)
-        for name in ("torch._dynamo", "transformers.models.llama.modeling_llama", "peft"):
+        for name in ("torch._dynamo", "transformers.models.llama.modeling_llama",
+                     "transformers.models.mixtral.modeling_mixtral", "transformers.trainer",
+                     "peft", "_zoo"):
             importlib.import_module(name)
         import deepspeed
         import ckpt_ext
@@ -147,6 +256,8 @@ def _rank_main(rank: int, store_file: str, out_dir: str) -> None:
         result["cases"] = {name: _case(deepspeed, ckpt_ext, rank, *args)
                            for name, args in CASES.items()}
         result["fallback"] = _fallback(deepspeed, ckpt_ext, rank)
+        result["trainer"] = {name: _trainer_case(deepspeed, ckpt_ext, rank, lora, out_dir)
+                             for name, lora in TRAINER_CASES.items()}
         result["ok"] = True
     except Exception:  # reported to the test process, which fails with it
         result["ok"] = False
@@ -179,16 +290,22 @@ def ranks(tmp_path_factory):
 TOL_GRADS = 1e-6
 
 
+#: per model: each unit's path (of layer i) and the class of its owner, the leaf fuse marks
+UNITS = {"llama": ("layers.{}.mlp", "LlamaMLP"),
+         "lora": ("base_model.model.layers.{}.mlp", "LlamaMLP"),
+         "moe": ("layers.{}.mlp.experts", "RunMixtralExperts")}  # fuse's class
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_call_fused_and_exact(ranks, case):
-    lora, stage, _ = CASES[case]
+    name, stage, _ = CASES[case]
+    path, owner = UNITS[name]
     for r in ranks:
         c = r["cases"][case]
-        assert c["units"] == 2, c  # one gated MLP per decoder layer
-        assert c["calls"] == [[f"layers.{i}.mlp" if not lora else
-                               f"base_model.model.layers.{i}.mlp", 1, 0] for i in range(2)], c
+        assert c["units"] == 2, c  # one gated MLP, or one experts module, per decoder layer
+        assert c["calls"] == [[path.format(i), 1, 0] for i in range(2)], c
         assert c["err"] < TOL_GRADS, c
-        assert c["leaves"] == ["LlamaMLP"] * 2, c  # the owners, and nothing else
+        assert c["leaves"] == [owner] * 2, c  # the owners, and nothing else
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c][2]])
@@ -204,3 +321,25 @@ def test_kept_off_the_leaves_falls_back_with_the_fix(ranks):
         assert any("call ckpt_ext.fuse before deepspeed.initialize" in m and
                    "set_z3_leaf_modules(model, [LlamaMLP])" in m for m in f["warned"]), f
         assert f["flags"] == [[False, False], [None, False]], f  # the user's flag stays
+
+
+# The loss: the mean of the ranks' losses the Trainer logs against the whole batch's, float32:
+# measured max 2.4e-7. The first step's gradients: 6.6e-7 (LoRA), within TOL_GRADS. The second
+# step starts from weights the first step's rounding moved (SGD at LR): measured 2.3e-6 (LoRA,
+# the smallest adapters, norm 1e-2), where in one process the unfused model on the two half
+# batches already differs from the whole batch by 9e-7 and the fused from the unfused by 1.3e-6.
+TOL_LOSS = 1e-5
+TOL_GRADS_SECOND_STEP = 1e-5
+
+
+@pytest.mark.parametrize("case", list(TRAINER_CASES))
+def test_trainer_with_a_zero3_config_every_call_fused_and_exact(ranks, case):
+    path = ("base_model.model.model.layers.{}.mlp" if TRAINER_CASES[case] else
+            "model.layers.{}.mlp")
+    for r in ranks:
+        t = r["trainer"][case]
+        assert t["engine"] == "DeepSpeedEngine" and t["processes"] == WORLD, t
+        assert t["calls"] == [[path.format(i), STEPS, 0] for i in range(2)], t
+        assert t["steps"] == len(t["err"]) == STEPS == 2, t
+        assert t["err"][0] < TOL_GRADS and t["err"][1] < TOL_GRADS_SECOND_STEP, t
+        assert t["loss_err"] < TOL_LOSS, t
