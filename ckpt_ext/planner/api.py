@@ -1,64 +1,90 @@
-"""``ckpt_ext.plan(model, example_inputs, budget_bytes)``: the least recompute whose training step
-fits a memory budget; ``ckpt_ext.max_batch(model, make_inputs, budget_bytes)``: the largest batch
-whose planned step fits. Checks what callers hand in, runs the probes, solves. Design and usage:
-docs/plan.md."""
+"""``ckpt_ext.plan(model, example_inputs, budget_bytes)`` (or ``step=``): the least recompute whose
+training step fits a memory budget; ``ckpt_ext.max_batch(model, make_inputs, budget_bytes)`` (or
+``make_step=``): the largest batch whose planned step fits. Checks what callers hand in, runs the
+probes, solves. Design and usage: docs/plan.md."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
+import torch
 from torch import nn
 
 from .batch import largest_batch
-from .choose import choose, survey
+from .choose import choose, survey_step
 from .result import Plan
-from .step import check_inputs
+from .step import check_form, closure_step, inputs_step, training_step
+
+Step = Callable[[nn.Module], torch.Tensor]
 
 
-def check_common(where: str, model, budget_bytes, loss_fn) -> None:
+def check_model(where: str, model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{where} expects an nn.Module, got {type(model).__name__}")
+
+
+def check_budget(where: str, budget_bytes: Any, first: Any, step: Any, step_name: str) -> None:
+    """``first``: what came as the second argument; a budget there with a step is named."""
+    if budget_bytes is None:
+        hint = f" ({first!r} came as the second argument: pass budget_bytes=... with " \
+               f"{step_name})" if step is not None and isinstance(first, int) else ""
+        raise TypeError(f"{where}: budget_bytes is required: an int (bytes), got none{hint}")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
         raise TypeError(f"{where}: budget_bytes must be an int (bytes), got "
                         f"{type(budget_bytes).__name__}")
     if budget_bytes <= 0:
         raise ValueError(f"{where}: budget_bytes must be > 0, got {budget_bytes}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"{where}: loss_fn must be callable (output -> scalar) or None, got "
-                        f"{type(loss_fn).__name__}")
 
 
-def plan(model: nn.Module, example_inputs, budget_bytes: int, *,
-         loss_fn: Optional[Callable] = None) -> Plan:
+def plan(model: nn.Module, example_inputs=None, budget_bytes: Optional[int] = None, *,
+         loss_fn: Optional[Callable] = None, step: Optional[Step] = None) -> Plan:
     """The option per unit (``none``, ``fuse`` or ``checkpoint``) for which a training step of
-    ``model`` on ``example_inputs`` peaks within ``budget_bytes`` at the least added FLOPs.
+    ``model`` peaks within ``budget_bytes`` at the least added FLOPs.
 
-    ``example_inputs``: a tuple of positional arguments or a dict of keyword arguments for
-    ``model(...)``; ``loss_fn(output)`` gives the scalar loss (default: the sum of the output's
-    first floating tensor: ``.loss`` where labels were given, else ``.logits`` /
-    ``.last_hidden_state``). The budget bounds the step's peak tensor bytes above what was
-    allocated before it, as ``ckpt_ext.memory.measured_step`` reports it. Three probe steps on a
-    copy sharing the model's parameters (plain, every unit fused, every block checkpointed, each
-    after a FLOP-counted one) give each unit's bytes and FLOPs under each option; the choice is
-    exact. Nothing in the model changes: its gradients, buffers and the RNG are as they were.
-    ``ValueError`` when no choice fits, naming the least budget that does; an error naming
-    ``example_inputs`` when the model cannot take them; ``RuntimeError`` when the probe step runs
-    the model's own units instead of the copy's, or none, naming them."""
+    The step is given in one of two forms. ``example_inputs``: a tuple of positional arguments or
+    a dict of keyword arguments for ``model(...)``; ``loss_fn(output)`` gives the scalar loss
+    (default: the sum of the output's first floating tensor: ``.loss`` where labels were given,
+    else ``.logits`` / ``.last_hidden_state``). Or ``step``: ``step(m) -> loss``, the forward
+    and scalar loss of one training step of the module ``m`` it is handed (a trainer's own,
+    ``lambda m: trainer.compute_loss(m, dict(batch))``); the planner runs the backward. The
+    budget bounds the step's peak tensor bytes above what was allocated before it, as
+    ``ckpt_ext.memory.measured_step`` reports it. Three probe steps on a copy sharing the model's
+    parameters (plain, every unit fused, every block checkpointed, each after a FLOP-counted one)
+    give each unit's bytes and FLOPs under each option; the choice is exact. Nothing in the model
+    changes: its gradients, buffers and the RNG are as they were. ``ValueError`` when no choice
+    fits, naming the least budget that does; an error naming ``example_inputs`` when the model
+    cannot take them, or ``step`` when it raises; ``RuntimeError`` when the probe step runs the
+    model's own units instead of the copy's, or none, naming them."""
     where = "ckpt_ext.plan"
-    check_common(where, model, budget_bytes, loss_fn)
-    check_inputs(where, example_inputs)
-    fig, units, notes, spread, device = survey(model, example_inputs, loss_fn)
+    check_model(where, model)
+    check_budget(where, budget_bytes, example_inputs, step, "step")
+    how = training_step(where, example_inputs, loss_fn, step)
+    fig, units, notes, spread, device = survey_step(model, how, where=where)
     return choose(fig, units, notes, spread, budget_bytes, str(device))
 
 
-def max_batch(model: nn.Module, make_inputs: Callable[[int], object], budget_bytes: int, *,
-              loss_fn: Optional[Callable] = None) -> Tuple[int, Plan]:
+def max_batch(model: nn.Module, make_inputs: Optional[Callable[[int], object]] = None,
+              budget_bytes: Optional[int] = None, *, loss_fn: Optional[Callable] = None,
+              make_step: Optional[Callable[[int], Step]] = None) -> Tuple[int, Plan]:
     """``(n, plan)``: the largest batch ``n`` whose planned step fits ``budget_bytes``, and that
-    plan. ``make_inputs(n)`` gives the example inputs for batch n (as ``plan`` takes them). The
-    figures of a few probe steps at small batches are fitted against n (every figure a line in
-    n); no step runs at a batch that was not predicted to fit, and none is retried."""
+    plan. ``make_inputs(n)`` gives the example inputs for batch n, or ``make_step(n)`` the step
+    (as ``plan`` takes them). The figures of a few probe steps at small batches are fitted
+    against n (every figure a line in n); no step runs at a batch that was not predicted to fit,
+    and none is retried."""
     where = "ckpt_ext.max_batch"
-    check_common(where, model, budget_bytes, loss_fn)
-    if not callable(make_inputs):
-        raise TypeError(f"{where}: make_inputs must be callable (n -> example inputs), got "
-                        f"{type(make_inputs).__name__}")
-    return largest_batch(model, make_inputs, budget_bytes, loss_fn)
+    check_model(where, model)
+    check_budget(where, budget_bytes, make_inputs, make_step, "make_step")
+    check_form(where, make_inputs, loss_fn, make_step, "make_inputs", "make_step")
+    for name, made in (("make_inputs", make_inputs), ("make_step", make_step)):
+        if made is not None and not callable(made):
+            raise TypeError(f"{where}: {name} must be callable (n -> "
+                            f"{'example inputs' if name == 'make_inputs' else 'a step'}), got "
+                            f"{type(made).__name__}")
+
+    def make(n: int):
+        if make_step is None:
+            at = f"{where}: make_inputs({n})"
+            return at, inputs_step(at, make_inputs(n), loss_fn)
+        at = f"{where}: make_step({n})"
+        return at, closure_step(at, make_step(n))
+
+    return largest_batch(model, make, budget_bytes)

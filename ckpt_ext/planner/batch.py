@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Callable, Optional, Tuple
+from typing import Callable, Tuple
 
 from torch import nn
 
-from .choose import choose, least_peak, survey
+from .choose import choose, least_peak, survey_step
 from .figures import OptionFigures, StepFigures, simulate
 from .result import Plan
-from .step import check_inputs
+from .step import TrainingStep
 from .units import Option, find_units
 
 #: The largest batch searched for.
@@ -62,15 +62,14 @@ def _largest(fits: Callable[[int], bool]) -> int:
     return lo
 
 
-def largest_batch(model: nn.Module, make_inputs: Callable[[int], object], budget: int,
-                  loss_fn: Optional[Callable]) -> Tuple[int, Plan]:
+def largest_batch(model: nn.Module, make: Callable[[int], Tuple[str, TrainingStep]],
+                  budget: int) -> Tuple[int, Plan]:
+    """``make(n)``: the step at batch n, and the words that begin its errors."""
     found = find_units(model)
 
     def probe(n: int):
-        inputs = make_inputs(n)
-        where = f"ckpt_ext.max_batch: make_inputs({n})"
-        check_inputs(where, inputs)
-        return survey(model, inputs, loss_fn, found, where)
+        where, step = make(n)
+        return survey_step(model, step, found, where)
 
     points = {1: probe(1), 2: probe(2)}
     fig1, units, notes, spread, device = points[1]

@@ -1,5 +1,6 @@
-"""From a model and its inputs to a plan: the probes' figures (:func:`survey`), and the choice
-for a budget (:func:`choose`), with the least peak any choice reaches."""
+"""From a model and its training step to a plan: the probes' figures (:func:`survey_step`, or
+:func:`survey` of example inputs), and the choice for a budget (:func:`choose`), with the least
+peak any choice reaches."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ from .measure import figures_of
 from .result import Plan
 from .probe import Probe
 from .solver import grouped, solve
-from .step import model_device
+from .step import InputsStep, TrainingStep, model_device
 from .units import Option, find_units
 
 #: Units whose figures differ by no more than this share of the plain step's peak (and FLOPs by
@@ -19,15 +20,20 @@ from .units import Option, find_units
 TOLERANCE = 1e-4
 
 
-def survey(model: nn.Module, example_inputs, loss_fn, found=None, where="ckpt_ext.plan"):
-    """The figures of ``model`` stepping on ``example_inputs``: (figures, units, notes, spread,
-    device). ``found``: ``find_units(model)`` where the caller has it already; ``where`` begins
-    the probe's errors."""
+def survey_step(model: nn.Module, step: TrainingStep, found=None, where="ckpt_ext.plan"):
+    """The figures of ``model`` in ``step``: (figures, units, notes, spread, device). ``found``:
+    ``find_units(model)`` where the caller has it already; ``where`` begins the probe's
+    errors."""
     device = model_device(model)
     units, notes = found if found is not None else find_units(model)
-    with Probe(model, example_inputs, loss_fn, device, where) as probe:
+    with Probe(model, step, device, where) as probe:
         fig, units, notes, spread = figures_of(probe, units, notes)
     return fig, units, notes, spread, device
+
+
+def survey(model: nn.Module, example_inputs, loss_fn, found=None, where="ckpt_ext.plan"):
+    """:func:`survey_step` of ``model`` stepping on ``example_inputs`` with ``loss_fn``."""
+    return survey_step(model, InputsStep(example_inputs, loss_fn), found, where)
 
 
 def solver_figures(fig: StepFigures) -> StepFigures:

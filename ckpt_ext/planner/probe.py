@@ -7,15 +7,17 @@ output is complete: its backward starts; a tensor hook), ``end``. At each mark: 
 alive above the step's start, the peak since the previous mark (ckpt_ext.memory.MemoryMeter: exact
 bytes on CPU, requested bytes on CUDA) and, in a step counted with ``FlopCounterMode``, the FLOPs
 so far. Memory and FLOPs come from separate steps: the counter's module tracker holds gradients
-in its hooks and moves the backward's memory. The user's model, its gradients, buffers and the RNG
-are left as they were (docs/plan.md, "The probe"). A step that runs the model's own units instead
-of the copy's, or none of the units, is an error that names them and the forwards set on an
-instance on their way: nothing is planned from a step that was not measured."""
+in its hooks and moves the backward's memory. The forward and loss are the caller's (step.py:
+inputs and a loss, or a step closure handed the copy), the backward the probe's. The user's model,
+its gradients, buffers and the RNG are left as they were (docs/plan.md, "The probe"). A step that
+runs the model's own units instead of the copy's, or none of the units, is an error that names
+them and the forwards set on an instance on their way: nothing is planned from a step that was
+not measured."""
 from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -26,7 +28,7 @@ from .._block_checkpoint import cache_argument, checkpoint_block
 from ..convert import fuse, unfuse
 from ..memory import MemoryMeter
 from .rebind import describe_forward, probe_copy
-from .step import Inputs, call, first_floating, inputs_error, loss_of
+from .step import TrainingStep, first_floating
 from .units import Option, Unit
 
 
@@ -53,18 +55,19 @@ class Probe:
     its own, so a probe step never moves the model's), with everything ``fuse`` or a plan put
     in taken out: configurations are relative to plain. Use as a context manager: it stashes the
     gradients of the parameters (and of leaf inputs that require grad) and the RNG state on
-    entry and puts them back on exit. ``where`` begins its errors ("ckpt_ext.plan")."""
+    entry and puts them back on exit. ``step`` is called on the copy (a step closure rebound to
+    it); ``where`` begins its errors ("ckpt_ext.plan")."""
 
-    def __init__(self, model: nn.Module, inputs: Inputs, loss_fn: Optional[Callable],
-                 device: torch.device, where: str) -> None:
-        self.model, self.inputs, self.loss_fn, self.device = model, inputs, loss_fn, device
-        self.where = where
-        self.copy = unfuse(probe_copy(model))
+    def __init__(self, model: nn.Module, step: TrainingStep, device: torch.device,
+                 where: str) -> None:
+        self.model, self.device, self.where = model, device, where
+        copy, rebind = probe_copy(model)
+        self.copy, self.training_step = unfuse(copy), step.rebound(rebind)
         self.meter = MemoryMeter(device)
-        self.stepped = False  # a step ran: the model takes the inputs
+        self.stepped = False  # a step ran: the model takes the inputs, or the step runs
 
     def __enter__(self) -> "Probe":
-        leaves = [t for t in _tensors(self.inputs) if t.requires_grad and t.is_leaf]
+        leaves = self.training_step.leaves()
         self._grads = [(p, p.grad) for p in list(self.model.parameters()) + leaves]
         for p, _ in self._grads:
             p.grad = None
@@ -160,14 +163,15 @@ class Probe:
             state["base"] = meter.current()
             meter.reset_peak()
             mark("start")
+            how = self.training_step
             try:
-                out = call(self.copy, self.inputs)
+                out = how.forward(self.copy)
             except Exception as e:
                 if self.stepped or isinstance(e, (MemoryError, torch.OutOfMemoryError)):
-                    raise  # not the inputs' fault
-                raise inputs_error(self.where, self.inputs, e) from e
+                    raise  # not the inputs' or the step's fault
+                raise how.refused(self.where, e) from e
             self.stepped = True
-            loss = loss_of(self.loss_fn, out)
+            loss = how.loss(out, self.where)
             loss_bytes = loss.numel() * loss.element_size()
             del out
             mark("loss")
@@ -186,12 +190,10 @@ class Probe:
         if escaped:
             raise RuntimeError(self._unmeasured(
                 [units[i] for i in sorted(escaped)], "ran the model's own {} instead of the "
-                "copy's", "a forward or hook reaches the model's own modules through an object "
-                "the copy cannot rebind (a trainer's state, a global). Plan the model before "
-                "that forward is set (the plan applies to the model afterwards)"))
+                "copy's", self.training_step.escaped))
         if units and not calls:
-            raise RuntimeError(self._unmeasured(
-                units, "never ran {}", "the model's forward does not call them on these inputs"))
+            raise RuntimeError(self._unmeasured(units, "never ran {}",
+                                                self.training_step.none_ran))
         for i in range(len(units)):
             if calls.get(i, 0) != 1:
                 problems.setdefault(i, f"its forward ran {calls.get(i, 0)} times in the step "
@@ -225,11 +227,6 @@ class Probe:
         flops = self.step(units, count_flops=True)
         memory = self.step(units, count_flops=False)
         return memory, flops
-
-
-def _tensors(inputs: Inputs) -> List[torch.Tensor]:
-    values = inputs.values() if isinstance(inputs, dict) else inputs
-    return [v for v in values if isinstance(v, torch.Tensor)]
 
 
 def chain_problems(trace: StepTrace, n_units: int) -> Dict[int, str]:

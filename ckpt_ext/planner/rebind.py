@@ -9,13 +9,15 @@ function, bound method and ``functools.partial`` set on a copied module's instan
 forward and backward hooks is rebuilt where it reaches an object of the model (through its
 closure, defaults, ``__dict__``, bound instance, or a tuple, list or dict in those): that object
 becomes its copy. What it reaches otherwise (a trainer, a global) is left alone; the probe then
-finds the model's own units running in its step and says so (probe.py)."""
+finds the model's own units running in its step and says so (probe.py). A caller's step closure
+(``plan(model, step=...)``) is rebuilt the same way, so a step that closes over the model calls the
+copy."""
 from __future__ import annotations
 
 import copy
 import functools
 import types
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Tuple
 
 from torch import nn
 
@@ -25,9 +27,9 @@ HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_
 _EMPTY = object()  # the contents of an empty closure cell
 
 
-def probe_copy(model: nn.Module) -> nn.Module:
+def probe_copy(model: nn.Module) -> Tuple[nn.Module, Callable[[Any], Any]]:
     """A deep copy of ``model`` sharing its Parameters, its instance callables and hooks rebound
-    to the copy."""
+    to the copy; and ``rebind(obj)``, which rebuilds another callable the same way."""
     memo: Dict[int, Any] = {id(p): p for p in model.parameters()}
     out = copy.deepcopy(model, memo)
     done: Dict[int, Any] = {}
@@ -40,7 +42,7 @@ def probe_copy(model: nn.Module) -> nn.Module:
             hooks = state.get(table)
             for key, hook in list(hooks.items()) if hooks else ():
                 hooks[key] = _rebound(hook, memo, done)
-    return out
+    return out, lambda obj: _rebound(obj, memo, done)
 
 
 def _rebound(obj: Any, memo: Dict[int, Any], done: Dict[int, Any]) -> Any:
