@@ -77,6 +77,7 @@ class CkptExtCallback(TrainerCallback):
         else:
             budget = _budget(self.budget_bytes, model)
             batch = trainer._prepare_inputs(next(iter(dataloader)))
+            model.train()  # as the training loop calls it: the probe steps are training steps
 
             def step(m):
                 return trainer.compute_loss(m, batch)

@@ -238,3 +238,60 @@ def test_auto_needs_cuda(tmp_path):
     t = trainer(causal_lm(), tmp_path, [cb])
     with pytest.raises(ValueError, match="budget_bytes=\"auto\" reads a CUDA device's free memory"):
         t.train()
+
+
+# ---- a budget: plan on the trainer's own step -----------------------------------------------------
+
+class StepPeak(transformers.TrainerCallback):
+    """The allocator's peak (exact bytes on the CPU) from the start of the first step to its
+    optimizer step: the step's forward and backward as the trainer runs them."""
+
+    def __init__(self):
+        self.meter, self.peak = ckpt_ext.memory.MemoryMeter("cpu"), None
+
+    def on_step_begin(self, args, state, control, **kw):
+        if self.peak is None and state.global_step == 0:
+            self.meter.start()
+            self.meter.reset_peak()
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        if self.peak is None:
+            self.peak = self.meter.peak()
+            self.meter.stop()
+
+
+def test_a_budget_plans_on_the_trainers_step_and_holds_inside_train(tmp_path):
+    pytest.importorskip("trl")
+    make = lambda cbs, sub: sft(causal_lm(layers=4), tmp_path / sub, cbs,  # noqa: E731
+                                peft_config=lora_config(), optim="sgd")
+    wide = CkptExtCallback(10**12)
+    _, base, _, _ = run(lambda cbs: make(cbs, "a"), tmp_path, wide)
+    assert wide.plan.added_flops == 0 and set(wide.plan.choices.values()) == {"none"}
+    plain, least = wide.plan.plain_peak_bytes, wide.plan.least_peak_bytes
+    assert least < plain
+    budget = (plain + least) // 2
+    cb, peak = CkptExtCallback(budget), StepPeak()
+    t, got, _, ours = run(lambda cbs: make(cbs + [peak], "b"), tmp_path, cb)
+    assert ours == [], ours
+    assert cb.plan is not None and cb.plan.added_flops > 0 and cb.report is not None
+    assert t.args.activation_checkpointing is False
+    assert peak.peak <= budget, (peak.peak, budget)
+    assert abs(peak.peak - cb.plan.peak_bytes) <= 0.05 * cb.plan.peak_bytes, \
+        (peak.peak, cb.plan.peak_bytes)
+    assert_close_losses(got, base)
+    fused = [p for p, c in cb.plan.choices.items() if c == "fuse"]
+    stats = ckpt_ext.stats(cb._model)
+    assert stats.unfused_calls == 0 and len(stats) == len(fused), (str(stats), cb.plan.choices)
+
+
+def test_a_budget_below_the_least_plan_raises_before_training_changes_anything(tmp_path):
+    pytest.importorskip("trl")
+    cb = CkptExtCallback(1000)
+    t = sft(causal_lm(), tmp_path, [cb], peft_config=lora_config())
+    before = trained(t.model)
+    with pytest.raises(ValueError, match="budget"):
+        t.train()
+    assert t.state.global_step == 0
+    after = trained(t.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert ckpt_ext.stats(t.model) == [] or not len(ckpt_ext.stats(t.model))
