@@ -295,3 +295,17 @@ def test_a_budget_below_the_least_plan_raises_before_training_changes_anything(t
     after = trained(t.model)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert ckpt_ext.stats(t.model) == [] or not len(ckpt_ext.stats(t.model))
+
+
+class _SwitchesCheckpointingOn(transformers.TrainerCallback):
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def test_checkpointing_switched_on_again_is_said_after_the_first_step(tmp_path):
+    cb = CkptExtCallback()
+    _, _, _, ours = run(lambda cbs: trainer(causal_lm(), tmp_path, cbs + [_SwitchesCheckpointingOn()]),
+                        tmp_path, cb)
+    after = [m for m in ours if m.startswith("ckpt_ext.CkptExtCallback, after the first step")]
+    assert len(after) == 1 and "switched on again after the callback switched it off" in after[0], ours
+    assert sum("recomputed twice" in m for m in ours) == 2  # and each unit said it at its call
