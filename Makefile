@@ -2,9 +2,9 @@
 # and `make test`. Both set everything up first (scripts/setup.sh: venv, pinned torch, build), so
 # they work on a fresh clone. `make bench-full` runs the benchmark's whole matrix (every network and
 # mode), `make bench-plan` its plan section (ckpt_ext.plan against the other ways to fit a budget).
-# `make test-dispatch` runs tests/ops with MKL's, oneDNN's and ATen's kernel choice moved off this
-# machine's default (docs/testing.md, "The dispatch step"), so a test that leans on one CPU's
-# kernels fails here first.
+# `make test-dispatch` runs tests/ops and tests/fuse's float32 and generate() comparisons with
+# MKL's, oneDNN's and ATen's kernel choice moved off this machine's default (docs/testing.md, "The
+# dispatch step"), so a test that leans on one CPU's kernels fails here first.
 # `make test-oldest` builds and tests against the oldest supported torch, as the GPU machine has it
 # (torch 2.11 on Python 3.12), and `make test-newest` against the newest (torch 2.15 on Python
 # 3.13), each in a venv of its own beside .venv.
@@ -39,8 +39,15 @@ test: setup
 DISPATCH_ENV := MKL_CBWR=COMPATIBLE MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
   ATEN_CPU_CAPABILITY=avx2
 
+# tests/ops, and of tests/fuse the float32 and generate() comparisons of fused against unfused
+# (these add ~25 s on 2 cores).
+DISPATCH_TESTS := tests/ops tests/fuse/test_fuse_moe.py tests/fuse/test_fuse_mixed.py \
+  tests/fuse/test_fuse_conv1d.py::test_gpt2_generate_save_and_unfuse \
+  tests/fuse/test_fuse_gated.py::test_llama_generate_save_and_unfuse \
+  tests/fuse/test_fuse_encoder_decoder.py::test_bart_generate_gives_the_same_tokens
+
 test-dispatch: setup
-	$(DISPATCH_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider tests/ops
+	$(DISPATCH_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider $(DISPATCH_TESTS)
 
 test-oldest:
 	@[ -n "$(PYTHON312)" ] || { echo "make test-oldest: no Python 3.12 found (PYTHON312=...)" >&2; exit 1; }

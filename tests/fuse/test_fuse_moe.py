@@ -9,6 +9,7 @@ leaves alone says why (LoRA on expert weights through peft's ParamWrapper among 
 deepcopy, a second fuse and unfuse."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
@@ -45,9 +46,18 @@ ROUTING_ITEMSIZE = 4  # transformers' routers give float32 routing weights
 # module differ in rounding only; ~10x the largest measured over every family, implementation and
 # mode (1.2e-15, a gpt-oss router's bias gradient)
 TOL64 = 1e-14
-# grouped_mm takes no float64 on the CPU: float32 there, ~10x the largest measured over every
-# family, train and eval (7.9e-7, Qwen2-MoE's k_proj bias gradient)
-TOL32 = 8e-6
+# grouped_mm takes no float64 on the CPU, so fused and unfused run float32 there, and MKL's float32
+# GEMMs follow its kernel choice: under the dispatch step's variables (MKL_CBWR=COMPATIBLE alone
+# does it) the two differ by up to 1.7e-4 relative (Qwen3-MoE's router weight gradient), as far as
+# each is from float64 (gradients through two layers of attention and routing cancel). So each is
+# compared with the same weights in float64 under the class's loop. Measured over every family,
+# train and eval, at this machine's default and under the dispatch variables (AMD EPYC, MKL
+# 2024.2; weight seeds 0, 10, 20, 30): unfused within 3.6e-4 of float64, fused's error at most
+# 1.04x unfused's (default) and 2.8x (dispatch; 1.6x at this test's seed), 1.1e-7 the smallest
+# (one float32 rounding of a tensor's largest element).
+FUSED_OVER_UNFUSED = 8  # fused's error against float64 at most this times unfused's,
+FLOOR32 = 1e-6  # or this, where unfused's error is a rounding or two
+UNFUSED_TOL32 = 3e-3  # unfused against float64: the reference computes the same model (routing)
 
 
 class OpCalls(TorchDispatchMode):
@@ -104,6 +114,30 @@ def _rel(b, a):
     return ((b - a).abs().max() / a.abs().max().clamp_min(1e-300)).item()
 
 
+def _outputs_and_grads(model, ids, names, calls=None):
+    """{"output": the last hidden state, name: its gradient} for the parameters that require grad
+    (named by ``names``, in order) and get one; ``calls`` (an OpCalls) counts the forward's."""
+    with calls or contextlib.nullcontext():  # the mode slows every op: the fused forward only
+        out = model(ids).last_hidden_state
+    trained = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out.square().sum(), trained, allow_unused=True)
+    return dict(output=out, **{n: g for n, g in zip(names, grads) if g is not None})
+
+
+def _errors_against_float64(plain, fused, reference, ids):
+    """({what: (fused's error, unfused's error)}, each relative to the float64 ``reference``'s
+    largest magnitude, for the output and every gradient; the moe_experts calls of the fused
+    forward)."""
+    names = [n for n, p in plain.named_parameters() if p.requires_grad]
+    calls = OpCalls()
+    want = _outputs_and_grads(reference, ids, names)
+    a = _outputs_and_grads(plain, ids, names)
+    b = _outputs_and_grads(fused, ids, names, calls)
+    assert want.keys() == a.keys() == b.keys(), (want.keys() ^ a.keys(), want.keys() ^ b.keys())
+    errors = {k: (_rel(b[k].double(), want[k]), _rel(a[k].double(), want[k])) for k in want}
+    return errors, calls.calls
+
+
 # ---- one unit per experts module -----------------------------------------------------------------
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -155,19 +189,31 @@ def test_dry_run_changes_nothing():
 @pytest.mark.parametrize("name", FAMILIES)
 def test_outputs_and_gradients_are_the_unfused_ones(name, implementation):
     # Outputs, the routers' and every expert's gradients (every parameter's), train and eval, in
-    # float64 where the implementation runs it on the CPU: grouped_mm runs float32 only.
+    # float64 where the implementation runs it on the CPU; grouped_mm runs float32 only, so there
+    # fused and unfused are each compared with the float64 model (FUSED_OVER_UNFUSED).
     dtype = _dtype(implementation)
     plain, fused, report = _pair(name, implementation, dtype)
     assert len([d for d in report.fused if d.unit.startswith("moe_experts")]) == 2, report
+    reference = None
+    if dtype != torch.float64:
+        reference = copy.deepcopy(plain).double()
+        for m in experts_modules(reference):
+            m.config._experts_implementation = "eager"
     ids = _ids()
     for train in (True, False):
-        plain.train(train)
-        fused.train(train)
-        errors, calls = _errors(plain, fused, ids)
+        for model in (plain, fused, reference):
+            if model is not None:
+                model.train(train)
+        if reference is None:
+            errors, calls = _errors(plain, fused, ids)
+            off = {k: e for k, e in errors.items() if not e <= TOL64}  # NaN fails
+            assert not off, (train, off)
+        else:
+            errors, calls = _errors_against_float64(plain, fused, reference, ids)
+            off = {k: (f, u) for k, (f, u) in errors.items()  # NaN fails
+                   if not (u <= UNFUSED_TOL32 and (f <= FUSED_OVER_UNFUSED * u or f <= FLOOR32))}
+            assert not off, (train, "(fused, unfused) against float64", off)
         assert calls == 2, calls  # the fused op computed each layer's experts
-        tol = TOL64 if dtype == torch.float64 else TOL32
-        worst = max(errors, key=errors.get)
-        assert errors[worst] <= tol, (train, worst, errors[worst])
         assert any("experts" in k for k in errors) and any(".gate." in k or "router" in k
                                                            for k in errors), list(errors)
 
