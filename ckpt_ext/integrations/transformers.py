@@ -89,6 +89,11 @@ class CkptExtCallback(TrainerCallback):
         logger.info(f"CkptExtCallback:\n{self.report}")
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self._model is None:
+            raise RuntimeError("CkptExtCallback did not act before train(): it was added after "
+                               "the Trainer was built (trainer.add_callback), when the Trainer no "
+                               "longer calls on_init_end; pass it as Trainer(..., callbacks="
+                               "[CkptExtCallback()])")
         if self.keep_checkpointing and self.report is not None and self.plan is None:
             # the trainer switched checkpointing on after fuse: the report says what that costs
             self.report.checkpointed[:] = checkpointed(self._model, self.report.decisions,

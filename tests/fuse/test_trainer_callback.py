@@ -309,3 +309,11 @@ def test_checkpointing_switched_on_again_is_said_after_the_first_step(tmp_path):
     after = [m for m in ours if m.startswith("ckpt_ext.CkptExtCallback, after the first step")]
     assert len(after) == 1 and "switched on again after the callback switched it off" in after[0], ours
     assert sum("recomputed twice" in m for m in ours) == 2  # and each unit said it at its call
+
+
+def test_added_after_the_trainer_was_built_it_says_so(tmp_path):
+    t = trainer(causal_lm(), tmp_path)
+    t.add_callback(CkptExtCallback())
+    with pytest.raises(RuntimeError, match="added after the Trainer was built"):
+        t.train()
+    assert t.state.global_step == 0
