@@ -2,15 +2,11 @@
 
 Each rank trains the fused model on its half of a batch under DistributedDataParallel (and FSDP2
 fully_shard); after the all-reduce its gradients must equal those of the plain model on the whole
-batch, computed locally in float64. Ranks report through files in tmp_path; any failure inside a
-rank fails the test with that rank's traceback. The ranks meet through a file in tmp_path
-(init_method file://, a FileStore), not a TCP port: no port is picked, released and hoped to be
-free again, so another process on the machine cannot take it in between.
+batch, computed locally in float64. The launch: _ranks.py.
 """
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 import traceback
@@ -18,12 +14,11 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from reference import measured
+from _ranks import WORLD, finish, spawn
 
-WORLD = 2
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where _ecosys.py is
 
 
@@ -52,7 +47,7 @@ def _reference_grads(plain: nn.Module, x, target):
     return {n: p.grad.clone() for n, p in plain.named_parameters() if p.requires_grad}
 
 
-def _rank_main(rank: int, store_file: str, kind: str, policy: str, out_dir: str) -> None:
+def _rank_main(rank: int, store_file: str, out_dir: str, kind: str, policy: str) -> None:
     result = {"rank": rank}
     try:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -109,29 +104,11 @@ def _rank_main(rank: int, store_file: str, kind: str, policy: str, out_dir: str)
     except Exception:  # reported to the test process, which fails with it
         result["ok"] = False
         result["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if dist.is_initialized():
-        # Both ranks finish their collectives before either tears gloo down; without the barrier
-        # a rank could destroy the group under the other's DDP/gloo threads ("terminate called
-        # without an active exception", SIGABRT).
-        dist.barrier()
-        dist.destroy_process_group()
-    # Leave without the interpreter's teardown. About 1 run in 10, a gloo/c10d background thread
-    # still joinable when static destructors run aborts the process at exit ("terminate called
-    # without an active exception", SIGABRT) after all work and the result file are done; the
-    # verdict is in the result file, so skip that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish(result, out_dir, rank)
 
 
 def _launch(kind: str, policy: str, tmp_path):
-    store_file = tmp_path / "store"  # fresh per test: a FileStore must start empty
-    mp.spawn(_rank_main, args=(str(store_file), kind, policy, str(tmp_path)), nprocs=WORLD,
-             join=True)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    return results
+    return spawn(_rank_main, tmp_path, kind, policy, check=False)
 
 
 # float64 throughout; the all-reduced half-batch gradients differ from the full-batch ones by the

@@ -4,13 +4,11 @@ computes unfused, exactly, and warns once with the fix; accelerate's FSDP2 prepa
 decoder layer's class and by "Linear" does the same; fuse after fully_shard changes nothing and
 says why. Gradients everywhere equal the single-process unfused model's on the whole batch.
 
-One launch (tests/fuse/test_distributed.py's pattern: mp.spawn, a FileStore in tmp_path, results
-through files) runs every case in each rank, on the tiny peft LoRA Llama of _lora_models in
+One launch of two ranks (_ranks.py) runs every case in each rank, on the tiny peft LoRA Llama of _lora_models in
 float64; the tests read its results. Docs: docs/fuse-usage.md, "Distributed training".
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
@@ -20,8 +18,9 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from _ranks import WORLD, finish, spawn
 
 from reference import measured
 
@@ -33,7 +32,6 @@ except ImportError as e:  # the reason, not a silent pass
     pytest.skip(f"FSDP2 fully_shard is not available in torch {torch.__version__}: {e}",
                 allow_module_level=True)
 
-WORLD = 2
 HERE = os.path.dirname(os.path.abspath(__file__))
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 CASES = ("layer", "mlp", "linear", "accelerate-layer", "accelerate-mlp", "accelerate-linear")
@@ -145,25 +143,13 @@ def _rank_main(rank: int, store_file: str, out_dir: str) -> None:
     except Exception:  # reported to the test process, which fails with it
         result["ok"] = False
         result["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if dist.is_initialized():
-        dist.barrier()  # both ranks done with gloo before either tears it down
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # past the interpreter's teardown: test_distributed.py says why
+    finish(result, out_dir, rank)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     pytest.importorskip("accelerate")
-    out = tmp_path_factory.mktemp("fsdp2")
-    mp.spawn(_rank_main, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for r in results:
-        assert r["ok"], r.get("error")
-    return results
+    return spawn(_rank_main, tmp_path_factory.mktemp("fsdp2"))
 
 
 # float64; the all-reduced half-batch gradients differ from the full-batch ones by the order of

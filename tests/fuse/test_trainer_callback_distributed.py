@@ -14,15 +14,13 @@ an FSDP2 ``fsdp_config``, builds the plugin, loses it, and wraps the model in DD
 the plugin as accelerate does on a GPU; the rest (``_prepare_for_training``,
 ``Accelerator.prepare``, ``fsdp2_prepare_model``, the loop) is the Trainer's and accelerate's own.
 
-One launch (mp.spawn, a FileStore, results through files, as in test_distributed.py) runs every
-case in each rank; the tests read its results. Docs: docs/trainers.md.
+One launch of two ranks (_ranks.py) runs every case in each rank; the tests read its results. Docs: docs/trainers.md.
 """
 from __future__ import annotations
 
 import copy
 import importlib
 import importlib.util
-import json
 import os
 import sys
 import traceback
@@ -30,6 +28,8 @@ import warnings
 
 import pytest
 import torch
+
+from _ranks import finish, spawn
 
 from test_zero3 import (BATCH, HERE, LR, SEQ, STEPS, TOL_GRADS, TOL_GRADS_SECOND_STEP, TOL_LOSS,
                         WORLD, _causal_lm, _compare, _reference_steps, _trainer_config)
@@ -223,25 +223,12 @@ def _rank_main(rank: int, store_file: str, out_dir: str) -> None:
     except Exception:  # reported to the test process, which fails with it
         result["ok"] = False
         result["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # without the interpreter's teardown: see test_distributed.py
+    finish(result, out_dir, rank)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    import torch.multiprocessing as mp
-    tmp = tmp_path_factory.mktemp("trainer_callback")
-    mp.spawn(_rank_main, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=True)
-    results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for r in results:
-        assert r["ok"], r.get("error")
-    return results
+    return spawn(_rank_main, tmp_path_factory.mktemp("trainer_callback"))
 
 
 def _unit(lora: bool) -> str:

@@ -17,14 +17,13 @@ deepspeed=...)`` makes accelerate's state MULTI_CPU over gloo (both ranks), and 
 backend on a CPU and counts one process, and DeepSpeed's batch check refuses the config.) Each
 step's loss and gradients equal the unfused model's whole-batch step in one process.
 
-Ranks meet through a FileStore and report through files, as in test_distributed.py.
+The launch of two ranks: _ranks.py.
 """
 from __future__ import annotations
 
 import copy
 import importlib
 import importlib.util
-import json
 import os
 import sys
 import traceback
@@ -33,10 +32,11 @@ import warnings
 import pytest
 import torch
 
+from _ranks import WORLD, finish, spawn
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed is not installed")
 
-WORLD = 2
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where _ecosys.py is
 BATCH, SEQ = 4, 9
 
@@ -262,25 +262,12 @@ def _rank_main(rank: int, store_file: str, out_dir: str) -> None:
     except Exception:  # reported to the test process, which fails with it
         result["ok"] = False
         result["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # without the interpreter's teardown: see test_distributed.py
+    finish(result, out_dir, rank)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    import torch.multiprocessing as mp
-    tmp = tmp_path_factory.mktemp("zero3")
-    mp.spawn(_rank_main, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=True)
-    results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for r in results:
-        assert r["ok"], r.get("error")
-    return results
+    return spawn(_rank_main, tmp_path_factory.mktemp("zero3"))
 
 
 # float32, not float64: zero.Init takes only half, bfloat16 and float32 (and, passed dtype=, it
