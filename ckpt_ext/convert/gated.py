@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import operator
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from torch import fx, nn
 from .facts import (DISPLAY, SAVES_INPUT, LayerKind, Recognised, bind, failing, module_tensors,
                     is_conv1d, one_dtype_device, stored_weight)
 from .graph import ModelGraph
-from .policy import LayerShape, gemm, keeps_input, lora_bytes, lora_note, plain_gemms
+from .policy import LayerShape, gated_bytes, gemm, keeps_input, lora_note, plain_gemms
 from .report import Decision
 from .runtime import _GatedRun
 from .units import InForward, Options, Placement, RegionKind
@@ -148,14 +149,14 @@ class Gated(RegionKind):
         ins = [gate] + ([up] if up is not None else [])
         masks = [d for d in map(g.child, g.dropouts) if d.p > 0 and d.training]
         weight = stored_weight(g.child(g.linears[0]))
-        per_mask = 1 if weight is not None and weight.device.type == "cuda" else gate.itemsize
         act_tensors = module_tensors(g.act_module, name)
         # per row, as docs/converter.md, "Gated MLPs" derives them
         tensors = act_tensors + 1 + (g.packed and not SAVES_INPUT[name]) + keeps_input(down)
+        recomputed = bool(masks) or any(x.rank and (x.mask or x.cast) for x in ins + [down])
+        count = functools.partial(gated_bytes, gate, up, down, tensors, len(masks),
+                                  weight is not None and weight.device.type == "cuda", recomputed)
         extra = sum(map(gemm, ins))
-        freed = (tensors * gate.itemsize + len(masks) * per_mask) * down.in_features + \
-            sum(map(lora_bytes, ins + [down])) - \
-            (0 if any(map(keeps_input, ins)) else gate.in_features * gate.itemsize)
+        freed = count()[0]
         plain = sum(map(plain_gemms, ins + [down]))
         if g.problems:
             return [], [Decision(g.path, g.labels, "left alone", "", "", 0, extra, plain,
@@ -173,7 +174,7 @@ class Gated(RegionKind):
                + ("; the LoRA terms' rank-wide and dropout tensors too" if
                   any(x.rank for x in ins + [down]) else ""))
         return [Decision(g.path, g.labels, "fused", unit, "children", freed, extra, plain, why,
-                         activation=name)], []
+                         activation=name, count=count)], []
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _GatedRun:
         g = p.found

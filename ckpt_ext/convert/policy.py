@@ -33,10 +33,15 @@ class LayerShape(NamedTuple):
     #                    to the adapter's dtype, another than the weight's (0: no cast)
 
 
+def weights(layer: LayerShape) -> int:
+    """Elements of its weight and its LoRA term's two."""
+    return layer.in_features * layer.out_features + \
+        layer.rank * (layer.in_features + layer.out_features)
+
+
 def gemm(layer: LayerShape) -> int:
     """FLOPs per row of one x·Wᵀ, with its LoRA term's two GEMMs."""
-    return 2 * layer.in_features * layer.out_features + \
-        2 * layer.rank * (layer.in_features + layer.out_features)
+    return 2 * weights(layer)
 
 
 def plain_gemms(layer: LayerShape) -> int:
@@ -62,6 +67,39 @@ def lora_bytes(layer: LayerShape) -> int:
     taken = layer.in_features * (layer.mask + item) if layer.mask else \
         layer.in_features * layer.cast
     return layer.rank * item + taken
+
+
+def autocast_shape(layer: LayerShape, item: int) -> LayerShape:
+    """The layer as a step under ``torch.autocast`` of a ``item``-byte dtype other than its
+    weight's sees it: its activations in that dtype, and each input it keeps a cast copy of its
+    own (autocast casts an input per call; a LoRA term's, as where peft casts it); its dropout's
+    mask stays in the dtype peft draws it in."""
+    return layer._replace(itemsize=item, cast=item if layer.rank else 0)
+
+
+def gated_bytes(gate: LayerShape, up: Optional[LayerShape], down: LayerShape, tensors: int,
+                masks: int, on_cuda: bool, recomputed: bool, autocast: int = 0) -> Tuple[int, int]:
+    """(bytes per row, bytes per call) a fused gated MLP frees: ``tensors`` intermediate-wide
+    tensors besides what the LoRA terms keep (docs/converter.md, "Gated MLPs"), ``masks`` Dropout
+    masks, and the unit's input x. ``recomputed``: the unit runs through recomputed_modules or
+    the LoRA dropout path, keeping x itself and no weights; else through the op, which under
+    autocast keeps one cast copy of x and the weights' casts, as stock autograd does. Under
+    ``autocast`` (the autocast dtype's itemsize; 0: none) stock autograd keeps a cast copy of x
+    per member keeping its input, and, where the unit recomputes, each member's weight casts."""
+    x_item, layers = gate.itemsize, [x for x in (gate, up, down) if x is not None]
+    cast = bool(autocast) and autocast != x_item
+    if cast:  # the product down reads: kept by down itself, or a LoRA term's cast copy of it
+        layers = [autocast_shape(x, autocast) for x in layers]
+        tensors += keeps_input(layers[-1]) - keeps_input(down)
+        gate, down = layers[0], layers[-1]
+    keepers = sum(map(keeps_input, layers[:-1]))
+    copies = keepers if cast else min(keepers, 1)  # under autocast each member casts x anew
+    kept_x = x_item if recomputed or not cast else autocast
+    per_mask = 1 if on_cuda else gate.itemsize
+    row = (tensors * gate.itemsize + masks * per_mask) * down.in_features + \
+        sum(map(lora_bytes, layers)) + (copies * gate.itemsize - kept_x) * gate.in_features
+    call = sum(map(weights, layers)) * autocast if cast and recomputed else 0
+    return row, call
 
 
 def lora_note(layers: Sequence[LayerShape]) -> str:

@@ -2,11 +2,13 @@
 gathered in a :class:`FuseReport`; ``fuse`` returns ``Fused(model, report)``."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
+import torch
 from torch import nn
 
 from .fallback import Stats
@@ -23,12 +25,16 @@ class Decision:
     #                           "mlp mixed (relu, relu, tanh), 3 layers 17->64->64->6, last tanh"
     how: str                  # "sequential", "children", "rewrite" ("" when left alone)
     bytes_per_row: int        # activation bytes per row no longer kept for backward, in the
-    #                           dtypes the parameters set (not under torch.autocast)
+    #                           dtypes the parameters set (under torch.autocast: count)
     flops_per_row: int        # extra FLOPs per row: the forward GEMMs that backward recomputes
     plain_flops_per_row: int  # these layers' forward + backward GEMM FLOPs per row, unfused
     why: str
     activation: str = ""      # ckpt_ext.ACTIVATIONS' name, "" if not known; mixed: "relu, tanh"
     bytes_per_call: int = 0   # bytes no longer kept per call beyond the rows' (an experts unit's)
+    #: (bytes_per_row, bytes_per_call) under torch.autocast of a dtype of that itemsize (0: none);
+    #: None where fuse counts the unit in the parameters' dtypes only (FuseReport.under_autocast)
+    count: Optional[Callable[..., Tuple[int, int]]] = field(default=None, repr=False,
+                                                           compare=False)
 
     @property
     def extra_cost(self) -> float:
@@ -53,6 +59,8 @@ class FuseReport:
     checkpointed: List[Tuple[str, str, int, int]] = field(default_factory=list)
     #: the fused units' counts of calls since fuse (ckpt_ext.stats), shown once any call counted
     calls: Stats = field(default_factory=Stats, repr=False, compare=False)
+    #: the autocast dtype the figures are for (under_autocast); None: the parameters' dtypes
+    autocast: Optional[torch.dtype] = None
 
     @property
     def fused(self) -> List[Decision]:
@@ -69,6 +77,21 @@ class FuseReport:
     @property
     def flops_per_row(self) -> int:
         return sum(d.flops_per_row for d in self.fused)
+
+    def under_autocast(self, dtype: torch.dtype) -> "FuseReport":
+        """This report with the fused units' bytes those of a step under
+        ``torch.autocast(device_type, dtype)``: activations in ``dtype``, the cast copies autocast
+        keeps counted (weights' casts per call, in ``bytes_per_call``). The units fuse counts only
+        in the parameters' dtypes raise: docs/converter.md, "Dtypes"."""
+        item = torch.empty((), dtype=dtype).element_size()
+        missing = [" -> ".join(d.layers) for d in self.fused if d.count is None]
+        if missing:
+            raise NotImplementedError(f"under_autocast counts gated MLPs only; not counted: "
+                                      f"{'; '.join(missing)}")
+        decisions = [dataclasses.replace(d, **dict(zip(("bytes_per_row", "bytes_per_call"),
+                                                       d.count(item))))
+                     if d.action == "fused" else d for d in self.decisions]
+        return dataclasses.replace(self, decisions=decisions, autocast=dtype)
 
     def __len__(self) -> int:
         return len(self.fused)
@@ -103,6 +126,11 @@ class FuseReport:
                          f"only their inputs at one recompute: docs/fuse-usage.md, \"Gradient "
                          f"checkpointing\"")
         out = lines[:1] + grouped(lines[1:])
+        if self.autocast is not None:
+            out.append(f"  bytes under torch.autocast(dtype={self.autocast})")
+        elif any(d.count is not None for d in self.fused):
+            out.append("  bytes in the parameters' dtypes, without autocast; under it: "
+                       "report.under_autocast(torch.bfloat16)")
         if self.calls.fused_calls or self.calls.unfused_calls:
             out.append("  " + str(self.calls).replace("\n", "\n  "))
         return "\n".join(out)

@@ -5,7 +5,8 @@ exact bytes): float32 base with bfloat16 adapters (TRL's cast), bfloat16 base wi
 adapters (peft's autocast_adapter_dtype), a whole model in bfloat16, dropout 0 and 0.05. Beyond
 the rows, per call: each unit that keeps the generator's state keeps its bytes, and each LoRA
 term's ``* scaling`` no longer keeps its 8-byte scalar. And QLoRA in eval() with grad enabled:
-the fused model runs and its output and gradients are peft's."""
+the fused model runs and its output and gradients are peft's. Under bfloat16 autocast on a float32
+model (FuseReport.under_autocast), the same measure, with and without LoRA."""
 from __future__ import annotations
 
 import copy
@@ -37,12 +38,14 @@ def _model(base, adapters, dropout):
     return _adapters(model, adapters)
 
 
-def _kept(model, x) -> int:
-    """Bytes the allocator sees kept after the forward, less the output."""
+def _kept(model, x, autocast=None) -> int:
+    """Bytes the allocator sees kept after the forward (under ``torch.autocast`` of that dtype,
+    its cache of weight casts emptied on leaving it), less the output."""
     torch.manual_seed(2)
     with MemoryMeter("cpu") as meter:
         start = meter.current()
-        y = lm.output(model(x))
+        with torch.autocast("cpu", autocast or BF16, enabled=autocast is not None):
+            y = lm.output(model(x))
         kept = meter.current() - start - y.untyped_storage().nbytes()
     return kept
 
@@ -76,6 +79,33 @@ def test_report_equals_the_allocator(base, adapters, dropout):
     per_call = len(units) * (TERMS_PER_MLP * SCALAR - torch.get_rng_state().nbytes *
                              _keeps_generator((base, adapters), dropout))
     assert freed == sum(d.bytes_per_row for d in units) * x.numel() + per_call, str(report)
+
+
+@pytest.mark.parametrize("dropout", [None, 0.0, 0.05], ids=["no-lora", "lora", "lora-dropout"])
+def test_under_autocast_equals_the_allocator(dropout):
+    plain = lm.llama(F32) if dropout is None else _model(F32, F32, dropout)
+    fused = copy.deepcopy(plain)
+    _, report = fuse(fused)
+    units = _mlp_units(report.under_autocast(BF16))
+    assert len(units) == 2, str(report)
+    x = lm.ids()
+    freed = _kept(plain, x, BF16) - _kept(fused, x, BF16)
+    per_call = 0 if dropout is None else len(units) * (
+        TERMS_PER_MLP * SCALAR - torch.get_rng_state().nbytes * _keeps_generator((F32, F32),
+                                                                                 dropout))
+    assert freed == sum(d.bytes_per_row * x.numel() + d.bytes_per_call for d in units) + \
+        per_call, str(report)
+
+
+def test_under_autocast_counts_the_cast_copies():
+    # per MLP and row in bfloat16: the SiLU's input and output, up's output and the product; and
+    # x cast once per projection reading it (gate, up) where the fused op casts it once
+    _, report = fuse(lm.llama(F32))
+    H, I = 64, 176
+    assert [d.bytes_per_row for d in _mlp_units(report.under_autocast(BF16))] == \
+        [4 * I * 2 + (2 - 1) * H * 2] * 2
+    assert "report.under_autocast(torch.bfloat16)" in str(report)
+    assert "torch.autocast(dtype=torch.bfloat16)" in str(report.under_autocast(BF16))
 
 
 def test_mixed_dtypes_count_the_cast_inputs():
