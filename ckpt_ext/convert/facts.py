@@ -179,10 +179,12 @@ class LayerKind(enum.Enum):
 
 class Condition(NamedTuple):
     """What must hold for a unit to be computed fused: ``holds()``, ``describe()`` why not, and
-    ``fix()`` what the user can do about it (None: nothing known)."""
+    ``fix()`` what the user can do about it (``fix`` None, or returning None: nothing known).
+    The default is None, not a function: torch.compile (2.11) cannot rebuild a default function
+    of a tuple it made while tracing the conditions' first call."""
     holds: Callable[[], bool]
     describe: Callable[[], str]
-    fix: Callable[[], Optional[str]] = lambda: None
+    fix: Optional[Callable[[], Optional[str]]] = None
 
 
 class Slot(NamedTuple):

@@ -131,10 +131,24 @@ def attach(run: Any, decision: Any, checkpointed) -> None:
         run.__dict__["_ckpt_ext_stats"] = UnitStats(decision.where, decision.layers, checkpointed)
 
 
+def count_fused(run: Any) -> None:
+    """Count a fused call of ``run`` (nothing is touched where calls do not count: under
+    torch.compile's tracing a new object or attribute would be a graph's side effect)."""
+    if counting():
+        unit_stats(run).fused()
+
+
+def count_unfused(run: Any, reason: str, fix: Optional[str] = None) -> None:
+    """Count an unfused call of ``run``, and warn the first time for ``reason``."""
+    if counting():
+        unit_stats(run).unfused(reason, fix)
+
+
 def fell_back(run: Any, condition: Any) -> None:
     """Count an unfused call of ``run`` because ``condition`` (a facts.Condition) fails."""
-    fix = getattr(condition, "fix", None)
-    unit_stats(run).unfused(condition.describe(), fix() if fix is not None else None)
+    if counting():
+        fix = getattr(condition, "fix", None)
+        unit_stats(run).unfused(condition.describe(), fix() if fix is not None else None)
 
 
 class Stats(List[UnitStats]):

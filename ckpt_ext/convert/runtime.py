@@ -22,7 +22,7 @@ from .facts import (GLOBAL, computes, elements, mask_inside, masks_drawable, no_
                     own_forward, SetByFuse, Slot, base_type, conv1d_class, failing, join_path,
                     layer_forward, of_weights, op_terms, passes_through, Condition,
                     experts_class, first_failing, unsupported_reason)
-from .fallback import counting, fell_back, unit_stats
+from .fallback import count_fused, count_unfused, counting, fell_back
 from .zero3 import real_shape
 
 if TYPE_CHECKING:
@@ -127,14 +127,13 @@ class _Run:
         state = self._region.state
         if state is None:
             if self.owner is not None:
-                unit_stats(self).unfused(*_outside_region(self))
+                count_unfused(self, *_outside_region(self))
         elif state[0] == _REFUSED:
             state[0] = -1
-            unit_stats(self).unfused(*state[3])
+            count_unfused(self, *state[3])
         elif state[0] == 0 and extra:
-            unit_stats(self).unfused(
-                f"{self.calls[0]} was called with arguments beyond its input, which the fused "
-                f"op does not take")
+            count_unfused(self, f"{self.calls[0]} was called with arguments beyond its input, "
+                                f"which the fused op does not take")
 
     def __setstate__(self, state):
         if "last_tanh" in state:  # a state that names it last_tanh holds a tanh run
@@ -161,7 +160,7 @@ class _Run:
         return _by_item((k, m.p) for m, _, k in self.passes if not passes_through(m))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        unit_stats(self).fused()
+        count_fused(self)
         terms, masks = [op_terms(lin) for lin in self.layers], self.masks()
         if _through_modules(terms, bool(masks)):
             return recomputed_modules(lambda h: dropout_unit.chain(
@@ -294,7 +293,7 @@ class _GatedRun(_PlaceholderRun):
         return tuple(d.p for d in self.dropouts if d.p > 0 and d.training)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        unit_stats(self).fused()
+        count_fused(self)
         gate, up, down = self.gate, self.up, self.down
         layers = [m for m in (gate, up, down) if m is not None]
         terms, masks = [op_terms(m) for m in layers], self.masks()
@@ -869,8 +868,8 @@ class _ExpertsRun:
         names = self.form.arguments
         if kwargs or len(args) != 3:
             if len(args) > 3 or set(kwargs) - set(names[len(args):]):
-                unit_stats(self).unfused(f"{self.label} was called with arguments beyond "
-                                         f"{', '.join(names)}, which moe_experts does not take")
+                count_unfused(self, f"{self.label} was called with arguments beyond "
+                                    f"{', '.join(names)}, which moe_experts does not take")
                 return None
             args = args + tuple(kwargs.get(name) for name in names[len(args):])
         x, idx, w = args
@@ -883,9 +882,9 @@ class _ExpertsRun:
             m._parameters[n] if n is not None else None for n in form.params)
         if any(p is not None and p.shape != real_shape(p)
                for p in (gate_up, down, gate_up_bias, down_bias)):
-            unit_stats(self).unfused(f"{self.label}: its weights are ZeRO-3 partitions at this "
-                                     f"call (shape [0]): ZeRO-3 gathers them only where "
-                                     f"deepspeed.initialize's hooks are on it")
+            count_unfused(self, f"{self.label}: its weights are ZeRO-3 partitions at this call "
+                                f"(shape [0]): ZeRO-3 gathers them only where "
+                                f"deepspeed.initialize's hooks are on it")
             return None
         if not (isinstance(x, torch.Tensor) and isinstance(idx, torch.Tensor) and
                 isinstance(w, torch.Tensor) and x.dim() == 2 and idx.dim() == 2 and
@@ -894,10 +893,10 @@ class _ExpertsRun:
                 idx.dtype in (torch.int64, torch.int32) and w.is_floating_point() and
                 x.device == idx.device == w.device == gate_up.device and
                 (x.dtype == gate_up.dtype or torch.is_autocast_enabled(x.device.type))):
-            unit_stats(self).unfused(f"{self.label} was called with input moe_experts does not "
-                                     f"take (its class's forward computes it)")
+            count_unfused(self, f"{self.label} was called with input moe_experts does not "
+                                f"take (its class's forward computes it)")
             return None
-        unit_stats(self).fused()
+        count_fused(self)
         return ops.moe_experts(
             x, idx, w, gate_up, down, activation=form.activation, gate_up_bias=gate_up_bias,
             down_bias=down_bias, layout=form.layout,
