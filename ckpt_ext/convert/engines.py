@@ -9,6 +9,8 @@ from typing import Callable, List, Optional
 
 from torch import nn
 
+from .zero3 import registered
+
 
 #: where torch exports FSDPModule: torch.distributed.fsdp from torch 2.6, _composable.fsdp before
 _FSDP2_HOMES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
@@ -39,7 +41,7 @@ def _zero3_hooked(m: nn.Module) -> bool:
     ``ds_id``, and its hooks are functions of deepspeed's own modules."""
     hooks = (*m._forward_pre_hooks.values(), *m._forward_hooks.values(),
              *m._backward_hooks.values(), *getattr(m, "_backward_pre_hooks", {}).values())
-    return isinstance(getattr(m, "ds_id", None), int) and any(
+    return registered(m) and any(
         (getattr(h, "__module__", None) or "").startswith("deepspeed.") for h in hooks)
 
 

@@ -176,7 +176,9 @@ class _Run:
 
     def enter(self, refusal: Optional[Tuple[str, Optional[str]]] = None) -> None:
         """Mark the region of one owner's call; ``refusal`` (reason, fix): the owner computes
-        its class's forward, and the run's first member counts the call unfused."""
+        its class's forward, and the run's first member counts the call unfused. The state: [the
+        next member, its input, an enclosing call's state, the refusal or (a _PlaceholderRun's)
+        the op's output until returned]."""
         self._region.state = [0 if refusal is None else _REFUSED, None, self._region.state,
                               refusal]
 
@@ -231,12 +233,6 @@ class _PlaceholderRun(_Run):
         yield from self._own()
         yield masks_drawable(self)
         yield from of_weights(self.layers, self.calls)
-
-    def enter(self, refusal: Optional[Tuple[str, Optional[str]]] = None) -> None:
-        # [the next member, x, the state of an enclosing call, the op's output until returned
-        # (or the refusal _Run.enter takes)]
-        self._region.state = [0 if refusal is None else _REFUSED, None, self._region.state,
-                              refusal]
 
     def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
         state = self._region.state

@@ -25,7 +25,7 @@ def real_shape(t: torch.Tensor) -> torch.Size:
     return shape if isinstance(shape, torch.Size) else t.shape
 
 
-def _registered(m: nn.Module) -> bool:
+def registered(m: nn.Module) -> bool:
     """Whether ``deepspeed.initialize`` gave ``m`` ZeRO-3's hooks (its ``ds_id`` is set then)."""
     return isinstance(getattr(m, "ds_id", None), int)
 
@@ -39,7 +39,7 @@ def mark_leaves(model: nn.Module, owners: Iterable[nn.Module]) -> None:
         if vars(m).get(MARKED) and id(m) not in owners:
             unmark(m)
     for m in owners.values():
-        if LEAF in vars(m) or any(_registered(sub) for sub in m.modules()):
+        if LEAF in vars(m) or any(registered(sub) for sub in m.modules()):
             continue
         setattr(m, LEAF, True)
         setattr(m, MARKED, True)
