@@ -45,6 +45,18 @@ def device(request):
     return request.param
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests (``pytestmark = pytest.mark.usefixtures(
+    "one_thread")``): transformers' eager experts loop calls index_add_ once per expert, tens of
+    milliseconds on two CPU threads against microseconds on one, and tiny trainers' steps are
+    faster too; no result depends on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=list(ckpt_ext._C._cpu_capabilities()))
 def level(request):
     """Each CPU ISA level this machine can run (ckpt_ext._C._set_cpu_capability switches it in

@@ -29,15 +29,7 @@ import _zoo  # noqa: E402
 from _zoo import MOE, MOE_E, MOE_I, MOE_IMPLEMENTATIONS, MOE_K, experts_modules, make_moe  # noqa
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: transformers' eager experts loop calls index_add_ once per expert,
-    which takes tens of milliseconds on two CPU threads against microseconds on one (the results do not
-    depend on it)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 FAMILIES = list(MOE)

@@ -4,7 +4,6 @@ trainer's checkpointing as the callback decided, losses and weights as without t
 budget form plans on the trainer's own step and holds as measured inside ``train()``."""
 from __future__ import annotations
 
-import copy
 import os
 import warnings
 
@@ -24,12 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB, STEPS = 50, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def causal_lm(dtype=torch.float32, layers=2):
