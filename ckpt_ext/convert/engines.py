@@ -52,8 +52,9 @@ def _deepspeed(m: nn.Module) -> Optional[str]:
         return None
     owner = getattr(getattr(m, "_ckpt_ext_run", None), "owner", None)
     name = type(owner).__name__ if owner is not None else "<the class whose forward computes it>"
-    return ("call ckpt_ext.fuse before deepspeed.initialize (it marks each unit's module a ZeRO-3 "
-            f"leaf module), or deepspeed.utils.set_z3_leaf_modules(model, [{name}]) before it")
+    return ("import deepspeed, then call ckpt_ext.fuse before deepspeed.initialize (it marks each "
+            "unit's module a ZeRO-3 leaf module where deepspeed is imported), or "
+            f"deepspeed.utils.set_z3_leaf_modules(model, [{name}]) before it")
 
 
 _ENGINES: List[Callable[[nn.Module], Optional[str]]] = [_fsdp2, _deepspeed]

@@ -7,9 +7,11 @@ unfused. A module flagged ``_z3_leaf`` (what ``deepspeed.utils.set_z3_leaf_modul
 by ``deepspeed.utils.z3_leaf_module``) gets ZeRO-3's hooks itself and none below it, and every
 parameter under it is gathered for its forward and its backward: so fuse flags the module whose
 forward computes each unit (its *owner*), and the unit finds its weights whole and its members
-unhooked. Nothing here imports deepspeed. Docs: docs/fuse-usage.md, "DeepSpeed ZeRO"."""
+unhooked. Only where deepspeed is imported: a model that never meets it keeps its attributes as
+they were. Nothing here imports deepspeed. Docs: docs/fuse-usage.md, "DeepSpeed ZeRO"."""
 from __future__ import annotations
 
+import sys
 from typing import Iterable
 
 import torch
@@ -31,13 +33,15 @@ def registered(m: nn.Module) -> bool:
 
 
 def mark_leaves(model: nn.Module, owners: Iterable[nn.Module]) -> None:
-    """Flag each of ``owners`` a ZeRO-3 leaf, where neither the user (any value of the flag) nor
-    ZeRO-3 (hooks already registered under it) has decided; drop the flags an earlier fuse set on
-    modules that own no unit now."""
+    """Flag each of ``owners`` a ZeRO-3 leaf, where deepspeed is imported and neither the user
+    (any value of the flag) nor ZeRO-3 (hooks already registered under it) has decided; drop the
+    flags an earlier fuse set on modules that own no unit now."""
     owners = {id(m): m for m in owners}
     for m in model.modules():
         if vars(m).get(MARKED) and id(m) not in owners:
             unmark(m)
+    if "deepspeed" not in sys.modules:
+        return
     for m in owners.values():
         if LEAF in vars(m) or any(registered(sub) for sub in m.modules()):
             continue

@@ -330,3 +330,32 @@ def test_trainer_with_a_zero3_config_every_call_fused_and_exact(ranks, case):
         assert t["steps"] == len(t["err"]) == STEPS == 2, t
         assert t["err"][0] < TOL_GRADS and t["err"][1] < TOL_GRADS_SECOND_STEP, t
         assert t["loss_err"] < TOL_LOSS, t
+
+
+_MARKS = """
+import sys, torch
+sys.path[:0] = [{here!r}, {fuse!r}]
+import ckpt_ext, _lora_models as lm
+def flagged(model):
+    return sorted(p for p, m in model.named_modules() if "_z3_leaf" in vars(m))
+model = lm.llama(torch.float32)
+ckpt_ext.fuse(model)
+print(flagged(model))
+import deepspeed
+ckpt_ext.fuse(model)
+print(flagged(model))
+ckpt_ext.unfuse(model)
+print(flagged(model))
+"""
+
+
+def test_leaf_flags_only_where_deepspeed_is_imported():
+    # a model that never meets DeepSpeed keeps its attributes; once it is imported, fuse flags
+    # each unit's module, and unfuse takes the flags off
+    import subprocess
+    code = _MARKS.format(here=HERE, fuse=os.path.join(HERE, "fuse"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()[-3:]
+    assert lines == ["[]", "['layers.0.mlp', 'layers.1.mlp']", "[]"], out.stdout[-2000:]
