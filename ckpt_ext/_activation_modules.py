@@ -1,22 +1,21 @@
 """Which ``nn`` modules and calls compute an activation of the fused ops, and exactly which one,
 read from the registry's forms (ckpt_ext/_activations.py): :func:`module_activation` for
 torch's ``nn.GELU`` ..., ``Sin``, transformers' ``GELUActivation`` ..., and a module of the
-user's own whose ``forward`` only returns one activation call of its input (read from its
-source, never run); :func:`node_activation` for a call in an fx graph (``F.gelu``,
-``torch.sin``, ``.relu()``). Used by the modules' ``from_modules`` and by the converter;
+user's own whose ``forward`` computes a row by its traced arithmetic (ckpt_ext/
+_activation_arithmetic.py; :func:`unmatched` says why one does not); :func:`node_activation`
+for a call in an fx graph (``F.gelu``, ``torch.sin``, ``.relu()``). Used by the modules' ``from_modules`` and by the converter;
 tests/fuse/test_fuse_activations.py checks every form numerically against the reference
 formulas."""
 from __future__ import annotations
 
-import ast
 import functools
 import inspect
 import sys
-import textwrap
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from torch import fx, nn
 
+from ._activation_arithmetic import Arithmetic, arithmetic
 from ._activations import NEAR_MISSES, REGISTRY, CallForm, ModuleForm
 
 
@@ -80,81 +79,30 @@ def module_activation(m: Any) -> Optional[Recognised]:
 
 
 # ------------------------------------------------------------------------------------------------
-# a user's own activation module, read from its forward's source
+# a user's own activation module, by what its forward computes (_activation_arithmetic.py)
 
-def _calls() -> Dict[Any, Tuple[str, str]]:
-    """function -> (activation, label) for the registry's calls that take the input alone."""
-    return {c.fn: (row.name, c.label) for row in REGISTRY.values() for c in row.calls
-            if all(c.want.get(p, d) == d for p, d in c.params)}
-
-
-def _methods() -> Dict[str, str]:
-    return {meth: row.name for row in REGISTRY.values() for meth in row.methods}
-
-
-def _resolve(node: ast.expr, namespace: Dict[str, Any]) -> Any:
-    """The object a dotted name (``torch.sin``, ``F.linear``) names in ``namespace``; None when it
-    is anything else. Reads module attributes only, so nothing of the user's runs."""
-    if isinstance(node, ast.Name):
-        return namespace.get(node.id)
-    if isinstance(node, ast.Attribute):
-        base = _resolve(node.value, namespace)
-        if inspect.ismodule(base):
-            return vars(base).get(node.attr)
-    return None
+def _arithmetic(m: nn.Module) -> Optional[Arithmetic]:
+    """What a module of the user's own computes by its traced arithmetic (torch's and
+    transformers' classes are known by class)."""
+    cls = getattr(type(m), "_ckpt_ext_base", type(m))
+    if cls.__module__.startswith("torch.") or cls.__module__.startswith("transformers."):
+        return None
+    return arithmetic(m)
 
 
 def _own_module(m: nn.Module) -> Optional[Recognised]:
-    """The activation a module of the user's own computes when its class's forward is exactly
-    ``return <activation>(<input>)`` (a registry call with no other argument, or
-    ``<input>.<method>()``), it holds no parameters, buffers, children or hooks of its own and its
-    instance does not replace forward; else None."""
-    cls = type(m)
-    cls = getattr(cls, "_ckpt_ext_base", cls)  # a run member: the class fuse gave it stands for
-    fwd = vars(cls).get("forward")
-    if fwd is None or "forward" in vars(m) or m._parameters or m._buffers or m._modules:
-        return None
-    if cls.__module__.startswith("torch.") or cls.__module__.startswith("transformers."):
-        return None
-    name = _forward_activation(fwd)
-    return None if name is None else Recognised(name)
+    """The row a module of the user's own computes (its forward pointwise arithmetic within the
+    row's bound of its f), else None."""
+    found = _arithmetic(m)
+    return Recognised(found.name) if found is not None and found.name is not None else None
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_activation(fwd: Any) -> Optional[str]:
-    """The activation ``fwd``'s source returns, else None: read once per function (a fused run
-    asks at each call)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fwd)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
-        return None
-    func = tree.body[0] if tree.body else None
-    if not isinstance(func, ast.FunctionDef) or func.decorator_list:
-        return None
-    args = func.args
-    if (len(args.args) != 2 or args.vararg or args.kwarg or args.kwonlyargs or args.defaults
-            or args.posonlyargs):
-        return None
-    x = args.args[1].arg
-    body = [s for s in func.body if not (isinstance(s, ast.Expr) and
-                                         isinstance(s.value, ast.Constant))]  # a docstring
-    if len(body) != 1 or not isinstance(body[0], ast.Return) or \
-            not isinstance(body[0].value, ast.Call):
-        return None
-    call = body[0].value
-    if call.keywords:
-        return None
-    if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and \
-            call.func.value.id == x and not call.args:
-        name = _methods().get(call.func.attr)
-    elif len(call.args) == 1 and isinstance(call.args[0], ast.Name) and call.args[0].id == x:
-        closure = inspect.getclosurevars(fwd)
-        found = _calls().get(_resolve(call.func, {**closure.builtins, **closure.globals,
-                                                  **closure.nonlocals}))
-        name = found[0] if found else None
-    else:
-        name = None
-    return name
+def unmatched(m: Any) -> Optional[Recognised]:
+    """Recognised(None, why) for a module of the user's own whose forward is pointwise arithmetic
+    that no row computes, with its traced form and the nearest row; else None."""
+    found = _arithmetic(m) if isinstance(m, nn.Module) else None
+    return Recognised(None, found.describe()) if found is not None and found.name is None \
+        else None
 
 
 # ------------------------------------------------------------------------------------------------
