@@ -7,14 +7,11 @@ import inspect
 import operator
 import os
 import sys
-import weakref
 from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
-from torch.nn.parameter import UninitializedTensorMixin
-from torch.nn.utils import parametrize
 
 from .. import _C, modules as _modules, ops
 from .._activation_modules import Recognised, bind, module_activation, node_activation, sig
@@ -23,9 +20,9 @@ from .._block_checkpoint import CheckpointedForward
 from .._observers import foreign_global_hooks
 from ..modules import _has_hooks as has_hooks
 from .. import _dropout_autograd as dropout_unit
-from . import lora
 from .engines import fix_for as hooks_fix
-from .zero3 import real_shape
+from .linears import (LINEAR_FUNCTIONS, base_type, form_of, linear_args, op_terms,
+                      stored_weight)
 
 __all__ = ["Recognised", "bind", "has_hooks", "module_activation", "node_activation"]
 
@@ -43,20 +40,6 @@ def foreign_forward(m: nn.Module) -> bool:
     return fwd is not None and not isinstance(fwd, SetByFuse)
 
 
-def base_type(m: nn.Module) -> type:
-    """The module's class, or the class fuse gave it a member class (or FusedSequential) of."""
-    return getattr(type(m), "_ckpt_ext_base", type(m))
-
-
-def conv1d_class(cls: type) -> bool:
-    """transformers' ``Conv1D`` (GPT-2's projections): x·W + b with W stored (in, out)."""
-    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers")
-
-
-def is_conv1d(m: nn.Module) -> bool:
-    return conv1d_class(base_type(m))
-
-
 def experts_class(cls: type) -> bool:
     """An experts class of transformers' ``use_experts_implementation`` (a mixture of experts): its
     forward is the decorator's, which dispatches on ``config._experts_implementation``."""
@@ -64,43 +47,6 @@ def experts_class(cls: type) -> bool:
     code = getattr(getattr(cls, "forward", None), "__code__", None)
     return moe is not None and code is not None and code.co_name == "forward" and \
         os.path.normcase(code.co_filename) == os.path.normcase(moe.__file__)
-
-
-_LORA_FORMS: "weakref.WeakKeyDictionary[type, Optional[str]]" = weakref.WeakKeyDictionary()
-
-
-def lora_form(m: nn.Module) -> Optional[str]:
-    """lora.class_form of m's class (peft's classes only), remembered per class: every stage asks
-    it of every module."""
-    cls = type(m)
-    if not getattr(cls, "_ckpt_ext_base", cls).__module__.startswith("peft."):
-        return None
-    try:
-        return _LORA_FORMS[cls]
-    except KeyError:
-        found = _LORA_FORMS[cls] = lora.class_form(cls)
-        return found
-
-def stored_weight(lin: nn.Module) -> Optional[torch.Tensor]:
-    """A Linear's weight as stored (a parametrization's original, not evaluated); None if lazy.
-    A LoRA Linear's: lora.stored_weight."""
-    if lora_form(lin):
-        return lora.stored_weight(lin)
-    w = lin._parameters.get("weight")
-    if w is None and parametrize.is_parametrized(lin, "weight"):
-        w = next(iter(lin.parametrizations["weight"].parameters()), None)
-    return None if w is None or isinstance(w, UninitializedTensorMixin) else w
-
-
-def op_terms(lin: nn.Module) -> Optional[tuple]:
-    """A Linear as the ops take it at this call, (weight (out, in), bias, LoRA term or None); None
-    for a LoRA Linear over a 4-bit base, which only its own forward computes."""
-    form = lora_form(lin)
-    if form == "qlora":
-        return None
-    if form == "lora":
-        return (*lora.weight_bias(lin), lora.term(lin))
-    return (lin.weight.t() if is_conv1d(lin) else lin.weight), lin.bias, None
 
 
 def layer_forward(lin: nn.Module):
@@ -277,22 +223,15 @@ GLOBAL = (Condition(lambda: not torch.jit.is_tracing(),  # it records each modul
 ACROSS = "which a run computed across it would not call"
 
 
-def lora_state(lin: nn.Module, label: str) -> Condition:
-    """A LoRA Linear whose peft state a unit computes (lora.state_problem), with no hooks or
-    instance forwards on the modules inside it."""
-    def problem() -> Optional[str]:
-        for name, sub in lin.named_modules():
-            if name and (has_hooks(sub) or foreign_forward(sub)):
-                return f"{label}.{name} has hooks or a forward of its own, which the fused op " \
-                       f"would not call"
-        why = lora.state_problem(lin)
-        return f"{label}: {why}" if why else None
-    return Condition(lambda: problem() is None, lambda: problem() or "")
+def at_call(lin: nn.Module, label: str) -> list:
+    """What a unit checks of a Linear at each call beyond what it checks of every form: its
+    row's checks (a LoRA Linear's peft state, a traced form's forward)."""
+    return [Condition(*check) for check in form_of(lin).checks(lin, label)]
 
 
 def of_weights(layers: Sequence[nn.Module], labels: Sequence[str]):
     return [supported(layers[0]), one_dtype_device(layers, labels)] + \
-        [lora_state(lin, label) for lin, label in zip(layers, labels) if lora_form(lin)]
+        [c for lin, label in zip(layers, labels) for c in at_call(lin, label)]
 
 
 def failing(conditions: Iterable) -> Optional[str]:
@@ -309,18 +248,9 @@ def linear_problem(lin: nn.Module) -> Optional[str]:
     """What keeps a Linear from any unit, wherever it is called."""
     if foreign_forward(lin):
         return own_forward(lin, "the Linear").describe()
-    if lora_form(lin):
-        return lora.problem(lin) or failing([no_hooks(lin, "the LoRA Linear"), supported(lin),
-                                             lora_state(lin, "the LoRA Linear")])
-    if not is_conv1d(lin) and base_type(lin) is not nn.Linear:
-        name = type(lin).__name__
-        if parametrize.is_parametrized(lin):
-            return (f"{name}: its weight is computed by a parametrization "
-                    f"({', '.join(lin.parametrizations)}), which the fused op would not run")
-        if isinstance(lin, nn.modules.lazy.LazyModuleMixin):
-            return f"{name} is a lazy layer: its weight is made at its first call"
-        return f"{name} subclasses nn.Linear; its forward may not be F.linear"
-    return failing([no_hooks(lin, "the Linear"), supported(lin)])
+    form = form_of(lin)
+    return form.problem(lin) or failing([no_hooks(lin, form.who), supported(lin),
+                                         *at_call(lin, form.who)])
 
 
 # -- The survey of a model's modules ---------------------------------------------------------------
@@ -350,25 +280,17 @@ OUR_MODULES = tuple(c for c in vars(_modules).values() if isinstance(c, type) an
 def survey(model: nn.Module) -> Dict[int, Fact]:
     """The :class:`Fact` of every module of ``model``, by id."""
     out: Dict[int, Fact] = {}
-    inside = {id(sub) for m in model.modules() if lora_form(m) for sub in m.modules()
-              if sub is not m}
+    forms = {id(m): form_of(m) for m in model.modules()}
+    inside = {id(sub) for m in model.modules() if forms[id(m)] and forms[id(m)].parts
+              for sub in m.modules() if sub is not m}
     for m in model.modules():
         kind, found, problem, width = None, None, None, (0, 0, 0, 0, 0, True, 0)
         if id(m) in inside:  # a LoRA Linear's base layer and adapters: parts of that Linear
             out[id(m)] = Fact(None, None, False, False, False, None)
             continue
-        if isinstance(m, nn.Linear) or is_conv1d(m) or lora_form(m):  # linear_problem says which
-            kind, problem = LayerKind.LINEAR, linear_problem(m)
-            w = stored_weight(m)  # lazy: 0 bytes
-            term = lora.shape(m) if lora_form(m) else None
-            size = lora.width(m) if term else \
-                real_shape(m.weight) if is_conv1d(m) else (m.in_features, m.out_features)
-            trained = term.base_trained if term else w is None or w.requires_grad
-            item = w.element_size() if w is not None else 0
-            mask = (1 if w.device.type == "cuda" else term.cast or item) if term and \
-                term.drops else 0
-            width = (*size, item, term.rank if term else 0, mask, trained,
-                     term.cast if term else 0)
+        form = forms[id(m)]
+        if form is not None:  # its row says how to read it (lazy: 0 bytes)
+            kind, problem, width = LayerKind.LINEAR, linear_problem(m), form.width(m)
         else:
             found = module_activation(m)
             if found is not None:
@@ -377,7 +299,7 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
                     failing([own_forward(m, who), no_hooks(m, who)])
         cls, seq = type(m), base_type(m) is nn.Sequential
         experts = experts_class(base_type(m))
-        traced = not (seq or kind is LayerKind.LINEAR and (is_conv1d(m) or lora_form(m)) or
+        traced = not (seq or form is not None and not form.traced(m) or
                       experts or
                       isinstance(m, (nn.ModuleList, nn.ModuleDict) + OUR_MODULES) or
                       hasattr(cls, "_ckpt_ext_base") or cls.forward is nn.Module.forward or
@@ -389,19 +311,10 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
 
 # -- What each fx node of a traced forward computes ------------------------------------------------
 
-LINEAR_FUNCTIONS = (F.linear, torch._C._nn.linear)
 _NONE = inspect.Parameter.empty
-LINEAR_SIGNATURE = sig(("input", _NONE), ("weight", _NONE), ("bias", None))
 DROPOUT_SIGNATURE = sig(("input", _NONE), ("p", 0.5), ("training", True), ("inplace", False))
 DROPOUT_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
                      torch.dropout}
-
-
-def linear_args(node: fx.Node):
-    """(input, weight, bias) of an ``F.linear`` call; TypeError when they do not bind."""
-    bound = LINEAR_SIGNATURE.bind(*node.args, **node.kwargs)
-    bound.apply_defaults()
-    return bound.arguments["input"], bound.arguments["weight"], bound.arguments["bias"]
 
 
 class NodeFact(NamedTuple):

@@ -13,7 +13,7 @@ import torch
 from torch import fx, nn
 
 from .facts import (DISPLAY, SAVES_INPUT, LayerKind, Recognised, bind, failing, module_tensors,
-                    is_conv1d, one_dtype_device, stored_weight)
+                    one_dtype_device, stored_weight)
 from .graph import ModelGraph
 from .policy import LayerShape, gated_bytes, gemm, keeps_input, lora_note, plain_gemms
 from .report import Decision
@@ -46,7 +46,7 @@ def _gated_at(graph, path, owner, t, m, a, b, order) -> Optional[GatedCall]:
         sub = nodes[n].child if isinstance(n, fx.Node) else None
         fact = graph.facts.get(id(sub)) if sub is not None else None
         return sub if fact is not None and fact.kind is LayerKind.LINEAR and \
-            not is_conv1d(sub) else None
+            hasattr(sub, "in_features") else None  # a form it reads in and out features of
 
     fa = nodes[a]
     if fa.kind is not LayerKind.ACTIVATION or (a.op == "call_module" and fa.child is None) or \

@@ -12,8 +12,8 @@ from torch.nn.utils import parametrize
 
 from ..modules import as_mlp_argument
 from .. import ops
-from . import lora
-from .facts import LayerKind, is_conv1d, linear_args, module_tensors, unsupported_reason
+from .facts import LayerKind, module_tensors, unsupported_reason
+from .linears import form_of, linear_args
 from .graph import ModelGraph
 from .policy import Chain, LayerShape, Unit, decide, item_misses
 from .report import Decision
@@ -63,9 +63,8 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
         """What the layer itself keeps from being fused, wherever it is called."""
         if n.op == "call_module":
             sub = owner.get_submodule(n.target)
-            return graph.facts[id(sub)].problem or (
-                f"{facts[n].label} is a LoRA Linear, which a rewritten forward does not compute"
-                if lora.form(sub) else None)
+            why = getattr(form_of(sub), "not_rewritten", None)  # sub: a Linear or activation
+            return graph.facts[id(sub)].problem or (f"{facts[n].label} is {why}" if why else None)
         if kind[n] is LayerKind.ACTIVATION:
             return facts[n].found.problem
         _, w, _ = linear_args(n)
@@ -176,7 +175,7 @@ def _rewritten(owner: nn.Module, traced: fx.Graph, nodes, units: Sequence[Unit],
                 if n.op == "call_module":
                     sub = owner.get_submodule(n.target)
                     w = graph.get_attr(f"{n.target}.weight")
-                    ws.append(graph.call_method("t", (w,)) if is_conv1d(sub) else w)
+                    ws.append(graph.call_method("t", (w,)) if form_of(sub).transposed else w)
                     bs.append(graph.get_attr(f"{n.target}.bias") if sub.bias is not None else None)
                 else:
                     _, w, b = linear_args(n)

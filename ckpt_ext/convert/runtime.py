@@ -17,12 +17,12 @@ from .. import ops
 from ..modules import LayerActivations, as_mlp_argument, each_layer
 from .. import _dropout_autograd as dropout_unit
 from .._recompute import recomputed_modules
-from . import lora
 from .facts import (GLOBAL, computes, elements, mask_inside, masks_drawable, no_hooks, of_class,
-                    own_forward, SetByFuse, Slot, base_type, conv1d_class, failing, join_path,
+                    own_forward, SetByFuse, Slot, base_type, failing, join_path,
                     layer_forward, of_weights, op_terms, passes_through, Condition,
                     experts_class, first_failing, unsupported_reason)
 from .fallback import count_fused, count_unfused, counting, fell_back
+from .linears import class_form
 from .zero3 import real_shape
 
 if TYPE_CHECKING:
@@ -563,9 +563,9 @@ def member_class(cls: type) -> type:
     """The class fuse gives a member of class ``cls``: a subclass made once per class."""
     base = getattr(cls, "_ckpt_ext_base", cls)
     if base not in _MEMBER_CLASSES:
-        linear = conv1d_class(base) or lora.class_form(base)
-        name = f"Run{'Lora' if lora.class_form(base) else ''}{base.__name__}"
-        mixin = RunExperts if experts_class(base) else RunMember if linear else RunActivation
+        form = class_form(base)
+        name = f"Run{form.prefix if form else ''}{base.__name__}"
+        mixin = RunExperts if experts_class(base) else RunMember if form else RunActivation
         _MEMBER_CLASSES[base] = type(name, (mixin, base), {
             "__module__": __name__, "__qualname__": name, "_ckpt_ext_base": base})
     return _MEMBER_CLASSES[base]
