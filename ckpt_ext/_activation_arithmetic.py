@@ -5,7 +5,9 @@ Python's arithmetic and comparisons, Python scalars: no other tensor). That grap
 float64 on a fixed probe, is compared with each registry row: it computes a row when its values
 and its first derivative (which a fused unit's backward replaces) are within the row's measured
 bound, else it is left alone with its traced form and the nearest row. Read by
-:func:`ckpt_ext._activation_modules.module_activation`; design: docs/converter.md, "Activations"."""
+:func:`ckpt_ext._activation_modules.module_activation`, and by ``convert.facts.node_facts`` for an
+activation written as arithmetic in a forward (:func:`written_after`); design: docs/converter.md,
+"Activations" and "Function calls inside a run"."""
 from __future__ import annotations
 
 import contextlib
@@ -121,24 +123,23 @@ def _rng_kept():
             np.random.set_state(np_state)
 
 
+def _pointwise_node(n: fx.Node) -> bool:
+    """A call of the lists above on nodes and Python scalars."""
+    if n.op == "call_function":
+        known = n.target in _FUNCTIONS or n.target in _INFIX or n.target in _UNARY
+    else:
+        known = n.op == "call_method" and n.target in _METHODS
+    plain: list = []
+    fx.node.map_aggregate((n.args, n.kwargs), plain.append)
+    return known and all(isinstance(a, fx.Node) or type(a) in _SCALARS for a in plain)
+
+
 def _pointwise(graph: fx.Graph) -> bool:
-    """One input, one tensor out, and every node in between a call of the lists above on that
-    input's values and Python scalars."""
+    """One input, one tensor out, and every node in between pointwise of that input's values."""
     places = [n for n in graph.nodes if n.op == "placeholder"]
     out = next(n for n in graph.nodes if n.op == "output")
-    if len(places) != 1 or not isinstance(out.args[0], fx.Node):
-        return False
-    for n in graph.nodes:
-        if n.op == "call_function":
-            known = n.target in _FUNCTIONS or n.target in _INFIX or n.target in _UNARY
-        else:
-            known = n.op == "call_method" and n.target in _METHODS or \
-                n.op in ("placeholder", "output")
-        plain: list = []
-        fx.node.map_aggregate((n.args, n.kwargs), plain.append)
-        if not known or not all(isinstance(a, fx.Node) or type(a) in _SCALARS for a in plain):
-            return False
-    return True
+    return len(places) == 1 and isinstance(out.args[0], fx.Node) and \
+        all(_pointwise_node(n) for n in graph.nodes if n.op not in ("placeholder", "output"))
 
 
 def _evaluate(graph: fx.Graph) -> Optional[Tuple[Tensor, Tensor]]:
@@ -260,3 +261,33 @@ def graph_arithmetic(graph: fx.Graph) -> Optional[Arithmetic]:
     nearest = min(distances, key=lambda name: (max(distances[name]), distances[name][0]))
     match = max(distances[nearest]) <= BOUNDS[nearest]
     return Arithmetic(_expression(graph), nearest if match else None, nearest, distances[nearest])
+
+
+def written_after(x: fx.Node, order: Dict[fx.Node, int]):
+    """An activation written out as several nodes of a traced forward after ``x`` (a Linear's
+    output): the pointwise nodes computed from ``x`` and Python scalars alone, holding every use
+    of ``x`` and ending in one node that the rest of the graph uses. (that node, the others in
+    graph order, what they compute) when they compute a row; else None. ``order``: each node's
+    place in its graph."""
+    part: Dict[fx.Node, None] = {}
+    reach, todo = set(), list(x.users)
+    while todo and len(reach) < 64:
+        n = todo.pop()
+        if n not in reach and _pointwise_node(n):
+            reach.add(n)
+            todo += n.users
+    for n in sorted(reach, key=order.__getitem__):
+        if all(a is x or a in part for a in n.all_input_nodes):
+            part[n] = None
+    ends = [n for n in part if any(u not in part for u in n.users)]
+    if len(part) < 2 or len(ends) != 1 or any(u not in part for u in x.users):
+        return None
+    graph = fx.Graph()
+    env = {x: graph.placeholder("x")}
+    for n in part:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(env[ends[0]])
+    found = graph_arithmetic(graph)
+    if found is None or found.name is None:
+        return None
+    return ends[0], tuple(n for n in part if n is not ends[0]), found

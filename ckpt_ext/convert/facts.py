@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from .. import _C, modules as _modules, ops
-from .._activation_modules import Recognised, bind, module_activation, node_activation, sig
+from .._activation_arithmetic import written_after
+from .._activation_modules import Recognised, bind, module_activation, node_activation, sig, \
+    unmatched
 from .._activations import REGISTRY, stock_tensors
 from .._block_checkpoint import CheckpointedForward
 from .._observers import foreign_global_hooks
@@ -292,7 +294,7 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
         if form is not None:  # its row says how to read it (lazy: 0 bytes)
             kind, problem, width = LayerKind.LINEAR, linear_problem(m), form.width(m)
         else:
-            found = module_activation(m)
+            found = module_activation(m) or unmatched(m)  # unmatched: its arithmetic, why not
             if found is not None:
                 kind, who = LayerKind.ACTIVATION, f"the {base_type(m).__name__}"
                 problem = found.problem if found.problem is not None else \
@@ -325,6 +327,9 @@ class NodeFact(NamedTuple):
     input: Any                      # its one data input taken the usual way, else None
     child: Optional[nn.Module]      # the direct child it calls (call_module, no dotted target)
     only: Optional[fx.Node]         # its one positional node argument, else None
+    # an activation written as several nodes: on its last node the others, on its input that last
+    inner: Tuple[fx.Node, ...] = ()
+    written: Optional[fx.Node] = None
 
 
 def node_facts(graph: fx.Graph, owner: nn.Module, path: str, facts) -> Dict[fx.Node, NodeFact]:
@@ -355,6 +360,14 @@ def node_facts(graph: fx.Graph, owner: nn.Module, path: str, facts) -> Dict[fx.N
         if x is None and n.op == "call_module" or (kind is None and label == ""):
             x = n.args[0] if len(n.args) == 1 and not n.kwargs else None
         out[n] = NodeFact(kind, found, label, x, sub, only)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n, fact in list(out.items()):
+        written = written_after(n, order) if fact.kind is LayerKind.LINEAR else None
+        if written is not None:
+            last, inner, found = written
+            out[last] = out[last]._replace(kind=LayerKind.ACTIVATION, found=Recognised(found.name),
+                                           label=found.form, input=n, inner=inner)
+            out[n] = fact._replace(written=last)
     return out
 
 
