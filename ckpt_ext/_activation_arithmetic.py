@@ -221,8 +221,9 @@ def arithmetic(m: nn.Module) -> Optional[Arithmetic]:
     fwd = vars(cls).get("forward")
     if fwd is None or m._parameters or m._buffers or m._modules:
         return None
-    extra = tuple((k, type(v), v) for k, v in vars(m).items()
-                  if k not in _MODULE_KEYS and not k.startswith("_ckpt_ext_"))
+    own = vars(m)
+    extra = tuple((k, type(own[k]), own[k]) for k in sorted(own.keys() - _MODULE_KEYS)
+                  if not k.startswith("_ckpt_ext_"))
     if "forward" in vars(m) or any(t not in _SCALARS for _, t, _ in extra):
         return None
     return _matched(cls, fwd, m.training, extra)
