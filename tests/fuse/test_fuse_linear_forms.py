@@ -24,9 +24,10 @@ from _ecosys import kept_bytes, outputs_and_grads, rel_err, saved_activation_byt
 from reference import measured
 
 F64 = torch.float64
-# Measured (CPU, float64): outputs and every gradient within 2.3e-16 of the unfused copy's,
-# relative (the op adds the bias inside its GEMM; `x @ W.T + b` adds it after). TOL is ~5x.
-TOL = 1e-15
+# Measured (CPU, float64, --seed-sweep=0:30 with CKPT_EXT_MEASURE): outputs and every gradient
+# within 6.8e-16 of the unfused copy's, relative (the op adds the bias inside its GEMM,
+# `x @ W.T + b` after it). TOL is ~3x.
+TOL = 2e-15
 
 
 class MatmulT(nn.Linear):
@@ -96,19 +97,18 @@ def assert_same(before, after, *inputs):
         assert measured("fuse_linear_forms.float64", rel_err(g_a[name], g_b[name])) <= TOL, name
 
 
-def _model(how, lin):
-    torch.manual_seed(0)
+def _model(how, lin, seed=0):
+    torch.manual_seed(seed)
     if how == "sequential":
         return nn.Sequential(lin(6, 16), nn.Tanh(), lin(16, 12), nn.Tanh(), lin(12, 3)).double()
     return (Children if how == "children" else Gated)(lin).double()
 
 
-@pytest.mark.parametrize("how", ["sequential", "children", "gated"])
-@pytest.mark.parametrize("lin", FORMS_TRACED, ids=lambda c: c.__name__)
-def test_traced_form_is_fused_exact_and_counted(lin, how):
-    if how == "gated" and lin is Affine:
-        pytest.skip("a gated MLP's Linears are nn.Linear (it reads their in_features)")
-    model = _model(how, lin)
+@pytest.mark.parametrize("lin,how", [  # a gated MLP's Linears have in_features: not Affine
+    (lin, how) for lin in FORMS_TRACED for how in ("sequential", "children", "gated")
+    if not (lin is Affine and how == "gated")], ids=lambda v: getattr(v, "__name__", v))
+def test_traced_form_is_fused_exact_and_counted(lin, how, seed):
+    model = _model(how, lin, seed)
     before = copy.deepcopy(model)
     assert all(form_of(m) is TRACED for m in model.modules() if type(m) is lin)
     _, report = fuse(model)
