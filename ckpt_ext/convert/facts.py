@@ -26,7 +26,7 @@ from .engines import fix_for as hooks_fix
 from .linears import (LINEAR_FUNCTIONS, base_type, form_of, linear_args, op_terms,
                       stored_weight)
 
-__all__ = ["Recognised", "bind", "has_hooks", "module_activation", "node_activation"]
+__all__ = ["Recognised", "bind", "has_hooks", "module_activation", "node_activation", "op_terms"]
 
 
 def join_path(prefix: str, name: str) -> str:

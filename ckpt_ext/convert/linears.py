@@ -1,6 +1,7 @@
 """The forms of Linear fuse computes, one row each (:data:`FORMS`): how fuse knows one, reads its
 weight and bias, what the op takes and a unit checks at each call, and why it refuses a module.
-Nothing here imports peft, transformers or bitsandbytes. Design: docs/converter.md, "Linear forms"."""
+Nothing here imports peft, transformers or bitsandbytes. Design: docs/converter.md,
+"Linear forms"."""
 from __future__ import annotations
 
 import inspect
@@ -290,7 +291,7 @@ def op_terms(m: nn.Module) -> Optional[tuple]:
     return (class_form(type(m)) or TRACED).terms(m)
 
 
-# -- Does a forward compute x·Wᵀ + b? ------------------------------------------------------------
+# -- Does a forward compute x·Wᵀ + b? --------------------------------------------------------------
 
 _TRACED: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
 _TRANSPOSES = {(getattr, "T"), (getattr, "mT"), ("t",), (torch.t,)} | {

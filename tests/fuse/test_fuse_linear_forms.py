@@ -240,7 +240,7 @@ def test_class_forward_changed_after_fusing_computes_unfused():
     assert (s.fused_calls, s.unfused_calls) == (1, 1)
 
 
-# -- Every row of the table: the module each claims, read as its own forward computes it --------
+# -- Every row of the table: the module each claims, read as its own forward computes it -----------
 
 def _lora(base):
     from peft import LoraConfig, get_peft_model
