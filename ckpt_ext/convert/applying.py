@@ -12,6 +12,7 @@ from .fallback import attach
 from .graph import ModelGraph
 from .planning import Plan
 from .plain import PLAIN
+from .report import How, on_path
 from .runtime import FusedSequential, PartRole, RunMember, _OwnerForward, _RunPart, member_class
 from .units import Placement
 
@@ -37,9 +38,9 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
             sources[id(p.owner)] = p.source
             continue
         run = run if run is not None else p.kind.runtime(graph, p, d)
-        attach(run, d, _ancestors(graph.model, d.where))
-        for call, k in p.members:
-            m = call.module
+        attach(run, d, [(path, m) for path, m in on_path(graph.model, d.where)
+                        if checkpointing_layer(m)])
+        for m, k in p.members:
             if type(m) not in classes:
                 classes[type(m)] = member_class(type(m))
             m.__class__ = classes[type(m)]  # a subclass: same object, parameters and keys
@@ -48,7 +49,7 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
         for seq, *fields in p.parts:  # a member Sequential's also computes its stretch alone
             part = _RunPart(run, *fields)
             if alone := p.alone.get(id(seq)):
-                own = Placement("sequential", "", alone, collapse_activations(
+                own = Placement(How.SEQUENTIAL, "", alone, collapse_activations(
                     [s.activation for s in alone[1::2]]), False, PLAIN, sequences=[seq])
                 part.alone = _RunPart(PLAIN.runtime(graph, own, None), [s.name for s in alone],
                                       PartRole.WHOLE, 0, (), ())
@@ -81,19 +82,6 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
                                                fwd.arg_guard) == (runs, guards, source, arg_guard):
             continue  # as it is: keep the very object
         setattr(m, method, _OwnerForward(m, runs, guards, source, method, arg_guard))
-
-
-def _ancestors(model: nn.Module, where: str) -> list:
-    """(path, module) of the modules on ``where``'s path that transformers' checkpointing can
-    recompute whole (the unit's own module included)."""
-    out, m, path = [], model, ""
-    for name in [""] + (where.split(".") if where else []):
-        if name:
-            m = m._modules.get(name) if m is not None else None
-            path = f"{path}.{name}" if path else name
-        if m is not None and checkpointing_layer(m):
-            out.append((path, m))
-    return out
 
 
 def undo_all(model: nn.Module) -> None:

@@ -9,9 +9,27 @@ from typing import Callable, NamedTuple, Optional, Set, Tuple, Union
 
 from torch import nn
 
-from .runtime import _ArgGuard
-
 STAND_IN = "_ckpt_ext_traced"  # the name the stand-in has on the analysis copy's class
+
+
+class _ArgGuard(NamedTuple):
+    """What the analysed forward assumed of its arguments: each of ``given`` is not None."""
+    names: frozenset
+    positional: int
+    given: Tuple[str, ...] = ()
+    order: Tuple[str, ...] = ()
+
+    def holds(self, args: tuple, kwargs: dict) -> bool:
+        if len(args) > self.positional:
+            return False
+        for name in self.given:
+            k = self.order.index(name)
+            if (args[k] if k < len(args) else kwargs.get(name)) is None:
+                return False
+        return True
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} given (not None)" for name in self.given)
 
 
 class ArgumentPlan(NamedTuple):

@@ -120,7 +120,6 @@ class LayerKind(enum.Enum):
     LINEAR = "Linear"
     ACTIVATION = "activation"
     PASS = "pass"  # an Identity or Dropout between them, a member of a run in its owner's forward
-    EXPERTS = "experts"  # an experts module of a mixture of experts, a unit of its own
 
 
 # -- Conditions ------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """What each fused unit computed, counted at its calls: fused, unfused (with the reason, the same
-string its warning gives), or fused inside a checkpointed ancestor that recomputes it whole. A
+string its warning gives: a :class:`Checked` unit's failing condition, or why its region was not
+marked), or fused inside a checkpointed ancestor that recomputes it whole. A
 unit that computes otherwise than the report said warns ``FallbackWarning`` once per reason;
 ``ckpt_ext.stats(model)`` reads the counts. Only calls that record gradients count: under
 ``no_grad`` and inference nothing is kept, fused or not. Docs: docs/fuse-usage.md, "Is it fused?"."""
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import warnings
@@ -13,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .facts import SetByFuse
+from .facts import SetByFuse, failing, first_failing
 
 
 class FallbackWarning(UserWarning):
@@ -144,11 +146,63 @@ def count_unfused(run: Any, reason: str, fix: Optional[str] = None) -> None:
         unit_stats(run).unfused(reason, fix)
 
 
-def fell_back(run: Any, condition: Any) -> None:
-    """Count an unfused call of ``run`` because ``condition`` (a facts.Condition) fails."""
-    if counting():
-        fix = getattr(condition, "fix", None)
-        unit_stats(run).unfused(condition.describe(), fix() if fix is not None else None)
+def by_state(self, memo):
+    """``__deepcopy__`` through ``__getstate__`` and ``__setstate__``."""
+    new = type(self).__new__(type(self))
+    memo[id(self)] = new
+    new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+    return new
+
+
+class Checked:
+    """A unit's runtime object: the ``conditions`` (from ``_conditions()``) that must hold at a
+    call for the fused op to compute it, made once (not by functools.cached_property, whose lock
+    torch.compile cannot trace on Python 3.11); pickles and copies do not keep them."""
+
+    @property
+    def conditions(self) -> tuple:
+        if "_made_conditions" not in self.__dict__:
+            self.__dict__["_made_conditions"] = tuple(self._conditions())
+        return self.__dict__["_made_conditions"]
+
+    def problem(self) -> Optional[str]:
+        """None while the unit can be computed fused, else what changed since fuse."""
+        return failing(self.conditions)
+
+    def refused(self) -> bool:
+        """At a call: False while every condition holds; else the call is counted unfused with
+        the failing condition's reason, and True."""
+        failed = first_failing(self.conditions)
+        if failed is None:
+            return False
+        if counting():
+            fix = getattr(failed, "fix", None)  # a Slot has none
+            unit_stats(self).unfused(failed.describe(), fix() if fix is not None else None)
+        return True
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_made_conditions", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    __deepcopy__ = by_state
+
+
+def outside_region(run: Any) -> Tuple[str, str]:
+    """(reason, fix) for a run whose first member was called with no region of its owner's."""
+    owner = (run.decision.where if run.decision else "its owner") or "<model>"
+    if not any(isinstance(v, SetByFuse) for v in vars(run.owner).values()):
+        why = (f"{owner}'s forward is no longer the one fuse set on it (replaced on the "
+               f"instance), so the run's region is not marked")
+    else:
+        why = (f"{run.calls[0]} was called outside {owner}'s forward as fuse set it (a forward "
+               f"patched on {owner} as a closure over the method fuse replaced, or the member "
+               f"called on its own)")
+    return why, ("call ckpt_ext.fuse after what patches the forward (on the model the trainer "
+                 "actually trains), or call the module itself rather than its old bound forward")
 
 
 class Stats(List[UnitStats]):

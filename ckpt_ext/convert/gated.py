@@ -12,13 +12,17 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
-from .facts import (DISPLAY, SAVES_INPUT, LayerKind, Recognised, bind, failing, module_tensors,
+from .. import _dropout_autograd as dropout_unit, ops
+from .._recompute import recomputed_modules
+from .facts import (DISPLAY, SAVES_INPUT, LayerKind, Recognised, bind, computes, failing,
+                    layer_forward, module_tensors, of_class, op_terms,
                     one_dtype_device, stored_weight)
+from .fallback import count_fused
 from .graph import ModelGraph
 from .policy import LayerShape, gated_bytes, gemm, keeps_input, lora_note, plain_gemms
-from .report import Decision
-from .runtime import _GatedRun
-from .units import InForward, Options, Placement, RegionKind
+from .report import Action, Decision, How
+from .runtime import _as_layer_would, _through_modules, _trained
+from .units import InForward, Options, Placement, RegionKind, _PlaceholderRun
 
 _PRODUCTS = {operator.mul, torch.mul, "mul", "mul_"}
 _CHUNK = inspect.signature(lambda input, chunks, dim=0: None)
@@ -159,8 +163,9 @@ class Gated(RegionKind):
         freed = count()[0]
         plain = sum(map(plain_gemms, ins + [down]))
         if g.problems:
-            return [], [Decision(g.path, g.labels, "left alone", "", "", 0, extra, plain,
-                                 "a gated MLP: " + "; ".join(g.problems), activation=name)]
+            return [], [Decision(where=g.path, layers=g.labels, action=Action.LEFT_ALONE,
+                                 flops_per_row=extra, plain_flops_per_row=plain, activation=name,
+                                 why="a gated MLP: " + "; ".join(g.problems))]
         act, second = DISPLAY[name], f"; the activation takes the second half of {labels[0]}"
         unit = (f"gated_mlp {name}, {g.gate.in_features}->2x{down.in_features}->"
                 f"{down.out_features}" + (", packed gate_up" if g.packed else "")
@@ -173,8 +178,9 @@ class Gated(RegionKind):
                   f"saved state" if masks else "")
                + ("; the LoRA terms' rank-wide and dropout tensors too" if
                   any(x.rank for x in ins + [down]) else ""))
-        return [Decision(g.path, g.labels, "fused", unit, "children", freed, extra, plain, why,
-                         activation=name, count=count)], []
+        return [Decision(where=g.path, layers=g.labels, action=Action.FUSED, unit=unit,
+                         how=How.CHILDREN, bytes_per_row=freed, flops_per_row=extra,
+                         plain_flops_per_row=plain, why=why, activation=name, count=count)], []
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _GatedRun:
         g = p.found
@@ -184,9 +190,62 @@ class Gated(RegionKind):
             dropouts=[g.child(n) for n in g.dropouts], gate_second=g.gate_second, slots=p.slots,
             unhooked=[(m, graph.path[id(m)]) for m in p.unhooked], owner=p.owner, decision=decision)
 
-    def key(self, p: Placement):
-        return ("gated", tuple(c.module for c in p.layer_calls), p.found.act.name,
-                p.found.gate_second)
+
+class _GatedRun(_PlaceholderRun):
+    """A gated MLP, ``down(act(gate(x)) * up(x))``, computed by ``gated_mlp``."""
+
+    def __init__(self, labels, members, gate: nn.Linear, up: Optional[nn.Linear], down: nn.Linear,
+                 activation: str, act_module: Optional[nn.Module], dropouts, gate_second: bool,
+                 slots, unhooked, owner: nn.Module, calls, decision: Optional[Decision] = None):
+        super().__init__(labels, members, [gate] + ([up] if up is not None else []) + [down],
+                         False, (), slots, unhooked, owner, calls, (), decision, activation)
+        self.key = ("gated", tuple(members), activation, bool(gate_second))
+        self.members, self.dropouts = tuple(members), tuple(dropouts)
+        self.gate, self.up, self.down, self.act_module = gate, up, down, act_module
+        self.gate_second = bool(gate_second)
+
+    def _own(self):
+        if self.act_module is not None:
+            yield computes(self.act_module, "its activation module", self.activation)
+        for d in self.dropouts:
+            yield of_class(d, "a Dropout between the product and the down projection",
+                          (nn.Dropout,))
+
+    def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
+        return x is first_input
+
+    def member_part(self, index: int) -> str:
+        return ("computes the gated MLP" if index == 0 else "returns the gated MLP's output"
+                if index == len(self.calls) - 1 else "takes part in the gated MLP")
+
+    def masks(self) -> Tuple[float, ...]:
+        return tuple(d.p for d in self.dropouts if d.p > 0 and d.training)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        count_fused(self)
+        gate, up, down = self.gate, self.up, self.down
+        layers = [m for m in (gate, up, down) if m is not None]
+        terms, masks = [op_terms(m) for m in layers], self.masks()
+        up_first = up is not None and self.members[0] is up
+        loras = [t[2] for t in terms if t is not None]
+        # peft draws the LoRA masks in call order, the op gate's first; a packed gate_up's term
+        # is one, which the op would split for gate_second
+        if _through_modules(terms, bool(masks)) or any(loras) and (
+                up_first and any(t is not None and t.dropout > 0 for t in loras) or
+                up is None and self.gate_second):
+            return recomputed_modules(lambda h: dropout_unit.gated_chain(
+                layer_forward(gate), None if up is None else layer_forward(up), layer_forward(down),
+                self.activation, self.gate_second, up_first, masks, h), x, _trained(layers))
+        (w, b, _), (w_up, b_up, _) = terms[0], terms[1] if up is not None else (None, None, None)
+        w_down, b_down, _ = terms[-1]
+        _as_layer_would(x, self.members[0], w_up if up_first else w)
+        if masks:
+            return dropout_unit.gated(x, w, w_up, w_down, b, b_up, b_down, self.activation,
+                                      self.gate_second, masks)
+        if up is None and self.gate_second:  # the activation takes the second half
+            (w_up, w), (b_up, b) = w.chunk(2), b.chunk(2) if b is not None else (None, None)
+        return ops.gated_mlp(x, w, w_up, w_down, b, b_up, b_down, activation=self.activation,
+                             lora=loras if any(t is not None for t in loras) else None)
 
 
 GATED = Gated()

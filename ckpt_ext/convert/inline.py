@@ -6,19 +6,57 @@ import collections
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ..modules import collapse_activations
-from .facts import DROPOUT_SIGNATURE, LayerKind, Recognised, bind, module_tensors, stored_weight
-from .graph import Fate, ModelGraph
+from ..modules import LayerActivations, collapse_activations
+from .facts import (DROPOUT_SIGNATURE, LayerKind, Recognised, bind, computes, module_tensors,
+                    of_class, stored_weight)
+from .graph import ModelGraph
 from .policy import Chain, LayerShape, chain_problem, decide, mask_bytes
-from .report import Decision
-from .runtime import InlineDrop, _InlineRun
-from .units import InForward, Options, Placement, RegionKind
+from .report import Action, Decision, How
+from .units import InForward, Options, Placement, RegionKind, _PlaceholderRun
+from .values import Fate
+
+
+class InlineDrop(NamedTuple):
+    """A Dropout after activation ``item // 2``: a child ``module``, or an ``F.dropout`` call with
+    its ``p`` and whether it ``draws`` in train() and in eval()."""
+    item: int
+    label: str
+    module: Optional[nn.Module]
+    p: float
+    draws: Tuple[bool, bool]
+
+    def drawing(self, owner_training: bool) -> bool:
+        if self.module is not None:
+            return isinstance(self.module, nn.Dropout) and self.module.training and \
+                self.module.p > 0
+        return self.p > 0 and self.draws[0 if owner_training else 1]
+
+
+class _InlineRun(_PlaceholderRun):
+    """A run with function calls between its Linears; ``acts``: its activation modules'."""
+
+    def __init__(self, labels, members, activation: LayerActivations, acts, drops, slots, unhooked,
+                 owner: nn.Module, calls, decision: Optional[Decision] = None) -> None:
+        super().__init__(labels, members, members, False, (), slots, unhooked, owner, calls, (),
+                         decision, activation)
+        self.key = ("inline", tuple(members), activation)
+        self.acts, self.drops = tuple(acts), tuple(drops)
+
+    def _own(self):
+        yield from (computes(m, label, name) for m, label, name in self.acts)
+        for d in self.drops:
+            if d.module is not None:
+                yield of_class(d.module, d.label, (nn.Dropout, nn.Identity))
+
+    def _drawing(self):
+        return ((d.item, d.module.p if d.module is not None else d.p)
+                for d in self.drops if d.drawing(self.owner.training))
 
 
 @dataclass(eq=False)
@@ -103,7 +141,7 @@ class Inline(RegionKind):
             chain, acts, drops, run = [n], [], [], [n]  # chain: its Linears and activations
             cur = n
             while True:
-                a = _single_user(cur)
+                a = _single_user(cur) or facts[cur].written  # written: as several nodes
                 fa = facts[a] if a is not None and a not in taken else None
                 if fa is None or fa.kind is not LayerKind.ACTIVATION or fa.input is not cur or \
                         (a.op == "call_module" and fa.child is None):
@@ -123,7 +161,7 @@ class Inline(RegionKind):
                 chain += [a, nxt]
                 acts.append((fa.found, a, fa.child))
                 drops += ds
-                run += [a] + between + [nxt]
+                run += [*fa.inner, a] + between + [nxt]
                 cur = nxt
             seen.update(run)
             linears = chain[0::2]
@@ -143,10 +181,10 @@ class Inline(RegionKind):
         layers = _shapes(graph, c)
         names = tuple(found.name for found, _, _ in c.acts)
         if c.problems:
-            return [], [Decision(c.path, c.labels, "left alone", "", "", 0, 0, 0,
-                                 "a run with function calls between its Linears: " +
+            return [], [Decision(where=c.path, layers=c.labels, action=Action.LEFT_ALONE,
+                                 why="a run with function calls between its Linears: " +
                                  "; ".join(c.problems), activation=names[0])]
-        chain = Chain(c.path, "children", list(c.labels), list(c.nodes), layers, names, False,
+        chain = Chain(c.path, How.CHILDREN, list(c.labels), list(c.nodes), layers, names, False,
                       lambda: Fate(None, ""),
                       tuple(module_tensors(sub, found.name) for found, _, sub in c.acts))
         (unit,), _ = decide(chain, options.policy)
@@ -169,9 +207,6 @@ class Inline(RegionKind):
             acts=[(sub, graph.path[id(sub)], f.name) for f, _, sub in c.acts if sub is not None],
             drops=c.drops, slots=p.slots, unhooked=[(m, graph.path[id(m)]) for m in p.unhooked],
             owner=p.owner, calls=p.calls, decision=decision)
-
-    def key(self, p: Placement):
-        return ("inline", tuple(c.module for c in p.layer_calls), p.activation)
 
 
 INLINE = Inline()

@@ -7,18 +7,19 @@ import inspect
 import sys
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
 from .. import ops
-from .facts import DISPLAY, LayerKind, base_type, failing, module_activation
-from .graph import LayerCall, ModelGraph
-from .report import Decision
-from .runtime import (FLAG_NAMES, QUICK_GELU_ALPHA, ExpertsForm, _ExpertsRun, experts_conditions,
-                      experts_dispatch, experts_gate)
+from .facts import (DISPLAY, GLOBAL, Condition, Slot, base_type, computes, experts_class, failing,
+                    join_path, module_activation, no_hooks, own_forward, unsupported_reason)
+from .fallback import count_fused, count_unfused
+from .graph import ModelGraph
+from .report import Action, Decision, How, Named
+from .runtime import MEMBER_MIXINS, Checked, RunMember
 from .units import MemberPlan, Options, Placement, UnitKind
 from .zero3 import real_shape
 
@@ -28,13 +29,150 @@ _FIT, _CHECK = ((8, 8), (16, 8), (8, 16), (16, 16)), (24, 40)
 _ROUTING_ITEMSIZE = 4  # transformers' routers give float32 routing weights
 
 
+# -- How moe_experts computes a module, and what must hold at each call ---------------------------
+
+#: transformers' experts implementations whose arithmetic is moe_experts': the class's own loop
+#: ("eager", or None), batched_mm and grouped_mm (transformers checks that they agree)
+_SAME_ARITHMETIC = ("batched_mm_experts_forward", "grouped_mm_experts_forward")
+GPT_OSS_GATE = ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts._apply_gate")
+QUICK_GELU_ALPHA = 1.702
+
+
+class Gate(Named):
+    """The gated product an experts module computes."""
+    DEFAULT = "default"  # transformers' _default_apply_gate: act(gate) · up
+    #: gpt-oss's, (clamp(u, -L, L) + 1) · min(g, L)·σ(α·min(g, L)): quick_gelu's when α is
+    #: QuickGELU's 1.702
+    GPT_OSS = "gpt_oss"
+    UNGATED = ""
+
+
+class ExpertsForm(NamedTuple):
+    """How ``moe_experts`` computes one experts module, read by fuse from its flags and modules."""
+    params: Tuple[str, str, Optional[str], Optional[str]]  # gate_up, down and their biases
+    layout: str                     # ops.MOE_LAYOUTS
+    activation: str                 # the registry's name
+    gate: Gate
+    flags: Tuple[bool, bool, bool, bool]  # has_gate, has_bias, is_transposed, is_concatenated
+    arguments: Tuple[str, str, str]  # the names of its forward's x, top_k_index, top_k_weights
+
+
+FLAG_NAMES = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+
+
+def experts_dispatch(cls: type) -> Tuple[Any, Any]:
+    """(the ExpertsInterface, the class's own forward) that the decorator's forward closes over."""
+    fn = cls.forward
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    return cells["experts_interface"].cell_contents, cells["original_forward"].cell_contents
+
+
+def experts_gate(m: nn.Module) -> Optional[Gate]:
+    """The gated product the module's ``_apply_gate`` computes, None for any other (one set on the
+    instance included)."""
+    moe = sys.modules["transformers.integrations.moe"]
+    fn = getattr(type(m), "_apply_gate", None)
+    if "_apply_gate" in vars(m) or fn is None:
+        return None
+    if fn is moe._default_apply_gate:
+        return Gate.DEFAULT
+    return Gate.GPT_OSS if (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) == \
+        GPT_OSS_GATE else None
+
+
+def _dispatched(m: nn.Module) -> Tuple[Any, Optional[Any]]:
+    """(config._experts_implementation, the function the module's forward runs for it: None
+    where the forward raises for an unknown name)."""
+    impl = getattr(getattr(m, "config", None), "_experts_implementation", None)
+    interface, original = experts_dispatch(base_type(m))
+    if impl is not None and impl != "eager" and impl not in interface:
+        return impl, None
+    return impl, interface.get(impl, original)
+
+
+def _same_arithmetic(m: nn.Module) -> bool:
+    fn = _dispatched(m)[1]
+    moe = sys.modules["transformers.integrations.moe"]
+    return fn is not None and (fn is experts_dispatch(base_type(m))[1] or
+                               any(fn is getattr(moe, name, None) for name in _SAME_ARITHMETIC))
+
+
+def _weights_problem(m: nn.Module, label: str, form: ExpertsForm) -> Optional[str]:
+    """None while the module's parameters are 3-D expert weights (2-D biases) moe_experts takes,
+    read at their real shapes (ZeRO-3 holds a shape-[0] partition of each between calls)."""
+    ps = []
+    for name, dim in zip(form.params, (3, 3, 2, 2)):
+        if name is None:
+            continue
+        p = m._parameters.get(name)
+        if p is None:
+            return (f"{join_path(label, name)} is no longer a parameter of it (computed by a "
+                    f"parametrization, as peft's ParamWrapper does for LoRA on expert weights)")
+        if type(p) not in (nn.Parameter, torch.Tensor) or len(real_shape(p)) != dim:
+            return (f"{join_path(label, name)} is a {type(p).__name__} of {len(real_shape(p))} "
+                    f"dimensions, not the {dim}-D tensor moe_experts takes")
+        ps.append(p)
+    experts = {real_shape(p)[0] for p in ps} | {getattr(m, "num_experts", real_shape(ps[0])[0])}
+    if len(experts) != 1:
+        return f"{label}: its parameters hold different numbers of experts ({sorted(experts)})"
+    if (reason := unsupported_reason(ps[0])) is not None:
+        return f"{label}: {reason}"
+    if len({(p.dtype, p.device) for p in ps}) != 1:
+        return (f"{label}: its parameters are of different dtypes or devices (" + ", ".join(
+            f"{n}: {p.dtype} on {p.device}" for n, p in zip(form.params, ps)) + ")")
+    return None
+
+
+def experts_conditions(m: nn.Module, label: str, form: ExpertsForm,
+                       act: Optional[nn.Module]) -> list:
+    """What must hold at a call for ``moe_experts`` to compute module ``m`` as ``form`` says
+    (without ``GLOBAL``, which only a call checks)."""
+    flags = tuple(getattr(m, name, None) for name in FLAG_NAMES)
+    out = [own_forward(m, label),
+           Condition(lambda: getattr(m, "_is_expert_parallel", None) is False,
+                     lambda: f"{label} computes expert parallel (_is_expert_parallel="
+                             f"{getattr(m, '_is_expert_parallel', None)}): its experts are one "
+                             f"rank's share, which fuse leaves to its forward"),
+           Condition(lambda: getattr(m, "has_post_expert_norm", None) is False,
+                     lambda: f"{label} normalises each expert's output (has_post_expert_norm="
+                             f"{getattr(m, 'has_post_expert_norm', None)}), which moe_experts "
+                             f"does not compute"),
+           Condition(lambda: tuple(getattr(m, name, None) for name in FLAG_NAMES) == flags ==
+                     form.flags,
+                     lambda: f"{label}: its use_experts_implementation flags changed (" + ", ".join(
+                         f"{name}={getattr(m, name, None)}" for name in FLAG_NAMES) + ")"),
+           Condition(lambda: _same_arithmetic(m),
+                     lambda: f"{label}: config._experts_implementation={_dispatched(m)[0]!r} "
+                             f"runs {getattr(_dispatched(m)[1], '__name__', 'no function')}, "
+                             f"not the class's loop, batched_mm or grouped_mm, whose arithmetic "
+                             f"moe_experts computes")]
+    if form.gate:
+        out.append(Condition(lambda: experts_gate(m) == form.gate,
+                             lambda: f"{label}: its _apply_gate is not the gated product it "
+                                     f"computed when fused ({form.gate})"))
+    if form.gate == Gate.GPT_OSS:
+        out.append(Condition(
+            lambda: getattr(m, "alpha", None) == QUICK_GELU_ALPHA and
+            type(getattr(m, "limit", None)) in (int, float),
+            lambda: f"{label}: gpt-oss's gated product with alpha={getattr(m, 'alpha', None)} "
+                    f"and limit={getattr(m, 'limit', None)!r} is not quick_gelu's (alpha "
+                    f"{QUICK_GELU_ALPHA}) clamped at a number"))
+    else:
+        who = join_path(label, "act_fn")
+        out += [Slot(m, "act_fn", act, who), computes(act, who, form.activation),
+                own_forward(act, who), no_hooks(act, who)]
+    out.append(Condition(lambda: _weights_problem(m, label, form) is None,
+                         lambda: _weights_problem(m, label, form) or ""))
+    return out
+
+
+# -- Finding the experts modules -------------------------------------------------------------------
+
 @dataclass(eq=False)
 class Experts:
     """One experts module: how ``moe_experts`` computes it, or why it cannot."""
     module: nn.Module
     path: str
-    holder: Optional[nn.Module]
-    name: str
     form: Optional[ExpertsForm] = None
     act: Optional[nn.Module] = None
     problem: Optional[str] = None
@@ -70,18 +208,18 @@ def _form(m: nn.Module) -> Tuple[Optional[ExpertsForm], Optional[nn.Module], Opt
         return None, None, (f"it lacks {', '.join(missing)}, which use_experts_implementation "
                             f"sets in its __init__")
     gated, bias, transposed, concatenated = (bool(getattr(m, n)) for n in FLAG_NAMES)
-    gate, act, activation = experts_gate(m) if gated else "", None, None
+    gate, act, activation = experts_gate(m) if gated else Gate.UNGATED, None, None
     if gated and gate is None:
         fn = getattr(type(m), "_apply_gate", None)
         where = "set on the instance" if "_apply_gate" in vars(m) else \
             getattr(fn, "__qualname__", repr(fn))
         return None, None, (f"its _apply_gate ({where}) is a gated product of its own, which "
                             f"moe_experts does not compute")
-    if gate and (gate == "gpt_oss") == concatenated:
+    if gate and (gate == Gate.GPT_OSS) == concatenated:
         return None, None, (f"its _apply_gate ({gate}) splits gate and up "
-                            f"{'by chunk' if gate == 'default' else 'alternately'}, but its "
+                            f"{'by chunk' if gate == Gate.DEFAULT else 'alternately'}, but its "
                             f"weights are stored is_concatenated={concatenated}")
-    if gate == "gpt_oss":
+    if gate == Gate.GPT_OSS:
         if getattr(m, "alpha", None) != QUICK_GELU_ALPHA:
             return None, None, (f"gpt-oss's gated product with alpha={getattr(m, 'alpha', None)}"
                                 f" is not quick_gelu's (alpha {QUICK_GELU_ALPHA}), the one "
@@ -113,9 +251,7 @@ def _form(m: nn.Module) -> Tuple[Optional[ExpertsForm], Optional[nn.Module], Opt
 
 
 def _read(graph: ModelGraph, path: str, m: nn.Module) -> Experts:
-    cls = base_type(m)
-    holder, _, name = graph.parent.get(path, (None, "", ""))
-    e = Experts(m, path, holder, name)
+    cls, e = base_type(m), Experts(m, path)
     if type(m) is not cls and vars(type(m)).get("_ckpt_ext_base") is not cls:
         e.problem = (f"its class is {type(m).__name__}, a subclass of {cls.__name__}" +
                      (" that torch's parametrize made (a parameter of it is computed)"
@@ -229,8 +365,8 @@ class Moe(UnitKind):
         m, form = e.module, e.form
         what = "an experts module (mixture of experts)"
         if e.problem is not None:
-            return [], [Decision(e.path, (e.path,), "left alone", "", "", 0, 0, 0,
-                                 f"{what}: {e.problem}",
+            return [], [Decision(where=e.path, layers=(e.path,), action=Action.LEFT_ALONE,
+                                 why=f"{what}: {e.problem}",
                                  activation=form.activation if form else "")]
         gate_up, down = (m._parameters[n] for n in form.params[:2])
         up_shape, down_shape = real_shape(gate_up), real_shape(down)  # whole under zero.Init
@@ -247,7 +383,7 @@ class Moe(UnitKind):
         per_token, per_call, w_kept, impl = _kept(m, form, pairs)
         freed = 0 if per_token is None else per_token - (0 if w_kept else
                                                           pairs * _ROUTING_ITEMSIZE)
-        act = "quick_gelu, clamped at its limit, up + 1" if form.gate == "gpt_oss" else \
+        act = "quick_gelu, clamped at its limit, up + 1" if form.gate == Gate.GPT_OSS else \
             form.activation
         unit = (f"moe_experts {act}, {experts} experts, top-{top_k or '?'}, {hidden}->"
                 f"{'2x' if form.flags[0] else ''}{inter}->{out}" +
@@ -268,23 +404,100 @@ class Moe(UnitKind):
             why += f"; {per_call:,} B per call ({impl}'s tensors per call, such as its offsets)"
         if top_k is None:
             why += "; its config names no num_experts_per_tok: the figures are per routed pair"
-        return [Decision(e.path, (e.path,), "fused", unit, "module", freed, extra, plain, why,
-                         activation=form.activation, bytes_per_call=per_call)], []
+        return [Decision(where=e.path, layers=(e.path,), action=Action.FUSED, unit=unit,
+                         how=How.MODULE, bytes_per_row=freed, flops_per_row=extra,
+                         plain_flops_per_row=plain, why=why, activation=form.activation,
+                         bytes_per_call=per_call)], []
 
     def place(self, graph: ModelGraph, e: Experts, units, misses):
         out: List[Tuple[Decision, Optional[Placement]]] = [(d, None) for d in misses]
         for d in units:
-            call = LayerCall(e.holder, e.name, e.module, LayerKind.EXPERTS, e.path)
-            out.append((d, Placement("module", e.path, [], e.form.activation, False, self, e,
-                                     members=[MemberPlan(call, 0)], calls=[e.path])))
+            out.append((d, Placement(How.MODULE, e.path, [], e.form.activation, False, self, e,
+                                     members=[MemberPlan(e.module, 0)], calls=[e.path])))
         return out
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _ExpertsRun:
         e = p.found
         return _ExpertsRun(e.module, e.path, e.form, e.act, decision)
 
-    def key(self, p: Placement):
-        return ("moe", p.found.module)
-
 
 MOE = Moe()
+
+
+# -- In the user's model ---------------------------------------------------------------------------
+
+class _ExpertsRun(Checked):
+    """An experts module of transformers' ``use_experts_implementation``, computed by
+    ``moe_experts`` in its own forward while every condition holds, else by the class's."""
+
+    def __init__(self, module: nn.Module, label: str, form: ExpertsForm,
+                 act: Optional[nn.Module], decision: Optional[Decision] = None) -> None:
+        self.module, self.label, self.form, self.act = module, label, form, act
+        self.key = ("moe", module)
+        self.decision = decision
+
+    def _conditions(self):
+        yield from GLOBAL
+        yield from experts_conditions(self.module, self.label, self.form, self.act)
+
+    def compute(self, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+        """The module's output by ``moe_experts``, or None where its class's forward computes it
+        (a condition fails, or input the op would refuse: the class's forward raises its own)."""
+        names = self.form.arguments
+        if kwargs or len(args) != 3:
+            if len(args) > 3 or set(kwargs) - set(names[len(args):]):
+                count_unfused(self, f"{self.label} was called with arguments beyond "
+                                    f"{', '.join(names)}, which moe_experts does not take")
+                return None
+            args = args + tuple(kwargs.get(name) for name in names[len(args):])
+        x, idx, w = args
+        if self.refused():
+            return None
+        m, form = self.module, self.form
+        gate_up, down, gate_up_bias, down_bias = (
+            m._parameters[n] if n is not None else None for n in form.params)
+        if any(p is not None and p.shape != real_shape(p)
+               for p in (gate_up, down, gate_up_bias, down_bias)):
+            count_unfused(self, f"{self.label}: its weights are ZeRO-3 partitions at this call "
+                                f"(shape [0]): ZeRO-3 gathers them only where "
+                                f"deepspeed.initialize's hooks are on it")
+            return None
+        if not (isinstance(x, torch.Tensor) and isinstance(idx, torch.Tensor) and
+                isinstance(w, torch.Tensor) and x.dim() == 2 and idx.dim() == 2 and
+                idx.shape == w.shape and idx.shape[0] == x.shape[0] and
+                x.shape[1] == gate_up.shape[1 if form.flags[2] else 2] and
+                idx.dtype in (torch.int64, torch.int32) and w.is_floating_point() and
+                x.device == idx.device == w.device == gate_up.device and
+                (x.dtype == gate_up.dtype or torch.is_autocast_enabled(x.device.type))):
+            count_unfused(self, f"{self.label} was called with input moe_experts does not "
+                                f"take (its class's forward computes it)")
+            return None
+        count_fused(self)
+        return ops.moe_experts(
+            x, idx, w, gate_up, down, activation=form.activation, gate_up_bias=gate_up_bias,
+            down_bias=down_bias, layout=form.layout,
+            limit=float(m.limit) if form.gate == Gate.GPT_OSS else None,
+            up_offset=1.0 if form.gate == Gate.GPT_OSS else 0.0)
+
+    def describe(self) -> str:
+        return f"computes moe_experts ({self.form.activation}, {self.form.layout}) in its forward"
+
+
+class RunExperts(RunMember):
+    """Mixed into an experts class: its forward computes the module by ``moe_experts`` while its
+    run's conditions hold, else runs the class's forward."""
+
+    def forward(self, *args, **kwargs):
+        run = self._ckpt_ext_run
+        out = run.compute(args, kwargs) if run is not None else None
+        return self._ckpt_ext_base.forward(self, *args, **kwargs) if out is None else out
+
+    def extra_repr(self) -> str:
+        own = self._ckpt_ext_base.extra_repr(self)
+        run = self._ckpt_ext_run
+        if run is None:
+            return own
+        return f"{own}, {run.describe()}" if own else run.describe()
+
+
+MEMBER_MIXINS.append((experts_class, RunExperts))

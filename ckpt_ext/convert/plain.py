@@ -6,16 +6,17 @@ import collections
 import dataclasses
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from torch import nn
+from torch import fx, nn
 
-from .facts import (LayerKind, own_forward, Slot, failing, join_path, module_tensors,
-                    passes_through, passing_name, stored_weight)
-from .graph import Fate, LayerCall, ModelGraph
+from .facts import (ACROSS, LayerKind, no_hooks, own_forward, Slot, failing, join_path,
+                    module_tensors, passes_through, passing_name, stored_weight)
+from .graph import LayerCall, ModelGraph
 from .policy import Chain, LayerShape, Unit, chain_problem, decide, item_misses, mask_bytes, \
     split_at_problems
-from .report import Decision
+from .report import Action, Decision, How
 from .runtime import PartRole, _Run
 from .units import MemberPlan, Options, PartPlan, Placement, UnitKind, arguments_note
+from .values import Crossing, Fate
 
 
 class Run(NamedTuple):
@@ -31,7 +32,7 @@ class Plain(UnitKind):
     def find(self, graph: ModelGraph, taken: set, options: Options) -> List[Run]:
         calls = [s for s in graph.layer_calls if s.node is None or s.node not in taken]
         links, stops, through = {}, {}, {}  # by call: the next call, why not, the Slots between
-        for s, (nxt, problem, through[s]) in graph.follow(calls).items():
+        for s, (nxt, problem, through[s]) in _follow(graph, calls).items():
             if nxt is None or nxt.kind == s.kind:
                 continue
             if s.kind is LayerKind.LINEAR:
@@ -69,8 +70,9 @@ class Plain(UnitKind):
         shapes = [LayerShape(s.label, *graph.facts[id(s.module)].width)
                   for s in layer_calls[0::2]]
         acts = layer_calls[1::2]
-        full = Chain(at, "", labels, layer_calls, shapes, tuple(s.activation for s in acts),
-                     len(layer_calls) % 2 == 0, lambda: Fate(None, ""),
+        full = Chain(at, How.NOWHERE, labels, layer_calls, shapes,
+                     tuple(s.activation for s in acts), len(layer_calls) % 2 == 0,
+                     lambda: Fate(None, ""),
                      tuple(module_tensors(s.module, s.activation) for s in acts))
         units: List[Unit] = []
         for s, e in split_at_problems(problems, len(layer_calls)):
@@ -80,8 +82,8 @@ class Plain(UnitKind):
             sub.where = _where(graph, sub.items)
             problem = chain_problem(sub.layers, [x.module for x in sub.items[0::2]])
             if problem is not None:
-                misses.append(Decision(sub.where, tuple(sub.labels), "left alone", "", "", 0, 0,
-                                       0, problem))
+                misses.append(Decision(where=sub.where, layers=tuple(sub.labels),
+                                       action=Action.LEFT_ALONE, why=problem))
                 continue
             sub_units, sub_misses = decide(sub, options.policy)
             units += sub_units
@@ -98,7 +100,7 @@ class Plain(UnitKind):
             d = u.decision
             if p is None:
                 placed.append((dataclasses.replace(
-                    d, action="left alone", unit="", how="", bytes_per_row=0,
+                    d, action=Action.LEFT_ALONE, unit="", how=How.NOWHERE, bytes_per_row=0,
                     why="its layers share no container that calls them in sequence"), None))
                 continue
             note = "; ".join(filter(None, [_through(p.passes) if p.passes else "", p.note]))
@@ -156,6 +158,78 @@ def _through(passes: Sequence[Tuple[Slot, int]]) -> str:
             "; a call in which one of them draws a mask fuse cannot draw computes module by module")
 
 
+# -- Where a layer's output goes next: the one call receiving it ----------------------------------
+
+def _follow(graph: ModelGraph, calls: Sequence[LayerCall]):
+    """For each call: (the one of them consuming its output alone, why a run may not take
+    that step, the Identity and Dropout modules stepped over)."""
+    at = {(id(s.container), s.index if s.node is None else s.node): s for s in calls}
+    return {s: _next(graph, s, at) for s in calls}
+
+
+def _next(graph: ModelGraph, s: LayerCall, at: Dict[Tuple[int, Any], LayerCall]):
+    site = (s.container, s.index if s.node is None else s.node)
+    passed, problem = [], None
+    while True:
+        uses = graph.users(*site)
+        if len(uses) != 1 or uses[0].module is None:
+            return None, None, tuple(passed)
+        u = uses[0]
+        for c in u.crossed:
+            if not c.strict or (c.out and graph.facts[id(c.caller)].sequential and
+                                not graph.facts[id(c.module)].sequential):
+                return None, None, tuple(passed)
+            problem = problem or _crossing(graph, c)
+        node = u.at if isinstance(u.at, fx.Node) else None
+        if node is not None and (node.kwargs or len(node.args) != 1):
+            return None, None, tuple(passed)
+        call = at.get((id(u.owner), u.at))
+        if call is not None:
+            return call, problem, tuple(passed)
+        if not graph.facts[id(u.module)].passes or (node is not None and "." in node.target):
+            return None, None, tuple(passed)
+        name = node.target if node is not None else list(u.owner._modules)[u.at]
+        label = join_path(graph.path[id(u.owner)], name)
+        passed.append(Slot(u.owner, name, u.module, label))
+        problem = problem or failing([no_hooks(u.module, label, ACROSS),
+                                      own_forward(u.module, label)])
+        if node is not None:
+            problem = problem or graph.child_problem(u.owner, graph.trace[id(u.owner)],
+                                                     node.target, label, u.module)
+        site = (u.owner, u.at)
+
+
+def _crossing(graph: ModelGraph, c: Crossing) -> Optional[str]:
+    """Why a run may not take a value into or out of ``c.module``, else None."""
+    child = None
+    if not graph.facts[id(c.caller)].sequential:
+        child = graph.child_problem(c.caller, graph.trace[id(c.caller)], c.target,
+                                    join_path(graph.path[id(c.caller)], c.target), c.module)
+    if c.out:
+        return _crossing_problem(graph, c.module) or child
+    return child or _crossing_problem(graph, c.module)
+
+
+def _crossing_problem(graph: ModelGraph, c: nn.Module) -> Optional[str]:
+    """Why a run may not cross ``c`` (a Sequential or a module's forward), else None."""
+    places = graph.paths.get(id(c), [])
+    label = places[0] if places else f"<a {type(c).__name__}>"
+    problem = failing([no_hooks(c, label, ACROSS), own_forward(c, label)])
+    if problem is not None:
+        return problem
+    if len(places) != 1:
+        return f"{label} is held at {len(places)} places ({', '.join(places)})"
+    if not graph.facts[id(c)].sequential:
+        t = graph.trace.get(id(c))
+        if t.region_problem is not None:
+            return f"the run cannot cross {label}.forward: {t.region_problem}"
+        if t.arg_guard is not None:
+            return (f"the run cannot cross {label}.forward: what it assumes of its "
+                    f"arguments ({t.arg_guard.describe()}) is checked only where it marks a "
+                    f"region")
+    return None
+
+
 # -- Where a unit of module calls is computed ------------------------------------------------------
 
 def _ancestry(graph: ModelGraph, layer_calls: Sequence[LayerCall]):
@@ -210,7 +284,7 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall], 
         return None
     belows = [chain[:[id(c) for c in chain].index(id(lca))] for chain in chains]
     inside = {id(c): c for below in belows for c in below}  # containers below the lca
-    p = Placement("", graph.path[id(lca)], layer_calls, activation, last_act, kind)
+    p = Placement(How.NOWHERE, graph.path[id(lca)], layer_calls, activation, last_act, kind)
     first = _descent(graph, layer_calls[0], chains[0], lca)
     last = _descent(graph, layer_calls[-1], chains[-1], lca)
     p.sequences = [c for c in inside.values() if graph.facts[id(c)].sequential]
@@ -228,9 +302,9 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall], 
         i0, i1 = names.index(first[0][1]), names.index(last[0][1])
         p.parts.append(PartPlan(lca, tuple(names[i0:i1 + 1]), PartRole.WHOLE, 0,
                                 _before(first[1:]), _after(last[1:])))
-        p.how = "sequential" if len(first) == 1 and len(last) == 1 else "across"
+        p.how = How.SEQUENTIAL if len(first) == 1 and len(last) == 1 else How.ACROSS
         p.sequences.insert(0, lca)
-        if p.how == "across":
+        if p.how is How.ACROSS:
             crossed = ", ".join(graph.path[id(c)] for c in inside.values())
             p.note = (f"it crosses {crossed} inside {p.where or '<model>'}, which computes the "
                       f"whole run; called on its own, each of them computes its own layers")
@@ -254,7 +328,7 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall], 
                      for g in graph.trace.get(id(c)).guards]
     for k, u in enumerate(units):
         if isinstance(u, LayerCall):
-            p.members.append(MemberPlan(u, k))
+            p.members.append(MemberPlan(u.module, k))
             if u.kind is not LayerKind.PASS:  # a pass's slot is there already
                 p.slots.append(Slot(u.container, u.name, u.module, u.label))
             p.calls.append(u.label)
@@ -275,10 +349,10 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall], 
             p.parts.append(PartPlan(u, tuple(names), PartRole.ON, k, (), ()))
         if alone := _alone(u, layer_calls):
             p.alone[id(u)] = alone
-    p.how = "children" if all(isinstance(u, LayerCall) and u.container is lca for u in units) \
-        else "across"
+    p.how = How.CHILDREN if all(isinstance(u, LayerCall) and u.container is lca for u in units) \
+        else How.ACROSS
     p.owner, where = lca, p.where or "<model>"
-    if p.how == "across":
+    if p.how is How.ACROSS:
         crosses = ", ".join([graph.path[id(c)] for c in crossed] or p.calls)
         p.note = (f"it crosses {crosses} in {where}: inside {where}.{graph.trace[id(lca)].method}"
                   f", {p.calls[0]} computes the whole run and {', '.join(p.calls[1:])} "

@@ -13,7 +13,7 @@ from .graph import ModelGraph
 from .inline import INLINE
 from .moe import MOE
 from .plain import PLAIN
-from .report import Decision
+from .report import Action, Decision
 from .rewrite import REWRITE
 from .runtime import FusedSequential, RunMember, _OwnerForward, _Run
 from .units import Options, Placement
@@ -38,7 +38,7 @@ class Plan:
         """Every decision, in the order of the modules holding their layers, fused first."""
         order = [path for path, _ in model.named_modules()]
         return [d for path in order + sorted(set(self.at) - set(order))
-                for d in sorted(self.at.get(path, []), key=lambda d: d.action == "left alone")]
+                for d in sorted(self.at.get(path, []), key=lambda d: d.action == Action.LEFT_ALONE)]
 
     @property
     def rewritten(self) -> List[str]:
@@ -57,27 +57,31 @@ def make_plan(graph: ModelGraph, options: Options) -> Plan:
         for found in kind.find(graph, taken, options):
             units, misses = kind.decide(graph, found, options)
             for d, p in kind.place(graph, found, units, misses):
-                already = _in_place(graph, p, existing) if p is not None else None
+                already = _in_place(graph, p, d, existing) if p is not None else None
                 if p is not None:
                     plan.placed.append(Placed(p, d, already))
-                d = dataclasses.replace(d, action="already fused") if already else d
+                d = dataclasses.replace(d, action=Action.ALREADY_FUSED) if already else d
                 plan.at.setdefault(d.where, []).append(d)
             taken.update(found.takes)
             plan.not_analysed += found.not_analysed
     return plan
 
 
-def _in_place(graph: ModelGraph, p: Placement, existing: Dict[Any, _Run]) -> Optional[_Run]:
-    """The run an earlier fuse put in place for exactly this placement, if it is still whole."""
-    run = existing.get(p.kind.key(p)) if existing and p.source is None else None
+def _in_place(graph: ModelGraph, p: Placement, d: Decision,
+              existing: Dict[Any, _Run]) -> Optional[_Run]:
+    """The run an earlier fuse put in place for exactly this placement (with the key of the run it
+    would make), if it is still whole."""
+    if not existing or p.source is not None:
+        return None
+    run = existing.get(p.kind.runtime(graph, p, d).key)
     if run is None or run.problem() is not None:
         return None
     for part in p.parts:  # each Sequential holds its part of exactly this run
         if not any(x.key == (part.names, part.role, part.index, run.key) and x.run is run
                    for x in getattr(part.seq, "_ckpt_ext_runs", ())):
             return None
-    if any(getattr(c.module, "_ckpt_ext_run", None) is not run or c.module._ckpt_ext_index != k
-           for c, k in p.members):
+    if any(getattr(m, "_ckpt_ext_run", None) is not run or m._ckpt_ext_index != k
+           for m, k in p.members):
         return None
     fwd = vars(p.owner).get(graph.trace[id(p.owner)].method) if p.owner is not None else None
     return run if p.owner is None or isinstance(fwd, _OwnerForward) and run in fwd.runs \

@@ -11,8 +11,8 @@ from torch import nn
 from .. import ops
 from ..modules import LayerActivations, collapse_activations
 from .facts import DISPLAY, SAVES_INPUT, failing, one_dtype_device
-from .graph import Fate
-from .report import Decision
+from .values import Fate
+from .report import Action, Decision, How
 
 
 class Policy(str, enum.Enum):
@@ -128,7 +128,7 @@ def _unit_name(layers: Sequence[LayerShape], activations: Sequence[str], last_ac
 class Chain:
     """Calls ``Linear, Act, ...``, each value going to the next only: item ``2j`` is Linear j."""
     where: str                    # the module holding its items
-    how: str                      # "rewrite", "children", or "" (placed later)
+    how: How                      # REWRITE, CHILDREN, or NOWHERE (placed later)
     labels: List[str]             # one per item, in call order
     items: List[Any]              # LayerCall or fx nodes
     layers: List[LayerShape]      # one per Linear item
@@ -193,8 +193,9 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
     def unit(a: int, b: int, last_act: bool, last_freed: bool, why: str) -> None:
         freed, extra, plain = figures(a, b, last_act, last_freed)
         names = chain.unit_activations(a, b, last_act)
-        d = Decision(chain.where, labels(a, b, last_act), "fused",
-                     _unit_name(L[a:b + 1], names, last_act), chain.how, freed, extra, plain, why,
+        d = Decision(where=chain.where, layers=labels(a, b, last_act), action=Action.FUSED,
+                     unit=_unit_name(L[a:b + 1], names, last_act), how=chain.how,
+                     bytes_per_row=freed, flops_per_row=extra, plain_flops_per_row=plain, why=why,
                      activation=names[0] if len(set(names)) == 1 else ", ".join(names))
         units.append(Unit(chain, a, b, last_act, d))
 
@@ -202,10 +203,11 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
         freed, extra, plain = figures(a, b, True, kept is None)
         pot = "free nothing" if kept else \
             f"free {freed:,} B/row only if that consumer does not keep it"
-        misses.append(Decision(chain.where, layers or labels(a, b, True), "left alone", "", "",
-                               freed if kept is None else 0, extra, plain, f"{what}: {why}; "
-                               f"fusing it would {pot} and cost +{extra:,} FLOPs/row",
-                               activation=acts[b]))
+        misses.append(Decision(where=chain.where, layers=layers or labels(a, b, True),
+                               action=Action.LEFT_ALONE, bytes_per_row=freed if kept is None else 0,
+                               flops_per_row=extra, plain_flops_per_row=plain, activation=acts[b],
+                               why=f"{what}: {why}; fusing it would {pot} and cost +{extra:,} "
+                                   f"FLOPs/row"))
 
     def own_input(j: int) -> str:
         return f"{DISPLAY[acts[j]]}'s backward keeps its input, the fused op does not"
@@ -269,8 +271,8 @@ def item_misses(where: str, labels: List[str], problems: List[Optional[str]]) ->
     for k, p in enumerate(problems):
         if p is not None:
             groups.setdefault(tuple(labels[k - k % 2:k - k % 2 + 2]), []).append(p)
-    return [Decision(where, pair, "left alone", "", "", 0, 0, 0, "; ".join(dict.fromkeys(whys)))
-            for pair, whys in groups.items()]
+    return [Decision(where=where, layers=pair, action=Action.LEFT_ALONE,
+                     why="; ".join(dict.fromkeys(whys))) for pair, whys in groups.items()]
 
 
 def split_at_problems(problems: List[Optional[str]], n: int) -> List[Tuple[int, int]]:

@@ -3,6 +3,7 @@ gathered in a :class:`FuseReport`; ``fuse`` returns ``Fused(model, report)``."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 from dataclasses import dataclass, field
@@ -14,20 +15,43 @@ from torch import nn
 from .fallback import Stats
 
 
-@dataclass(frozen=True)
+class Named(str, enum.Enum):
+    """A value of a closed set, equal to its text and printed as it."""
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Action(Named):
+    FUSED = "fused"
+    ALREADY_FUSED = "already fused"
+    LEFT_ALONE = "left alone"
+
+
+class How(Named):
+    """Where a unit is computed."""
+    SEQUENTIAL = "sequential"  # by the nn.Sequential holding all of it
+    ACROSS = "across"          # by one Sequential or forward, across the Sequentials or forwards
+    #                            below it that hold its layers
+    CHILDREN = "children"      # in its owner's forward, whose child modules its layers are
+    REWRITE = "rewrite"        # by its owner's forward, rewritten (rewrite=True)
+    MODULE = "module"          # by the module's own forward (an experts module)
+    NOWHERE = ""               # left alone, or not placed yet
+
+
+@dataclass(frozen=True, kw_only=True)
 class Decision:
     """One run or pair of Linear/activation layers and what fuse did with it. Figures are per *row*
     of the layers' input (every leading dimension counts); a near miss's, what fusing would do."""
     where: str                # module holding the layers ("" = the model itself)
     layers: Tuple[str, ...]   # the layers in call order: paths, or "F.linear" / "torch.tanh" / ...
-    action: str               # "fused", "already fused" or "left alone"
-    unit: str                 # what runs them: "tanh_mlp, 3 layers 4->64->64->2", "linear_tanh",
+    action: Action
+    unit: str = ""            # what runs them: "tanh_mlp, 3 layers 4->64->64->2", "linear_tanh",
     #                           "mlp mixed (relu, relu, tanh), 3 layers 17->64->64->6, last tanh"
-    how: str                  # "sequential", "children", "rewrite" ("" when left alone)
-    bytes_per_row: int        # activation bytes per row no longer kept for backward, in the
+    how: How = How.NOWHERE
+    bytes_per_row: int = 0    # activation bytes per row no longer kept for backward, in the
     #                           dtypes the parameters set (under torch.autocast: count)
-    flops_per_row: int        # extra FLOPs per row: the forward GEMMs that backward recomputes
-    plain_flops_per_row: int  # these layers' forward + backward GEMM FLOPs per row, unfused
+    flops_per_row: int = 0    # extra FLOPs per row: the forward GEMMs that backward recomputes
+    plain_flops_per_row: int = 0  # these layers' forward + backward GEMM FLOPs per row, unfused
     why: str
     activation: str = ""      # ckpt_ext.ACTIVATIONS' name, "" if not known; mixed: "relu, tanh"
     bytes_per_call: int = 0   # bytes no longer kept per call beyond the rows' (an experts unit's)
@@ -64,11 +88,11 @@ class FuseReport:
 
     @property
     def fused(self) -> List[Decision]:
-        return [d for d in self.decisions if d.action == "fused"]
+        return [d for d in self.decisions if d.action == Action.FUSED]
 
     @property
     def near_misses(self) -> List[Decision]:
-        return [d for d in self.decisions if d.action == "left alone"]
+        return [d for d in self.decisions if d.action == Action.LEFT_ALONE]
 
     @property
     def bytes_per_row(self) -> int:
@@ -90,7 +114,7 @@ class FuseReport:
                                       f"{'; '.join(missing)}")
         decisions = [dataclasses.replace(d, **dict(zip(("bytes_per_row", "bytes_per_call"),
                                                        d.count(item))))
-                     if d.action == "fused" else d for d in self.decisions]
+                     if d.action == Action.FUSED else d for d in self.decisions]
         return dataclasses.replace(self, decisions=decisions, autocast=dtype)
 
     def __len__(self) -> int:
@@ -103,10 +127,10 @@ class FuseReport:
                  f"+{self.flops_per_row:,} FLOPs per row"]
         for d in self.decisions:
             layers = " -> ".join(d.layers)
-            if d.action == "left alone":
+            if d.action == Action.LEFT_ALONE:
                 lines.append(f"  left alone  {layers}: {d.why}")
                 continue
-            tag = verb if d.action == "fused" else "already fused"
+            tag = verb if d.action == Action.FUSED else Action.ALREADY_FUSED
             lines.append(f"  {tag:<11s} {layers} [{d.how}] as {d.unit}: frees "
                          f"{d.bytes_per_row:,} B/row, +{d.flops_per_row:,} FLOPs/row "
                          f"(+{100 * d.extra_cost:.0f}% of these layers' fwd+bwd); {d.why}")
@@ -171,16 +195,28 @@ def _spans(values: List[int]) -> str:
     return ",".join(parts)
 
 
+def on_path(model: nn.Module, where: str) -> List[Tuple[str, nn.Module]]:
+    """(path, module) of the model and of each module on the way down to ``where``, itself too."""
+    out, m, path = [("", model)], model, ""
+    for name in where.split(".") if where else ():
+        m = m._modules.get(name)
+        if m is None:
+            break
+        path = f"{path}.{name}" if path else name
+        out.append((path, m))
+    return out
+
+
 def checkpointed(model: nn.Module, decisions: List[Decision], how) -> List[tuple]:
     """FuseReport.checkpointed: ``how(module)`` names the checkpointing of a module, or None."""
-    out = []
-    fused = [d for d in decisions if d.action != "left alone" and d.unit]
-    for path, m in model.named_modules():
-        name = how(m)
-        inside = [d for d in fused if (d.where + ".").startswith(path + ".") or not path]
-        if name is not None and inside:
-            out.append((path, name, len(inside), sum(d.flops_per_row for d in inside)))
-    return out
+    found: Dict[str, list] = {}
+    for d in (d for d in decisions if d.action != Action.LEFT_ALONE and d.unit):
+        for path, m in on_path(model, d.where):
+            name = how(m)
+            if name is not None:
+                row = found.setdefault(path, [path, name, 0, 0])
+                row[2:] = row[2] + 1, row[3] + d.flops_per_row
+    return [tuple(row) for row in found.values()]
 
 
 class Fused(NamedTuple):

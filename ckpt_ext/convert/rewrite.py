@@ -16,7 +16,7 @@ from .facts import LayerKind, module_tensors, unsupported_reason
 from .linears import form_of, linear_args
 from .graph import ModelGraph
 from .policy import Chain, LayerShape, Unit, decide, item_misses
-from .report import Decision
+from .report import Action, Decision, How
 from .tracing import Trace
 from .units import Options, Placement, UnitKind
 from .zero3 import real_shape
@@ -97,9 +97,9 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
     for n in t.graph.nodes:
         if kind[n] is LayerKind.LINEAR and len(n.users) > 1 and \
                 any(kind[u] is LayerKind.ACTIVATION for u in n.users):
-            out.misses.append(Decision(path, (facts[n].label,), "left alone", "", "", 0, 0, 0,
-                                       f"its output has {len(n.users)} users, so it is kept for "
-                                       f"the others anyway"))
+            out.misses.append(Decision(
+                where=path, layers=(facts[n].label,), action=Action.LEFT_ALONE,
+                why=f"its output has {len(n.users)} users, so it is kept for the others anyway"))
         if kind[n] is not LayerKind.LINEAR or n in has_prev or nxt(n) is None:
             continue
         items = [n]
@@ -117,7 +117,7 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
             modules = [owner.get_submodule(x.target) if x.op == "call_module" else None
                        for x in items[1::2]]
             out.chains.append(Chain(
-                path, "rewrite", labels, items, layers, names, len(items) % 2 == 0,
+                path, How.REWRITE, labels, items, layers, names, len(items) % 2 == 0,
                 lambda last=items[-1]: graph.fate(owner, last),
                 tuple(module_tensors(m, name) for m, name in zip(modules, names))))
             continue
@@ -149,14 +149,12 @@ class Rewrite(UnitKind):
             source = _rewritten(f.owner, f.trace.graph, graph.nodes, units, f.trace.counts)
         except Exception as e:  # refused rather than guessed: the forward is left alone
             f.not_analysed.append((f.path, f"forward not rewritten: {type(e).__name__}: {e}"))
-            return [(dataclasses.replace(u.decision, action="left alone", unit="", how="",
-                                         why=f"the forward rewrite failed: {e}"), None)
+            return [(dataclasses.replace(u.decision, action=Action.LEFT_ALONE, unit="",
+                                         how=How.NOWHERE, why=f"the forward rewrite failed: {e}"),
+                     None)
                     for u in units] + [(d, None) for d in misses]
-        p = Placement("rewrite", f.path, [], "", False, self, f, owner=f.owner, source=source)
+        p = Placement(How.REWRITE, f.path, [], "", False, self, f, owner=f.owner, source=source)
         return [(u.decision, p) for u in units] + [(d, None) for d in misses]
-
-    def key(self, p: Placement):
-        return ("rewrite", p.owner)
 
 
 def _rewritten(owner: nn.Module, traced: fx.Graph, nodes, units: Sequence[Unit], counts=()) -> str:

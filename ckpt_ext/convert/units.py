@@ -6,14 +6,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+import torch
 from torch import fx, nn
 
 from ..modules import LayerActivations
-from .facts import LayerKind, Slot
+from .facts import GLOBAL, LayerKind, Slot, masks_drawable, of_weights, own_forward
 from .graph import LayerCall, ModelGraph
 from .policy import Policy
-from .report import Decision
-from .runtime import PartRole, _Guard
+from .report import Decision, How
+from .runtime import PartRole, _Guard, _Run
 from .tracing import Trace
 
 
@@ -33,14 +34,14 @@ class PartPlan(NamedTuple):
 
 
 class MemberPlan(NamedTuple):
-    call: LayerCall  # a child Linear, activation or pass module that becomes member ``index``
+    module: nn.Module  # a child Linear, activation, pass or experts module: member ``index``
     index: int
 
 
 @dataclass
 class Placement:
     """Where and how one unit is computed: by a Sequential, in its owner's region, or rewritten."""
-    how: str                          # "sequential", "children", "across" or "rewrite"
+    how: How
     where: str                        # the module holding every layer of the unit ("" = model)
     layer_calls: List[LayerCall]
     activation: LayerActivations
@@ -66,10 +67,7 @@ class UnitKind:
     nodes no kind before it took, each with the ``takes`` it takes and the ``not_analysed`` it
     found; ``decide(graph, found, options)``: (units, near misses); ``place(graph, found, units,
     misses)``: [(decision, its :class:`Placement` or None)] in report order; ``runtime(graph,
-    placement, decision)``: the object put in the model; ``key(placement)``: what identifies it."""
-
-    def key(self, p: Placement) -> Tuple[Any, ...]:
-        return (tuple(c.module for c in p.layer_calls), p.last_act)
+    placement, decision)``: the object put in the model, whose ``key`` identifies it."""
 
 
 @dataclass(eq=False)
@@ -101,9 +99,9 @@ class RegionKind(UnitKind):
         for d in units:
             calls = [LayerCall(c.owner, n.target, c.child(n), LayerKind.LINEAR,
                                graph.nodes[n].label, node=n, trace=c.trace) for n in c.linears]
-            p = Placement("children", c.path, calls, c.activation, False, self, c,
+            p = Placement(How.CHILDREN, c.path, calls, c.activation, False, self, c,
                           owner=c.owner, calls=[s.label for s in calls],
-                          members=[MemberPlan(s, k) for k, s in enumerate(calls)])
+                          members=[MemberPlan(s.module, k) for k, s in enumerate(calls)])
             for n in c.linears + c.others:
                 p.slots.append(Slot(c.owner, n.target, c.child(n), graph.nodes[n].label))
                 p.unhooked.append(c.child(n))
@@ -119,3 +117,52 @@ def arguments_note(graph: ModelGraph, p: Placement, d: Decision) -> Decision:
     given = ", ".join(t.arg_guard.given)
     return dataclasses.replace(d, why=f"{d.why}; computed fused in calls giving {given} (not "
                                       f"None), module by module in others")
+
+
+class _PlaceholderRun(_Run):
+    """A unit whose forward computes something between its Linears: the first member computes it
+    and returns a zero-width placeholder, on which that code runs; the last returns the output."""
+
+    def _conditions(self):
+        yield from GLOBAL
+        yield from (own_forward(m, label) for m, label in self.unhooked)
+        yield from self._placement()
+        yield from self._own()
+        yield masks_drawable(self)
+        yield from of_weights(self.layers, self.calls)
+
+    def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
+        state = self._region.state
+        if state is None:
+            return None
+        expected, last = state[0], len(self.calls) - 1
+        if expected == index == 0:
+            if self.refused():
+                state[0] = -1  # computed module by module for the rest of this call
+                return None
+            out = self(x)
+            state[0], state[1], state[3] = 1, x, out
+            return _placeholder(x, out)
+        if expected == index and 0 < index < last and self._carried(x, state[1]):
+            state[0] = index + 1
+            return _placeholder(x, state[3])
+        if expected == index == last and _is_placeholder(x, state[1]):
+            out, state[3] = state[3], None
+            state[0], state[1] = index + 1, out
+            return out
+        if 0 < expected <= last:
+            other = " with another value" if expected == index else ""
+            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called{other}"))
+        return None
+
+    def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
+        return _is_placeholder(x, first_input)
+
+
+def _placeholder(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[:-1] + (0,), dtype=out.dtype)
+
+
+def _is_placeholder(h: Any, x: torch.Tensor) -> bool:
+    return isinstance(h, torch.Tensor) and h.dim() >= 1 and h.shape[-1] == 0 and \
+        h.shape[:-1] == x.shape[:-1] and not h.requires_grad

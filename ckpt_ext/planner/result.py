@@ -16,7 +16,7 @@ from .._block_checkpoint import checkpoint_block, is_checkpointed
 from ..convert import Decision, FusedSequential, RunLinear, RunMember, fuse, unfuse
 from ..convert import _OwnerForward  # the forward fuse sets on an owner's instance
 from .figures import OptionFigures
-from .units import Option, Unit, fuses_alone, join_path
+from .units import Kind, Option, Unit, fuses_alone, join_path
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Plan:
             lines += [f"  {path:<{w}s} {rest}" for path, rest in rows]
         for unit in self.units:
             for option, why in unit.why_not.items():
-                if option != Option.FUSE or unit.kind != "block" or "no unit" not in why:
+                if option != Option.FUSE or unit.kind is not Kind.BLOCK or "no unit" not in why:
                     lines.append(f"  {unit.path or '<model>'}: no {option.value}: {why}")
         lines += [f"  not planned: {path or '<model>'}: {why}" for path, why in self.notes]
         return "\n".join(lines)

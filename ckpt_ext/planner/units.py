@@ -26,10 +26,16 @@ class Option(str, enum.Enum):
     CHECKPOINT = "checkpoint"
 
 
+class Kind(str, enum.Enum):
+    """What a unit is: a block, or a unit ``fuse`` makes outside every block."""
+    BLOCK = "block"
+    FUSED = "fused unit"
+
+
 @dataclass
 class Unit:
     path: str                                   # module path ("" = the model)
-    kind: str                                   # "block" or "fused unit"
+    kind: Kind
     options: Tuple[Option, ...]
     #: the modules whose ``fuse(module)`` makes this unit's fused units, and the layers (paths
     #: from the model) each must fuse
@@ -113,7 +119,7 @@ def find_units(model: nn.Module) -> Tuple[List[Unit], List[Tuple[str, str]]]:
             why[Option.CHECKPOINT] = (f"{join_path(b, norms[0])} updates its running statistics in "
                                       f"training: a recompute would update them twice")
         options = tuple(o for o in Option if o not in why)
-        units.append(Unit(b, "block", options,
+        units.append(Unit(b, Kind.BLOCK, options,
                           tuple((w, tuple(r)) for w, r in mine.items()) if Option.FUSE in options
                           else (), type(block).__name__, why))
         placed.update(mine)
@@ -124,7 +130,7 @@ def find_units(model: nn.Module) -> Tuple[List[Unit], List[Tuple[str, str]]]:
         if problem:
             notes.append((where, problem))
             continue
-        units.append(Unit(where, "fused unit", (Option.NONE, Option.FUSE),
+        units.append(Unit(where, Kind.FUSED, (Option.NONE, Option.FUSE),
                           ((where, tuple(runs)),), type(model.get_submodule(where)).__name__))
     order = {path: i for i, (path, _) in enumerate(model.named_modules(remove_duplicate=False))}
     units.sort(key=lambda u: order.get(u.path, -1))
