@@ -1,0 +1,62 @@
+"""Activations written as arithmetic inside a forward, between child Linears
+(``_activation_arithmetic.written_after``, read by ``facts.node_facts``): an inline run, computing
+what an unfused deep copy computes (float64), counted by ``ckpt_ext.stats``, freeing at least the
+report's figure; a rounded constant is no activation."""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+import ckpt_ext
+from ckpt_ext import fuse
+from test_fuse_activation_arithmetic import F64, assert_same, freed
+
+
+class WrittenInForward(nn.Module):
+    """Activations written as arithmetic between child Linears, in the forward itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 16), nn.Linear(16, 12), nn.Linear(12, 3)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = self.fc2(h * torch.sigmoid(h))
+        return self.fc3(0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) *
+                                                     (h + 0.044715 * torch.pow(h, 3.0)))))
+
+
+class RoundedInForward(WrittenInForward):
+    def forward(self, x):
+        h = self.fc2(self.fc1(x))
+        return self.fc3(h * 0.5 * (1 + torch.tanh(0.79788456 * h * (1 + 0.044715 * h * h))))
+
+
+def test_written_in_a_forward_is_an_inline_run():
+    """Several nodes computing a row from one Linear's output alone, holding all its uses, are
+    that activation: the run's function calls, run on a zero-width placeholder. The figure is
+    the row's op's (a formula keeps more unfused: a lower bound)."""
+    torch.manual_seed(0)
+    model = WrittenInForward().double()
+    before = copy.deepcopy(model)
+    _, report = fuse(model)
+    (d,) = report.fused
+    form = ("0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * "
+            "torch.pow(x, 3.0))))")
+    assert d.layers == ("fc1", "x * torch.sigmoid(x)", "fc2", form, "fc3")
+    assert (d.activation, d.how) == ("silu, gelu_tanh", "children")
+    assert d.bytes_per_row == 2 * (16 + 12) * 8
+    x = torch.randn(7, 6, dtype=F64)
+    assert_same(before, model, x)
+    (s,) = ckpt_ext.stats(model)
+    assert (s.fused_calls, s.unfused_calls) == (1, 0)
+    saved, kept = freed(before, model, x)
+    assert saved > 7 * d.bytes_per_row and kept >= saved
+
+
+def test_written_in_a_forward_not_a_row_is_not_an_activation():
+    _, report = fuse(RoundedInForward().double())
+    assert len(report) == 0
