@@ -19,12 +19,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import fx, nn
-from torch.nn.parameter import is_lazy
 
-from .arguments import STAND_IN, plan_arguments
+from .arguments import STAND_IN, _ArgGuard, plan_arguments
 from .facts import Fact, join_path
-from .runtime import MISSING, _ArgGuard, _Guard, _OwnerForward
-from .zero3 import real_shape
+from .runtime import MISSING, _Guard, _OwnerForward
+from .zero3 import meta_memo
 
 
 _FX_DIR = os.path.dirname(fx.__file__)
@@ -403,16 +402,7 @@ def trace_model(model: nn.Module, facts: Dict[int, Fact]):
         return traces, not_analysed
     with _rng_kept():
         try:  # a deep copy, its parameters and buffers on the meta device (never a full copy)
-            memo: Dict[int, Any] = {}
-            for p in model.parameters():  # a lazy parameter has no shape yet
-                memo[id(p)] = nn.UninitializedParameter(p.requires_grad, device="meta") \
-                    if is_lazy(p) else nn.Parameter(
-                        torch.empty(real_shape(p), dtype=p.dtype, device="meta"),
-                        requires_grad=p.requires_grad)
-            for b in model.buffers():
-                memo[id(b)] = nn.UninitializedBuffer(device="meta") if is_lazy(b) else \
-                    torch.empty_like(b, device="meta")
-            clone = copy.deepcopy(model, memo)
+            clone = copy.deepcopy(model, meta_memo(model))
         except Exception as e:  # each module failed, with why: the reason its Linears give
             why = f"the model could not be copied for analysis ({type(e).__name__}: {e})"
             return {id(m): Trace(False, why) for _, m in wanted}, \

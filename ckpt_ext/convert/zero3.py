@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO-3 as fuse meets it: a partitioned parameter's real shape, and the leaf-module
-marks that make ZeRO-3 gather a unit's weights at the module computing it.
+"""DeepSpeed ZeRO-3 as fuse meets it: a partitioned parameter's real shape (and the meta copy at
+it that tracing works on), and the leaf-module marks that make ZeRO-3 gather a unit's weights at
+the module computing it.
 
 ZeRO-3 hooks every module and, between its hooks, leaves each parameter a shape-[0] tensor (the
 real shape in ``param.ds_shape``). A unit's call finds hooks on its member Linears and computes
@@ -12,10 +13,11 @@ they were. Nothing here imports deepspeed. Docs: docs/fuse-usage.md, "DeepSpeed 
 from __future__ import annotations
 
 import sys
-from typing import Iterable
+from typing import Dict, Iterable
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 LEAF = "_z3_leaf"               # DeepSpeed's flag (deepspeed/utils/z3_leaf_module.py)
 MARKED = "_ckpt_ext_z3_leaf"    # set beside it where fuse set the flag, for unfuse
@@ -25,6 +27,20 @@ def real_shape(t: torch.Tensor) -> torch.Size:
     """The shape of ``t``, or of the whole parameter where ZeRO-3 holds a partition of it."""
     shape = getattr(t, "ds_shape", None)
     return shape if isinstance(shape, torch.Size) else t.shape
+
+
+def meta_memo(model: nn.Module) -> Dict[int, torch.Tensor]:
+    """A deepcopy memo putting each parameter and buffer of ``model`` on the meta device, at its
+    real shape (lazy ones stay uninitialized), so a copy of the model costs no memory."""
+    memo: Dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.UninitializedParameter(p.requires_grad, device="meta") if is_lazy(p) \
+            else nn.Parameter(torch.empty(real_shape(p), dtype=p.dtype, device="meta"),
+                              requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = nn.UninitializedBuffer(device="meta") if is_lazy(b) else \
+            torch.empty_like(b, device="meta")
+    return memo
 
 
 def registered(m: nn.Module) -> bool:
