@@ -19,6 +19,7 @@
 #include <optional>
 #include <vector>
 
+#include "registration.h"
 #include "schemas.h"
 
 namespace ckpt_ext {
@@ -120,23 +121,19 @@ at::Tensor moe_experts_autocast(const at::Tensor& x, const at::Tensor& top_k_ind
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
-// registration. AutocastCUDA is registered in CPU-only builds too: it is only a dispatcher key and
-// costs nothing; it takes effect as soon as the CUDA kernels exist.
+// registration
 
-TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCPU, m) {
-  m.impl("mlp", &mlp_autocast<c10::DeviceType::CPU>);
-  m.impl("gated_mlp", &gated_mlp_autocast<c10::DeviceType::CPU>);
-  m.impl("lora_mlp", &lora_mlp_autocast<c10::DeviceType::CPU>);
-  m.impl("lora_gated_mlp", &lora_gated_mlp_autocast<c10::DeviceType::CPU>);
-  m.impl("moe_experts", &moe_experts_autocast<c10::DeviceType::CPU>);
-}
-
-TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) {
-  m.impl("mlp", &mlp_autocast<c10::DeviceType::CUDA>);
-  m.impl("gated_mlp", &gated_mlp_autocast<c10::DeviceType::CUDA>);
-  m.impl("lora_mlp", &lora_mlp_autocast<c10::DeviceType::CUDA>);
-  m.impl("lora_gated_mlp", &lora_gated_mlp_autocast<c10::DeviceType::CUDA>);
-  m.impl("moe_experts", &moe_experts_autocast<c10::DeviceType::CUDA>);
+TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
+  register_autocast(m, "mlp", &mlp_autocast<c10::DeviceType::CPU>,
+                    &mlp_autocast<c10::DeviceType::CUDA>);
+  register_autocast(m, "gated_mlp", &gated_mlp_autocast<c10::DeviceType::CPU>,
+                    &gated_mlp_autocast<c10::DeviceType::CUDA>);
+  register_autocast(m, "lora_mlp", &lora_mlp_autocast<c10::DeviceType::CPU>,
+                    &lora_mlp_autocast<c10::DeviceType::CUDA>);
+  register_autocast(m, "lora_gated_mlp", &lora_gated_mlp_autocast<c10::DeviceType::CPU>,
+                    &lora_gated_mlp_autocast<c10::DeviceType::CUDA>);
+  register_autocast(m, "moe_experts", &moe_experts_autocast<c10::DeviceType::CPU>,
+                    &moe_experts_autocast<c10::DeviceType::CUDA>);
 }
 
 }  // namespace ckpt_ext

@@ -12,6 +12,7 @@
 
 #include "checks.h"
 #include "gated.h"
+#include "registration.h"
 #include "stack.h"
 
 namespace ckpt_ext {
@@ -91,21 +92,9 @@ GatedBackwardResult gated_mlp_backward_meta(const at::Tensor& grad_out, const at
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
-  m.impl("gated_mlp", &gated_mlp);
-  m.impl("gated_mlp_backward", &gated_mlp_backward);
-}
-
-#ifdef CKPT_EXT_WITH_CUDA
-TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
-  m.impl("gated_mlp", &gated_mlp);
-  m.impl("gated_mlp_backward", &gated_mlp_backward);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
-  m.impl("gated_mlp", &gated_mlp_meta);
-  m.impl("gated_mlp_backward", &gated_mlp_backward_meta);
+TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
+  register_kernels(m, "gated_mlp", &gated_mlp, &gated_mlp_meta);
+  register_kernels(m, "gated_mlp_backward", &gated_mlp_backward, &gated_mlp_backward_meta);
 }
 
 }  // namespace ckpt_ext

@@ -18,6 +18,7 @@
 #include "checks.h"
 #include "higher_order.h"
 #include "primitives.h"
+#include "registration.h"
 #include "stack.h"
 
 namespace ckpt_ext {
@@ -172,22 +173,12 @@ linear_tanh_backward_from_output_backward_meta(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
-  m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output);
-  m.impl("linear_tanh_backward_from_output_backward", &linear_tanh_backward_from_output_backward);
-}
-
-#ifdef CKPT_EXT_WITH_CUDA
-TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
-  m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output);
-  m.impl("linear_tanh_backward_from_output_backward", &linear_tanh_backward_from_output_backward);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
-  m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output_meta);
-  m.impl("linear_tanh_backward_from_output_backward",
-         &linear_tanh_backward_from_output_backward_meta);
+TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
+  register_kernels(m, "linear_tanh_backward_from_output", &linear_tanh_backward_from_output,
+                   &linear_tanh_backward_from_output_meta);
+  register_kernels(m, "linear_tanh_backward_from_output_backward",
+                   &linear_tanh_backward_from_output_backward,
+                   &linear_tanh_backward_from_output_backward_meta);
 }
 
 }  // namespace ckpt_ext

@@ -17,6 +17,7 @@
 #include "checks.h"
 #include "gated.h"
 #include "lora.h"
+#include "registration.h"
 #include "stack.h"
 
 namespace ckpt_ext {
@@ -246,27 +247,12 @@ LoraBackwardResult lora_gated_mlp_backward_meta(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
-  m.impl("lora_mlp", &lora_mlp);
-  m.impl("lora_mlp_backward", &lora_mlp_backward);
-  m.impl("lora_gated_mlp", &lora_gated_mlp);
-  m.impl("lora_gated_mlp_backward", &lora_gated_mlp_backward);
-}
-
-#ifdef CKPT_EXT_WITH_CUDA
-TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
-  m.impl("lora_mlp", &lora_mlp);
-  m.impl("lora_mlp_backward", &lora_mlp_backward);
-  m.impl("lora_gated_mlp", &lora_gated_mlp);
-  m.impl("lora_gated_mlp_backward", &lora_gated_mlp_backward);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
-  m.impl("lora_mlp", &lora_mlp_meta);
-  m.impl("lora_mlp_backward", &lora_mlp_backward_meta);
-  m.impl("lora_gated_mlp", &lora_gated_mlp_meta);
-  m.impl("lora_gated_mlp_backward", &lora_gated_mlp_backward_meta);
+TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
+  register_kernels(m, "lora_mlp", &lora_mlp, &lora_mlp_meta);
+  register_kernels(m, "lora_mlp_backward", &lora_mlp_backward, &lora_mlp_backward_meta);
+  register_kernels(m, "lora_gated_mlp", &lora_gated_mlp, &lora_gated_mlp_meta);
+  register_kernels(m, "lora_gated_mlp_backward", &lora_gated_mlp_backward,
+                   &lora_gated_mlp_backward_meta);
 }
 
 }  // namespace ckpt_ext

@@ -15,6 +15,7 @@
 
 #include "checks.h"
 #include "moe.h"
+#include "registration.h"
 
 namespace ckpt_ext {
 
@@ -110,21 +111,9 @@ MoeBackwardResult moe_experts_backward_meta(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
-  m.impl("moe_experts", &moe_experts);
-  m.impl("moe_experts_backward", &moe_experts_backward);
-}
-
-#ifdef CKPT_EXT_WITH_CUDA
-TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
-  m.impl("moe_experts", &moe_experts);
-  m.impl("moe_experts_backward", &moe_experts_backward);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
-  m.impl("moe_experts", &moe_experts_meta);
-  m.impl("moe_experts_backward", &moe_experts_backward_meta);
+TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
+  register_kernels(m, "moe_experts", &moe_experts, &moe_experts_meta);
+  register_kernels(m, "moe_experts_backward", &moe_experts_backward, &moe_experts_backward_meta);
 }
 
 }  // namespace ckpt_ext

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "registration.h"
 #include "stack.h"
 
 namespace ckpt_ext {
@@ -120,21 +121,9 @@ StackBackwardResult mlp_backward_meta(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
-  m.impl("mlp", &mlp);
-  m.impl("mlp_backward", &mlp_backward);
-}
-
-#ifdef CKPT_EXT_WITH_CUDA
-TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
-  m.impl("mlp", &mlp);
-  m.impl("mlp_backward", &mlp_backward);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
-  m.impl("mlp", &mlp_meta);
-  m.impl("mlp_backward", &mlp_backward_meta);
+TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
+  register_kernels(m, "mlp", &mlp, &mlp_meta);
+  register_kernels(m, "mlp_backward", &mlp_backward, &mlp_backward_meta);
 }
 
 }  // namespace ckpt_ext

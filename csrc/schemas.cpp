@@ -1,5 +1,5 @@
-// schemas.cpp — every schema of the ckpt_ext op library, once; the CUDA kernel of a CPU-only
-// build (an error that names the problem); and typed handles to call the ops from C++.
+// schemas.cpp — every schema of the ckpt_ext op library, once, and typed handles to call the ops
+// from C++. Each file of kernels registers them with registration.h's helpers.
 // The kernels: ops.cpp (mlp and its backward), gated_ops.cpp, lora_ops.cpp, moe_ops.cpp,
 // higher_order.cpp (tanh's orders above the first, from a layer's output), cpu/third_order.cpp,
 // autocast.cpp; autograd from Python (ckpt_ext/_mlp_autograd.py, _gated_autograd.py,
@@ -99,32 +99,6 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "(Tensor d_grad_grad_x, Tensor d_grad_grad_weight, Tensor d_grad_grad_bias, "
       "Tensor d_grad_out, Tensor d_x, Tensor d_output, Tensor d_weight)");
 }
-
-#ifndef CKPT_EXT_WITH_CUDA
-namespace {
-
-// The CUDA kernel of every device-generic op in a CPU-only build: an error that names the
-// problem, instead of the dispatcher's generic "could not run with arguments from the 'CUDA'
-// backend".
-void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
-  TORCH_CHECK(false, op.schema().name(), ": got CUDA tensors, but this build of ckpt_ext has no "
-              "CUDA kernels (ckpt_ext.WITH_CUDA is False); rebuild it where nvcc and a CUDA build "
-              "of torch are present (CKPT_EXT_CUDA=1 makes a missing toolkit an error)");
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
-  for (const char* name :
-       {"mlp", "mlp_backward", "gated_mlp", "gated_mlp_backward", "lora_mlp",
-        "lora_mlp_backward", "lora_gated_mlp", "lora_gated_mlp_backward", "moe_experts",
-        "moe_experts_backward",
-        "linear_tanh_backward_from_output",
-        "linear_tanh_backward_from_output_backward"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
-  }
-}
-#endif
 
 at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                     const c10::List<bool>& has_bias, c10::string_view activation,

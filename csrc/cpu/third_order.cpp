@@ -14,6 +14,7 @@
 
 #include "../checks.h"
 #include "../higher_order.h"
+#include "../registration.h"
 #include "../stack.h"
 #include "kernels.h"
 
@@ -153,14 +154,10 @@ Seven linear_tanh_backward_from_output_double_backward_meta(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
-  m.impl("linear_tanh_backward_from_output_double_backward",
-         &linear_tanh_backward_from_output_double_backward);
-}
-
-TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
-  m.impl("linear_tanh_backward_from_output_double_backward",
-         &linear_tanh_backward_from_output_double_backward_meta);
+TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
+  register_kernels(m, "linear_tanh_backward_from_output_double_backward",
+                   &linear_tanh_backward_from_output_double_backward,
+                   &linear_tanh_backward_from_output_double_backward_meta, Devices::kCpu);
 }
 
 }  // namespace ckpt_ext
