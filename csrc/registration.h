@@ -1,7 +1,7 @@
 // registration.h — one row registers an op's kernels: the device-generic kernel for CPU and CUDA
 // and its Meta kernel (FakeTensor, torch.compile), or its two autocast kernels, inside a
 // TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) block of the file that holds them (schemas in schemas.cpp).
-//   register_kernels(m, "mlp", &mlp, &mlp_meta);
+//   register_kernels(m, "mlp", &mlp<Kernel::kCompute>, &mlp<Kernel::kMeta>);
 // In a CPU-only build the CUDA key gets an error that names the problem instead of the
 // dispatcher's generic "could not run with arguments from the 'CUDA' backend". An op with a CPU
 // kernel only (Devices::kCpu) registers nothing for CUDA, in either build.
@@ -13,6 +13,11 @@ namespace ckpt_ext {
 
 // The devices an op has a computing kernel for.
 enum class Devices { kCpuAndCuda, kCpu };
+
+// Which of an op's two kernels a kernel template is instantiated as. Both run one prologue (the
+// checks, the parsed arguments, the shapes read), then kCompute, the device-generic kernel (CPU
+// and CUDA), computes, and kMeta, its Meta twin, returns fresh outputs of the right metadata.
+enum class Kernel { kCompute, kMeta };
 
 #ifndef CKPT_EXT_WITH_CUDA
 inline void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
