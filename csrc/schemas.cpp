@@ -119,11 +119,20 @@ at::Tensor call_gated_mlp(const at::Tensor& x, at::TensorList weights, at::Tenso
   return op.call(x, weights, biases, has_bias, activation);
 }
 
+namespace {
+
+c10::List<bool> bool_list(const std::vector<bool>& v) {
+  c10::List<bool> out;
+  out.reserve(v.size());
+  for (bool b : v) out.push_back(b);
+  return out;
+}
+
+}  // namespace
+
 at::Tensor call_lora_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                          const c10::List<bool>& has_bias, c10::string_view activation,
-                         bool last_activation, at::TensorList lora_A, at::TensorList lora_B,
-                         at::TensorList lora_biases, const c10::List<bool>& has_lora,
-                         const c10::List<bool>& has_lora_bias, c10::ArrayRef<double> scaling) {
+                         bool last_activation, const LoraArgs& lora) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("ckpt_ext::lora_mlp", "")
@@ -131,17 +140,13 @@ at::Tensor call_lora_mlp(const at::Tensor& x, at::TensorList weights, at::Tensor
                             const c10::List<bool>&, c10::string_view, bool, at::TensorList,
                             at::TensorList, at::TensorList, const c10::List<bool>&,
                             const c10::List<bool>&, c10::ArrayRef<double>)>();
-  return op.call(x, weights, biases, has_bias, activation, last_activation, lora_A, lora_B,
-                 lora_biases, has_lora, has_lora_bias, scaling);
+  return op.call(x, weights, biases, has_bias, activation, last_activation, lora.A, lora.B,
+                 lora.biases, bool_list(lora.has_lora), bool_list(lora.has_bias), lora.scaling);
 }
 
 at::Tensor call_lora_gated_mlp(const at::Tensor& x, at::TensorList weights,
                                at::TensorList biases, const c10::List<bool>& has_bias,
-                               c10::string_view activation, at::TensorList lora_A,
-                               at::TensorList lora_B, at::TensorList lora_biases,
-                               const c10::List<bool>& has_lora,
-                               const c10::List<bool>& has_lora_bias,
-                               c10::ArrayRef<double> scaling) {
+                               c10::string_view activation, const LoraArgs& lora) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("ckpt_ext::lora_gated_mlp", "")
@@ -149,8 +154,8 @@ at::Tensor call_lora_gated_mlp(const at::Tensor& x, at::TensorList weights,
                             const c10::List<bool>&, c10::string_view, at::TensorList,
                             at::TensorList, at::TensorList, const c10::List<bool>&,
                             const c10::List<bool>&, c10::ArrayRef<double>)>();
-  return op.call(x, weights, biases, has_bias, activation, lora_A, lora_B, lora_biases, has_lora,
-                 has_lora_bias, scaling);
+  return op.call(x, weights, biases, has_bias, activation, lora.A, lora.B, lora.biases,
+                 bool_list(lora.has_lora), bool_list(lora.has_bias), lora.scaling);
 }
 
 at::Tensor call_moe_experts(const at::Tensor& x, const at::Tensor& top_k_index,
