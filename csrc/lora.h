@@ -15,8 +15,8 @@ namespace ckpt_ext {
 // The lora ops' LoRA arguments, the six lists of their schemas (lora_A, lora_B, lora_biases,
 // has_lora, has_lora_bias, lora_scaling; schemas.cpp) as one value that the kernels pass on:
 // has_lora one entry per weight; A, B, scaling and has_bias one entry per weight with a LoRA, in
-// weight order; biases those of the LoRAs whose has_bias is true. It points into the lists it
-// was made from.
+// weight order; biases those of the LoRAs whose has_bias is true. A, B, biases and scaling point
+// into the lists it was made from.
 struct LoraArgs {
   at::TensorList A, B, biases;
   std::vector<bool> has_lora, has_bias;
