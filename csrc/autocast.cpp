@@ -19,81 +19,71 @@
 #include <optional>
 #include <vector>
 
+#include "registration.h"
 #include "schemas.h"
 
 namespace ckpt_ext {
 
 namespace {
 
-std::vector<at::Tensor> cast_all(at::ScalarType dtype, at::TensorList ts,
-                                 c10::DeviceType device_type) {
-  std::vector<at::Tensor> out;
-  out.reserve(ts.size());
-  for (const at::Tensor& t : ts) out.push_back(at::autocast::cached_cast(dtype, t, device_type));
-  return out;
-}
+// Inside an autocast kernel: this device's autocast key excluded, so that the op, called again
+// below this point, does not come back here but re-dispatches to Autograd -> CPU/CUDA with the
+// cast arguments; and the casts to the context's dtype (cached, as nn.Linear's are).
+template <c10::DeviceType device_type>
+struct Autocast {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast{
+      at::autocast::get_autocast_dispatch_key_from_device_type(device_type)};
+  at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
+
+  at::Tensor operator()(const at::Tensor& t) const {
+    return at::autocast::cached_cast(dtype, t, device_type);
+  }
+  std::optional<at::Tensor> operator()(const std::optional<at::Tensor>& t) const {
+    if (!t.has_value()) return std::nullopt;
+    return (*this)(*t);
+  }
+  std::vector<at::Tensor> operator()(at::TensorList ts) const {
+    std::vector<at::Tensor> out;
+    out.reserve(ts.size());
+    for (const at::Tensor& t : ts) out.push_back((*this)(t));
+    return out;
+  }
+};
 
 template <c10::DeviceType device_type>
 at::Tensor mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                         const c10::List<bool>& has_bias, c10::string_view activation,
                         bool last_activation) {
-  // Below this point the op must not come back here: exclude this device's autocast key, then
-  // re-dispatch to Autograd -> CPU/CUDA with the cast arguments.
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(
-      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
-  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
-  return call_mlp(at::autocast::cached_cast(dtype, x, device_type),
-                  cast_all(dtype, weights, device_type), cast_all(dtype, biases, device_type),
-                  has_bias, activation, last_activation);
+  const Autocast<device_type> cast;
+  return call_mlp(cast(x), cast(weights), cast(biases), has_bias, activation, last_activation);
 }
 
 template <c10::DeviceType device_type>
 at::Tensor gated_mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                               const c10::List<bool>& has_bias, c10::string_view activation) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(
-      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
-  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
-  return call_gated_mlp(at::autocast::cached_cast(dtype, x, device_type),
-                        cast_all(dtype, weights, device_type),
-                        cast_all(dtype, biases, device_type), has_bias, activation);
+  const Autocast<device_type> cast;
+  return call_gated_mlp(cast(x), cast(weights), cast(biases), has_bias, activation);
 }
 
+// The lora ops cast their LoRA tensors too: the LoraArgs passed on points at the cast copies.
 template <c10::DeviceType device_type>
 at::Tensor lora_mlp_autocast(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                              const c10::List<bool>& has_bias, c10::string_view activation,
-                             bool last_activation, at::TensorList lora_A, at::TensorList lora_B,
-                             at::TensorList lora_biases, const c10::List<bool>& has_lora,
-                             const c10::List<bool>& has_lora_bias,
-                             c10::ArrayRef<double> scaling) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(
-      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
-  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
-  return call_lora_mlp(at::autocast::cached_cast(dtype, x, device_type),
-                       cast_all(dtype, weights, device_type), cast_all(dtype, biases, device_type),
-                       has_bias, activation, last_activation, cast_all(dtype, lora_A, device_type),
-                       cast_all(dtype, lora_B, device_type),
-                       cast_all(dtype, lora_biases, device_type), has_lora, has_lora_bias,
-                       scaling);
+                             bool last_activation, const LoraArgs& lora) {
+  const Autocast<device_type> cast;
+  const std::vector<at::Tensor> A = cast(lora.A), B = cast(lora.B), lb = cast(lora.biases);
+  return call_lora_mlp(cast(x), cast(weights), cast(biases), has_bias, activation,
+                       last_activation, {A, B, lb, lora.has_lora, lora.has_bias, lora.scaling});
 }
 
 template <c10::DeviceType device_type>
 at::Tensor lora_gated_mlp_autocast(const at::Tensor& x, at::TensorList weights,
                                    at::TensorList biases, const c10::List<bool>& has_bias,
-                                   c10::string_view activation, at::TensorList lora_A,
-                                   at::TensorList lora_B, at::TensorList lora_biases,
-                                   const c10::List<bool>& has_lora,
-                                   const c10::List<bool>& has_lora_bias,
-                                   c10::ArrayRef<double> scaling) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(
-      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
-  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
-  return call_lora_gated_mlp(at::autocast::cached_cast(dtype, x, device_type),
-                             cast_all(dtype, weights, device_type),
-                             cast_all(dtype, biases, device_type), has_bias, activation,
-                             cast_all(dtype, lora_A, device_type),
-                             cast_all(dtype, lora_B, device_type),
-                             cast_all(dtype, lora_biases, device_type), has_lora, has_lora_bias,
-                             scaling);
+                                   c10::string_view activation, const LoraArgs& lora) {
+  const Autocast<device_type> cast;
+  const std::vector<at::Tensor> A = cast(lora.A), B = cast(lora.B), lb = cast(lora.biases);
+  return call_lora_gated_mlp(cast(x), cast(weights), cast(biases), has_bias, activation,
+                             {A, B, lb, lora.has_lora, lora.has_bias, lora.scaling});
 }
 
 template <c10::DeviceType device_type>
@@ -104,39 +94,29 @@ at::Tensor moe_experts_autocast(const at::Tensor& x, const at::Tensor& top_k_ind
                                 const std::optional<at::Tensor>& down_bias,
                                 c10::string_view activation, c10::string_view layout,
                                 std::optional<double> limit, double up_offset) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(
-      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
-  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
-  auto cast = [&](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
-    if (!t.has_value()) return std::nullopt;
-    return at::autocast::cached_cast(dtype, *t, device_type);
-  };
-  return call_moe_experts(at::autocast::cached_cast(dtype, x, device_type), top_k_index,
-                          top_k_weights, at::autocast::cached_cast(dtype, gate_up, device_type),
-                          at::autocast::cached_cast(dtype, down, device_type), cast(gate_up_bias),
-                          cast(down_bias), activation, layout, limit, up_offset);
+  const Autocast<device_type> cast;
+  return call_moe_experts(cast(x), top_k_index, top_k_weights, cast(gate_up), cast(down),
+                          cast(gate_up_bias), cast(down_bias), activation, layout, limit,
+                          up_offset);
 }
 
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
-// registration. AutocastCUDA is registered in CPU-only builds too: it is only a dispatcher key and
-// costs nothing; it takes effect as soon as the CUDA kernels exist.
+// registration
 
-TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCPU, m) {
-  m.impl("mlp", &mlp_autocast<c10::DeviceType::CPU>);
-  m.impl("gated_mlp", &gated_mlp_autocast<c10::DeviceType::CPU>);
-  m.impl("lora_mlp", &lora_mlp_autocast<c10::DeviceType::CPU>);
-  m.impl("lora_gated_mlp", &lora_gated_mlp_autocast<c10::DeviceType::CPU>);
-  m.impl("moe_experts", &moe_experts_autocast<c10::DeviceType::CPU>);
-}
-
-TORCH_LIBRARY_IMPL(ckpt_ext, AutocastCUDA, m) {
-  m.impl("mlp", &mlp_autocast<c10::DeviceType::CUDA>);
-  m.impl("gated_mlp", &gated_mlp_autocast<c10::DeviceType::CUDA>);
-  m.impl("lora_mlp", &lora_mlp_autocast<c10::DeviceType::CUDA>);
-  m.impl("lora_gated_mlp", &lora_gated_mlp_autocast<c10::DeviceType::CUDA>);
-  m.impl("moe_experts", &moe_experts_autocast<c10::DeviceType::CUDA>);
+TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
+  register_autocast(m, "mlp", &mlp_autocast<c10::DeviceType::CPU>,
+                    &mlp_autocast<c10::DeviceType::CUDA>);
+  register_autocast(m, "gated_mlp", &gated_mlp_autocast<c10::DeviceType::CPU>,
+                    &gated_mlp_autocast<c10::DeviceType::CUDA>);
+  register_autocast(m, "lora_mlp", &lora_mlp_kernel<lora_mlp_autocast<c10::DeviceType::CPU>>,
+                    &lora_mlp_kernel<lora_mlp_autocast<c10::DeviceType::CUDA>>);
+  register_autocast(m, "lora_gated_mlp",
+                    &lora_gated_mlp_kernel<lora_gated_mlp_autocast<c10::DeviceType::CPU>>,
+                    &lora_gated_mlp_kernel<lora_gated_mlp_autocast<c10::DeviceType::CUDA>>);
+  register_autocast(m, "moe_experts", &moe_experts_autocast<c10::DeviceType::CPU>,
+                    &moe_experts_autocast<c10::DeviceType::CUDA>);
 }
 
 }  // namespace ckpt_ext

@@ -313,14 +313,13 @@ void check_lora_gated_inputs(const char* op, const at::Tensor& x, at::TensorList
   check_lora_inputs(op, x, weights, lora, names, weight_names);
 }
 
-void check_lora_masks(const char* op, const LoraArgs& lora, const std::vector<bool>& need_A,
-                      const std::vector<bool>& need_B, const std::vector<bool>& need_biases) {
-  TORCH_CHECK_VALUE(need_A.size() == lora.A.size() && need_B.size() == lora.B.size(),
+void check_lora_masks(const char* op, const LoraArgs& lora, const LoraBackwardMasks& masks) {
+  TORCH_CHECK_VALUE(masks.A.size() == lora.A.size() && masks.B.size() == lora.B.size(),
                     "ckpt_ext.", op, ": need_lora_A and need_lora_B must have one entry per LoRA (",
-                    lora.A.size(), "), got ", need_A.size(), " and ", need_B.size());
-  TORCH_CHECK_VALUE(need_biases.size() == lora.biases.size(), "ckpt_ext.", op,
+                    lora.A.size(), "), got ", masks.A.size(), " and ", masks.B.size());
+  TORCH_CHECK_VALUE(masks.lora_biases.size() == lora.biases.size(), "ckpt_ext.", op,
                     ": need_lora_biases must have one entry per LoRA bias (", lora.biases.size(),
-                    "), got ", need_biases.size());
+                    "), got ", masks.lora_biases.size());
 }
 
 void check_grad_out(const char* op, const at::Tensor& grad_out, const at::Tensor& x,

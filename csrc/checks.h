@@ -67,9 +67,8 @@ void check_lora_stack_inputs(const char* op, const at::Tensor& x, at::TensorList
                              const LoraArgs& lora);
 void check_lora_gated_inputs(const char* op, const at::Tensor& x, at::TensorList weights,
                              const LoraArgs& lora);
-// need_A and need_B: one entry per LoRA; need_biases: one per LoRA bias.
-void check_lora_masks(const char* op, const LoraArgs& lora, const std::vector<bool>& need_A,
-                      const std::vector<bool>& need_B, const std::vector<bool>& need_biases);
+// masks.A and masks.B: one entry per LoRA; masks.lora_biases: one per LoRA bias.
+void check_lora_masks(const char* op, const LoraArgs& lora, const LoraBackwardMasks& masks);
 
 // The experts of a mixture of experts (moe.h): x (..., H); top_k_index (int64 or int32) and
 // top_k_weights (a supported dtype, not necessarily x's) of one shape (..., K) over x's leading

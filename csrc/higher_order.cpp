@@ -6,8 +6,8 @@
 // Shapes: x (..., K), weight (N, K), grad_out and output (..., N), rows flattened to (M, ·).
 // GEMMs and elementwise steps are ATen ops, the bias sums the primitives (primitives.h);
 // from_output computes in the storage type, as mlp_backward does; its backward computes
-// float16/bfloat16 in float32 and rounds each result once. The Meta kernels run the same checks
-// (checks.cpp).
+// float16/bfloat16 in float32 and rounds each result once. The Meta kernels are the same
+// functions up to the checks (checks.cpp), then fresh outputs (registration.h's Kernel).
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -18,6 +18,7 @@
 #include "checks.h"
 #include "higher_order.h"
 #include "primitives.h"
+#include "registration.h"
 #include "stack.h"
 
 namespace ckpt_ext {
@@ -71,11 +72,19 @@ std::array<at::Tensor, 4> in_float_if_half(at::ScalarType dtype, Fn&& fn, const 
 // ----------------------------------------------------------------------------------------------
 // linear_tanh_backward_from_output: the layer's mlp_backward after its recompute, from t.
 
+template <Kernel kernel>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& output,
     const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     std::array<bool, 3> output_mask) {
   check_from_output_inputs(grad_out, x, output, weight, bias);
+  if constexpr (kernel == Kernel::kMeta) {
+    return {output_mask[0] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
+            output_mask[1] ? empty_weight_grad(weight, x.options()) : at::Tensor(),
+            output_mask[2] && bias.has_value()
+                ? at::empty_symint({weight.sym_size(0)}, x.options())
+                : at::Tensor()};
+  }
   const c10::OptionalDeviceGuard guard(at::device_of(x));
   at::Tensor x2 = flatten_rows(x);
   const int64_t M = x2.size(0), N = weight.size(0);
@@ -86,18 +95,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output(
   at::Tensor grad_x = output_mask[0] ? at::mm(g, weight).view(x.sizes()) : at::Tensor();
   at::Tensor grad_w = output_mask[1] ? weight_grad(g, x2, weight) : at::Tensor();
   return {grad_x, grad_w, grad_b};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_tanh_backward_from_output_meta(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& output,
-    const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    std::array<bool, 3> output_mask) {
-  check_from_output_inputs(grad_out, x, output, weight, bias);
-  return {output_mask[0] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
-          output_mask[1] ? empty_weight_grad(weight, x.options()) : at::Tensor(),
-          output_mask[2] && bias.has_value()
-              ? at::empty_symint({weight.sym_size(0)}, x.options())
-              : at::Tensor()};
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -134,6 +131,7 @@ std::array<at::Tensor, 4> from_output_backward_2d(const std::optional<at::Tensor
   return out;
 }
 
+template <Kernel kernel>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 linear_tanh_backward_from_output_backward(
     const std::optional<at::Tensor>& grad_grad_x, const std::optional<at::Tensor>& grad_grad_weight,
@@ -142,6 +140,12 @@ linear_tanh_backward_from_output_backward(
     std::array<bool, 4> output_mask) {
   check_from_output_backward_inputs(grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x,
                                     output, weight);
+  if constexpr (kernel == Kernel::kMeta) {
+    return {output_mask[0] ? at::empty_symint(grad_out.sym_sizes(), x.options()) : at::Tensor(),
+            output_mask[1] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
+            output_mask[2] ? at::empty_symint(output.sym_sizes(), x.options()) : at::Tensor(),
+            output_mask[3] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor()};
+  }
   const c10::OptionalDeviceGuard guard(at::device_of(x));
   at::Tensor x2 = flatten_rows(x);
   const int64_t M = x2.size(0), N = weight.size(0);
@@ -156,38 +160,15 @@ linear_tanh_backward_from_output_backward(
   return {r[0], r[1], r[2], r[3]};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-linear_tanh_backward_from_output_backward_meta(
-    const std::optional<at::Tensor>& grad_grad_x, const std::optional<at::Tensor>& grad_grad_weight,
-    const std::optional<at::Tensor>& grad_grad_bias, const at::Tensor& grad_out,
-    const at::Tensor& x, const at::Tensor& output, const at::Tensor& weight,
-    std::array<bool, 4> output_mask) {
-  check_from_output_backward_inputs(grad_grad_x, grad_grad_weight, grad_grad_bias, grad_out, x,
-                                    output, weight);
-  return {output_mask[0] ? at::empty_symint(grad_out.sym_sizes(), x.options()) : at::Tensor(),
-          output_mask[1] ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
-          output_mask[2] ? at::empty_symint(output.sym_sizes(), x.options()) : at::Tensor(),
-          output_mask[3] ? at::empty_symint(weight.sym_sizes(), x.options()) : at::Tensor()};
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
-  m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output);
-  m.impl("linear_tanh_backward_from_output_backward", &linear_tanh_backward_from_output_backward);
-}
-
-#ifdef CKPT_EXT_WITH_CUDA
-TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
-  m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output);
-  m.impl("linear_tanh_backward_from_output_backward", &linear_tanh_backward_from_output_backward);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
-  m.impl("linear_tanh_backward_from_output", &linear_tanh_backward_from_output_meta);
-  m.impl("linear_tanh_backward_from_output_backward",
-         &linear_tanh_backward_from_output_backward_meta);
+TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
+  register_kernels(m, "linear_tanh_backward_from_output",
+                   &linear_tanh_backward_from_output<Kernel::kCompute>,
+                   &linear_tanh_backward_from_output<Kernel::kMeta>);
+  register_kernels(m, "linear_tanh_backward_from_output_backward",
+                   &linear_tanh_backward_from_output_backward<Kernel::kCompute>,
+                   &linear_tanh_backward_from_output_backward<Kernel::kMeta>);
 }
 
 }  // namespace ckpt_ext

@@ -6,6 +6,12 @@
 
 namespace ckpt_ext {
 
+LoraArgs lora_args(at::TensorList A, at::TensorList B, at::TensorList biases,
+                   const c10::List<bool>& has_lora, const c10::List<bool>& has_bias,
+                   c10::ArrayRef<double> scaling) {
+  return {A, B, biases, has_lora.vec(), has_bias.vec(), scaling};
+}
+
 LoraLayers lora_layers(const LoraArgs& args) {
   LoraLayers out(args.has_lora.size());
   int64_t j = 0, k = 0;  // indices into the per-LoRA lists and into the biases
@@ -26,13 +32,12 @@ const LoraTerm* lora_of(const LoraLayers& lora, size_t i) {
   return i < lora.size() && lora[i].has_value() ? &*lora[i] : nullptr;
 }
 
-void ask_lora(LoraLayers& lora, const std::vector<bool>& need_A, const std::vector<bool>& need_B,
-              const std::vector<bool>& need_biases) {
+void ask_lora(LoraLayers& lora, const LoraBackwardMasks& masks) {
   for (auto& t : lora) {
     if (!t.has_value()) continue;
-    t->need_A = need_A[t->slot];
-    t->need_B = need_B[t->slot];
-    t->need_bias = t->bias_slot >= 0 && need_biases[t->bias_slot];
+    t->need_A = masks.A[t->slot];
+    t->need_B = masks.B[t->slot];
+    t->need_bias = t->bias_slot >= 0 && masks.lora_biases[t->bias_slot];
   }
 }
 

@@ -12,13 +12,27 @@
 
 namespace ckpt_ext {
 
-// The lora ops' LoRA arguments as the schema gives them (schemas.cpp): has_lora one entry per
-// weight; A, B, scaling and has_bias one entry per weight with a LoRA, in weight order; biases
-// those of the LoRAs whose has_bias is true.
+// The lora ops' LoRA arguments, the six lists of their schemas (lora_A, lora_B, lora_biases,
+// has_lora, has_lora_bias, lora_scaling; schemas.cpp) as one value that the kernels pass on:
+// has_lora one entry per weight; A, B, scaling and has_bias one entry per weight with a LoRA, in
+// weight order; biases those of the LoRAs whose has_bias is true. A, B, biases and scaling point
+// into the lists it was made from.
 struct LoraArgs {
   at::TensorList A, B, biases;
   std::vector<bool> has_lora, has_bias;
   c10::ArrayRef<double> scaling;
+};
+// From the lists as the dispatcher passes them.
+LoraArgs lora_args(at::TensorList A, at::TensorList B, at::TensorList biases,
+                   const c10::List<bool>& has_lora, const c10::List<bool>& has_bias,
+                   c10::ArrayRef<double> scaling);
+
+// What a lora backward op is asked for, its schema's need_x, need_weights, need_biases (as
+// mlp_backward's), need_lora_A and need_lora_B (one per LoRA), need_lora_biases (one per LoRA
+// bias).
+struct LoraBackwardMasks {
+  bool x;
+  std::vector<bool> weights, biases, A, B, lora_biases;
 };
 
 struct LoraTerm {
@@ -40,10 +54,8 @@ using LoraLayers = std::vector<std::optional<LoraTerm>>;
 LoraLayers lora_layers(const LoraArgs& args);
 // The term of weight i, or nullptr.
 const LoraTerm* lora_of(const LoraLayers& lora, size_t i);
-// Set what a backward is asked for: need_A and need_B one entry per LoRA, need_biases one per
-// LoRA bias (the schema's lists).
-void ask_lora(LoraLayers& lora, const std::vector<bool>& need_A, const std::vector<bool>& need_B,
-              const std::vector<bool>& need_biases);
+// Set what a backward is asked for (masks.A, masks.B, masks.lora_biases).
+void ask_lora(LoraLayers& lora, const LoraBackwardMasks& masks);
 
 // z += s·((a·Aᵀ)·Bᵀ + b_B), in peft's order: t = a·Aᵀ (one GEMM), l = t·Bᵀ + b_B (one addmm, as
 // F.linear), l·s, then z + l·s, each rounded to the storage type as peft's ops round it. z may be

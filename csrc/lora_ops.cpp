@@ -1,7 +1,9 @@
 // lora_ops.cpp — the kernels of lora_mlp, lora_gated_mlp and their backward ops (schemas in
 // schemas.cpp): the mlp and gated_mlp ops with a LoRA term on any of their weights (lora.h).
 // Checks (checks.cpp), device guard, then the stack or gated engine with the terms, one function
-// for CPU and CUDA; and their Meta kernels, the same checks then fresh outputs.
+// for CPU and CUDA; and their Meta kernels, the same function up to the checks, then fresh
+// outputs (registration.h's Kernel). Past the schema the LoRA lists travel as one LoraArgs, the
+// backward's masks as one LoraBackwardMasks (schemas.h's lora_*_kernel).
 //   lora_mlp(x (..., K_0), weights, biases, has_bias, activation, last_activation, lora_A[j]
 //            (r_j, K_i), lora_B[j] (N_i, r_j), lora_biases, has_lora, has_lora_bias,
 //            lora_scaling) -> y (..., N_{L-1})
@@ -17,21 +19,13 @@
 #include "checks.h"
 #include "gated.h"
 #include "lora.h"
+#include "registration.h"
+#include "schemas.h"
 #include "stack.h"
 
 namespace ckpt_ext {
 
 namespace {
-
-using LoraBackwardResult =
-    std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
-               std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>;
-
-LoraArgs lora_args(at::TensorList A, at::TensorList B, at::TensorList biases,
-                   const c10::List<bool>& has_lora, const c10::List<bool>& has_bias,
-                   c10::ArrayRef<double> scaling) {
-  return {A, B, biases, has_lora.vec(), has_bias.vec(), scaling};
-}
 
 void check_stack(const char* op, const at::Tensor& x, at::TensorList weights,
                  at::TensorList biases, const std::vector<bool>& has_bias, const LoraArgs& lora) {
@@ -48,225 +42,119 @@ void check_gated(const char* op, const at::Tensor& x, at::TensorList weights,
 // The backward's masks and grad_out, after the forward's checks.
 void check_backward_rest(const char* op, const at::Tensor& grad_out, const at::Tensor& x,
                          at::TensorList weights, at::TensorList biases, const LoraArgs& lora,
-                         const std::vector<bool>& need_weights,
-                         const std::vector<bool>& need_biases, const std::vector<bool>& need_A,
-                         const std::vector<bool>& need_B, const std::vector<bool>& need_lb) {
-  check_stack_masks(op, weights, biases, need_weights, need_biases);
-  check_lora_masks(op, lora, need_A, need_B, need_lb);
+                         const LoraBackwardMasks& masks) {
+  check_stack_masks(op, weights, biases, masks.weights, masks.biases);
+  check_lora_masks(op, lora, masks);
   check_grad_out(op, grad_out, x, weights.back().sym_size(0));
 }
 
+// The engine's gradients, only those asked for (the schema's compact result lists).
 template <typename Grads>
-LoraBackwardResult results(Grads&& g, const std::vector<bool>& need_weights,
-                           const std::vector<bool>& need_biases, const std::vector<bool>& need_A,
-                           const std::vector<bool>& need_B, const std::vector<bool>& need_lb) {
+LoraBackwardResult results(Grads&& g, const LoraBackwardMasks& masks) {
   return {g.grad_x,
-          asked(std::move(g.grad_weights), need_weights),
-          asked(std::move(g.grad_biases), need_biases),
-          asked(std::move(g.lora.A), need_A),
-          asked(std::move(g.lora.B), need_B),
-          asked(std::move(g.lora.biases), need_lb)};
+          asked(std::move(g.grad_weights), masks.weights),
+          asked(std::move(g.grad_biases), masks.biases),
+          asked(std::move(g.lora.A), masks.A),
+          asked(std::move(g.lora.B), masks.B),
+          asked(std::move(g.lora.biases), masks.lora_biases)};
+}
+
+// The Meta kernel's: fresh tensors of those gradients' metadata.
+LoraBackwardResult empty_results(const at::Tensor& x, at::TensorList weights,
+                                 at::TensorList biases, const LoraArgs& lora,
+                                 const LoraBackwardMasks& masks) {
+  const at::TensorOptions options = x.options();
+  return {masks.x ? at::empty_symint(x.sym_sizes(), options) : at::Tensor(),
+          empty_asked(weights, masks.weights, options, true),
+          empty_asked(biases, masks.biases, options, false),
+          empty_asked(lora.A, masks.A, options, true),
+          empty_asked(lora.B, masks.B, options, true),
+          empty_asked(lora.biases, masks.lora_biases, options, false)};
 }
 
 // ---- lora_mlp -----------------------------------------------------------------------------------
 
+template <Kernel kernel>
 at::Tensor lora_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                     const c10::List<bool>& has_bias_list, c10::string_view activation,
-                    bool last_activation, at::TensorList lora_A, at::TensorList lora_B,
-                    at::TensorList lora_biases, const c10::List<bool>& has_lora,
-                    const c10::List<bool>& has_lora_bias, c10::ArrayRef<double> scaling) {
+                    bool last_activation, const LoraArgs& lora) {
   constexpr const char* op = "lora_mlp";
   const std::vector<bool> has_bias = has_bias_list.vec();
-  const LoraArgs la = lora_args(lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling);
-  check_stack(op, x, weights, biases, has_bias, la);
+  check_stack(op, x, weights, biases, has_bias, lora);
   const auto acts = parse_activations(op, activation, weights.size(), last_activation);
+  if constexpr (kernel == Kernel::kMeta) return empty_output(x, weights.back().sym_size(0));
   const c10::OptionalDeviceGuard guard(at::device_of(x));
-  return stack_forward(x, weights, biases, has_bias, last_activation, acts, lora_layers(la));
+  return stack_forward(x, weights, biases, has_bias, last_activation, acts, lora_layers(lora));
 }
 
-LoraBackwardResult lora_mlp_backward(
-    const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
-    at::TensorList biases, const c10::List<bool>& has_bias_list, c10::string_view activation,
-    bool last_activation, at::TensorList lora_A, at::TensorList lora_B,
-    at::TensorList lora_biases, const c10::List<bool>& has_lora,
-    const c10::List<bool>& has_lora_bias, c10::ArrayRef<double> scaling, bool need_x,
-    const c10::List<bool>& need_weights_list, const c10::List<bool>& need_biases_list,
-    const c10::List<bool>& need_A_list, const c10::List<bool>& need_B_list,
-    const c10::List<bool>& need_lb_list) {
+template <Kernel kernel>
+LoraBackwardResult lora_mlp_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                     at::TensorList weights, at::TensorList biases,
+                                     const c10::List<bool>& has_bias_list,
+                                     c10::string_view activation, bool last_activation,
+                                     const LoraArgs& lora, const LoraBackwardMasks& masks) {
   constexpr const char* op = "lora_mlp_backward";
-  const std::vector<bool> has_bias = has_bias_list.vec(), need_weights = need_weights_list.vec(),
-                          need_biases = need_biases_list.vec(), need_A = need_A_list.vec(),
-                          need_B = need_B_list.vec(), need_lb = need_lb_list.vec();
-  const LoraArgs la = lora_args(lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling);
-  check_stack(op, x, weights, biases, has_bias, la);
-  check_backward_rest(op, grad_out, x, weights, biases, la, need_weights, need_biases, need_A,
-                      need_B, need_lb);
+  const std::vector<bool> has_bias = has_bias_list.vec();
+  check_stack(op, x, weights, biases, has_bias, lora);
+  check_backward_rest(op, grad_out, x, weights, biases, lora, masks);
   const auto acts = parse_activations(op, activation, weights.size(), last_activation);
-  LoraLayers lora = lora_layers(la);
-  ask_lora(lora, need_A, need_B, need_lb);
+  if constexpr (kernel == Kernel::kMeta) return empty_results(x, weights, biases, lora, masks);
+  LoraLayers terms = lora_layers(lora);
+  ask_lora(terms, masks);
   const c10::OptionalDeviceGuard guard(at::device_of(x));
-  return results(stack_backward(grad_out, x, weights, biases, has_bias, last_activation, need_x,
-                                need_weights, need_biases, acts, lora),
-                 need_weights, need_biases, need_A, need_B, need_lb);
+  return results(stack_backward(grad_out, x, weights, biases, has_bias, last_activation, masks.x,
+                                masks.weights, masks.biases, acts, terms),
+                 masks);
 }
 
 // ---- lora_gated_mlp -----------------------------------------------------------------------------
 
+template <Kernel kernel>
 at::Tensor lora_gated_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                           const c10::List<bool>& has_bias_list, c10::string_view activation,
-                          at::TensorList lora_A, at::TensorList lora_B,
-                          at::TensorList lora_biases, const c10::List<bool>& has_lora,
-                          const c10::List<bool>& has_lora_bias, c10::ArrayRef<double> scaling) {
+                          const LoraArgs& lora) {
   constexpr const char* op = "lora_gated_mlp";
   const std::vector<bool> has_bias = has_bias_list.vec();
-  const LoraArgs la = lora_args(lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling);
-  check_gated(op, x, weights, biases, has_bias, la);
+  check_gated(op, x, weights, biases, has_bias, lora);
   const Activation act = parse_activation(op, activation);
+  if constexpr (kernel == Kernel::kMeta) return empty_output(x, weights.back().sym_size(0));
   const c10::OptionalDeviceGuard guard(at::device_of(x));
-  return gated_forward(x, weights, biases, has_bias, act, lora_layers(la));
+  return gated_forward(x, weights, biases, has_bias, act, lora_layers(lora));
 }
 
-LoraBackwardResult lora_gated_mlp_backward(
-    const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
-    at::TensorList biases, const c10::List<bool>& has_bias_list, c10::string_view activation,
-    at::TensorList lora_A, at::TensorList lora_B, at::TensorList lora_biases,
-    const c10::List<bool>& has_lora, const c10::List<bool>& has_lora_bias,
-    c10::ArrayRef<double> scaling, bool need_x, const c10::List<bool>& need_weights_list,
-    const c10::List<bool>& need_biases_list, const c10::List<bool>& need_A_list,
-    const c10::List<bool>& need_B_list, const c10::List<bool>& need_lb_list) {
+template <Kernel kernel>
+LoraBackwardResult lora_gated_mlp_backward(const at::Tensor& grad_out, const at::Tensor& x,
+                                           at::TensorList weights, at::TensorList biases,
+                                           const c10::List<bool>& has_bias_list,
+                                           c10::string_view activation, const LoraArgs& lora,
+                                           const LoraBackwardMasks& masks) {
   constexpr const char* op = "lora_gated_mlp_backward";
-  const std::vector<bool> has_bias = has_bias_list.vec(), need_weights = need_weights_list.vec(),
-                          need_biases = need_biases_list.vec(), need_A = need_A_list.vec(),
-                          need_B = need_B_list.vec(), need_lb = need_lb_list.vec();
-  const LoraArgs la = lora_args(lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling);
-  check_gated(op, x, weights, biases, has_bias, la);
-  check_backward_rest(op, grad_out, x, weights, biases, la, need_weights, need_biases, need_A,
-                      need_B, need_lb);
+  const std::vector<bool> has_bias = has_bias_list.vec();
+  check_gated(op, x, weights, biases, has_bias, lora);
+  check_backward_rest(op, grad_out, x, weights, biases, lora, masks);
   const Activation act = parse_activation(op, activation);
-  LoraLayers lora = lora_layers(la);
-  ask_lora(lora, need_A, need_B, need_lb);
+  if constexpr (kernel == Kernel::kMeta) return empty_results(x, weights, biases, lora, masks);
+  LoraLayers terms = lora_layers(lora);
+  ask_lora(terms, masks);
   const c10::OptionalDeviceGuard guard(at::device_of(x));
-  return results(gated_backward(grad_out, x, weights, biases, has_bias, need_x, need_weights,
-                                need_biases, act, lora),
-                 need_weights, need_biases, need_A, need_B, need_lb);
-}
-
-// ---- Meta kernels: the same checks, then the outputs' metadata as SymInts ------------------------
-
-at::Tensor output_meta(const at::Tensor& x, at::TensorList weights) {
-  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
-  shape.push_back(weights.back().sym_size(0));
-  return at::empty_symint(shape, x.options());
-}
-
-LoraBackwardResult backward_meta(const at::Tensor& x, at::TensorList weights,
-                                 at::TensorList biases, const LoraArgs& la, bool need_x,
-                                 const std::vector<bool>& need_weights,
-                                 const std::vector<bool>& need_biases,
-                                 const std::vector<bool>& need_A, const std::vector<bool>& need_B,
-                                 const std::vector<bool>& need_lb) {
-  auto like = [&](at::TensorList ts, const std::vector<bool>& need, bool weight_layout) {
-    std::vector<at::Tensor> out;
-    for (size_t i = 0; i < ts.size(); ++i) {
-      if (!need[i]) continue;
-      out.push_back(weight_layout ? empty_weight_grad(ts[i], x.options())
-                                  : at::empty_symint(ts[i].sym_sizes(), x.options()));
-    }
-    return out;
-  };
-  return {need_x ? at::empty_symint(x.sym_sizes(), x.options()) : at::Tensor(),
-          like(weights, need_weights, true),
-          like(biases, need_biases, false),
-          like(la.A, need_A, true),
-          like(la.B, need_B, true),
-          like(la.biases, need_lb, false)};
-}
-
-at::Tensor lora_mlp_meta(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                         const c10::List<bool>& has_bias, c10::string_view activation,
-                         bool last_activation, at::TensorList lora_A, at::TensorList lora_B,
-                         at::TensorList lora_biases, const c10::List<bool>& has_lora,
-                         const c10::List<bool>& has_lora_bias, c10::ArrayRef<double> scaling) {
-  constexpr const char* op = "lora_mlp";
-  check_stack(op, x, weights, biases, has_bias.vec(),
-              lora_args(lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling));
-  parse_activations(op, activation, weights.size(), last_activation);
-  return output_meta(x, weights);
-}
-
-LoraBackwardResult lora_mlp_backward_meta(
-    const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
-    at::TensorList biases, const c10::List<bool>& has_bias, c10::string_view activation,
-    bool last_activation, at::TensorList lora_A, at::TensorList lora_B,
-    at::TensorList lora_biases, const c10::List<bool>& has_lora,
-    const c10::List<bool>& has_lora_bias, c10::ArrayRef<double> scaling, bool need_x,
-    const c10::List<bool>& need_weights, const c10::List<bool>& need_biases,
-    const c10::List<bool>& need_A, const c10::List<bool>& need_B,
-    const c10::List<bool>& need_lb) {
-  constexpr const char* op = "lora_mlp_backward";
-  const LoraArgs la = lora_args(lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling);
-  check_stack(op, x, weights, biases, has_bias.vec(), la);
-  check_backward_rest(op, grad_out, x, weights, biases, la, need_weights.vec(), need_biases.vec(),
-                      need_A.vec(), need_B.vec(), need_lb.vec());
-  parse_activations(op, activation, weights.size(), last_activation);
-  return backward_meta(x, weights, biases, la, need_x, need_weights.vec(), need_biases.vec(),
-                       need_A.vec(), need_B.vec(), need_lb.vec());
-}
-
-at::Tensor lora_gated_mlp_meta(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
-                               const c10::List<bool>& has_bias, c10::string_view activation,
-                               at::TensorList lora_A, at::TensorList lora_B,
-                               at::TensorList lora_biases, const c10::List<bool>& has_lora,
-                               const c10::List<bool>& has_lora_bias,
-                               c10::ArrayRef<double> scaling) {
-  constexpr const char* op = "lora_gated_mlp";
-  check_gated(op, x, weights, biases, has_bias.vec(),
-              lora_args(lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling));
-  parse_activation(op, activation);
-  return output_meta(x, weights);
-}
-
-LoraBackwardResult lora_gated_mlp_backward_meta(
-    const at::Tensor& grad_out, const at::Tensor& x, at::TensorList weights,
-    at::TensorList biases, const c10::List<bool>& has_bias, c10::string_view activation,
-    at::TensorList lora_A, at::TensorList lora_B, at::TensorList lora_biases,
-    const c10::List<bool>& has_lora, const c10::List<bool>& has_lora_bias,
-    c10::ArrayRef<double> scaling, bool need_x, const c10::List<bool>& need_weights,
-    const c10::List<bool>& need_biases, const c10::List<bool>& need_A,
-    const c10::List<bool>& need_B, const c10::List<bool>& need_lb) {
-  constexpr const char* op = "lora_gated_mlp_backward";
-  const LoraArgs la = lora_args(lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling);
-  check_gated(op, x, weights, biases, has_bias.vec(), la);
-  check_backward_rest(op, grad_out, x, weights, biases, la, need_weights.vec(), need_biases.vec(),
-                      need_A.vec(), need_B.vec(), need_lb.vec());
-  parse_activation(op, activation);
-  return backward_meta(x, weights, biases, la, need_x, need_weights.vec(), need_biases.vec(),
-                       need_A.vec(), need_B.vec(), need_lb.vec());
+  return results(gated_backward(grad_out, x, weights, biases, has_bias, masks.x, masks.weights,
+                                masks.biases, act, terms),
+                 masks);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
-  m.impl("lora_mlp", &lora_mlp);
-  m.impl("lora_mlp_backward", &lora_mlp_backward);
-  m.impl("lora_gated_mlp", &lora_gated_mlp);
-  m.impl("lora_gated_mlp_backward", &lora_gated_mlp_backward);
-}
-
-#ifdef CKPT_EXT_WITH_CUDA
-TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
-  m.impl("lora_mlp", &lora_mlp);
-  m.impl("lora_mlp_backward", &lora_mlp_backward);
-  m.impl("lora_gated_mlp", &lora_gated_mlp);
-  m.impl("lora_gated_mlp_backward", &lora_gated_mlp_backward);
-}
-#endif
-
-TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
-  m.impl("lora_mlp", &lora_mlp_meta);
-  m.impl("lora_mlp_backward", &lora_mlp_backward_meta);
-  m.impl("lora_gated_mlp", &lora_gated_mlp_meta);
-  m.impl("lora_gated_mlp_backward", &lora_gated_mlp_backward_meta);
+TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
+  register_kernels(m, "lora_mlp", &lora_mlp_kernel<lora_mlp<Kernel::kCompute>>,
+                   &lora_mlp_kernel<lora_mlp<Kernel::kMeta>>);
+  register_kernels(m, "lora_mlp_backward",
+                   &lora_mlp_backward_kernel<lora_mlp_backward<Kernel::kCompute>>,
+                   &lora_mlp_backward_kernel<lora_mlp_backward<Kernel::kMeta>>);
+  register_kernels(m, "lora_gated_mlp", &lora_gated_mlp_kernel<lora_gated_mlp<Kernel::kCompute>>,
+                   &lora_gated_mlp_kernel<lora_gated_mlp<Kernel::kMeta>>);
+  register_kernels(m, "lora_gated_mlp_backward",
+                   &lora_gated_mlp_backward_kernel<lora_gated_mlp_backward<Kernel::kCompute>>,
+                   &lora_gated_mlp_backward_kernel<lora_gated_mlp_backward<Kernel::kMeta>>);
 }
 
 }  // namespace ckpt_ext

@@ -34,6 +34,20 @@ void check_like(const char* op, const char* what, const at::Tensor& t, const at:
                     " ", t.scalar_type(), " on ", t.device());
 }
 
+// A lora op's argument checks as a Python function of its arguments (the op's lists as Python
+// lists): the weights' checks, then the LoRA terms' on the lists bundled as one LoraArgs.
+template <auto check_weights, auto check_lora>
+auto lora_checks(const char* op) {
+  return [op](const at::Tensor& x, const std::vector<at::Tensor>& weights,
+              const std::vector<at::Tensor>& biases, const std::vector<bool>& has_bias,
+              const std::vector<at::Tensor>& lora_A, const std::vector<at::Tensor>& lora_B,
+              const std::vector<at::Tensor>& lora_biases, const std::vector<bool>& has_lora,
+              const std::vector<bool>& has_lora_bias, const std::vector<double>& scaling) {
+    check_weights(op, x, weights, biases, has_bias);
+    check_lora(op, x, weights, {lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling});
+  };
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -158,34 +172,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
   // The lora ops' argument checks, with their messages: ckpt_ext.mlp and ckpt_ext.gated_mlp run
   // them before a LoRA with dropout computes from ATen ops (the ops run them themselves).
-  m.def("_check_lora_mlp_inputs", [](const at::Tensor& x, const std::vector<at::Tensor>& weights,
-                                     const std::vector<at::Tensor>& biases,
-                                     const std::vector<bool>& has_bias,
-                                     const std::vector<at::Tensor>& lora_A,
-                                     const std::vector<at::Tensor>& lora_B,
-                                     const std::vector<at::Tensor>& lora_biases,
-                                     const std::vector<bool>& has_lora,
-                                     const std::vector<bool>& has_lora_bias,
-                                     const std::vector<double>& scaling) {
-    ckpt_ext::check_stack_inputs("lora_mlp", x, weights, biases, has_bias);
-    ckpt_ext::check_lora_stack_inputs(
-        "lora_mlp", x, weights, {lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling});
-  });
-  m.def("_check_lora_gated_mlp_inputs", [](const at::Tensor& x,
-                                           const std::vector<at::Tensor>& weights,
-                                           const std::vector<at::Tensor>& biases,
-                                           const std::vector<bool>& has_bias,
-                                           const std::vector<at::Tensor>& lora_A,
-                                           const std::vector<at::Tensor>& lora_B,
-                                           const std::vector<at::Tensor>& lora_biases,
-                                           const std::vector<bool>& has_lora,
-                                           const std::vector<bool>& has_lora_bias,
-                                           const std::vector<double>& scaling) {
-    ckpt_ext::check_gated_inputs("lora_gated_mlp", x, weights, biases, has_bias);
-    ckpt_ext::check_lora_gated_inputs(
-        "lora_gated_mlp", x, weights,
-        {lora_A, lora_B, lora_biases, has_lora, has_lora_bias, scaling});
-  });
+  m.def("_check_lora_mlp_inputs", lora_checks<&ckpt_ext::check_stack_inputs,
+                                              &ckpt_ext::check_lora_stack_inputs>("lora_mlp"));
+  m.def("_check_lora_gated_mlp_inputs",
+        lora_checks<&ckpt_ext::check_gated_inputs, &ckpt_ext::check_lora_gated_inputs>(
+            "lora_gated_mlp"));
   ckpt_ext::bind_cpu_meter(m);
   ckpt_ext::bind_build_info(m);  // TORCH_BUILD_VERSION, CPU level hooks (build_info.cpp)
   ckpt_ext::bind_autograd_node(m);  // the C++ first-order autograd node (autograd_node.cpp)

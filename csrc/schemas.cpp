@@ -1,5 +1,5 @@
-// schemas.cpp — every schema of the ckpt_ext op library, once; the CUDA kernel of a CPU-only
-// build (an error that names the problem); and typed handles to call the ops from C++.
+// schemas.cpp — every schema of the ckpt_ext op library, once, and typed handles to call the ops
+// from C++. Each file of kernels registers them with registration.h's helpers.
 // The kernels: ops.cpp (mlp and its backward), gated_ops.cpp, lora_ops.cpp, moe_ops.cpp,
 // higher_order.cpp (tanh's orders above the first, from a layer's output), cpu/third_order.cpp,
 // autocast.cpp; autograd from Python (ckpt_ext/_mlp_autograd.py, _gated_autograd.py,
@@ -100,32 +100,6 @@ TORCH_LIBRARY(ckpt_ext, m) {
       "Tensor d_grad_out, Tensor d_x, Tensor d_output, Tensor d_weight)");
 }
 
-#ifndef CKPT_EXT_WITH_CUDA
-namespace {
-
-// The CUDA kernel of every device-generic op in a CPU-only build: an error that names the
-// problem, instead of the dispatcher's generic "could not run with arguments from the 'CUDA'
-// backend".
-void no_cuda_kernels(const c10::OperatorHandle& op, torch::jit::Stack*) {
-  TORCH_CHECK(false, op.schema().name(), ": got CUDA tensors, but this build of ckpt_ext has no "
-              "CUDA kernels (ckpt_ext.WITH_CUDA is False); rebuild it where nvcc and a CUDA build "
-              "of torch are present (CKPT_EXT_CUDA=1 makes a missing toolkit an error)");
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(ckpt_ext, CUDA, m) {
-  for (const char* name :
-       {"mlp", "mlp_backward", "gated_mlp", "gated_mlp_backward", "lora_mlp",
-        "lora_mlp_backward", "lora_gated_mlp", "lora_gated_mlp_backward", "moe_experts",
-        "moe_experts_backward",
-        "linear_tanh_backward_from_output",
-        "linear_tanh_backward_from_output_backward"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_cuda_kernels>());
-  }
-}
-#endif
-
 at::Tensor call_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                     const c10::List<bool>& has_bias, c10::string_view activation,
                     bool last_activation) {
@@ -145,11 +119,20 @@ at::Tensor call_gated_mlp(const at::Tensor& x, at::TensorList weights, at::Tenso
   return op.call(x, weights, biases, has_bias, activation);
 }
 
+namespace {
+
+c10::List<bool> bool_list(const std::vector<bool>& v) {
+  c10::List<bool> out;
+  out.reserve(v.size());
+  for (bool b : v) out.push_back(b);
+  return out;
+}
+
+}  // namespace
+
 at::Tensor call_lora_mlp(const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                          const c10::List<bool>& has_bias, c10::string_view activation,
-                         bool last_activation, at::TensorList lora_A, at::TensorList lora_B,
-                         at::TensorList lora_biases, const c10::List<bool>& has_lora,
-                         const c10::List<bool>& has_lora_bias, c10::ArrayRef<double> scaling) {
+                         bool last_activation, const LoraArgs& lora) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("ckpt_ext::lora_mlp", "")
@@ -157,17 +140,13 @@ at::Tensor call_lora_mlp(const at::Tensor& x, at::TensorList weights, at::Tensor
                             const c10::List<bool>&, c10::string_view, bool, at::TensorList,
                             at::TensorList, at::TensorList, const c10::List<bool>&,
                             const c10::List<bool>&, c10::ArrayRef<double>)>();
-  return op.call(x, weights, biases, has_bias, activation, last_activation, lora_A, lora_B,
-                 lora_biases, has_lora, has_lora_bias, scaling);
+  return op.call(x, weights, biases, has_bias, activation, last_activation, lora.A, lora.B,
+                 lora.biases, bool_list(lora.has_lora), bool_list(lora.has_bias), lora.scaling);
 }
 
 at::Tensor call_lora_gated_mlp(const at::Tensor& x, at::TensorList weights,
                                at::TensorList biases, const c10::List<bool>& has_bias,
-                               c10::string_view activation, at::TensorList lora_A,
-                               at::TensorList lora_B, at::TensorList lora_biases,
-                               const c10::List<bool>& has_lora,
-                               const c10::List<bool>& has_lora_bias,
-                               c10::ArrayRef<double> scaling) {
+                               c10::string_view activation, const LoraArgs& lora) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("ckpt_ext::lora_gated_mlp", "")
@@ -175,8 +154,8 @@ at::Tensor call_lora_gated_mlp(const at::Tensor& x, at::TensorList weights,
                             const c10::List<bool>&, c10::string_view, at::TensorList,
                             at::TensorList, at::TensorList, const c10::List<bool>&,
                             const c10::List<bool>&, c10::ArrayRef<double>)>();
-  return op.call(x, weights, biases, has_bias, activation, lora_A, lora_B, lora_biases, has_lora,
-                 has_lora_bias, scaling);
+  return op.call(x, weights, biases, has_bias, activation, lora.A, lora.B, lora.biases,
+                 bool_list(lora.has_lora), bool_list(lora.has_bias), lora.scaling);
 }
 
 at::Tensor call_moe_experts(const at::Tensor& x, const at::Tensor& top_k_index,

@@ -48,6 +48,23 @@ at::Tensor empty_weight_grad(const at::Tensor& weight, const at::TensorOptions& 
   return at::empty_symint(weight.sym_sizes(), options);
 }
 
+at::Tensor empty_output(const at::Tensor& x, const c10::SymInt& out_features) {
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end() - 1);
+  shape.push_back(out_features);
+  return at::empty_symint(shape, x.options());
+}
+
+std::vector<at::Tensor> empty_asked(at::TensorList ts, const std::vector<bool>& need,
+                                    const at::TensorOptions& options, bool weights) {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    if (!need[i]) continue;
+    out.push_back(weights ? empty_weight_grad(ts[i], options)
+                          : at::empty_symint(ts[i].sym_sizes(), options));
+  }
+  return out;
+}
+
 std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t out_features) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(out_features);

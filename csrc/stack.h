@@ -38,6 +38,13 @@ void linear_into(const at::Tensor& out, const at::Tensor& a, const at::Tensor& w
 at::Tensor weight_grad(const at::Tensor& g, const at::Tensor& a, const at::Tensor& weight);
 at::Tensor empty_weight_grad(const at::Tensor& weight, const at::TensorOptions& options);
 
+// The Meta kernels' outputs, sizes read as SymInts so dynamic shapes trace: (..., N) of x's
+// leading dimensions and `out_features`; and the gradients asked for (need[i]) of the tensors
+// ts, in order, in empty_weight_grad's layout when `weights`, else of ts[i]'s shape.
+at::Tensor empty_output(const at::Tensor& x, const c10::SymInt& out_features);
+std::vector<at::Tensor> empty_asked(at::TensorList ts, const std::vector<bool>& need,
+                                    const at::TensorOptions& options, bool weights);
+
 // (..., N): x's leading dimensions and `out_features`.
 std::vector<int64_t> out_sizes(const at::Tensor& x, int64_t out_features);
 

@@ -14,6 +14,7 @@
 
 #include "../checks.h"
 #include "../higher_order.h"
+#include "../registration.h"
 #include "../stack.h"
 #include "kernels.h"
 
@@ -50,6 +51,7 @@ at::Tensor contiguous_or_undefined(const std::optional<at::Tensor>& t, int64_t r
 using Seven = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                          at::Tensor>;
 
+template <Kernel kernel>
 Seven linear_tanh_backward_from_output_double_backward(
     const std::optional<at::Tensor>& ggx, const std::optional<at::Tensor>& ggw,
     const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out, const at::Tensor& x,
@@ -57,6 +59,16 @@ Seven linear_tanh_backward_from_output_double_backward(
     const std::optional<at::Tensor>& u_x, const std::optional<at::Tensor>& u_t,
     const std::optional<at::Tensor>& u_w, std::array<bool, 7> mask) {
   check_third_order_inputs(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, u_x, u_t, u_w);
+  if constexpr (kernel == Kernel::kMeta) {
+    auto like = [&](bool want, c10::SymIntArrayRef shape) {
+      return want ? at::empty_symint(shape, x.options()) : at::Tensor();
+    };
+    const std::vector<c10::SymInt> n{weight.sym_size(0)};
+    return {like(mask[0], x.sym_sizes()),        like(mask[1], weight.sym_sizes()),
+            like(mask[2], n),                    like(mask[3], grad_out.sym_sizes()),
+            like(mask[4], x.sym_sizes()),        like(mask[5], output.sym_sizes()),
+            like(mask[6], weight.sym_sizes())};
+  }
   const at::ScalarType dtype = x.scalar_type();
   const bool half = is_half(dtype);
   auto up = [&](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
@@ -134,33 +146,13 @@ Seven linear_tanh_backward_from_output_double_backward(
   return {r[0], r[1], r[2], r[3], r[4], r[5], r[6]};
 }
 
-Seven linear_tanh_backward_from_output_double_backward_meta(
-    const std::optional<at::Tensor>& ggx, const std::optional<at::Tensor>& ggw,
-    const std::optional<at::Tensor>& ggb, const at::Tensor& grad_out, const at::Tensor& x,
-    const at::Tensor& output, const at::Tensor& weight, const std::optional<at::Tensor>& u_gy,
-    const std::optional<at::Tensor>& u_x, const std::optional<at::Tensor>& u_t,
-    const std::optional<at::Tensor>& u_w, std::array<bool, 7> mask) {
-  check_third_order_inputs(ggx, ggw, ggb, grad_out, x, output, weight, u_gy, u_x, u_t, u_w);
-  auto like = [&](bool want, c10::SymIntArrayRef shape) {
-    return want ? at::empty_symint(shape, x.options()) : at::Tensor();
-  };
-  const std::vector<c10::SymInt> n{weight.sym_size(0)};
-  return {like(mask[0], x.sym_sizes()),        like(mask[1], weight.sym_sizes()),
-          like(mask[2], n),                    like(mask[3], grad_out.sym_sizes()),
-          like(mask[4], x.sym_sizes()),        like(mask[5], output.sym_sizes()),
-          like(mask[6], weight.sym_sizes())};
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ckpt_ext, CPU, m) {
-  m.impl("linear_tanh_backward_from_output_double_backward",
-         &linear_tanh_backward_from_output_double_backward);
-}
-
-TORCH_LIBRARY_IMPL(ckpt_ext, Meta, m) {
-  m.impl("linear_tanh_backward_from_output_double_backward",
-         &linear_tanh_backward_from_output_double_backward_meta);
+TORCH_LIBRARY_FRAGMENT(ckpt_ext, m) {
+  register_kernels(m, "linear_tanh_backward_from_output_double_backward",
+                   &linear_tanh_backward_from_output_double_backward<Kernel::kCompute>,
+                   &linear_tanh_backward_from_output_double_backward<Kernel::kMeta>,
+                   Devices::kCpu);
 }
 
 }  // namespace ckpt_ext
