@@ -8,7 +8,7 @@ from .._block_checkpoint import undo_checkpoints
 from .accounting import unaccounted
 from .applying import apply_plan, undo_all
 from .engines import sharded
-from .facts import LayerKind, checkpointing, survey
+from .facts import LayerKind, checkpointings, survey
 from .fallback import Stats, stats
 from .graph import ModelGraph
 from .planning import make_plan
@@ -51,7 +51,7 @@ def fuse(model: nn.Module, *, policy: str = "memory", rewrite: bool = False,
     named = [layer for d in decisions for layer in d.layers] + [p for p, _ in not_analysed]
     return Fused(model, FuseReport(dry_run, policy, rewrite, decisions, not_analysed,
                                    plan.rewritten, unaccounted(graph, named),
-                                   checkpointed(model, decisions, checkpointing),
+                                   checkpointed(model, decisions, checkpointings),
                                    Stats() if dry_run else stats(model)))
 
 

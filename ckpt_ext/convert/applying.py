@@ -7,12 +7,12 @@ from typing import List
 from torch import nn
 
 from ..modules import collapse_activations
-from .facts import checkpointing_layer
+from .facts import checkpointing_layers
 from .fallback import attach
 from .graph import ModelGraph
 from .planning import Plan
 from .plain import PLAIN
-from .report import How, on_path
+from .report import How
 from .runtime import FusedSequential, PartRole, RunMember, _OwnerForward, _RunPart, member_class
 from .units import Placement
 
@@ -38,8 +38,7 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
             sources[id(p.owner)] = p.source
             continue
         run = run if run is not None else p.kind.runtime(graph, p, d)
-        attach(run, d, [(path, m) for path, m in on_path(graph.model, d.where)
-                        if checkpointing_layer(m)])
+        attach(run, d, checkpointing_layers(graph.model, d.where))
         for m, k in p.members:
             if type(m) not in classes:
                 classes[type(m)] = member_class(type(m))

@@ -7,7 +7,7 @@ import inspect
 import operator
 import os
 import sys
-from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from .._block_checkpoint import CheckpointedForward
 from .._observers import foreign_global_hooks
 from ..modules import _has_hooks as has_hooks
 from .. import _dropout_autograd as dropout_unit
+from . import linears
 from .engines import fix_for as hooks_fix
 from .linears import (LINEAR_FUNCTIONS, base_type, form_of, linear_args, op_terms,
                       stored_weight)
@@ -61,6 +62,29 @@ def checkpointing_layer(m: nn.Module) -> bool:
     its ``gradient_checkpointing`` is True and it is in training."""
     return any(c.__name__ == "GradientCheckpointingLayer" and
                c.__module__.startswith("transformers") for c in type(m).__mro__)
+
+
+def on_path(model: nn.Module, where: str) -> List[Tuple[str, nn.Module]]:
+    """(path, module) of the model and of each module on the way down to ``where``, itself too."""
+    out, m, path = [("", model)], model, ""
+    for name in where.split(".") if where else ():
+        m = m._modules.get(name)
+        if m is None:
+            break
+        path = f"{path}.{name}" if path else name
+        out.append((path, m))
+    return out
+
+
+def checkpointing_layers(model: nn.Module, where: str) -> List[Tuple[str, nn.Module]]:
+    """(path, module) of the checkpointing layers on the way down to ``where``."""
+    return [(path, m) for path, m in on_path(model, where) if checkpointing_layer(m)]
+
+
+def checkpointings(model: nn.Module, where: str) -> List[Tuple[str, str]]:
+    """(path, what checkpoints it) of the modules on the way down to ``where`` that gradient
+    checkpointing recomputes whole."""
+    return [(path, how) for path, m in on_path(model, where) if (how := checkpointing(m))]
 
 
 def checkpointing(m: nn.Module) -> Optional[str]:
@@ -245,13 +269,13 @@ def first_failing(conditions: Iterable) -> Optional[Condition]:
     return next((c for c in conditions if not c.holds()), None)
 
 
-def linear_problem(lin: nn.Module) -> Optional[str]:
-    """What keeps a Linear from any unit, wherever it is called."""
+def linear_problem(lin: nn.Module, read: Optional[linears.Read] = None) -> Optional[str]:
+    """What keeps a Linear from any unit, wherever it is called (``read``: its row's read of it)."""
     if foreign_forward(lin):
         return own_forward(lin, "the Linear").describe()
-    form = form_of(lin)
-    return form.problem(lin) or failing([no_hooks(lin, form.who), supported(lin),
-                                         *at_call(lin, form.who)])
+    read = read or form_of(lin).read(lin)
+    return read.problem or failing([no_hooks(lin, read.who)]) or \
+        unsupported_reason(read.weight) or failing(Condition(*c) for c in read.checks)
 
 
 # -- The survey of a model's modules ---------------------------------------------------------------
@@ -281,7 +305,7 @@ OUR_MODULES = tuple(c for c in vars(_modules).values() if isinstance(c, type) an
 def survey(model: nn.Module) -> Dict[int, Fact]:
     """The :class:`Fact` of every module of ``model``, by id."""
     out: Dict[int, Fact] = {}
-    forms = {id(m): form_of(m) for m in model.modules()}
+    forms = linears.forms(model.modules())
     inside = {id(sub) for m in model.modules() if forms[id(m)] and forms[id(m)].parts
               for sub in m.modules() if sub is not m}
     for m in model.modules():
@@ -289,23 +313,25 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
         if id(m) in inside:  # a LoRA Linear's base layer and adapters: parts of that Linear
             out[id(m)] = Fact(None, None, False, False, False, None)
             continue
-        form = forms[id(m)]
+        cls = type(m)
+        base, form = getattr(cls, "_ckpt_ext_base", cls), forms[id(m)]  # base: as base_type
         if form is not None:  # its row says how to read it (lazy: 0 bytes)
-            kind, problem, width = LayerKind.LINEAR, linear_problem(m), form.width(m)
+            read = form.read(m)
+            kind, problem, width = LayerKind.LINEAR, linear_problem(m, read), read.width
         else:
             found = module_activation(m) or unmatched(m)  # unmatched: its arithmetic, why not
             if found is not None:
-                kind, who = LayerKind.ACTIVATION, f"the {base_type(m).__name__}"
+                kind, who = LayerKind.ACTIVATION, f"the {base.__name__}"
                 problem = found.problem if found.problem is not None else \
                     failing([own_forward(m, who), no_hooks(m, who)])
-        cls, seq = type(m), base_type(m) is nn.Sequential
-        experts = experts_class(base_type(m))
-        traced = not (seq or form is not None and not form.traced(m) or
+        seq = base is nn.Sequential
+        experts = experts_class(base)
+        traced = not (seq or form is not None and not read.traced or
                       experts or
                       isinstance(m, (nn.ModuleList, nn.ModuleDict) + OUR_MODULES) or
                       hasattr(cls, "_ckpt_ext_base") or cls.forward is nn.Module.forward or
                       cls.__module__.startswith("torch.") and cls not in _TORCH_LAYERS)
-        passes = base_type(m) in (nn.Identity, nn.Dropout)  # a run may go through it
+        passes = base in (nn.Identity, nn.Dropout)  # a run may go through it
         out[id(m)] = Fact(kind, found, seq, passes, traced, problem, width, experts)
     return out
 

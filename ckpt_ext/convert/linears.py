@@ -9,7 +9,7 @@ import operator
 import random
 import warnings
 import weakref
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +82,22 @@ class Form:
 
     def checks(self, m: nn.Module, label: str) -> List[Check]:  # at each call, beyond every form's
         return []
+
+    def read(self, m: nn.Module) -> "Read":
+        """All the survey asks of a module of the form, in one call."""
+        return Read(self.who, self.problem(m), self.weight(m), self.checks(m, self.who),
+                    self.width(m), self.traced(m))
+
+
+class Read(NamedTuple):
+    """:meth:`Form.read`: what refusals call it, its problem, stored weight, checks, width and
+    whether it is traced."""
+    who: str
+    problem: Optional[str]
+    weight: Optional[torch.Tensor]
+    checks: List[Check]
+    width: tuple
+    traced: bool
 
 
 class _Linear(Form):
@@ -281,6 +297,11 @@ def form_of(m: nn.Module) -> Optional[Form]:
             TRACED.problem(m) is None:
         return TRACED
     return found
+
+
+def forms(modules: Iterable[nn.Module]) -> Dict[int, Optional[Form]]:
+    """:func:`form_of` each module, by id."""
+    return {id(m): form_of(m) for m in modules}
 
 
 def stored_weight(m: nn.Module) -> Optional[torch.Tensor]:

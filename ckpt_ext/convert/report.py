@@ -195,27 +195,14 @@ def _spans(values: List[int]) -> str:
     return ",".join(parts)
 
 
-def on_path(model: nn.Module, where: str) -> List[Tuple[str, nn.Module]]:
-    """(path, module) of the model and of each module on the way down to ``where``, itself too."""
-    out, m, path = [("", model)], model, ""
-    for name in where.split(".") if where else ():
-        m = m._modules.get(name)
-        if m is None:
-            break
-        path = f"{path}.{name}" if path else name
-        out.append((path, m))
-    return out
-
-
 def checkpointed(model: nn.Module, decisions: List[Decision], how) -> List[tuple]:
-    """FuseReport.checkpointed: ``how(module)`` names the checkpointing of a module, or None."""
+    """FuseReport.checkpointed: ``how(model, where)`` names the checkpointing of each module on the
+    way down to ``where`` that has one, as (path, name)."""
     found: Dict[str, list] = {}
     for d in (d for d in decisions if d.action != Action.LEFT_ALONE and d.unit):
-        for path, m in on_path(model, d.where):
-            name = how(m)
-            if name is not None:
-                row = found.setdefault(path, [path, name, 0, 0])
-                row[2:] = row[2] + 1, row[3] + d.flops_per_row
+        for path, name in how(model, d.where):
+            row = found.setdefault(path, [path, name, 0, 0])
+            row[2:] = row[2] + 1, row[3] + d.flops_per_row
     return [tuple(row) for row in found.values()]
 
 

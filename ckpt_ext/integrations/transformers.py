@@ -15,7 +15,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.utils import logging
 
 import ckpt_ext
-from ckpt_ext.convert.facts import checkpointing
+from ckpt_ext.convert.facts import checkpointings
 from ckpt_ext.convert.fallback import FallbackWarning
 from ckpt_ext.convert.report import checkpointed
 
@@ -97,7 +97,7 @@ class CkptExtCallback(TrainerCallback):
         if self.keep_checkpointing and self.report is not None and self.plan is None:
             # the trainer switched checkpointing on after fuse: the report says what that costs
             self.report.checkpointed[:] = checkpointed(self._model, self.report.decisions,
-                                                       checkpointing)
+                                                       checkpointings)
         return control
 
     # -- after the first step -----------------------------------------------------------------
