@@ -37,8 +37,9 @@ def check_budget(where: str, budget_bytes: Any, first: Any, step: Any, step_name
 
 def plan(model: nn.Module, example_inputs=None, budget_bytes: Optional[int] = None, *,
          loss_fn: Optional[Callable] = None, step: Optional[Step] = None) -> Plan:
-    """The option per unit (``none``, ``fuse`` or ``checkpoint``) for which a training step of
-    ``model`` peaks within ``budget_bytes`` at the least added FLOPs.
+    """The option per unit (a row of the options table: ``none``, ``fuse``, ``checkpoint``,
+    ``pointwise``, ``fuse+pointwise``) for which a training step of ``model`` peaks within
+    ``budget_bytes`` at the least added FLOPs.
 
     The step is given in one of two forms. ``example_inputs``: a tuple of positional arguments or
     a dict of keyword arguments for ``model(...)``; ``loss_fn(output)`` gives the scalar loss
@@ -47,9 +48,9 @@ def plan(model: nn.Module, example_inputs=None, budget_bytes: Optional[int] = No
     and scalar loss of one training step of the module ``m`` it is handed (a trainer's own,
     ``lambda m: trainer.compute_loss(m, dict(batch))``); the planner runs the backward. The
     budget bounds the step's peak tensor bytes above what was allocated before it, as
-    ``ckpt_ext.memory.measured_step`` reports it. Three probe steps on a copy sharing the model's
-    parameters (plain, every unit fused, every block checkpointed, each after a FLOP-counted one)
-    give each unit's bytes and FLOPs under each option; the choice is exact. Nothing in the model
+    ``ckpt_ext.memory.measured_step`` reports it. A probe step per option on a copy sharing the
+    model's parameters (plain, then every unit under each option, each after a FLOP-counted one)
+    gives each unit's bytes and FLOPs under each option; the choice is exact. Nothing in the model
     changes: its gradients, buffers and the RNG are as they were. ``ValueError`` when no choice
     fits, naming the least budget that does; an error naming ``example_inputs`` when the model
     cannot take them, or ``step`` when it raises; ``RuntimeError`` when the probe step runs the
