@@ -7,7 +7,8 @@ fits.
 Stages, one module each: units (what can be chosen: the options table) → probe (marked steps on a
 copy that rebind makes callable as the model is called) → measure (the probes a plan needs) →
 figures (the step as a chain of units; predictions) → solver (the exact choice) → choose → result
-(the Plan, and ``Plan.apply``); recompute (pointwise recompute's policy and forward); batch (``max_batch``); step (the training step and its
+(the Plan, and ``Plan.apply``); recompute (pointwise recompute's policy and forward); compiled
+(planning for a compiled step); batch (``max_batch``); step (the training step and its
 measurement). Design: docs/plan.md."""
 from .api import max_batch, plan
 from .result import Applied, Plan, PlanReport

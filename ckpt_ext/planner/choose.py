@@ -45,6 +45,11 @@ def least_peak(fig: StepFigures) -> int:
     return solve(solver_figures(fig))[0].peak
 
 
+def least_peak_choice(fig: StepFigures) -> tuple:
+    """The choice of least predicted peak (at the least FLOPs among those)."""
+    return solve(solver_figures(fig))[0].choice
+
+
 def choose(fig: StepFigures, units, notes, spread: int, budget: int, device: str) -> Plan:
     return plan_of(fig, units, notes, spread, budget, device, choice_for(fig, budget))
 

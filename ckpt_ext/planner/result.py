@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from torch import nn
 
@@ -46,11 +46,18 @@ class Plan:
     #: the largest difference in bytes between the probes' figures of what lies outside the
     #: units (0 when the step decomposes into independent units, as the prediction assumes)
     spread_bytes: int = 0
+    #: planned for the step of ``torch.compile`` of the model after apply (the figures above
+    #: are that compiled step's, ``peak_bytes`` its check's measurement; FLOPs as the eager
+    #: step counts them)
+    compiled: bool = False
+    #: the compiled step of this choice as the planner measured it (compiled plans only)
+    measured_peak_bytes: Optional[int] = None
 
     # -- reading -------------------------------------------------------------------------------
     def __str__(self) -> str:
         share = 100 * self.added_flops / self.plain_flops if self.plain_flops else 0.0
-        lines = [f"ckpt_ext.plan on {self.device}: budget {_b(self.budget_bytes)} -> predicted "
+        step = " (compiled step)" if self.compiled else ""
+        lines = [f"ckpt_ext.plan on {self.device}{step}: budget {_b(self.budget_bytes)} -> predicted "
                  f"peak {_b(self.peak_bytes)} (plain {_b(self.plain_peak_bytes)}; the least any "
                  f"plan reaches {_b(self.least_peak_bytes)}), kept {_b(self.kept_bytes)} "
                  f"(plain {_b(self.plain_kept_bytes)}), +{self.added_flops:,} FLOPs per step "
