@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from .report import fmt_bytes
 
-ROW_METHODS = (("plan", "ckpt_ext.plan"), ("hf-every-layer", "transformers, every layer"),
+ROW_METHODS = (("plan", "ckpt_ext.plan"),
+               ("plan-compiled", "ckpt_ext.plan(compiled=True), applied, torch.compile"),
+               ("hf-every-layer", "transformers, every layer"),
                ("hf-every-n", "transformers, every n-th layer (largest n that fits)"),
                ("compile", "torch.compile, activation_memory_budget (largest that fits)"))
 
@@ -66,9 +68,13 @@ def markdown(res: dict) -> str:
         lines.append(f"- {what}: {met} ({detail})")
     lines += ["", f"Planning: `ckpt_ext.plan` took {res['plan_survey_s']:.1f} s (its probe "
               f"steps), and " + ", ".join(f"{r['plan_seconds']:.1f}" for r in res["rows"])
-              + " s at the budgets above.", "",
-              "Every configuration measured (`plan` + one letter per layer: n none, f fuse, "
-              "c checkpoint):", "",
+              + " s at the budgets above" + (
+                  "; `plan(compiled=True)` " + ", ".join(
+                      f"{r['plan-compiled_seconds']:.1f}" for r in res["rows"]) + " s"
+                  if any("plan-compiled_seconds" in r for r in res["rows"]) else "") + ".", "",
+              "Every configuration measured (`plan` + letters per layer: n none, f fuse, "
+              "c checkpoint, p pointwise, fp fuse+pointwise; `plan compiled`: the compiled "
+              "plan, applied and compiled):", "",
               "| configuration | peak | kept for backward | added FLOPs | step ms | × plain |",
               "|---|---:|---:|---:|---:|---:|"]
     for name, r in configs.items():

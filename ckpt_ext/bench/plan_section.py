@@ -3,10 +3,11 @@ other ways to fit a training step into a memory budget, side by side in one run,
 network (transformers' ``LlamaForCausalLM`` from a config: 8 decoder layers, attention included,
 the loss on next-token labels). Budgets: from plain's peak down to the least any plan reaches.
 
-Per budget: the plan; transformers' checkpointing of every layer; of every n-th layer, with the
-fewest layers checkpointed that fits (the largest n); ``torch.compile`` with
-``activation_memory_budget`` (one compile per fraction of a grid, ``torch._dynamo.reset()``
-between: the largest fraction that fits). Every
+Per budget: the plan (eager, every option of the options table); the plan for the compiled step
+(``plan(..., compiled=True)``, applied, then ``torch.compile``); transformers' checkpointing of
+every layer; of every n-th layer, with the fewest layers checkpointed that fits (the largest n);
+``torch.compile`` with ``activation_memory_budget`` (one compile per fraction of a grid,
+``torch._dynamo.reset()`` between: the largest fraction that fits). Every
 configuration is measured once (memory: ``ckpt_ext.planner.measure_step``; FLOPs:
 ``FlopCounterMode``, a compiled graph's counted on the same partition run eagerly), and timed in
 interleaved loops. Method, results and targets: docs/benchmark.md, "Planning within a budget".
@@ -25,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .. import fuse
 from ..planner import measure_step, plan
+from ..planner.units import OPTIONS, Option
 from .measure import uninstrumented
 
 #: The network per benchmark preset: decoder layers of Llama's shape (gated SiLU MLP at
@@ -44,7 +46,12 @@ PLAN_SIZES = {
 BUDGET_POSITIONS = (1.0, 0.75, 0.5, 0.25, 0.0)
 #: torch.compile's activation_memory_budget, one compile each.
 COMPILE_FRACTIONS = (1.0, 0.75, 0.5, 0.25, 0.0)
-METHODS = ("plan", "hf-every-layer", "hf-every-n", "compile")
+METHODS = ("plan", "plan-compiled", "hf-every-layer", "hf-every-n", "compile")
+#: The plan's targets: seconds per call of ``plan``, and the share of every-n-th-layer
+#: checkpointing's recompute the eager plan saves at least.
+PLAN_SECONDS, LESS_RECOMPUTE = 15.0, 0.30
+#: The compiled plan's step time at most this times compile's own budget's.
+COMPILED_TIME_RATIO = 1.05
 
 
 def llama(sizes: dict, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -178,7 +185,7 @@ class Section:
             t = time.perf_counter()
             p = plan(base, inputs, b)
             seconds = time.perf_counter() - t
-            name = "plan " + ",".join(v[0] for v in p.choices.values())  # n/f/c per layer
+            name = "plan " + short(p.choices)
             self.add(name, p.apply(sharing_copy(base))[0], choices=p.choices,
                      predicted_peak=p.peak_bytes, predicted_kept=p.kept_bytes,
                      predicted_added_flops=p.added_flops)
@@ -192,7 +199,44 @@ class Section:
         if "compile" in self.methods:
             for f in COMPILE_FRACTIONS:
                 self.compiled(f)
-        return self.results(budgets, plans, survey_s)
+        compiled_plans = {}
+        if "plan-compiled" in self.methods:
+            for b in budgets:
+                compiled_plans[b] = self.compiled_plan(b)
+        return self.results(budgets, plans, survey_s, compiled_plans)
+
+    def compiled_plan(self, budget: int):
+        """``plan(..., compiled=True)`` at ``budget``, applied and compiled: its memory and time
+        (``self.backend``) and its FLOPs from the same partition run eagerly; (name, seconds),
+        or (None, seconds) where no compiled plan fits."""
+        import torch._dynamo
+
+        t = time.perf_counter()
+        try:
+            p = plan(self.base, self.inputs, budget, compiled=True)
+        except ValueError as e:
+            self.log(f"plan section: compiled plan at {budget:,} B: {e}")
+            return None, time.perf_counter() - t
+        seconds = time.perf_counter() - t
+        name = "plan compiled " + short(p.choices)
+        if name in self.configs:
+            return name, seconds
+        torch._dynamo.reset()
+        flops = _counted_compile_flops(p.apply(sharing_copy(self.base))[0], self.inputs)
+        torch._dynamo.reset()
+        model = torch.compile(p.apply(sharing_copy(self.base))[0], backend=self.backend,
+                              dynamic=False)
+        t = time.perf_counter()
+        _step(model, self.inputs)  # compiles forward and backward
+        compile_s = time.perf_counter() - t
+        _clear(self.params)
+        self.add(name, model, flops=flops, choices=p.choices, predicted_peak=p.peak_bytes,
+                 predicted_kept=p.kept_bytes, predicted_added_flops=p.added_flops,
+                 compile_s=compile_s, plan_seconds=seconds)
+        self.time_loop(["plain", name])
+        del self.models[name]
+        torch._dynamo.reset()
+        return name, seconds
 
     def compiled(self, fraction: float) -> None:
         """torch.compile of the plain model with activation_memory_budget = fraction: its memory
@@ -216,7 +260,8 @@ class Section:
         torch._dynamo.reset()
 
     # -- results ------------------------------------------------------------------------------
-    def results(self, budgets: List[int], plans: list, survey_s: float) -> dict:
+    def results(self, budgets: List[int], plans: list, survey_s: float,
+                compiled_plans: Optional[dict] = None) -> dict:
         c = self.configs
         plain_flops = c["plain"]["flops"]
         for r in c.values():
@@ -233,9 +278,16 @@ class Section:
                 "compile": max(compiled, key=lambda n: c[n]["fraction"]) if compiled else None,
                 "fuse-all fits": fits.get("fuse-all", False),
             })
+            if compiled_plans:
+                rows[-1]["plan-compiled"], rows[-1]["plan-compiled_seconds"] = compiled_plans[b]
         return {"sizes": self.sizes, "budgets": budgets, "rows": rows, "configs": c,
                 "plan_survey_s": survey_s, "methods": list(self.methods),
-                "targets": targets(rows, c)}
+                "targets": targets(rows, c, survey_s)}
+
+
+def short(choices: Dict[str, str]) -> str:
+    """A choice in a configuration's name: the options table's letters, one group per unit."""
+    return ",".join(OPTIONS[Option(v)].short for v in choices.values())
 
 
 def _counted_compile_flops(model: nn.Module, inputs: dict) -> int:
@@ -269,30 +321,58 @@ def _counted_compile_flops(model: nn.Module, inputs: dict) -> int:
     return int(counted[0])
 
 
-def targets(rows: List[dict], c: Dict[str, dict]) -> dict:
+def targets(rows: List[dict], c: Dict[str, dict], survey_s: float = 0.0) -> dict:
     """The section's targets, each with met (True/False, or None where no budget tests it) and
-    the figures behind it."""
-    within, le_all, thirty, honest = [], [], [], []
+    the figures behind it (``survey_s``: the first call of ``plan``)."""
+    within, le_all, le_compile, less, honest, seconds = [], [], [], [], [], [survey_s]
+    c_fits, c_flops, c_time = [], [], []
     for row in rows:
         b, mine = row["budget"], c[row["plan"]]
         within.append(mine["peak"] <= b)
         honest.append(abs(mine["peak"] - mine["predicted_peak"]) / mine["predicted_peak"])
-        others = [row[m] for m in ("hf-every-layer", "hf-every-n", "compile") if row[m]]
-        fitting = [n for n in others if c[n]["peak"] <= b]
-        le_all.append(all(mine["flops"] <= c[n]["flops"] for n in fitting))
+        seconds.append(row["plan_seconds"])
+        eager = [row[m] for m in ("hf-every-layer", "hf-every-n") if row[m]]
+        le_all.append(all(mine["flops"] <= c[n]["flops"] for n in eager if c[n]["peak"] <= b))
+        comp = row["compile"]
+        if comp:
+            le_compile.append(mine["flops"] <= c[comp]["flops"])
         every_n = row["hf-every-n"]
-        if row["fuse-all fits"] and every_n and c[every_n]["added_flops"] > 0:
-            thirty.append(1 - mine["added_flops"] / c[every_n]["added_flops"])
-    return {
-        "plan FLOPs <= every fitting alternative's, every budget":
+        if every_n and c[every_n]["added_flops"] > 0:
+            less.append(1 - mine["added_flops"] / c[every_n]["added_flops"])
+        name = row.get("plan-compiled")
+        if "plan-compiled" in row:
+            ok = name is not None and c[name]["peak"] <= b
+            c_fits.append(ok)
+            if name is not None:
+                honest.append(abs(c[name]["peak"] - c[name]["predicted_peak"])
+                              / c[name]["predicted_peak"])
+            if comp and ok:
+                c_flops.append(c[name]["flops"] <= c[comp]["flops"])
+                c_time.append(round(c[name]["time_vs_plain"] / c[comp]["time_vs_plain"], 3))
+    out = {
+        "eager plan FLOPs <= every fitting eager alternative's, every budget":
             {"met": all(le_all), "per_budget": le_all},
-        ">= 30 % less recompute than every-n-th-layer checkpointing where fusing the MLPs "
-        "alone fits": {"met": (min(thirty) >= 0.30) if thirty else None,
-                       "less_recompute": thirty},
+        "eager plan FLOPs <= compile's budget's, where compile fits":
+            {"met": all(le_compile) if le_compile else None, "per_budget": le_compile},
+        f">= {LESS_RECOMPUTE:.0%} less recompute than every-n-th-layer checkpointing, where "
+        f"both fit": {"met": (min(less) >= LESS_RECOMPUTE) if less else None,
+                      "less_recompute": less},
         "measured peak never above the budget": {"met": all(within), "per_budget": within},
-        "measured peak within 5 % of the prediction": {"met": max(honest) <= 0.05,
-                                                        "worst": max(honest)},
+        "measured peak within 5 % of the prediction (eager and compiled plans)":
+            {"met": max(honest) <= 0.05, "worst": max(honest)},
+        f"plan() <= {PLAN_SECONDS:g} s per call": {"met": max(seconds) <= PLAN_SECONDS,
+                                                    "seconds": seconds},
     }
+    if c_fits:
+        out.update({
+            "compiled plan fits every budget": {"met": all(c_fits), "per_budget": c_fits},
+            "compiled plan FLOPs <= compile's budget's, where compile fits":
+                {"met": all(c_flops) if c_flops else None, "per_budget": c_flops},
+            f"compiled plan step <= {COMPILED_TIME_RATIO:g}x compile's budget's, where compile "
+            f"fits": {"met": (max(c_time) <= COMPILED_TIME_RATIO) if c_time else None,
+                      "ratio": c_time},
+        })
+    return out
 
 
 def conditions(cfg) -> dict:

@@ -4,17 +4,26 @@ training step fits a memory budget; ``ckpt_ext.max_batch(model, make_inputs, bud
 probes, solves. Design and usage: docs/plan.md."""
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .batch import largest_batch
-from .choose import choose, survey_step
+from .choose import choice_for, choose, least_peak_choice, plan_of, survey_step
+from .compiled import MAX_CHECKS, compiled_figures, compiled_step, lowered
+from .measure import figures_of
+from .probe import Probe
 from .result import Plan
-from .step import check_form, closure_step, inputs_step, training_step
+from .step import check_form, closure_step, inputs_step, model_device, training_step
+from .units import Option, find_units
 
 Step = Callable[[nn.Module], torch.Tensor]
+
+#: The share of the budget a compiled plan keeps below it after a check that did not fit, on top
+#: of that check's excess.
+MARGIN = 0.01
 
 
 def check_model(where: str, model: Any) -> None:
@@ -36,9 +45,11 @@ def check_budget(where: str, budget_bytes: Any, first: Any, step: Any, step_name
 
 
 def plan(model: nn.Module, example_inputs=None, budget_bytes: Optional[int] = None, *,
-         loss_fn: Optional[Callable] = None, step: Optional[Step] = None) -> Plan:
-    """The option per unit (``none``, ``fuse`` or ``checkpoint``) for which a training step of
-    ``model`` peaks within ``budget_bytes`` at the least added FLOPs.
+         loss_fn: Optional[Callable] = None, step: Optional[Step] = None,
+         compiled: bool = False) -> Plan:
+    """The option per unit (a row of the options table: ``none``, ``fuse``, ``checkpoint``,
+    ``pointwise``, ``fuse+pointwise``) for which a training step of ``model`` peaks within
+    ``budget_bytes`` at the least added FLOPs.
 
     The step is given in one of two forms. ``example_inputs``: a tuple of positional arguments or
     a dict of keyword arguments for ``model(...)``; ``loss_fn(output)`` gives the scalar loss
@@ -47,9 +58,12 @@ def plan(model: nn.Module, example_inputs=None, budget_bytes: Optional[int] = No
     and scalar loss of one training step of the module ``m`` it is handed (a trainer's own,
     ``lambda m: trainer.compute_loss(m, dict(batch))``); the planner runs the backward. The
     budget bounds the step's peak tensor bytes above what was allocated before it, as
-    ``ckpt_ext.memory.measured_step`` reports it. Three probe steps on a copy sharing the model's
-    parameters (plain, every unit fused, every block checkpointed, each after a FLOP-counted one)
-    give each unit's bytes and FLOPs under each option; the choice is exact. Nothing in the model
+    ``ckpt_ext.memory.measured_step`` reports it. A probe step per option on a copy sharing the
+    model's parameters (plain, then every unit under each option, each after a FLOP-counted one)
+    gives each unit's bytes and FLOPs under each option; the choice is exact. With
+    ``compiled=True`` the budget bounds the step of ``torch.compile(model)`` after the plan is
+    applied: compiled probe steps (one per option) predict it, and the choice's compiled step is
+    measured within the budget before the plan is returned (compiled.py). Nothing in the model
     changes: its gradients, buffers and the RNG are as they were. ``ValueError`` when no choice
     fits, naming the least budget that does; an error naming ``example_inputs`` when the model
     cannot take them, or ``step`` when it raises; ``RuntimeError`` when the probe step runs the
@@ -58,8 +72,44 @@ def plan(model: nn.Module, example_inputs=None, budget_bytes: Optional[int] = No
     check_model(where, model)
     check_budget(where, budget_bytes, example_inputs, step, "step")
     how = training_step(where, example_inputs, loss_fn, step)
+    if compiled:
+        return plan_compiled(model, how, budget_bytes, where)
     fig, units, notes, spread, device = survey_step(model, how, where=where)
     return choose(fig, units, notes, spread, budget_bytes, str(device))
+
+
+def plan_compiled(model: nn.Module, how, budget: int, where: str) -> Plan:
+    """``plan(..., compiled=True)``: the eager probes (units, options, FLOPs), the compiled
+    probes, then choose and measure the choice compiled until it fits (compiled.py)."""
+    device = model_device(model)
+    units, notes = find_units(model)
+    with Probe(model, how, device, where) as probe:
+        fig, units, notes, spread = figures_of(probe, units, notes)
+        cfig, _ = compiled_figures(probe, fig, units)
+        choice_for(cfig, budget)  # no choice predicted to fit: the error names the least
+        excess, checked = 0, {}
+        for _ in range(MAX_CHECKS):
+            try:
+                choice = choice_for(lowered(cfig, excess), budget)
+            except ValueError:  # kept below by the excess, none fits: the least peak's choice
+                choice = least_peak_choice(cfig)
+            if all(o == Option.NONE for o in choice):
+                checked[choice] = cfig.plain_peak  # the plain compiled probe's own figure
+            elif choice not in checked:
+                checked[choice] = compiled_step(probe, units, choice)["peak"]
+            measured = checked[choice]
+            if measured <= budget:
+                break
+            # the sums were that far off: keep as much again below, and a margin of MARGIN
+            excess += measured - budget + math.ceil(MARGIN * budget)
+        else:
+            raise ValueError(f"{where}: no compiled plan measured within the budget of "
+                             f"{budget:,} bytes after {len(checked)} compiled checks (the "
+                             f"least: {min(checked.values()):,} bytes)")
+    p = plan_of(cfig, units, notes, spread, budget, str(device), choice)
+    # the check measured this very configuration compiled: the figure to promise
+    p.compiled, p.peak_bytes, p.measured_peak_bytes = True, measured, measured
+    return p
 
 
 def max_batch(model: nn.Module, make_inputs: Optional[Callable[[int], object]] = None,

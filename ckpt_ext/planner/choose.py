@@ -45,18 +45,36 @@ def least_peak(fig: StepFigures) -> int:
     return solve(solver_figures(fig))[0].peak
 
 
+def least_peak_choice(fig: StepFigures) -> tuple:
+    """The choice of least predicted peak (at the least FLOPs among those)."""
+    return solve(solver_figures(fig))[0].choice
+
+
 def choose(fig: StepFigures, units, notes, spread: int, budget: int, device: str) -> Plan:
-    n = len(units)
+    return plan_of(fig, units, notes, spread, budget, device, choice_for(fig, budget))
+
+
+def choice_for(fig: StepFigures, budget: int, what: str = "") -> tuple:
+    """The choice of least FLOPs whose predicted peak is within ``budget``; ``what``: words
+    after the least peak in the error where none is."""
+    n = len(fig.units)
     plain = simulate(fig, [Option.NONE] * n)
     least = least_peak(fig)
     if budget >= plain.peak:
-        choice = (Option.NONE,) * n  # plain fits: nothing to recompute
-    elif budget < least:
+        return (Option.NONE,) * n  # plain fits: nothing to recompute
+    if budget < least:
         raise ValueError(f"ckpt_ext.plan: no plan fits a budget of {budget:,} bytes: the least "
-                         f"peak any plan reaches is {least:,} bytes (plain's: {plain.peak:,}); "
-                         f"a budget of at least {least:,} bytes fits")
-    else:
-        choice = solve(solver_figures(fig), budget)[1].choice
+                         f"peak any plan reaches is {least:,} bytes (plain's: {plain.peak:,})"
+                         f"{what}; a budget of at least {least:,} bytes fits")
+    return solve(solver_figures(fig), budget)[1].choice
+
+
+def plan_of(fig: StepFigures, units, notes, spread: int, budget: int, device: str,
+            choice) -> Plan:
+    """The Plan of ``choice``, its figures predicted from ``fig``."""
+    n = len(units)
+    plain = simulate(fig, [Option.NONE] * n)
+    least = least_peak(fig)
     got = simulate(fig, choice)
     return Plan(budget_bytes=budget, peak_bytes=got.peak, kept_bytes=got.kept,
                 added_flops=got.flops - plain.flops,

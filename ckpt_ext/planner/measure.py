@@ -1,6 +1,7 @@
 """The probe steps a plan needs and the figures they give: the plain step (which also says which
-units form a chain and which are handed a cache), every unit fused, every block checkpointed;
-each unit's figures under each of its options from the step where it had that option."""
+units form a chain and which are handed a cache), then one step per row of the options table with
+every unit that can take that option under it; each unit's figures under each of its options
+from the step where it had that option."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -8,15 +9,17 @@ from typing import List, Tuple
 
 from .figures import StepFigures, chain_prediction, combine, shared_figures, spread, unit_figures
 from .probe import Probe, chain_problems
-from .units import Option, Unit
+from .units import OPTIONS, Option, Unit, recomputing
 
 
-def _without(units: List[Unit], option: Option, why: dict) -> List[Unit]:
+def _without(units: List[Unit], options, why: dict) -> List[Unit]:
+    """``units`` with unit i's ``options`` left out for the reason ``why[i]``."""
     out = []
     for i, u in enumerate(units):
-        if i in why and option in u.options:
-            u = Unit(u.path, u.kind, tuple(o for o in u.options if o != option), u.fuse_targets,
-                     u.cls, {**u.why_not, option: why[i]})
+        dropped = [o for o in options if o in u.options] if i in why else []
+        if dropped:
+            u = Unit(u.path, u.kind, tuple(o for o in u.options if o not in dropped),
+                     u.fuse_targets, u.cls, {**u.why_not, **{o: why[i] for o in dropped}})
         out.append(u)
     return out
 
@@ -34,16 +37,18 @@ def figures_of(probe: Probe, units: List[Unit], notes: List[Tuple[str, str]]
         units = [u for i, u in enumerate(units) if i not in problems]
     caches = {i: f"its forward is handed a cache ({arg}), which a recompute would update "
                  f"twice; pass use_cache=False" for i, arg in memory.cache_args.items() if arg}
-    units = _without(units, Option.CHECKPOINT, caches)
+    units = _without(units, [o for o in OPTIONS if recomputing(o)], caches)
     n = len(units)
     traces = {Option.NONE: (memory, flops)}
-    for option in (Option.FUSE, Option.CHECKPOINT):
+    for option in OPTIONS:
+        if option == Option.NONE:
+            continue
         if any(option in u.options for u in units):
             config = [option if option in u.options else Option.NONE for u in units]
             traces[option] = probe.measure(units, config)
             problems = chain_problems(traces[option][0], n)
             if problems:  # that option moves the unit out of the chain: not an option
-                units = _without(units, option, {
+                units = _without(units, [option], {
                     i: f"with it the step is no chain ({why})" for i, why in problems.items()})
     shared = [shared_figures(m, f, n) for m, f in traces.values()]
     fig = combine(shared)

@@ -24,12 +24,12 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import _aten_flops  # noqa: F401  (the CPU attention counted)
-from .._block_checkpoint import cache_argument, checkpoint_block
+from .._block_checkpoint import cache_argument
 from ..convert import fuse, unfuse
 from ..memory import MemoryMeter
 from .rebind import describe_forward, probe_copy
 from .step import TrainingStep, first_floating
-from .units import Option, Unit
+from .units import OPTIONS, Option, Unit
 
 
 @dataclass(frozen=True)
@@ -89,11 +89,12 @@ class Probe:
         """Put the copy in this configuration (from plain)."""
         unfuse(self.copy)
         for unit, option in zip(units, options):
-            if option == Option.FUSE:
+            row = OPTIONS[option]
+            if row.fuses:
                 for where, _ in unit.fuse_targets:
                     fuse(self.copy.get_submodule(where))
-            elif option == Option.CHECKPOINT:
-                checkpoint_block(self.copy.get_submodule(unit.path))
+            if row.recompute is not None:
+                row.recompute(self.copy.get_submodule(unit.path))
 
     # -- one step ----------------------------------------------------------------------------
     def step(self, units: Sequence[Unit], count_flops: bool) -> StepTrace:

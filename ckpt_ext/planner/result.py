@@ -1,22 +1,23 @@
 """What ``ckpt_ext.plan`` returns: the choice per unit with its predicted peak, kept bytes and added
 FLOPs, printed as a table, and :meth:`Plan.apply`, which puts it into a model in place under
-fuse's contract (docs/converter.md): the units chosen ``fuse`` through ``ckpt_ext.fuse`` of the
-module holding them, the blocks chosen ``checkpoint`` with a forward set on their instance
-(``ckpt_ext._block_checkpoint``). ``ckpt_ext.unfuse`` takes both out."""
+fuse's contract (docs/converter.md), each option as its row of the options table (units.py)
+says: the units of an option that fuses through ``ckpt_ext.fuse`` of the module holding them,
+then a block's recomputing forward (``checkpoint``: ``ckpt_ext._block_checkpoint``; pointwise:
+recompute.py) set on its instance. ``ckpt_ext.unfuse`` takes both out."""
 from __future__ import annotations
 
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from torch import nn
 
-from .._block_checkpoint import checkpoint_block, is_checkpointed
+from .._block_checkpoint import is_checkpointed
 from ..convert import Decision, FusedSequential, RunLinear, RunMember, fuse, unfuse
 from ..convert import _OwnerForward  # the forward fuse sets on an owner's instance
 from .figures import OptionFigures
-from .units import Kind, Option, Unit, fuses_alone, join_path
+from .units import OPTIONS, Kind, Option, Unit, fuses_alone, join_path
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Plan:
     peak_bytes: int          #: predicted peak of a step with the plan applied
     kept_bytes: int          #: predicted bytes kept for backward after the loss
     added_flops: int         #: FLOPs per step above the plain model's
-    choices: Dict[str, str]  #: unit path -> "none" | "fuse" | "checkpoint"
+    choices: Dict[str, str]  #: unit path -> an Option's value ("none", "fuse", "pointwise", ...)
     plain_peak_bytes: int    #: the plain model's step, as measured by the probe
     plain_kept_bytes: int
     plain_flops: int
@@ -45,11 +46,18 @@ class Plan:
     #: the largest difference in bytes between the probes' figures of what lies outside the
     #: units (0 when the step decomposes into independent units, as the prediction assumes)
     spread_bytes: int = 0
+    #: planned for the step of ``torch.compile`` of the model after apply (the figures above
+    #: are that compiled step's, ``peak_bytes`` its check's measurement; FLOPs as the eager
+    #: step counts them)
+    compiled: bool = False
+    #: the compiled step of this choice as the planner measured it (compiled plans only)
+    measured_peak_bytes: Optional[int] = None
 
     # -- reading -------------------------------------------------------------------------------
     def __str__(self) -> str:
         share = 100 * self.added_flops / self.plain_flops if self.plain_flops else 0.0
-        lines = [f"ckpt_ext.plan on {self.device}: budget {_b(self.budget_bytes)} -> predicted "
+        step = " (compiled step)" if self.compiled else ""
+        lines = [f"ckpt_ext.plan on {self.device}{step}: budget {_b(self.budget_bytes)} -> predicted "
                  f"peak {_b(self.peak_bytes)} (plain {_b(self.plain_peak_bytes)}; the least any "
                  f"plan reaches {_b(self.least_peak_bytes)}), kept {_b(self.kept_bytes)} "
                  f"(plain {_b(self.plain_kept_bytes)}), +{self.added_flops:,} FLOPs per step "
@@ -61,16 +69,16 @@ class Plan:
             choice = Option(self.choices[unit.path])
             added = f"+{figs[choice].flops - base:,}"
             rows.append((unit.path or "<model>",
-                         f"{unit.cls:<22s} {choice.value:<10s} {added:>16s}  {kept}"))
+                         f"{unit.cls:<22s} {choice.value:<14s} {added:>16s}  {kept}"))
         if rows:
             rows = _grouped(rows)
             w = max(len(path) for path, _ in rows)
-            lines.append(f"  {'unit':<{w}s} {'class':<22s} {'choice':<10s} {'added FLOPs':>16s}"
+            lines.append(f"  {'unit':<{w}s} {'class':<22s} {'choice':<14s} {'added FLOPs':>16s}"
                          f"  kept in its forward, per option")
             lines += [f"  {path:<{w}s} {rest}" for path, rest in rows]
         for unit in self.units:
             for option, why in unit.why_not.items():
-                if option != Option.FUSE or unit.kind is not Kind.BLOCK or "no unit" not in why:
+                if not OPTIONS[option].fuses or unit.kind is not Kind.BLOCK or "no unit" not in why:
                     lines.append(f"  {unit.path or '<model>'}: no {option.value}: {why}")
         lines += [f"  not planned: {path or '<model>'}: {why}" for path, why in self.notes]
         return "\n".join(lines)
@@ -88,8 +96,8 @@ class Plan:
         checkpointed: List[str] = []
         try:
             for unit in self.units:
-                option = Option(self.choices[unit.path])
-                if option == Option.FUSE:
+                row = OPTIONS[Option(self.choices[unit.path])]
+                if row.fuses:
                     for where, runs in unit.fuse_targets:
                         report = fuse(model.get_submodule(where)).report
                         made = [dataclasses.replace(d, where=join_path(where, d.where),
@@ -100,8 +108,8 @@ class Plan:
                             raise RuntimeError(f"Plan.apply: fuse({where}) fused "
                                                f"{[d.layers for d in made]}, not {list(runs)}")
                         fused += made
-                elif option == Option.CHECKPOINT:
-                    checkpoint_block(targets[unit.path])
+                if row.recompute is not None:
+                    row.recompute(targets[unit.path])
                     checkpointed.append(unit.path)
         except BaseException:
             unfuse(model)  # all or nothing
@@ -126,15 +134,15 @@ class Plan:
                 raise ValueError(f"Plan.apply: {unit.path or '<model>'} is a "
                                  f"{type(m).__name__}, the planned model's a {unit.cls}")
             option = Option(self.choices[unit.path])
-            if option == Option.FUSE:
+            if OPTIONS[option].fuses:
                 for where, runs in unit.fuse_targets:
                     problem = fuses_alone(model, where, list(runs))
                     if problem:
                         raise ValueError(f"Plan.apply: {problem}")
-            if option == Option.CHECKPOINT and "forward" in vars(m):
+            if OPTIONS[option].recompute is not None and "forward" in vars(m):
                 raise ValueError(f"Plan.apply: {unit.path} has a forward set on its instance "
-                                 f"({type(vars(m)['forward']).__name__}); checkpointing it would "
-                                 f"bypass that")
+                                 f"({type(vars(m)['forward']).__name__}); recomputing it "
+                                 f"({option.value}) would bypass that")
             targets[unit.path] = m
         return targets
 
@@ -142,14 +150,14 @@ class Plan:
 @dataclass
 class PlanReport:
     """What :meth:`Plan.apply` did: fuse's decisions (paths from the model) and the blocks it
-    checkpointed."""
+    set a recomputing forward on (``checkpoint``, ``pointwise``, ``fuse+pointwise``)."""
     plan: Plan
     fused: List[Decision]
     checkpointed: List[str]
 
     def __str__(self) -> str:
-        return (f"{self.plan}\napplied: fused {len(self.fused)} unit(s), checkpointed "
-                f"{len(self.checkpointed)} block(s)")
+        return (f"{self.plan}\napplied: fused {len(self.fused)} unit(s), recomputing "
+                f"{len(self.checkpointed)} block(s) (checkpoint or pointwise)")
 
 
 class Applied(NamedTuple):

@@ -1,22 +1,26 @@
 """What a plan chooses among: its units and each unit's options.
 
 A *block* is an element of a ``ModuleList`` or ``Sequential`` of two or more modules of one class
-(a transformer's layers), not inside another block; its options are ``none``, ``fuse`` (every
-unit ``fuse`` would make inside it) and ``checkpoint`` (stock non-reentrant
-``torch.utils.checkpoint`` of the whole block), so a fused unit never sits inside a checkpointed
-block. A unit ``fuse`` would make outside every block is a unit of its own, named by the module
+(a transformer's layers), not inside another block; its options are the rows of :data:`OPTIONS`:
+``none``; ``fuse`` (every unit ``fuse`` would make inside it); ``checkpoint`` (stock
+non-reentrant ``torch.utils.checkpoint`` of the whole block); ``pointwise`` (the block under
+selective checkpointing that keeps every GEMM's and attention's output and recomputes the rest:
+recompute.py); ``fuse+pointwise`` (both). A fused unit never sits inside a block checkpointed
+whole. A unit ``fuse`` would make outside every block is a unit of its own, named by the module
 whose forward holds it (its ``where``), with ``none`` and ``fuse``. The probe (probe.py) drops
 units it cannot delimit in the step, and says why."""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .._block_checkpoint import checkpoint_block
 from ..convert import fuse
+from .recompute import pointwise_block
 
 
 class Option(str, enum.Enum):
@@ -24,6 +28,33 @@ class Option(str, enum.Enum):
     NONE = "none"
     FUSE = "fuse"
     CHECKPOINT = "checkpoint"
+    POINTWISE = "pointwise"
+    FUSE_POINTWISE = "fuse+pointwise"
+
+
+@dataclass(frozen=True)
+class OptionRow:
+    """What an option does to a block: fuse the units inside it (``fuses``), then set a
+    recomputing forward on its instance (``recompute(block)``, or None). ``short``: its letters
+    in a configuration's name."""
+    fuses: bool
+    recompute: Optional[Callable[[nn.Module], None]]
+    short: str
+
+
+#: The options, one row each: the probe measures a step per row, the solver chooses among them,
+#: Plan.apply puts them in.
+OPTIONS: Dict[Option, OptionRow] = {
+    Option.NONE: OptionRow(fuses=False, recompute=None, short="n"),
+    Option.FUSE: OptionRow(fuses=True, recompute=None, short="f"),
+    Option.CHECKPOINT: OptionRow(fuses=False, recompute=checkpoint_block, short="c"),
+    Option.POINTWISE: OptionRow(fuses=False, recompute=pointwise_block, short="p"),
+    Option.FUSE_POINTWISE: OptionRow(fuses=True, recompute=pointwise_block, short="fp"),
+}
+
+
+def recomputing(option: Option) -> bool:
+    return OPTIONS[option].recompute is not None
 
 
 class Kind(str, enum.Enum):
@@ -113,11 +144,26 @@ def find_units(model: nn.Module) -> Tuple[List[Unit], List[Tuple[str, str]]]:
                 why[Option.FUSE] = problem
         if not mine:
             why[Option.FUSE] = "fuse makes no unit inside it"
+        if b in mine:
+            why[Option.FUSE_POINTWISE] = ("fuse sets the block's own forward, which a recompute "
+                                          "set on it would bypass")
         norms = [n for n, m in block.named_modules() if isinstance(m, _BatchNorm) and
                  m.training and m.track_running_stats]
         if norms:
-            why[Option.CHECKPOINT] = (f"{join_path(b, norms[0])} updates its running statistics in "
-                                      f"training: a recompute would update them twice")
+            for o in Option:
+                if recomputing(o):
+                    why[o] = (f"{join_path(b, norms[0])} updates its running statistics in "
+                              f"training: a recompute would update them twice")
+        if "forward" in vars(block):
+            for o in Option:
+                if recomputing(o):
+                    why.setdefault(o, f"a forward is set on its instance "
+                                      f"({type(vars(block)['forward']).__name__}), which a "
+                                      f"recompute set on it would bypass")
+        if Option.FUSE in why:
+            for o in Option:
+                if o != Option.FUSE and OPTIONS[o].fuses:
+                    why.setdefault(o, why[Option.FUSE])
         options = tuple(o for o in Option if o not in why)
         units.append(Unit(b, Kind.BLOCK, options,
                           tuple((w, tuple(r)) for w, r in mine.items()) if Option.FUSE in options

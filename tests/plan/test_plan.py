@@ -1,5 +1,6 @@
 """``ckpt_ext.plan`` and ``ckpt_ext.max_batch`` on a tiny transformers Llama (4 layers, built
-from a config): the choice is optimal against every per-layer choice measured, predictions agree
+from a config; 3 where every per-layer choice is measured): the choice is optimal against every
+per-layer choice measured, predictions agree
 with ``measured_step`` and stay within the budget, a smaller budget never peaks higher or costs
 fewer FLOPs, the planned model computes what the model computes (float64), ``unfuse`` takes the
 plan out, bad input fails before anything changes, and planning alone changes nothing."""
@@ -17,9 +18,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import ckpt_ext
-from ckpt_ext._block_checkpoint import checkpoint_block
 from ckpt_ext.memory import MemoryMeter, clear_grads, measured_step
 from ckpt_ext.planner import Option, measure_step
+from ckpt_ext.planner.units import OPTIONS
 from ckpt_ext.planner.choose import choose, survey
 from ckpt_ext.planner.figures import simulate
 
@@ -28,6 +29,8 @@ from reference import TOL, rel_err
 transformers = pytest.importorskip("transformers")
 
 LAYERS, SEQ, VOCAB = 4, 64, 256
+#: the layers of the model every per-layer choice is measured on (5^3 choices)
+ENUMERATED = 3
 
 
 def tiny_llama(dtype=torch.float32, layers=LAYERS):
@@ -46,6 +49,8 @@ def batch(n: int) -> dict:
 
 
 INPUTS = batch(4)
+#: the inputs of the model every per-layer choice is measured on
+SMALL_INPUTS = batch(2)
 
 
 @pytest.fixture(scope="module")
@@ -60,38 +65,54 @@ def surveyed(model):
 
 
 @pytest.fixture(scope="module")
-def every_choice(model, surveyed):
-    """Every per-layer choice (3^4), each put into one copy of the model layer by layer (fuse of
-    the layer's MLP, or a checkpoint of the layer) and measured: choice -> (peak, FLOPs)."""
-    net = copy.deepcopy(model)
+def small():
+    return tiny_llama(layers=ENUMERATED)
+
+
+@pytest.fixture(scope="module")
+def small_surveyed(small):
+    return survey(small, SMALL_INPUTS, None)
+
+
+def put(layer, option):
+    """``option`` into one layer by hand, as its row of the options table says."""
+    ckpt_ext.unfuse(layer)
+    row = OPTIONS[option]
+    if row.fuses:
+        ckpt_ext.fuse(layer.mlp)
+    if row.recompute is not None:
+        row.recompute(layer)
+
+
+@pytest.fixture(scope="module")
+def every_choice(small, small_surveyed):
+    """Every per-layer choice (5^3), each put into one copy of the model layer by layer and
+    measured: choice -> (peak, FLOPs)."""
+    net = copy.deepcopy(small)
     layers = net.model.layers
-    current = [Option.NONE] * LAYERS
+    current = [Option.NONE] * ENUMERATED
     out = {}
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()  # no collection of earlier garbage inside a measured step
     try:
         with MemoryMeter("cpu") as meter:
-            for choice in itertools.product(list(Option), repeat=LAYERS):
+            for choice in itertools.product(list(Option), repeat=ENUMERATED):
                 for layer, was, wanted in zip(layers, current, choice):
                     if wanted != was:
-                        ckpt_ext.unfuse(layer)
-                        if wanted == Option.FUSE:
-                            ckpt_ext.fuse(layer.mlp)
-                        elif wanted == Option.CHECKPOINT:
-                            checkpoint_block(layer)
+                        put(layer, wanted)
                 current = list(choice)
                 clear_grads(net)
-                peak = measured_step(lambda inputs: net(**inputs), INPUTS, meter,
+                peak = measured_step(lambda inputs: net(**inputs), SMALL_INPUTS, meter,
                                      loss_fn=lambda o, _: o.loss)["peak_above_before_forward"]
                 clear_grads(net)
                 with FlopCounterMode(display=False) as counter:
-                    net(**INPUTS).loss.backward()
+                    net(**SMALL_INPUTS).loss.backward()
                 out[choice] = (peak, counter.get_total_flops())
     finally:
         if was_enabled:
             gc.enable()
-    assert len(out) == 3 ** len(surveyed[1]) == 81
+    assert len(out) == len(Option) ** len(small_surveyed[1]) == 125
     return out
 
 
@@ -112,12 +133,30 @@ def budgets(p):
 # ------------------------------------------------------------------------------------------------
 # The units and the table
 
-def test_units_are_the_layers_with_three_options(model):
+def test_units_are_the_layers_with_every_option(model):
     p = ckpt_ext.plan(model, INPUTS, 10**15)
     assert list(p.choices) == [f"model.layers.{i}" for i in range(LAYERS)]
     assert all(u.options == tuple(Option) and u.cls == "LlamaDecoderLayer" for u in p.units)
     text = str(p)
     assert "model.layers.{0..3}" in text and "LlamaDecoderLayer" in text
+    assert all(f"{o.value} " in text for o in Option)
+
+
+def test_the_options_table_is_the_options():
+    """Every Option has its row, and the probe measures one step per row."""
+    assert list(OPTIONS) == list(Option)
+    assert len({row.short for row in OPTIONS.values()}) == len(OPTIONS)
+
+
+def test_pointwise_recompute_adds_no_flops_and_frees_bytes(model):
+    """Pointwise recompute adds no FLOPs as FlopCounterMode counts, keeps less than none, and
+    fuse+pointwise keeps less than fuse at fuse's FLOPs."""
+    p = ckpt_ext.plan(model, INPUTS, 10**15)
+    for figs in p.figures:
+        none, pw, fuse = figs[Option.NONE], figs[Option.POINTWISE], figs[Option.FUSE]
+        both = figs[Option.FUSE_POINTWISE]
+        assert pw.flops == none.flops and both.flops == fuse.flops
+        assert pw.fwd_growth < none.fwd_growth and both.fwd_growth < fuse.fwd_growth
 
 
 def test_a_budget_at_plain_peak_changes_nothing(model):
@@ -138,20 +177,20 @@ def test_a_budget_at_plains_measured_peak_changes_nothing(model):
     assert p.added_flops == 0 and set(p.choices.values()) == {"none"}
     assert p.peak_bytes == p.plain_peak_bytes == measured
     below = ckpt_ext.plan(model, INPUTS, measured - 1)
-    assert below.added_flops > 0 and below.peak_bytes <= measured - 1
+    assert set(below.choices.values()) != {"none"} and below.peak_bytes <= measured - 1
 
 
 # ------------------------------------------------------------------------------------------------
 # Optimality, predictions, monotonicity
 
-def test_choice_is_optimal_against_every_choice_measured(model, surveyed, every_choice):
+def test_choice_is_optimal_against_every_choice_measured(small, small_surveyed, every_choice):
     """At each budget the plan's FLOPs are the least of every per-layer choice whose measured
-    peak fits (3^4 choices, each applied and measured), and the plan itself fits."""
-    plain_flops = every_choice[(Option.NONE,) * LAYERS][1]
-    fig = surveyed[0]
-    for b in budgets(ckpt_ext.plan(model, INPUTS, 10**15)):
-        p = choose(*surveyed[:4], b, "cpu")
-        chosen = tuple(Option(p.choices[u.path]) for u in surveyed[1])
+    peak fits (5^3 choices, each applied and measured), and the plan itself fits."""
+    plain_flops = every_choice[(Option.NONE,) * ENUMERATED][1]
+    fig = small_surveyed[0]
+    for b in budgets(ckpt_ext.plan(small, SMALL_INPUTS, 10**15)):
+        p = choose(*small_surveyed[:4], b, "cpu")
+        chosen = tuple(Option(p.choices[u.path]) for u in small_surveyed[1])
         fitting = [fl for peak, fl in every_choice.values() if peak <= b]
         assert every_choice[chosen][0] <= b
         assert every_choice[chosen][1] == min(fitting), b
@@ -160,9 +199,9 @@ def test_choice_is_optimal_against_every_choice_measured(model, surveyed, every_
         assert simulate(fig, chosen).flops == every_choice[chosen][1]
 
 
-def test_predictions_of_every_choice_within_half_a_percent(surveyed, every_choice):
-    """The memory model (a chain of units' segments) against all 81 measured steps."""
-    fig = surveyed[0]
+def test_predictions_of_every_choice_within_half_a_percent(small_surveyed, every_choice):
+    """The memory model (a chain of units' segments) against all 125 measured steps."""
+    fig = small_surveyed[0]
     worst = max(abs(simulate(fig, c).peak - peak) / peak for c, (peak, _) in every_choice.items())
     assert worst <= 5e-3, worst
 
@@ -185,7 +224,9 @@ def test_applied_plan_fits_its_budget_and_prediction_monotonically(model):
         assert peak <= last_peak and p.added_flops >= last_flops
         last_peak, last_flops = peak, p.added_flops
         seen.update(p.choices.values())
-    assert seen == {"none", "fuse", "checkpoint"}  # the budgets exercise every option
+    # the budgets exercise the options on the front (fuse+pointwise keeps less than fuse at
+    # fuse's FLOPs: fuse alone is never the cheaper choice)
+    assert {"none", "pointwise", "fuse+pointwise", "checkpoint"} <= seen
 
 
 def test_below_the_least_budget_names_it(model):
@@ -206,20 +247,25 @@ def _outputs_and_grads(net, inputs):
                                                     for n, p in net.named_parameters()}
 
 
-def test_planned_model_computes_what_the_model_computes_float64():
-    """A plan mixing the three options applied to a float64 model: logits, loss and every
-    parameter gradient equal to the unchanged model's; keys and classes as they were, and a hook
-    on the checkpointed layer runs once per step, outside the checkpoint."""
+@pytest.mark.parametrize("mixed", [
+    (Option.FUSE, Option.CHECKPOINT, Option.NONE, Option.FUSE),
+    (Option.FUSE_POINTWISE, Option.POINTWISE, Option.CHECKPOINT, Option.NONE),
+])
+def test_planned_model_computes_what_the_model_computes_float64(mixed):
+    """A plan mixing the options applied to a float64 model: logits, loss and every parameter
+    gradient equal to the unchanged model's; keys and classes as they were, and a hook on the
+    recomputed layer runs once per step, outside the recompute."""
     ref = tiny_llama(torch.float64)
     inputs = batch(2)
-    mixed = (Option.FUSE, Option.CHECKPOINT, Option.NONE, Option.FUSE)
     p = as_plan(survey(ref, inputs, None), mixed)
     net = copy.deepcopy(ref)
     calls = []
     net.model.layers[1].register_forward_hook(lambda m, a, o: calls.append(1))
     keys, classes = list(net.state_dict()), [type(m) for m in net.modules()]
     net, report = p.apply(net)
-    assert report.checkpointed == ["model.layers.1"] and len(report.fused) == 2
+    recomputed = [f"model.layers.{i}" for i, o in enumerate(mixed) if OPTIONS[o].recompute]
+    assert report.checkpointed == recomputed
+    assert len(report.fused) == sum(OPTIONS[o].fuses for o in mixed)
     assert list(net.state_dict()) == keys
     assert [type(m) for m in net.model.layers[1].modules()] == \
         [type(m) for m in ref.model.layers[1].modules()]
@@ -233,6 +279,50 @@ def test_planned_model_computes_what_the_model_computes_float64():
     assert rel_err(loss, ref_loss) <= TOL[torch.float64]
     for name, g in ref_grads.items():
         assert rel_err(grads[name], g) <= TOL[torch.float64], name
+
+
+class DropoutBlock(torch.nn.Module):
+    """A residual block with dropout among its pointwise ops (what pointwise recompute
+    recomputes) and in its attention (which it keeps)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(width)
+        self.up = torch.nn.Linear(width, 3 * width)
+        self.down = torch.nn.Linear(3 * width, width)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x):
+        n = self.norm(x)
+        a = torch.nn.functional.scaled_dot_product_attention(n, n, n, dropout_p=0.2)
+        return x + a + self.drop(self.down(self.drop(torch.nn.functional.gelu(self.up(n)))))
+
+
+def test_dropout_masks_are_redrawn_alike_under_every_option():
+    """Blocks with dropout in float64, each option on some block: the step's outputs and
+    gradients equal those of the unchanged model run from the same RNG state (the masks the
+    recompute draws are the forward's)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[DropoutBlock(16) for _ in range(len(Option))]).double()
+    x = torch.randn(3, 8, 16, dtype=torch.float64)
+
+    def step(m):
+        return (m(x) ** 2).sum()
+
+    p = ckpt_ext.plan(ref, step=step, budget_bytes=10**15)
+    assert all(u.options == (Option.NONE, Option.CHECKPOINT, Option.POINTWISE) for u in p.units)
+    p.choices = {u.path: o.value for u, o in zip(p.units, itertools.cycle(p.units[0].options))}
+    net, _ = p.apply(copy.deepcopy(ref))
+    results = []
+    for m in (ref, net):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        loss = step(m)
+        loss.backward()
+        results.append((loss.detach(), [q.grad.clone() for q in m.parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
 
 
 def test_unfuse_takes_the_plan_out(model):

@@ -67,7 +67,7 @@ def figures(p):
 def test_a_step_plans_as_its_inputs_and_loss(model, budget):
     want = ckpt_ext.plan(model, INPUTS, budget, loss_fn=loss)
     got = ckpt_ext.plan(model, step=step_of(INPUTS), budget_bytes=budget)
-    assert want.added_flops > 0 and set(want.choices.values()) != {"none"}
+    assert set(want.choices.values()) != {"none"}
     assert figures(got) == figures(want)
 
 
@@ -123,7 +123,7 @@ def test_a_trainers_compute_loss_plans_and_fits(model, trainer):
     assert measured != measure_step(model, INPUTS, loss)["peak_above_before_forward"]
     budget = (first.least_peak_bytes + first.plain_peak_bytes) // 2
     p = ckpt_ext.plan(model, step=step, budget_bytes=budget)
-    assert p.added_flops > 0
+    assert set(p.choices.values()) != {"none"}
     net, _ = p.apply(copy.deepcopy(model))
     peak = measure_step(net, step=lambda m: trainer.compute_loss(m, dict(INPUTS)))
     peak = peak["peak_above_before_forward"]
@@ -254,7 +254,7 @@ def test_trls_sft_trainer_compute_loss_plans_and_fits(tmp_path):
     assert first.plain_peak_bytes == measure_step(model, step=step)["peak_above_before_forward"]
     budget = (first.least_peak_bytes + first.plain_peak_bytes) // 2
     p = ckpt_ext.plan(model, step=step, budget_bytes=budget)
-    assert p.added_flops > 0
+    assert set(p.choices.values()) != {"none"}
     net, _ = p.apply(copy.deepcopy(model))
     peak = measure_step(net, step=step)["peak_above_before_forward"]
     assert peak <= budget and abs(peak - p.peak_bytes) <= 0.05 * p.peak_bytes
