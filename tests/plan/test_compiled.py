@@ -14,6 +14,7 @@ from ckpt_ext.planner import Option, measure_step
 from ckpt_ext.planner.units import OPTIONS
 
 transformers = pytest.importorskip("transformers")
+import _llama  # noqa: E402
 import torch._dynamo  # noqa: E402
 
 LAYERS, SEQ, VOCAB = 2, 32, 128
@@ -22,11 +23,7 @@ INPUTS = dict(input_ids=IDS, labels=IDS, use_cache=False)
 
 
 def tiny_llama():
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176,
-                                   num_hidden_layers=LAYERS, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=2 * SEQ)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+    return _llama.tiny_llama(LAYERS, SEQ, VOCAB)
 
 
 def grads_of(net, compiled):

@@ -16,17 +16,14 @@ import ckpt_ext
 from ckpt_ext.planner import measure_step
 
 transformers = pytest.importorskip("transformers")
+import _llama  # noqa: E402
 
 LAYERS, SEQ, VOCAB = 4, 64, 256
 IDS = torch.randint(0, VOCAB, (64, SEQ), generator=torch.Generator().manual_seed(1))
 
 
 def tiny_llama():
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=176,
-                                   num_hidden_layers=LAYERS, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=2 * SEQ)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
+    return _llama.tiny_llama(LAYERS, SEQ, VOCAB)
 
 
 def batch(n: int) -> dict:
