@@ -98,6 +98,19 @@ def outputs_and_grads(model: nn.Module, *inputs, grad_input: bool = True):
 # What autograd keeps
 
 
+
+def assert_same_outputs_and_grads(key: str, tol: float, before: nn.Module, after: nn.Module,
+                                  *inputs) -> None:
+    """Outputs, input grads and every parameter grad of ``after`` within ``tol`` of ``before``'s
+    (``rel_err``, recorded under ``key``)."""
+    out_b, in_b, g_b = outputs_and_grads(before, *inputs)
+    out_a, in_a, g_a = outputs_and_grads(after, *inputs)
+    for a, b in zip(out_a + in_a, out_b + in_b):
+        assert measured(key, rel_err(a, b)) <= tol
+    assert g_a.keys() == g_b.keys() and len(g_b) > 0
+    for name in g_b:
+        assert measured(key, rel_err(g_a[name], g_b[name])) <= tol, name
+
 def saved_activation_bytes(model: nn.Module, *inputs, run=None) -> int:
     """Bytes of the distinct storages autograd saves for backward while running ``model`` (or
     ``run(*inputs)``, a call of it), not counting the parameters (which the model holds anyway).

@@ -19,8 +19,7 @@ import ckpt_ext
 from ckpt_ext import fuse
 from ckpt_ext._activation_arithmetic import BOUNDS, arithmetic
 from ckpt_ext.convert.facts import module_activation
-from _ecosys import kept_bytes, outputs_and_grads, rel_err, saved_activation_bytes
-from reference import measured
+from _ecosys import assert_same_outputs_and_grads, kept_bytes, saved_activation_bytes
 
 F64 = torch.float64
 # Measured (CPU, float64; CKPT_EXT_MEASURE): outputs and every gradient within 3.7e-16 of the
@@ -84,14 +83,7 @@ class Children(nn.Module):
 
 
 def assert_same(before, after, *inputs):
-    out_b, in_b, g_b = outputs_and_grads(before, *inputs)
-    out_a, in_a, g_a = outputs_and_grads(after, *inputs)
-    for a, b in zip(out_a + in_a, out_b + in_b):
-        assert measured("fuse_activation_arithmetic.float64", rel_err(a, b)) <= TOL
-    assert g_a.keys() == g_b.keys() and len(g_b) > 0
-    for name in g_b:
-        assert measured("fuse_activation_arithmetic.float64",
-                        rel_err(g_a[name], g_b[name])) <= TOL, name
+    assert_same_outputs_and_grads("fuse_activation_arithmetic.float64", TOL, before, after, *inputs)
 
 
 def freed(before, after, x):

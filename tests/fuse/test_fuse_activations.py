@@ -21,7 +21,8 @@ from ckpt_ext import fuse
 from ckpt_ext.convert import RunActivation, RunLinear, member_class
 from ckpt_ext.convert.runtime import _OwnerForward
 from ckpt_ext.convert.facts import module_activation
-from _ecosys import kept_bytes, outputs_and_grads, rel_err, saved_activation_bytes
+from _ecosys import (assert_same_outputs_and_grads, kept_bytes, outputs_and_grads, rel_err,
+                     saved_activation_bytes)
 from _fuse_models import bert, distilbert
 from reference import ACTIVATION_REF, measured
 
@@ -67,13 +68,7 @@ def _need(module: str):
 
 
 def assert_same(before, after, *inputs, tol=TOL):
-    out_b, in_b, g_b = outputs_and_grads(before, *inputs)
-    out_a, in_a, g_a = outputs_and_grads(after, *inputs)
-    for a, b in zip(out_a + in_a, out_b + in_b):
-        assert measured("fuse_activations.float64", rel_err(a, b)) <= tol
-    assert g_a.keys() == g_b.keys() and len(g_b) > 0
-    for name in g_b:
-        assert measured("fuse_activations.float64", rel_err(g_a[name], g_b[name])) <= tol, name
+    assert_same_outputs_and_grads("fuse_activations.float64", tol, before, after, *inputs)
 
 
 def freed(before, after, x):

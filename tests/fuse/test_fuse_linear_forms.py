@@ -20,8 +20,7 @@ from ckpt_ext import fuse, unfuse
 from ckpt_ext.convert import RunMember
 from ckpt_ext.convert.linears import (CONV1D, FORMS, LINEAR, LORA, OTHER_LORA, QLORA, TRACED,
                                       form_of, op_terms, stored_weight)
-from _ecosys import kept_bytes, outputs_and_grads, rel_err, saved_activation_bytes
-from reference import measured
+from _ecosys import assert_same_outputs_and_grads, kept_bytes, rel_err, saved_activation_bytes
 
 F64 = torch.float64
 # Measured (CPU, float64, --seed-sweep=0:30 with CKPT_EXT_MEASURE): outputs and every gradient
@@ -88,13 +87,7 @@ class Gated(nn.Module):
 
 
 def assert_same(before, after, *inputs):
-    out_b, in_b, g_b = outputs_and_grads(before, *inputs)
-    out_a, in_a, g_a = outputs_and_grads(after, *inputs)
-    for a, b in zip(out_a + in_a, out_b + in_b):
-        assert measured("fuse_linear_forms.float64", rel_err(a, b)) <= TOL
-    assert g_a.keys() == g_b.keys() and len(g_b) > 0
-    for name in g_b:
-        assert measured("fuse_linear_forms.float64", rel_err(g_a[name], g_b[name])) <= TOL, name
+    assert_same_outputs_and_grads("fuse_linear_forms.float64", TOL, before, after, *inputs)
 
 
 def _model(how, lin, seed=0):
