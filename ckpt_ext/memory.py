@@ -322,3 +322,19 @@ def show_usage(label: str = "", index: int = 0) -> Optional[dict]:
         return None
     print(f"{label}: GPU {index} used {u['used'] / 2**20:.0f} MiB of {u['total'] / 2**20:.0f} MiB")
     return u
+
+
+@contextlib.contextmanager
+def uninstrumented(device: torch.device):
+    """Run on the stock CPU allocator: the counting wrapper adds work to every allocation and
+    free, which would tax allocation-heavy modes in the timings. Tensors it counted stay counted
+    (their frees are still subtracted); those allocated meanwhile are not counted at all."""
+    if device.type != "cpu":
+        yield
+        return
+    was_installed = _C.cpu_meter_uninstall()
+    try:
+        yield
+    finally:
+        if was_installed:
+            _C.cpu_meter_install()

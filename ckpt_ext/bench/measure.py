@@ -1,12 +1,11 @@
 """Timing one step, timing the GEMMs a mode recomputes (the floor), and what is derived per mode:
 gradient agreement with plain, the largest batch in a budget.
 
-Timings run on the stock allocator (:func:`uninstrumented`); the memory of a step is measured
+Timings run on the stock allocator (:func:`ckpt_ext.memory.uninstrumented`); the memory of a step is measured
 separately by :func:`ckpt_ext.memory.measured_step`.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import Callable
@@ -14,7 +13,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .. import _C
 
 
 def share_parameters(src: nn.Module, dst: nn.Module) -> None:
@@ -50,22 +48,6 @@ def timed_gemms(operands: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         torch.addmm(b, x, w.t())
     _sync(device)
     return time.perf_counter() - t
-
-
-@contextlib.contextmanager
-def uninstrumented(device: torch.device):
-    """Run on the stock CPU allocator: the counting wrapper adds work to every allocation and
-    free, which would tax allocation-heavy modes in the timings. Tensors it counted stay counted
-    (their frees are still subtracted); those allocated meanwhile are not counted at all."""
-    if device.type != "cpu":
-        yield
-        return
-    was_installed = _C.cpu_meter_uninstall()
-    try:
-        yield
-    finally:
-        if was_installed:
-            _C.cpu_meter_install()
 
 
 def grad_errors(net: nn.Module, ref: dict[str, torch.Tensor]) -> float:

@@ -19,10 +19,9 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from ..memory import MemoryMeter, clear_grads, measured_step
+from ..memory import MemoryMeter, clear_grads, measured_step, uninstrumented
 from ..models import NETWORKS, PINNNet, is_pinn, recomputed_gemms
-from .measure import (grad_errors, max_batch, share_parameters, timed_gemms, timed_step,
-                      uninstrumented)
+from .measure import grad_errors, max_batch, share_parameters, timed_gemms, timed_step
 from .presets import MODES, SAME_AS, Config, model_mode, runs_mode, sizes_in
 from .targets import targets
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from .report import fmt_bytes
 
 ROW_METHODS = (("plan", "ckpt_ext.plan"),
-               ("plan-compiled", "ckpt_ext.plan(compiled=True), applied, torch.compile"),
+               ("plan-compiled", "ckpt_ext.plan(compiled=True), Plan.compile"),
                ("hf-every-layer", "transformers, every layer"),
                ("hf-every-n", "transformers, every n-th layer (largest n that fits)"),
                ("compile", "torch.compile, activation_memory_budget (largest that fits)"))
@@ -55,7 +55,9 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {fmt_bytes(b)} | {label} | none fits | | no | | | |")
                 continue
             r = configs[name]
-            pred = fmt_bytes(r["predicted_peak"]) if "predicted_peak" in r else ""
+            predicted = row.get("plan-compiled_predicted") if key == "plan-compiled" \
+                else r.get("predicted_peak")
+            pred = fmt_bytes(predicted) if predicted else ""
             t = f"{r['time_vs_plain']:.2f}" if r.get("time_vs_plain") else "n/a"
             lines.append(f"| {fmt_bytes(b)} | {label} | {name} | {fmt_bytes(r['peak'])} "
                          f"| {'yes' if r['peak'] <= b else '**no**'} | {pred} "

@@ -26,8 +26,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .. import fuse
 from ..planner import measure_step, plan
+from ..planner.compiled import compiled_flops
 from ..planner.units import OPTIONS, Option
-from .measure import uninstrumented
+from ..memory import uninstrumented
 
 #: The network per benchmark preset: decoder layers of Llama's shape (gated SiLU MLP at
 #: intermediate = 2.75 x hidden, multi-head attention, RMSNorm, rotary embeddings), a batch of
@@ -208,7 +209,8 @@ class Section:
     def compiled_plan(self, budget: int):
         """``plan(..., compiled=True)`` at ``budget``, applied and compiled: its memory and time
         (``self.backend``) and its FLOPs from the same partition run eagerly; (name, seconds),
-        or (None, seconds) where no compiled plan fits."""
+        and its predicted peak; (None, seconds, None) where no compiled plan fits. Where the plan
+        chose compile's own budget, that configuration's name ("compile budget f")."""
         import torch._dynamo
 
         t = time.perf_counter()
@@ -216,13 +218,19 @@ class Section:
             p = plan(self.base, self.inputs, budget, compiled=True)
         except ValueError as e:
             self.log(f"plan section: compiled plan at {budget:,} B: {e}")
-            return None, time.perf_counter() - t
+            return None, time.perf_counter() - t, None
         seconds = time.perf_counter() - t
+        if p.compile_memory_budget is not None:  # compile's own budget: that very configuration
+            name = f"compile budget {p.compile_memory_budget:g}"
+            if name not in self.configs:
+                self.compiled(p.compile_memory_budget)
+            self.configs[name]["chosen_by_compiled_plan"] = p.compiled_seconds
+            return name, seconds, p.peak_bytes
         name = "plan compiled " + short(p.choices)
         if name in self.configs:
-            return name, seconds
-        torch._dynamo.reset()
-        flops = _counted_compile_flops(p.apply(sharing_copy(self.base))[0], self.inputs)
+            return name, seconds, p.peak_bytes
+        flops = compiled_flops(p.apply(sharing_copy(self.base))[0],
+                               lambda m: _step(m, self.inputs))
         torch._dynamo.reset()
         model = torch.compile(p.apply(sharing_copy(self.base))[0], backend=self.backend,
                               dynamic=False)
@@ -232,11 +240,11 @@ class Section:
         _clear(self.params)
         self.add(name, model, flops=flops, choices=p.choices, predicted_peak=p.peak_bytes,
                  predicted_kept=p.kept_bytes, predicted_added_flops=p.added_flops,
-                 compile_s=compile_s, plan_seconds=seconds)
+                 compile_s=compile_s, plan_seconds=seconds, compiled_seconds=p.compiled_seconds)
         self.time_loop(["plain", name])
         del self.models[name]
         torch._dynamo.reset()
-        return name, seconds
+        return name, seconds, p.peak_bytes
 
     def compiled(self, fraction: float) -> None:
         """torch.compile of the plain model with activation_memory_budget = fraction: its memory
@@ -245,10 +253,10 @@ class Section:
         import torch._functorch.config as functorch_config
 
         name = f"compile budget {fraction:g}"
+        flops = compiled_flops(sharing_copy(self.base), lambda m: _step(m, self.inputs),
+                               fraction)
         with functorch_config.patch(activation_memory_budget=fraction):
             torch._dynamo.reset()  # else the compile below reuses the previous fraction's graph
-            flops = _counted_compile_flops(sharing_copy(self.base), self.inputs)
-            torch._dynamo.reset()
             model = torch.compile(sharing_copy(self.base), backend=self.backend, dynamic=False)
             t = time.perf_counter()
             _step(model, self.inputs)  # compiles forward and backward
@@ -279,7 +287,8 @@ class Section:
                 "fuse-all fits": fits.get("fuse-all", False),
             })
             if compiled_plans:
-                rows[-1]["plan-compiled"], rows[-1]["plan-compiled_seconds"] = compiled_plans[b]
+                (rows[-1]["plan-compiled"], rows[-1]["plan-compiled_seconds"],
+                 rows[-1]["plan-compiled_predicted"]) = compiled_plans[b]
         return {"sizes": self.sizes, "budgets": budgets, "rows": rows, "configs": c,
                 "plan_survey_s": survey_s, "methods": list(self.methods),
                 "targets": targets(rows, c, survey_s)}
@@ -288,37 +297,6 @@ class Section:
 def short(choices: Dict[str, str]) -> str:
     """A choice in a configuration's name: the options table's letters, one group per unit."""
     return ",".join(OPTIONS[Option(v)].short for v in choices.values())
-
-
-def _counted_compile_flops(model: nn.Module, inputs: dict) -> int:
-    """FLOPs of a compiled step: AOTAutograd's forward and backward graphs, partitioned as
-    inductor partitions them (min-cut, inductor's decompositions, the current
-    activation_memory_budget), run eagerly under FlopCounterMode."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.decomposition import select_decomp_table
-
-    counted = [0]
-
-    def compiler(gm, example_inputs):
-        def run(args):
-            with FlopCounterMode(display=False) as counter:
-                out = gm(*args)
-            counted[0] += counter.get_total_flops()
-            return out
-        run._boxed_call = True
-        return run
-
-    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
-                           partition_fn=min_cut_rematerialization_partition,
-                           decompositions=select_decomp_table())
-    compiled = torch.compile(model, backend=backend, dynamic=False)
-    _step(compiled, inputs)  # compiles
-    counted[0] = 0
-    _step(compiled, inputs)
-    for p in model.parameters():
-        p.grad = None
-    return int(counted[0])
 
 
 def targets(rows: List[dict], c: Dict[str, dict], survey_s: float = 0.0) -> dict:
@@ -344,8 +322,8 @@ def targets(rows: List[dict], c: Dict[str, dict], survey_s: float = 0.0) -> dict
             ok = name is not None and c[name]["peak"] <= b
             c_fits.append(ok)
             if name is not None:
-                honest.append(abs(c[name]["peak"] - c[name]["predicted_peak"])
-                              / c[name]["predicted_peak"])
+                predicted = row["plan-compiled_predicted"]
+                honest.append(abs(c[name]["peak"] - predicted) / predicted)
             if comp and ok:
                 c_flops.append(c[name]["flops"] <= c[comp]["flops"])
                 c_time.append(round(c[name]["time_vs_plain"] / c[comp]["time_vs_plain"], 3))

@@ -12,7 +12,8 @@ from torch import nn
 
 from .batch import largest_batch
 from .choose import choice_for, choose, least_peak_choice, plan_of, survey_step
-from .compiled import MAX_CHECKS, compiled_figures, compiled_step, lowered
+from .compiled import (FRACTIONS, MAX_CHECKS, TIMED_STEPS, compile_budget_fit, compiled_figures,
+                       compiled_flops, compiled_step, lowered)
 from .measure import figures_of
 from .probe import Probe
 from .result import Plan
@@ -61,9 +62,10 @@ def plan(model: nn.Module, example_inputs=None, budget_bytes: Optional[int] = No
     ``ckpt_ext.memory.measured_step`` reports it. A probe step per option on a copy sharing the
     model's parameters (plain, then every unit under each option, each after a FLOP-counted one)
     gives each unit's bytes and FLOPs under each option; the choice is exact. With
-    ``compiled=True`` the budget bounds the step of ``torch.compile(model)`` after the plan is
-    applied: compiled probe steps (one per option) predict it, and the choice's compiled step is
-    measured within the budget before the plan is returned (compiled.py). Nothing in the model
+    ``compiled=True`` the budget bounds the compiled step (``Plan.compile``): compiled probe
+    steps (one per option) predict it, the choice's compiled step is measured within the budget,
+    and where torch.compile's own ``activation_memory_budget`` also fits and its step is faster,
+    the plan takes that instead (compiled.py). Nothing in the model
     changes: its gradients, buffers and the RNG are as they were. ``ValueError`` when no choice
     fits, naming the least budget that does; an error naming ``example_inputs`` when the model
     cannot take them, or ``step`` when it raises; ``RuntimeError`` when the probe step runs the
@@ -80,36 +82,65 @@ def plan(model: nn.Module, example_inputs=None, budget_bytes: Optional[int] = No
 
 def plan_compiled(model: nn.Module, how, budget: int, where: str) -> Plan:
     """``plan(..., compiled=True)``: the eager probes (units, options, FLOPs), the compiled
-    probes, then choose and measure the choice compiled until it fits (compiled.py)."""
+    probes; the plan's own choice measured compiled until it fits; where plain's compiled step
+    does not fit, compile's own budget that fits, and of the two that fit, the faster step
+    (compiled.py)."""
     device = model_device(model)
     units, notes = find_units(model)
     with Probe(model, how, device, where) as probe:
         fig, units, notes, spread = figures_of(probe, units, notes)
         cfig, _ = compiled_figures(probe, fig, units)
-        choice_for(cfig, budget)  # no choice predicted to fit: the error names the least
-        excess, checked = 0, {}
-        for _ in range(MAX_CHECKS):
-            try:
-                choice = choice_for(lowered(cfig, excess), budget)
-            except ValueError:  # kept below by the excess, none fits: the least peak's choice
-                choice = least_peak_choice(cfig)
-            if all(o == Option.NONE for o in choice):
-                checked[choice] = cfig.plain_peak  # the plain compiled probe's own figure
-            elif choice not in checked:
-                checked[choice] = compiled_step(probe, units, choice)["peak"]
-            measured = checked[choice]
-            if measured <= budget:
-                break
-            # the sums were that far off: keep as much again below, and a margin of MARGIN
-            excess += measured - budget + math.ceil(MARGIN * budget)
+        n = len(units)
+        if budget >= cfig.plain_peak:  # plain's compiled step fits: nothing to recompute
+            mine = ((Option.NONE,) * n, {"peak": cfig.plain_peak, "kept": cfig.plain_kept})
+            theirs = None
         else:
+            mine = _checked_choice(probe, units, cfig, budget)
+            theirs = compile_budget_fit(probe, units, budget)
+        if mine is None and theirs is None:
+            choice_for(cfig, budget)  # none predicted to fit: the error names the least
             raise ValueError(f"{where}: no compiled plan measured within the budget of "
-                             f"{budget:,} bytes after {len(checked)} compiled checks (the "
-                             f"least: {min(checked.values()):,} bytes)")
+                             f"{budget:,} bytes after {MAX_CHECKS} compiled checks, and no "
+                             f"activation_memory_budget of torch.compile's in {FRACTIONS}")
+        timed = {}
+        if mine is not None:
+            timed["plan"] = mine[1].get("seconds")
+        if theirs is not None:
+            timed[f"activation_memory_budget {theirs[0]:g}"] = theirs[1]["seconds"]
+        if theirs is not None and (mine is None or theirs[1]["seconds"] < mine[1]["seconds"]):
+            choice, got, fraction = (Option.NONE,) * n, theirs[1], theirs[0]
+            probe.configure(units, choice)
+            flops = compiled_flops(probe.copy, probe.run, fraction)
+        else:
+            (choice, got), fraction, flops = mine, None, None
     p = plan_of(cfig, units, notes, spread, budget, str(device), choice)
-    # the check measured this very configuration compiled: the figure to promise
-    p.compiled, p.peak_bytes, p.measured_peak_bytes = True, measured, measured
+    # the check measured this very configuration compiled: the figures to promise
+    p.compiled, p.peak_bytes, p.kept_bytes = True, got["peak"], got["kept"]
+    p.measured_peak_bytes, p.compile_memory_budget = got["peak"], fraction
+    p.compiled_seconds = timed
+    if flops is not None:
+        p.added_flops = flops - p.plain_flops
     return p
+
+
+def _checked_choice(probe: Probe, units, cfig, budget: int):
+    """(choice, its timed compiled step) of the least FLOPs predicted to fit ``budget`` and
+    measured within it compiled (the budget lowered by each check's excess and a margin, at most
+    MAX_CHECKS checks), or None."""
+    excess, checked = 0, {}
+    for _ in range(MAX_CHECKS):
+        try:
+            choice = choice_for(lowered(cfig, excess), budget)
+        except ValueError:  # kept below by the excess, none fits: the least peak's choice
+            choice = least_peak_choice(cfig)
+        if choice not in checked:
+            checked[choice] = compiled_step(probe, units, choice, timed=TIMED_STEPS)
+        measured = checked[choice]["peak"]
+        if measured <= budget:
+            return choice, checked[choice]
+        # the sums were that far off: keep as much again below, and a margin of MARGIN
+        excess += measured - budget + math.ceil(MARGIN * budget)
+    return None
 
 
 def max_batch(model: nn.Module, make_inputs: Optional[Callable[[int], object]] = None,

@@ -1,69 +1,102 @@
-"""Planning for a compiled step (``plan(..., compiled=True)``): the step of
-``torch.compile(model)`` after ``Plan.apply``.
-
-Inside a compiled graph there are no marks to cut the step at (a hook that reads the meter would
-break the graph), and inductor's partitioner moves the peak (it recomputes pointwise work of its
-own, and frees what it can earlier), so the eager figures do not predict a compiled step. The
-compiled probe measures whole steps instead: one compiled step per row of the options table, with
-every unit that can take that option under it (``torch._dynamo.reset()`` before each compile).
-Each option's change of the compiled peak from plain's is shared among the units in proportion to
-their change of the eager bytes kept (equal shares for identical units), which makes the compiled
-peak of any choice a sum: plain's compiled peak plus each unit's share. The solver (solver.py)
-chooses on these sums as on eager figures, and the chosen configuration is compiled and measured;
-where it does not fit, the budget the solver sees is lowered by the excess and it chooses again
-(the choice of least predicted peak where none is left; at most :data:`MAX_CHECKS` checks), so
-the plan returned has a measured compiled peak within the budget. FLOPs are the eager step's (``FlopCounterMode``): a compiled graph recomputes the GEMMs
-its eager checkpoint recomputes."""
+"""Planning for a compiled step (``plan(..., compiled=True)``): compiled probes (one compiled step
+per row of the options table, and plain's under each of torch.compile's own memory budgets), the
+plan's own choice checked compiled until it fits, then the faster of it and compile's budget.
+Why and how: docs/plan.md, "Compiled models"."""
 from __future__ import annotations
 
 import gc
+import statistics
+import time
 from dataclasses import replace
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..memory import measured_step
+import torch
+from torch import nn
+
+from ..memory import measured_step, uninstrumented
 from .figures import OptionFigures, StepFigures
 from .probe import Probe
 from .units import OPTIONS, Option, Unit
 
 #: How many chosen configurations are compiled and measured before giving up on a budget.
 MAX_CHECKS = 4
+#: torch.compile's own ``activation_memory_budget`` fractions a compiled plan weighs, largest
+#: first (1.0, the default, is plain's compiled probe).
+FRACTIONS = (0.75, 0.5, 0.25, 0.0)
+#: Steps timed per compiled candidate (their median), after the measured one.
+TIMED_STEPS = 5
 
 
-def compiled_step(probe: Probe, units: Sequence[Unit], options: Sequence[Option]) -> dict:
-    """(peak, kept) of one compiled step of the probe's copy in this configuration: compiled
-    and run once, then measured (``measured_step``'s figures)."""
+def compile_backend(fraction: Optional[float]):
+    """``torch.compile``'s backend for a step under ``activation_memory_budget = fraction``:
+    inductor, the partitioner's budget set while it compiles (None: inductor as configured)."""
+    if fraction is None:
+        return "inductor"
+
+    def inductor_at_budget(gm, example_inputs):
+        import torch._functorch.config as functorch_config
+        from torch._inductor.compile_fx import compile_fx
+
+        with functorch_config.patch(activation_memory_budget=fraction):
+            return compile_fx(gm, example_inputs)
+
+    inductor_at_budget.activation_memory_budget = fraction
+    return inductor_at_budget
+
+
+def compiled_step(probe: Probe, units: Sequence[Unit], options: Sequence[Option],
+                  fraction: Optional[float] = None, timed: int = 0) -> dict:
+    """One compiled step of the probe's copy in this configuration (under compile's budget
+    ``fraction``): compiled and run once, then measured (``peak``, ``kept``: ``measured_step``'s
+    figures), then, with ``timed``, that many steps timed on the stock allocator (``seconds``:
+    their median)."""
     import torch._dynamo
 
     probe.configure(units, options)
     torch._dynamo.reset()
-    compiled = torch.compile(probe.copy, dynamic=False)
+    compiled = torch.compile(probe.copy, backend=compile_backend(fraction), dynamic=False)
     how, where = probe.training_step, probe.where
-
-    def clear():
-        for p, _ in probe._grads:
-            p.grad = None
-
-    clear()
-    how.loss(how.forward(compiled), where).backward()  # compiles forward and backward
-    clear()
+    probe.run(compiled)  # compiles forward and backward
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         got = measured_step(lambda _: how.forward(compiled), None, probe.meter,
                             loss_fn=lambda out, _: how.loss(out, where))
+        for p, _ in probe._grads:
+            p.grad = None
+        out = {"peak": got["peak_above_before_forward"], "kept": got["kept_for_backward"]}
+        if timed:
+            out["seconds"] = _median_seconds(lambda: probe.run(compiled), timed, probe.device)
     finally:
         if was_enabled:
             gc.enable()
-        clear()
+        for p, _ in probe._grads:
+            p.grad = None
         torch._dynamo.reset()
-    return {"peak": got["peak_above_before_forward"], "kept": got["kept_for_backward"]}
+    return out
+
+
+def _median_seconds(step: Callable[[], None], n: int, device: torch.device) -> float:
+    seconds = []
+    with uninstrumented(device):
+        for _ in range(n):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - t)
+    return statistics.median(seconds)
 
 
 def compiled_figures(probe: Probe, fig: StepFigures, units: List[Unit]
                      ) -> Tuple[StepFigures, Dict[str, dict]]:
-    """Figures whose chain prediction is the compiled step's peak (see the module's note), and
-    each whole-step compiled probe's measurement by option."""
+    """Figures whose chain prediction is the compiled step's peak, and each whole-step compiled
+    probe's measurement by option: each option's change of the compiled peak from plain's is
+    shared among the units under it in proportion to their change of the eager bytes kept (equal
+    shares for identical units), so the compiled peak of any choice is a sum."""
     n = len(units)
     measured = {Option.NONE.value: compiled_step(probe, units, [Option.NONE] * n)}
     plain = measured[Option.NONE.value]
@@ -95,3 +128,54 @@ def lowered(fig: StepFigures, by: int) -> StepFigures:
     """``fig`` with every prediction ``by`` bytes higher (the solver then keeps that much
     further below a budget)."""
     return replace(fig, head_excess=fig.head_excess + by, plain_peak=fig.plain_peak + by)
+
+
+def compile_budget_fit(probe: Probe, units: Sequence[Unit], budget: int
+                       ) -> Optional[Tuple[float, dict]]:
+    """(fraction, its timed compiled step) of the largest of compile's own :data:`FRACTIONS`
+    whose plain compiled step fits ``budget``, or None."""
+    for fraction in FRACTIONS:
+        got = compiled_step(probe, units, [Option.NONE] * len(units), fraction, TIMED_STEPS)
+        if got["peak"] <= budget:
+            return fraction, got
+    return None
+
+
+def compiled_flops(model: nn.Module, step: Callable[[nn.Module], None],
+                   fraction: Optional[float] = None) -> int:
+    """FLOPs of a compiled step (``step(compiled)`` runs forward, loss and backward): AOTAutograd's
+    forward and backward graphs, partitioned as inductor partitions them (min-cut, inductor's
+    decompositions, compile's budget ``fraction`` or the configured one), run eagerly under
+    ``FlopCounterMode``."""
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counted = [0]
+
+    def compiler(gm, example_inputs):
+        def run(args):
+            with FlopCounterMode(display=False) as counter:
+                out = gm(*args)
+            counted[0] += counter.get_total_flops()
+            return out
+        run._boxed_call = True
+        return run
+
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+                           partition_fn=min_cut_rematerialization_partition,
+                           decompositions=select_decomp_table())
+    budget = functorch_config.activation_memory_budget if fraction is None else fraction
+    torch._dynamo.reset()
+    try:
+        with functorch_config.patch(activation_memory_budget=budget):
+            compiled = torch.compile(model, backend=backend, dynamic=False)
+            step(compiled)  # compiles
+        counted[0] = 0
+        step(compiled)
+    finally:
+        torch._dynamo.reset()
+    return int(counted[0])

@@ -96,6 +96,16 @@ class Probe:
             if row.recompute is not None:
                 row.recompute(self.copy.get_submodule(unit.path))
 
+    def run(self, module) -> None:
+        """One unrecorded training step of ``module`` (the copy, or a compiled copy): forward,
+        loss, backward; the gradients cleared after."""
+        how = self.training_step
+        try:
+            how.loss(how.forward(module), self.where).backward()
+        finally:
+            for p, _ in self._grads:
+                p.grad = None
+
     # -- one step ----------------------------------------------------------------------------
     def step(self, units: Sequence[Unit], count_flops: bool) -> StepTrace:
         """One marked step of the copy as configured (memory, or FLOPs with count_flops)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
@@ -52,6 +53,12 @@ class Plan:
     compiled: bool = False
     #: the compiled step of this choice as the planner measured it (compiled plans only)
     measured_peak_bytes: Optional[int] = None
+    #: torch.compile's own ``activation_memory_budget`` the step is compiled under, where the
+    #: plan chose it (its step was faster than the plan's own choice, or that did not fit):
+    #: :meth:`compile` sets it; None: compile as configured
+    compile_memory_budget: Optional[float] = None
+    #: the compiled candidates' measured step seconds (median), by name (compiled plans only)
+    compiled_seconds: Dict[str, float] = field(default_factory=dict)
 
     # -- reading -------------------------------------------------------------------------------
     def __str__(self) -> str:
@@ -81,14 +88,47 @@ class Plan:
                 if not OPTIONS[option].fuses or unit.kind is not Kind.BLOCK or "no unit" not in why:
                     lines.append(f"  {unit.path or '<model>'}: no {option.value}: {why}")
         lines += [f"  not planned: {path or '<model>'}: {why}" for path, why in self.notes]
+        if self.compile_memory_budget is not None:
+            lines.append(f"  compile under activation_memory_budget = "
+                         f"{self.compile_memory_budget:g} (Plan.compile sets it)")
+        if self.compiled_seconds:
+            lines.append("  compiled step, measured: " + ", ".join(
+                f"{name} {s * 1e3:.1f} ms" for name, s in self.compiled_seconds.items()
+                if s is not None))
         return "\n".join(lines)
 
     # -- applying ------------------------------------------------------------------------------
+    def compile(self, model: nn.Module, **compile_kwargs) -> nn.Module:
+        """:meth:`apply` the plan to ``model``, then ``torch.compile`` it (``compile_kwargs``
+        passed on) under the plan's :attr:`compile_memory_budget`: the compiled step it
+        measured."""
+        import torch
+
+        if self.compile_memory_budget is not None and "backend" in compile_kwargs:
+            raise ValueError(f"Plan.compile: this plan compiles with inductor under "
+                             f"activation_memory_budget = {self.compile_memory_budget:g}; "
+                             f"got backend={compile_kwargs['backend']!r}")
+        from .compiled import compile_backend
+
+        net = self._applied(model).model
+        return torch.compile(net, **{"backend": compile_backend(self.compile_memory_budget),
+                                     **compile_kwargs})
+
     def apply(self, model: nn.Module) -> "Applied":
         """Put the plan into ``model`` in place; returns ``(model, report)``. ``model`` must be
         the planned model (or one of the same structure) without fuse's runs or checkpoint
         wrappers (``ckpt_ext.unfuse`` takes them out). Every check runs before anything in the
-        model changes."""
+        model changes. A plan with a :attr:`compile_memory_budget` warns: its step fits only
+        compiled under it (:meth:`compile`)."""
+        if self.compile_memory_budget is not None:
+            warnings.warn(f"Plan.apply: this plan's step fits the budget only compiled under "
+                          f"torch.compile's activation_memory_budget = "
+                          f"{self.compile_memory_budget:g}: use Plan.compile(model), or set "
+                          f"torch._functorch.config.activation_memory_budget while compiling",
+                          stacklevel=2)
+        return self._applied(model)
+
+    def _applied(self, model: nn.Module) -> "Applied":
         if not isinstance(model, nn.Module):
             raise TypeError(f"Plan.apply expects an nn.Module, got {type(model).__name__}")
         targets = self._checked_targets(model)

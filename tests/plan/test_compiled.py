@@ -1,7 +1,8 @@
 """Plans and ``torch.compile`` on the CPU (inductor), on a tiny transformers Llama (2 layers): an
 applied plan with every recomputing option compiles as one graph (``fullgraph=True``) and
 computes what the eager plan computes, and ``plan(..., compiled=True)`` plans for the compiled
-step: its choice's compiled step, measured, fits the budget and its prediction."""
+step: the faster of its own choice and compile's activation_memory_budget that fit, its compiled
+step (``Plan.compile``), measured, within the budget and its prediction."""
 from __future__ import annotations
 
 import copy
@@ -11,6 +12,8 @@ import torch
 
 import ckpt_ext
 from ckpt_ext.planner import Option, measure_step
+from ckpt_ext.planner import api as planner_api
+from ckpt_ext.planner import compiled as compiled_mod
 from ckpt_ext.planner.units import OPTIONS
 
 transformers = pytest.importorskip("transformers")
@@ -53,29 +56,55 @@ def test_an_applied_plan_compiles_as_one_graph(options):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def measured_compiled(net) -> int:
+def measured_compiled(compiled) -> int:
+    """The measured peak of a compiled step (compiled by its first step here)."""
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(net, dynamic=False)
         compiled(**INPUTS).loss.backward()  # compiles
         return measure_step(compiled, INPUTS)["peak_above_before_forward"]
     finally:
         torch._dynamo.reset()
 
 
-def test_a_compiled_plan_fits_the_compiled_step():
-    """At a budget between the least compiled peak and plain's, the compiled step of the plan
-    applied peaks within the budget and within 5 % of the prediction; at plain's compiled peak
-    nothing changes."""
+def test_a_compiled_plan_at_plain_compiled_peak_changes_nothing():
     model = tiny_llama()
     first = ckpt_ext.plan(model, INPUTS, 10**15, compiled=True)
     assert first.compiled and set(first.choices.values()) == {"none"}
+    assert first.compile_memory_budget is None
     assert first.measured_peak_bytes == first.plain_peak_bytes == first.peak_bytes
-    budget = (first.least_peak_bytes + first.plain_peak_bytes) // 2
+
+
+@pytest.mark.parametrize("faster", ["plan", "compile"])
+def test_a_compiled_plan_fits_and_takes_the_faster_step(monkeypatch, faster):
+    """At a budget between the least compiled peak and plain's, where both the plan's own choice
+    and one of compile's activation_memory_budget fractions fit: the candidate whose timed step
+    is faster is chosen (the timings set here, so both branches run), and ``Plan.compile`` of it
+    peaks within the budget and within 5 % of the prediction."""
+    real = compiled_mod.compiled_step
+
+    def timed_so(probe, units, options, fraction=None, timed=0):
+        got = real(probe, units, options, fraction, timed)
+        if timed:
+            got["seconds"] = 0.5 if (fraction is not None) == (faster == "compile") else 1.0
+        return got
+
+    monkeypatch.setattr(compiled_mod, "compiled_step", timed_so)
+    monkeypatch.setattr(planner_api, "compiled_step", timed_so)
+    model = tiny_llama()
+    plain = measured_compiled(torch.compile(copy.deepcopy(model), dynamic=False))
+    budget = plain - plain // 20
     p = ckpt_ext.plan(model, INPUTS, budget, compiled=True)
-    assert set(p.choices.values()) != {"none"}
-    assert p.measured_peak_bytes <= budget
-    net, _ = p.apply(copy.deepcopy(model))
-    peak = measured_compiled(net)
+    assert p.measured_peak_bytes == p.peak_bytes <= budget
+    assert "plan" in p.compiled_seconds and len(p.compiled_seconds) == 2  # both fit, both timed
+    if faster == "compile":
+        assert p.compile_memory_budget in compiled_mod.FRACTIONS
+        assert set(p.choices.values()) == {"none"} and p.added_flops >= 0
+        with pytest.warns(UserWarning, match="activation_memory_budget"):
+            p.apply(copy.deepcopy(model))
+        with pytest.raises(ValueError, match="backend='eager'"):
+            p.compile(copy.deepcopy(model), backend="eager")
+    else:
+        assert p.compile_memory_budget is None and set(p.choices.values()) != {"none"}
+        assert all(Option(o) in OPTIONS for o in p.choices.values())
+    peak = measured_compiled(p.compile(copy.deepcopy(model), dynamic=False))
     assert peak <= budget and abs(peak - p.peak_bytes) <= 0.05 * p.peak_bytes
-    assert all(Option(o) in OPTIONS for o in p.choices.values())
