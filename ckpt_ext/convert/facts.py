@@ -128,10 +128,13 @@ def tensors_per_layer(name: str) -> int:
     return REGISTRY[name].tensors_per_layer
 
 
-def module_tensors(m: Optional[nn.Module], name: Optional[str]) -> int:
-    """:func:`tensors_per_layer` as module ``m``'s class computes it (``m`` None: a call)."""
+def module_tensors(m: Optional[nn.Module], name: Optional[str], kept: Optional[int] = None) -> int:
+    """:func:`tensors_per_layer` as module ``m``'s class computes it (``m`` None: a call;
+    ``kept``: a call written as arithmetic, counted where it was found)."""
     if name is None:
         return 0
+    if kept is not None:
+        return kept
     if m is not None:
         try:
             return stock_tensors(lambda z: base_type(m).forward(m, z))
@@ -352,9 +355,11 @@ class NodeFact(NamedTuple):
     input: Any                      # its one data input taken the usual way, else None
     child: Optional[nn.Module]      # the direct child it calls (call_module, no dotted target)
     only: Optional[fx.Node]         # its one positional node argument, else None
-    # an activation written as several nodes: on its last node the others, on its input that last
+    # an activation written as several nodes: on its last node the others and the tensors stock
+    # autograd keeps for them per layer, on its input that last node
     inner: Tuple[fx.Node, ...] = ()
     written: Optional[fx.Node] = None
+    kept: Optional[int] = None
 
 
 def node_facts(graph: fx.Graph, owner: nn.Module, path: str, facts) -> Dict[fx.Node, NodeFact]:
@@ -389,9 +394,9 @@ def node_facts(graph: fx.Graph, owner: nn.Module, path: str, facts) -> Dict[fx.N
     for n, fact in list(out.items()):
         written = written_after(n, order) if fact.kind is LayerKind.LINEAR else None
         if written is not None:
-            last, inner, found = written
+            last, inner, found, kept = written
             out[last] = out[last]._replace(kind=LayerKind.ACTIVATION, found=Recognised(found.name),
-                                           label=found.form, input=n, inner=inner)
+                                           label=found.form, input=n, inner=inner, kept=kept)
             out[n] = fact._replace(written=last)
     return out
 

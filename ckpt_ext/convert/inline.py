@@ -186,7 +186,8 @@ class Inline(RegionKind):
                                  "; ".join(c.problems), activation=names[0])]
         chain = Chain(c.path, How.CHILDREN, list(c.labels), list(c.nodes), layers, names, False,
                       lambda: Fate(None, ""),
-                      tuple(module_tensors(sub, found.name) for found, _, sub in c.acts))
+                      tuple(module_tensors(sub, found.name, graph.nodes[n].kept)
+                            for found, n, sub in c.acts))
         (unit,), _ = decide(chain, options.policy)
         d = unit.decision
         drawing = [x for x in c.drops if x.drawing(c.owner.training)]
