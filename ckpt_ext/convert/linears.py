@@ -9,7 +9,7 @@ import operator
 import random
 import warnings
 import weakref
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -304,12 +304,32 @@ def forms(modules: Iterable[nn.Module]) -> Dict[int, Optional[Form]]:
     return {id(m): form_of(m) for m in modules}
 
 
+def reads(modules: Iterable[nn.Module], forms: Dict[int, Optional[Form]]) -> Dict[int, Read]:
+    """Each module's row's :meth:`Form.read` of it, by id."""
+    return {id(m): forms[id(m)].read(m) for m in modules}
+
+
 def stored_weight(m: nn.Module) -> Optional[torch.Tensor]:
     return (class_form(type(m)) or TRACED).weight(m)
 
 
 def op_terms(m: nn.Module) -> Optional[tuple]:
     return (class_form(type(m)) or TRACED).terms(m)
+
+
+def one_dtype_device(layers: Sequence[nn.Module], labels: Sequence[str]) -> Check:
+    """Linears whose stored weights are made and share one dtype and device."""
+    def holds() -> bool:
+        weights = [stored_weight(layer) for layer in layers]
+        return None not in weights and len({(w.dtype, w.device) for w in weights}) == 1
+
+    def describe() -> str:
+        weights = [stored_weight(layer) for layer in layers]
+        if None in weights:
+            return "a weight is not made yet (a lazy layer)"
+        return ("its Linears' weights are of different dtypes or devices (" + ", ".join(
+            f"{label}: {w.dtype} on {w.device}" for label, w in zip(labels, weights)) + ")")
+    return holds, describe
 
 
 # -- Does a forward compute x·Wᵀ + b? --------------------------------------------------------------
