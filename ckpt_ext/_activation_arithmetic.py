@@ -109,13 +109,14 @@ _MODULE_KEYS = frozenset(vars(nn.Module()))
 
 
 @contextlib.contextmanager
-def _rng_kept():
-    """Python's, numpy's and torch's CPU generators as they were (a forward may draw while it
-    traces)."""
+def rng_kept():
+    """Every generator a forward could draw from while it traces (torch's CPU and initialised
+    CUDA ones, Python's, numpy's) as it was; read by ``convert`` too."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     py_state, np = random.getstate(), sys.modules.get("numpy")
     np_state = np.random.get_state() if np is not None else None
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=cuda):
             yield
     finally:
         random.setstate(py_state)
@@ -241,7 +242,7 @@ def _matched(cls: type, fwd: Any, training: bool, extra: tuple) -> Optional[Arit
     vars(shell).update({k: v for k, _, v in extra})
     before = dict(vars(shell))
     try:
-        with _rng_kept():
+        with rng_kept():
             graph = fx.Tracer().trace(shell)
     except Exception:  # noqa: BLE001 - any error of the user's forward: not an activation
         return None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import inspect
 import operator
-import random
 import warnings
 import weakref
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
@@ -17,6 +16,7 @@ from torch import fx, nn
 from torch.nn.parameter import UninitializedTensorMixin
 from torch.nn.utils import parametrize
 
+from .._activation_arithmetic import rng_kept
 from .._activation_modules import sig
 from .._lora import LoRA
 from ..modules import _has_hooks as has_hooks
@@ -365,9 +365,8 @@ def _reads(m: nn.Module) -> Optional[str]:
 def _trace(m: nn.Module, bias: bool) -> Optional[str]:
     """Its class's forward traced by torch.fx on a copy holding only its weight and bias, on the
     meta device: None where it is x·Wᵀ + b."""
-    state = random.getstate()
     try:  # what the forward draws on the copy is drawn from no generator of the user's
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        with rng_kept(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             clone = base_type(m).__new__(base_type(m))  # its weight and bias only, on meta
             nn.Module.__init__(clone)
@@ -381,8 +380,6 @@ def _trace(m: nn.Module, bias: bool) -> Optional[str]:
     except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"torch.fx cannot trace its forward ({type(e).__name__}: {msg[:120]})"
-    finally:
-        random.setstate(state)
 
 
 def _affine(graph: fx.Graph, bias: bool) -> bool:
