@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from ._activations import REGISTRY
+from ._activations import REGISTRY, stock_tensors
 
 # ------------------------------------------------------------------------------------------------
 # what a pointwise graph may call
@@ -109,13 +109,14 @@ _MODULE_KEYS = frozenset(vars(nn.Module()))
 
 
 @contextlib.contextmanager
-def _rng_kept():
-    """Python's, numpy's and torch's CPU generators as they were (a forward may draw while it
-    traces)."""
+def rng_kept():
+    """Every generator a forward could draw from while it traces (torch's CPU and initialised
+    CUDA ones, Python's, numpy's) as it was; read by ``convert`` too."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     py_state, np = random.getstate(), sys.modules.get("numpy")
     np_state = np.random.get_state() if np is not None else None
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=cuda):
             yield
     finally:
         random.setstate(py_state)
@@ -142,21 +143,25 @@ def _pointwise(graph: fx.Graph) -> bool:
         all(_pointwise_node(n) for n in graph.nodes if n.op not in ("placeholder", "output"))
 
 
+def _run(graph: fx.Graph, x: Tensor) -> Any:
+    """The graph's output for input ``x`` (torch's own functions only: the lists above)."""
+    env: Dict[fx.Node, Any] = {}
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            env[n] = x
+        elif n.op == "output":
+            return env[n.args[0]]
+        else:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+            env[n] = n.target(*args, **kwargs) if n.op == "call_function" else \
+                getattr(args[0], n.target)(*args[1:], **kwargs)
+
+
 def _evaluate(graph: fx.Graph) -> Optional[Tuple[Tensor, Tensor]]:
-    """The graph's values on the probe and their derivative, float64 (torch's own functions only:
-    the lists above)."""
+    """The graph's values on the probe and their derivative, float64."""
     with torch.inference_mode(False), torch.enable_grad():
         z = _PROBE.clone().requires_grad_(True)
-        env: Dict[fx.Node, Any] = {}
-        for n in graph.nodes:
-            if n.op == "placeholder":
-                env[n] = z * 1.0  # not a leaf: F.relu(x, inplace=True) works on it
-            elif n.op == "output":
-                y = env[n.args[0]]
-            else:
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-                env[n] = n.target(*args, **kwargs) if n.op == "call_function" else \
-                    getattr(args[0], n.target)(*args[1:], **kwargs)
+        y = _run(graph, z * 1.0)  # not a leaf: F.relu(x, inplace=True) works on it
         if not isinstance(y, Tensor) or y.shape != z.shape or y.dtype != torch.float64:
             return None
         (d,) = torch.autograd.grad(y.sum(), z, allow_unused=True) if y.requires_grad else (None,)
@@ -237,7 +242,7 @@ def _matched(cls: type, fwd: Any, training: bool, extra: tuple) -> Optional[Arit
     vars(shell).update({k: v for k, _, v in extra})
     before = dict(vars(shell))
     try:
-        with _rng_kept():
+        with rng_kept():
             graph = fx.Tracer().trace(shell)
     except Exception:  # noqa: BLE001 - any error of the user's forward: not an activation
         return None
@@ -268,8 +273,8 @@ def written_after(x: fx.Node, order: Dict[fx.Node, int]):
     """An activation written out as several nodes of a traced forward after ``x`` (a Linear's
     output): the pointwise nodes computed from ``x`` and Python scalars alone, holding every use
     of ``x`` and ending in one node that the rest of the graph uses. (that node, the others in
-    graph order, what they compute) when they compute a row; else None. ``order``: each node's
-    place in its graph."""
+    graph order, what they compute, the tensors stock autograd keeps for them per layer) when
+    they compute a row; else None. ``order``: each node's place in its graph."""
     part: Dict[fx.Node, None] = {}
     reach, todo = set(), list(x.users)
     while todo and len(reach) < 64:
@@ -291,4 +296,5 @@ def written_after(x: fx.Node, order: Dict[fx.Node, int]):
     found = graph_arithmetic(graph)
     if found is None or found.name is None:
         return None
-    return ends[0], tuple(n for n in part if n is not ends[0]), found
+    kept = stock_tensors(lambda z: _run(graph, z))
+    return ends[0], tuple(n for n in part if n is not ends[0]), found, kept

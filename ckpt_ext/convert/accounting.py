@@ -8,8 +8,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
-from .facts import OUR_MODULES, LayerKind, foreign_forward, join_path, linear_problem, \
-    module_activation
+from .facts import OUR_MODULES, LayerKind, join_path, module_activation
 from .graph import ModelGraph
 from .tracing import Trace
 
@@ -29,8 +28,9 @@ def _why(graph: ModelGraph, path: str, m: nn.Module) -> str:
     places = graph.paths.get(id(m), [path])
     if len(places) > 1:
         return f"it is held at {len(places)} places ({', '.join(places)})"
-    if foreign_forward(m):
-        return linear_problem(m)
+    fact = graph.facts[id(m)]
+    if fact.foreign:
+        return fact.problem
     caller = graph.caller.get(id(m))
     if caller is None:
         return "it is the model itself: nothing follows it"
@@ -41,7 +41,7 @@ def _why(graph: ModelGraph, path: str, m: nn.Module) -> str:
                 f"layer's {parent.parameter_name} (target_parameters): its weight is read, the "
                 f"Linear is not called")
     if graph.facts[id(parent)].sequential:
-        return _in_sequential(parent, ppath, target) or linear_problem(m) or \
+        return _in_sequential(parent, ppath, target) or fact.problem or \
             "no activation fuse computes follows it"
     if isinstance(parent, OUR_MODULES):
         return f"its caller {caller} is ckpt_ext's {type(parent).__name__}, which computes it fused"
@@ -53,7 +53,7 @@ def _why(graph: ModelGraph, path: str, m: nn.Module) -> str:
         return f"its caller {caller} was not analysed (trace=False)"
     if not t.ok:
         return f"its caller {caller} was not analysed: {t.reason}"
-    return _in_graph(graph, parent, caller, t, target) or linear_problem(m) or \
+    return _in_graph(graph, parent, caller, t, target) or fact.problem or \
         "no activation fuse computes follows it"
 
 

@@ -62,11 +62,7 @@ _ENGINES: List[Callable[[nn.Module], Optional[str]]] = [_fsdp2, _deepspeed]
 
 def fix_for(m: nn.Module) -> Optional[str]:
     """The fix for the hooks an engine put on ``m``, or None where no engine known here did."""
-    for engine in _ENGINES:
-        fix = engine(m)
-        if fix is not None:
-            return fix
-    return None
+    return next((fix for engine in _ENGINES if (fix := engine(m)) is not None), None)
 
 
 def sharded(model: nn.Module) -> Optional[str]:

@@ -128,10 +128,13 @@ def tensors_per_layer(name: str) -> int:
     return REGISTRY[name].tensors_per_layer
 
 
-def module_tensors(m: Optional[nn.Module], name: Optional[str]) -> int:
-    """:func:`tensors_per_layer` as module ``m``'s class computes it (``m`` None: a call)."""
+def module_tensors(m: Optional[nn.Module], name: Optional[str], kept: Optional[int] = None) -> int:
+    """:func:`tensors_per_layer` as module ``m``'s class computes it (``m`` None: a call;
+    ``kept``: a call written as arithmetic, counted where it was found)."""
     if name is None:
         return 0
+    if kept is not None:
+        return kept
     if m is not None:
         try:
             return stock_tensors(lambda z: base_type(m).forward(m, z))
@@ -214,17 +217,7 @@ def supported(layer: nn.Module) -> Condition:
 
 
 def one_dtype_device(layers: Sequence[nn.Module], labels: Sequence[str]) -> Condition:
-    def holds() -> bool:
-        weights = [stored_weight(layer) for layer in layers]
-        return None not in weights and len({(w.dtype, w.device) for w in weights}) == 1
-
-    def describe() -> str:
-        weights = [stored_weight(layer) for layer in layers]
-        if None in weights:
-            return "a weight is not made yet (a lazy layer)"
-        return ("its Linears' weights are of different dtypes or devices (" + ", ".join(
-            f"{label}: {w.dtype} on {w.device}" for label, w in zip(labels, weights)) + ")")
-    return Condition(holds, describe)
+    return Condition(*linears.one_dtype_device(layers, labels))
 
 
 def mask_inside(m: nn.Module, label: str, item: int) -> Condition:
@@ -269,11 +262,10 @@ def first_failing(conditions: Iterable) -> Optional[Condition]:
     return next((c for c in conditions if not c.holds()), None)
 
 
-def linear_problem(lin: nn.Module, read: Optional[linears.Read] = None) -> Optional[str]:
+def linear_problem(lin: nn.Module, read: linears.Read) -> Optional[str]:
     """What keeps a Linear from any unit, wherever it is called (``read``: its row's read of it)."""
     if foreign_forward(lin):
         return own_forward(lin, "the Linear").describe()
-    read = read or form_of(lin).read(lin)
     return read.problem or failing([no_hooks(lin, read.who)]) or \
         unsupported_reason(read.weight) or failing(Condition(*c) for c in read.checks)
 
@@ -293,6 +285,7 @@ class Fact(NamedTuple):
     #: itemsize of the term's tensors where peft casts the input to the adapter's dtype (0: none)
     width: Tuple[int, int, int, int, int, bool, int] = (0, 0, 0, 0, 0, True, 0)
     experts: bool = False           # an experts class of a mixture of experts (experts_class)
+    foreign: bool = False           # its forward is set on the instance (foreign_forward)
 
 
 #: torch.nn's own modules are not traced, but for a transformer layer's Python feed-forward block
@@ -308,6 +301,8 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
     forms = linears.forms(model.modules())
     inside = {id(sub) for m in model.modules() if forms[id(m)] and forms[id(m)].parts
               for sub in m.modules() if sub is not m}
+    reads = linears.reads([m for m in model.modules() if forms[id(m)] and id(m) not in inside],
+                          forms)
     for m in model.modules():
         kind, found, problem, width = None, None, None, (0, 0, 0, 0, 0, True, 0)
         if id(m) in inside:  # a LoRA Linear's base layer and adapters: parts of that Linear
@@ -316,7 +311,7 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
         cls = type(m)
         base, form = getattr(cls, "_ckpt_ext_base", cls), forms[id(m)]  # base: as base_type
         if form is not None:  # its row says how to read it (lazy: 0 bytes)
-            read = form.read(m)
+            read = reads[id(m)]
             kind, problem, width = LayerKind.LINEAR, linear_problem(m, read), read.width
         else:
             found = module_activation(m) or unmatched(m)  # unmatched: its arithmetic, why not
@@ -332,7 +327,8 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
                       hasattr(cls, "_ckpt_ext_base") or cls.forward is nn.Module.forward or
                       cls.__module__.startswith("torch.") and cls not in _TORCH_LAYERS)
         passes = base in (nn.Identity, nn.Dropout)  # a run may go through it
-        out[id(m)] = Fact(kind, found, seq, passes, traced, problem, width, experts)
+        out[id(m)] = Fact(kind, found, seq, passes, traced, problem, width, experts,
+                          foreign_forward(m))
     return out
 
 
@@ -352,13 +348,22 @@ class NodeFact(NamedTuple):
     input: Any                      # its one data input taken the usual way, else None
     child: Optional[nn.Module]      # the direct child it calls (call_module, no dotted target)
     only: Optional[fx.Node]         # its one positional node argument, else None
-    # an activation written as several nodes: on its last node the others, on its input that last
+    # an activation written as several nodes: on its last node the others and the tensors stock
+    # autograd keeps for them per layer, on its input that last node
     inner: Tuple[fx.Node, ...] = ()
     written: Optional[fx.Node] = None
+    kept: Optional[int] = None
 
 
-def node_facts(graph: fx.Graph, owner: nn.Module, path: str, facts) -> Dict[fx.Node, NodeFact]:
+def node_facts(analysed, facts) -> Dict[fx.Node, NodeFact]:
+    """What each node of each analysed forward ((path, owner, trace)) computes."""
     out: Dict[fx.Node, NodeFact] = {}
+    for path, owner, t in analysed:
+        _forward_facts(t.graph, owner, path, facts, out)
+    return out
+
+
+def _forward_facts(graph: fx.Graph, owner: nn.Module, path: str, facts, out) -> None:
     for n in graph.nodes:
         kind = found = sub = None
         label, x = "", None
@@ -386,14 +391,14 @@ def node_facts(graph: fx.Graph, owner: nn.Module, path: str, facts) -> Dict[fx.N
             x = n.args[0] if len(n.args) == 1 and not n.kwargs else None
         out[n] = NodeFact(kind, found, label, x, sub, only)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for n, fact in list(out.items()):
+    for n in graph.nodes:
+        fact = out[n]
         written = written_after(n, order) if fact.kind is LayerKind.LINEAR else None
         if written is not None:
-            last, inner, found = written
+            last, inner, found, kept = written
             out[last] = out[last]._replace(kind=LayerKind.ACTIVATION, found=Recognised(found.name),
-                                           label=found.form, input=n, inner=inner)
+                                           label=found.form, input=n, inner=inner, kept=kept)
             out[n] = fact._replace(written=last)
-    return out
 
 
 # -- What an op or module does with its input: keeps it, frees it, views it, reads its size --------

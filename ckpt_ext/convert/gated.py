@@ -19,7 +19,7 @@ from .facts import (DISPLAY, SAVES_INPUT, LayerKind, Recognised, bind, computes,
                     one_dtype_device, stored_weight)
 from .fallback import count_fused
 from .graph import ModelGraph
-from .policy import LayerShape, gated_bytes, gemm, keeps_input, lora_note, plain_gemms
+from .policy import LayerShape, gated_bytes, gated_flops, keeps_input, lora_note
 from .report import Action, Decision, How
 from .runtime import _as_layer_would, _through_modules, _trained
 from .units import InForward, Options, Placement, RegionKind, _PlaceholderRun
@@ -111,7 +111,7 @@ def _problems(graph: ModelGraph, g: GatedCall):
     yield from graph.members_problems(g.owner, g.trace, g.linears)
     yield g.act.problem
     yield from graph.members_problems(g.owner, g.trace, g.others)  # its activation, Dropouts
-    yield failing([one_dtype_device(tuple(map(g.child, g.linears)),
+    yield failing([one_dtype_device(tuple(graph.nodes[n].child for n in g.linears),
                                     tuple(graph.nodes[n].label for n in g.linears))])
     yield from graph.placeholder_problems(g.path, g.owner, g.trace, g.linears,
                                           lambda stmt: _dtype_cast(stmt, g.linears[-1].target))
@@ -147,21 +147,20 @@ class Gated(RegionKind):
 
     def decide(self, graph: ModelGraph, g: GatedCall, options: Options):
         labels, facts, name = [graph.nodes[n].label for n in g.linears], graph.facts, g.act.name
-        label = {id(g.child(n)): n.target for n in g.linears}
+        label = {id(graph.nodes[n].child): n.target for n in g.linears}
         gate, up, down = (None if m is None else LayerShape(label[id(m)], *facts[id(m)].width)
                           for m in (g.gate, g.up, g.down))
         ins = [gate] + ([up] if up is not None else [])
-        masks = [d for d in map(g.child, g.dropouts) if d.p > 0 and d.training]
-        weight = stored_weight(g.child(g.linears[0]))
+        masks = [d for d in (graph.nodes[n].child for n in g.dropouts) if d.p > 0 and d.training]
+        weight = stored_weight(graph.nodes[g.linears[0]].child)
         act_tensors = module_tensors(g.act_module, name)
         # per row, as docs/converter.md, "Gated MLPs" derives them
         tensors = act_tensors + 1 + (g.packed and not SAVES_INPUT[name]) + keeps_input(down)
         recomputed = bool(masks) or any(x.rank and (x.mask or x.cast) for x in ins + [down])
         count = functools.partial(gated_bytes, gate, up, down, tensors, len(masks),
                                   weight is not None and weight.device.type == "cuda", recomputed)
-        extra = sum(map(gemm, ins))
+        extra, plain = gated_flops(ins, down)
         freed = count()[0]
-        plain = sum(map(plain_gemms, ins + [down]))
         if g.problems:
             return [], [Decision(where=g.path, layers=g.labels, action=Action.LEFT_ALONE,
                                  flops_per_row=extra, plain_flops_per_row=plain, activation=name,
@@ -187,8 +186,9 @@ class Gated(RegionKind):
         return _GatedRun(
             labels=g.labels, members=[s.module for s in p.layer_calls], gate=g.gate, up=g.up,
             down=g.down, activation=g.act.name, act_module=g.act_module, calls=p.calls,
-            dropouts=[g.child(n) for n in g.dropouts], gate_second=g.gate_second, slots=p.slots,
-            unhooked=[(m, graph.path[id(m)]) for m in p.unhooked], owner=p.owner, decision=decision)
+            dropouts=[graph.nodes[n].child for n in g.dropouts], gate_second=g.gate_second,
+            slots=p.slots, unhooked=[(m, graph.path[id(m)]) for m in p.unhooked], owner=p.owner,
+            decision=decision)
 
 
 class _GatedRun(_PlaceholderRun):

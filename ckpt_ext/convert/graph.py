@@ -62,10 +62,10 @@ class ModelGraph(ValueFates):
                 self.caller[id(m)] = (parent, ppath, target)
         self.analysed = [(p, m, self.trace[id(m)]) for p, m in self.modules
                          if not facts[id(m)].sequential and id(m) in self.trace]
-        self.nodes: Dict[fx.Node, NodeFact] = {}  # of every node of every analysed forward
+        #: of every node of every analysed forward
+        self.nodes: Dict[fx.Node, NodeFact] = node_facts(self.analysed, facts)
         self.calls: Dict[int, Dict[str, List[fx.Node]]] = {}  # id(owner) -> {target: its calls}
         for p, m, t in self.analysed:
-            self.nodes.update(node_facts(t.graph, m, p, facts))
             calls = self.calls[id(m)] = {}
             for n in t.graph.nodes:
                 if n.op == "call_module":
@@ -92,35 +92,37 @@ class ModelGraph(ValueFates):
             return f"{label} is also held elsewhere: {', '.join(self.paths[id(sub)][1:])}"
         return None
 
-    def members_problems(self, owner: nn.Module, t: Trace, children: Sequence[fx.Node]):
+    def members_problems(self, owner: nn.Module, t: Trace, children: Sequence[fx.Node]) -> list:
         """What keeps each child these nodes call from being a member of a unit in the region."""
+        out = []
         for n in children:
             sub = owner._modules[n.target]
-            yield self.facts[id(sub)].problem
-            yield self.child_problem(owner, t, n.target, self.nodes[n].label, sub)
+            out += [self.facts[id(sub)].problem,
+                    self.child_problem(owner, t, n.target, self.nodes[n].label, sub)]
+        return out
 
     def placeholder_problems(self, path: str, owner: nn.Module, t: Trace, linears,
-                             excused: Callable[[Any], bool] = lambda stmt: False):
+                             excused: Callable[[Any], bool] = lambda stmt: False) -> list:
         """Why the method may compute, between a unit's Linears, what the analysis did not see."""
         where = f"{path or '<model>'}.{t.method}"
         code = getattr(inspect.unwrap(getattr(type(owner), t.method)), "__code__", None)
-        for name in t.calls_out:
-            yield (f"{where} calls {name}, whose paths fuse does not follow (the fused op would "
-                   f"skip what it does between the Linears)")
+        out = [f"{where} calls {name}, whose paths fuse does not follow (the fused op would skip "
+               f"what it does between the Linears)" for name in t.calls_out]
         if t.unrun is None:
-            yield (f"the source of {where} cannot be read, so fuse cannot check that tracing saw "
-                   f"every statement it runs")
+            out.append(f"the source of {where} cannot be read, so fuse cannot check that tracing "
+                       f"saw every statement it runs")
         for line in t.unrun or ():
             if t.cut_line is not None and line > t.cut_line:
                 continue  # after the branch fx could not follow: the unit ran whole before it
             if not excused(statement_source(code, line)):
-                yield (f"{where} may run code that fx did not see run (line {line}: a branch, or "
-                       f"a part of a conditional expression), which at call time would work on "
-                       f"what the fused op does not compute")
+                out.append(f"{where} may run code that fx did not see run (line {line}: a branch, "
+                           f"or a part of a conditional expression), which at call time would "
+                           f"work on what the fused op does not compute")
         if t.already_rewritten:
             source = vars(owner)[t.method].source
             if any(f"self.{n.target}(" not in source for n in linears):
-                yield f"{path or '<model>'}.forward was rewritten by an earlier fuse"
+                out.append(f"{path or '<model>'}.forward was rewritten by an earlier fuse")
+        return out
 
     def _layer_calls(self) -> List[LayerCall]:
         out = []

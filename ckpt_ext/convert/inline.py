@@ -105,14 +105,14 @@ def _problems(graph: ModelGraph, c: InlineCall):
         yield found.problem
         if sub is not None:
             yield from graph.members_problems(owner, t, [n])
-    yield from graph.members_problems(owner, t, [n for n in c.nodes if n.op == "call_module" and
-                                                 type(c.child(n)) in (nn.Dropout, nn.Identity)])
-    yield chain_problem(_shapes(graph, c), [c.child(n) for n in c.linears])
+    yield from graph.members_problems(owner, t, [
+        n for n in c.nodes if type(graph.nodes[n].child) in (nn.Dropout, nn.Identity)])
+    yield chain_problem(_shapes(graph, c), [graph.nodes[n].child for n in c.linears])
     yield from graph.placeholder_problems(c.path, owner, t, c.linears)
 
 
 def _shapes(graph: ModelGraph, c: InlineCall):
-    return [LayerShape(graph.nodes[n].label, *graph.facts[id(c.child(n))].width)
+    return [LayerShape(graph.nodes[n].label, *graph.facts[id(graph.nodes[n].child)].width)
             for n in c.linears]
 
 
@@ -186,12 +186,13 @@ class Inline(RegionKind):
                                  "; ".join(c.problems), activation=names[0])]
         chain = Chain(c.path, How.CHILDREN, list(c.labels), list(c.nodes), layers, names, False,
                       lambda: Fate(None, ""),
-                      tuple(module_tensors(sub, found.name) for found, _, sub in c.acts))
+                      tuple(module_tensors(sub, found.name, graph.nodes[n].kept)
+                            for found, n, sub in c.acts))
         (unit,), _ = decide(chain, options.policy)
         d = unit.decision
         drawing = [x for x in c.drops if x.drawing(c.owner.training)]
         masks = collections.Counter(x.item for x in drawing)
-        on_cuda = stored_weight(c.child(c.linears[0])).device.type == "cuda"
+        on_cuda = stored_weight(graph.nodes[c.linears[0]].child).device.type == "cuda"
         freed = d.bytes_per_row + mask_bytes(masks, layers, names, on_cuda)
         calls = [graph.nodes[n].label for _, n, sub in c.acts if sub is None] + \
             [x.label for x in c.drops if x.module is None]

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import inspect
 import operator
-import random
 import warnings
 import weakref
-from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +16,7 @@ from torch import fx, nn
 from torch.nn.parameter import UninitializedTensorMixin
 from torch.nn.utils import parametrize
 
+from .._activation_arithmetic import rng_kept
 from .._activation_modules import sig
 from .._lora import LoRA
 from ..modules import _has_hooks as has_hooks
@@ -304,12 +304,32 @@ def forms(modules: Iterable[nn.Module]) -> Dict[int, Optional[Form]]:
     return {id(m): form_of(m) for m in modules}
 
 
+def reads(modules: Iterable[nn.Module], forms: Dict[int, Optional[Form]]) -> Dict[int, Read]:
+    """Each module's row's :meth:`Form.read` of it, by id."""
+    return {id(m): forms[id(m)].read(m) for m in modules}
+
+
 def stored_weight(m: nn.Module) -> Optional[torch.Tensor]:
     return (class_form(type(m)) or TRACED).weight(m)
 
 
 def op_terms(m: nn.Module) -> Optional[tuple]:
     return (class_form(type(m)) or TRACED).terms(m)
+
+
+def one_dtype_device(layers: Sequence[nn.Module], labels: Sequence[str]) -> Check:
+    """Linears whose stored weights are made and share one dtype and device."""
+    def holds() -> bool:
+        weights = [stored_weight(layer) for layer in layers]
+        return None not in weights and len({(w.dtype, w.device) for w in weights}) == 1
+
+    def describe() -> str:
+        weights = [stored_weight(layer) for layer in layers]
+        if None in weights:
+            return "a weight is not made yet (a lazy layer)"
+        return ("its Linears' weights are of different dtypes or devices (" + ", ".join(
+            f"{label}: {w.dtype} on {w.device}" for label, w in zip(labels, weights)) + ")")
+    return holds, describe
 
 
 # -- Does a forward compute x·Wᵀ + b? --------------------------------------------------------------
@@ -345,9 +365,8 @@ def _reads(m: nn.Module) -> Optional[str]:
 def _trace(m: nn.Module, bias: bool) -> Optional[str]:
     """Its class's forward traced by torch.fx on a copy holding only its weight and bias, on the
     meta device: None where it is x·Wᵀ + b."""
-    state = random.getstate()
     try:  # what the forward draws on the copy is drawn from no generator of the user's
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        with rng_kept(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             clone = base_type(m).__new__(base_type(m))  # its weight and bias only, on meta
             nn.Module.__init__(clone)
@@ -361,8 +380,6 @@ def _trace(m: nn.Module, bias: bool) -> Optional[str]:
     except Exception as e:  # fx raises many types (TraceError, TypeError, ...)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"torch.fx cannot trace its forward ({type(e).__name__}: {msg[:120]})"
-    finally:
-        random.setstate(state)
 
 
 def _affine(graph: fx.Graph, bias: bool) -> bool:

@@ -100,7 +100,7 @@ def _same_arithmetic(m: nn.Module) -> bool:
 def _weights_problem(m: nn.Module, label: str, form: ExpertsForm) -> Optional[str]:
     """None while the module's parameters are 3-D expert weights (2-D biases) moe_experts takes,
     read at their real shapes (ZeRO-3 holds a shape-[0] partition of each between calls)."""
-    ps = []
+    ps, shapes = [], []
     for name, dim in zip(form.params, (3, 3, 2, 2)):
         if name is None:
             continue
@@ -108,11 +108,13 @@ def _weights_problem(m: nn.Module, label: str, form: ExpertsForm) -> Optional[st
         if p is None:
             return (f"{join_path(label, name)} is no longer a parameter of it (computed by a "
                     f"parametrization, as peft's ParamWrapper does for LoRA on expert weights)")
-        if type(p) not in (nn.Parameter, torch.Tensor) or len(real_shape(p)) != dim:
-            return (f"{join_path(label, name)} is a {type(p).__name__} of {len(real_shape(p))} "
+        shape = real_shape(p)
+        if type(p) not in (nn.Parameter, torch.Tensor) or len(shape) != dim:
+            return (f"{join_path(label, name)} is a {type(p).__name__} of {len(shape)} "
                     f"dimensions, not the {dim}-D tensor moe_experts takes")
         ps.append(p)
-    experts = {real_shape(p)[0] for p in ps} | {getattr(m, "num_experts", real_shape(ps[0])[0])}
+        shapes.append(shape)
+    experts = {s[0] for s in shapes} | {getattr(m, "num_experts", shapes[0][0])}
     if len(experts) != 1:
         return f"{label}: its parameters hold different numbers of experts ({sorted(experts)})"
     if (reason := unsupported_reason(ps[0])) is not None:

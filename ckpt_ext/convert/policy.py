@@ -102,6 +102,12 @@ def gated_bytes(gate: LayerShape, up: Optional[LayerShape], down: LayerShape, te
     return row, call
 
 
+def gated_flops(ins: List[LayerShape], down: LayerShape) -> Tuple[int, int]:
+    """(extra, plain) FLOPs per row of a gated MLP: the gate and up GEMMs backward recomputes,
+    and every member's forward and backward GEMMs unfused."""
+    return sum(map(gemm, ins)), sum(map(plain_gemms, ins + [down]))
+
+
 def lora_note(layers: Sequence[LayerShape]) -> str:
     """", LoRA r=8 on gate, up" for the layers with a LoRA term; "" without."""
     on = [x for x in layers if x.rank]

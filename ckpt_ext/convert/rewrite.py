@@ -53,9 +53,10 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
     where = path or "<model>"
 
     def nxt(n: fx.Node) -> Optional[fx.Node]:
-        if len(n.users) != 1:
+        users = [facts[n].written] if facts[n].written is not None else list(n.users)
+        if len(users) != 1:
             return None
-        u, = n.users
+        u, = users
         want = LayerKind.ACTIVATION if kind[n] is LayerKind.LINEAR else LayerKind.LINEAR
         return u if kind[u] == want and facts[u].input is n else None
 
@@ -95,7 +96,7 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
     has_prev = {nxt(n) for n in t.graph.nodes if kind[n] is not None} - {None}
     out = ForwardChains(path, owner, t)
     for n in t.graph.nodes:
-        if kind[n] is LayerKind.LINEAR and len(n.users) > 1 and \
+        if kind[n] is LayerKind.LINEAR and len(n.users) > 1 and facts[n].written is None and \
                 any(kind[u] is LayerKind.ACTIVATION for u in n.users):
             out.misses.append(Decision(
                 where=path, layers=(facts[n].label,), action=Action.LEFT_ALONE,
@@ -116,10 +117,11 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
             names = tuple(facts[x].found.name for x in items[1::2])
             modules = [owner.get_submodule(x.target) if x.op == "call_module" else None
                        for x in items[1::2]]
+            kept = [facts[x].kept for x in items[1::2]]
             out.chains.append(Chain(
                 path, How.REWRITE, labels, items, layers, names, len(items) % 2 == 0,
                 lambda last=items[-1]: graph.fate(owner, last),
-                tuple(module_tensors(m, name) for m, name in zip(modules, names))))
+                tuple(module_tensors(*args) for args in zip(modules, names, kept))))
             continue
         # Not rewritten: the pairs that hold a function call or a Linear held in a list (pairs
         # of child modules are other kinds', which report their problems themselves).
@@ -188,8 +190,8 @@ def _rewritten(owner: nn.Module, traced: fx.Graph, nodes, units: Sequence[Unit],
             else:
                 new = graph.call_function(fn, (x, ws, bs, u.last_act))
         items[-1].replace_all_uses_with(new)
-        for n in reversed(items):
-            graph.erase_node(n)
+        for n in reversed([copied[x] for n in u.items for x in (*nodes[n].inner, n)]):
+            graph.erase_node(n)  # an activation written as arithmetic: its nodes too
     graph.lint()
     for n in graph.nodes:  # an AttributeError: a get_attr of a constant fx made on the copy
         if n.op == "get_attr":

@@ -9,7 +9,6 @@ import enum
 import inspect
 import operator
 import os
-import random
 import re
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
+from .._activation_arithmetic import rng_kept
 from .arguments import STAND_IN, _ArgGuard, plan_arguments
 from .facts import Fact, join_path
 from .runtime import MISSING, _Guard, _OwnerForward
@@ -328,7 +328,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         path = paths.get(mid)
         if path is None:
             continue
-        label, same = join_path(path, name), _guard_value(value)
+        label, same = f"{path}.{name}" if path else name, _guard_value(value)  # join_path
         if label in changed_names:
             if type(value) is not _Counted or (mid, name) in _Reads.observed:
                 steering.append(label)
@@ -400,7 +400,7 @@ def trace_model(model: nn.Module, facts: Dict[int, Fact]):
     traces, not_analysed = {}, []
     if not wanted:
         return traces, not_analysed
-    with _rng_kept():
+    with rng_kept():
         try:  # a deep copy, its parameters and buffers on the meta device (never a full copy)
             clone = copy.deepcopy(model, meta_memo(model))
         except Exception as e:  # each module failed, with why: the reason its Linears give
@@ -449,21 +449,6 @@ def _method_trace(clone: nn.Module, m: nn.Module, t: Trace) -> Trace:
     found[0].reason = t.reason if not t.ok else \
         f"its forward calls its children only through {found[0].method}"
     return found[0]
-
-
-@contextlib.contextmanager
-def _rng_kept():
-    """Every generator a traced forward could draw from (torch's, Python's, numpy's) kept."""
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    py_state, np = random.getstate(), sys.modules.get("numpy")
-    np_state = np.random.get_state() if np is not None else None
-    try:
-        with torch.random.fork_rng(devices=cuda):
-            yield
-    finally:
-        random.setstate(py_state)
-        if np_state is not None:
-            np.random.set_state(np_state)
 
 
 @contextlib.contextmanager

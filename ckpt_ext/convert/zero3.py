@@ -1,15 +1,7 @@
 """DeepSpeed ZeRO-3 as fuse meets it: a partitioned parameter's real shape (and the meta copy at
-it that tracing works on), and the leaf-module marks that make ZeRO-3 gather a unit's weights at
-the module computing it.
-
-ZeRO-3 hooks every module and, between its hooks, leaves each parameter a shape-[0] tensor (the
-real shape in ``param.ds_shape``). A unit's call finds hooks on its member Linears and computes
-unfused. A module flagged ``_z3_leaf`` (what ``deepspeed.utils.set_z3_leaf_modules`` sets, read
-by ``deepspeed.utils.z3_leaf_module``) gets ZeRO-3's hooks itself and none below it, and every
-parameter under it is gathered for its forward and its backward: so fuse flags the module whose
-forward computes each unit (its *owner*), and the unit finds its weights whole and its members
-unhooked. Only where deepspeed is imported: a model that never meets it keeps its attributes as
-they were. Nothing here imports deepspeed. Docs: docs/fuse-usage.md, "DeepSpeed ZeRO"."""
+it that tracing works on), and the ``_z3_leaf`` marks on each unit's owner that make ZeRO-3
+gather its weights there. Nothing here imports deepspeed. Why: docs/fuse-usage.md, "DeepSpeed
+ZeRO"."""
 from __future__ import annotations
 
 import sys
