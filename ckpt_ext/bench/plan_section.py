@@ -220,10 +220,11 @@ class Section:
             self.log(f"plan section: compiled plan at {budget:,} B: {e}")
             return None, time.perf_counter() - t, None
         seconds = time.perf_counter() - t
-        if p.compile_memory_budget is not None:  # compile's own budget: that very configuration
-            name = f"compile budget {p.compile_memory_budget:g}"
+        if set(p.choices.values()) == {"none"}:  # plain, compiled: compile's configuration
+            fraction = 1.0 if p.compile_memory_budget is None else p.compile_memory_budget
+            name = f"compile budget {fraction:g}"
             if name not in self.configs:
-                self.compiled(p.compile_memory_budget)
+                self.compiled(fraction)
             self.configs[name]["chosen_by_compiled_plan"] = p.compiled_seconds
             return name, seconds, p.peak_bytes
         name = "plan compiled " + short(p.choices)
