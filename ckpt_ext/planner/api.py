@@ -103,8 +103,8 @@ def plan_compiled(model: nn.Module, how, budget: int, where: str) -> Plan:
                              f"{budget:,} bytes after {MAX_CHECKS} compiled checks, and no "
                              f"activation_memory_budget of torch.compile's in {FRACTIONS}")
         timed = {}
-        if mine is not None:
-            timed["plan"] = mine[1].get("seconds")
+        if mine is not None and "seconds" in mine[1]:
+            timed["plan"] = mine[1]["seconds"]
         if theirs is not None:
             timed[f"activation_memory_budget {theirs[0]:g}"] = theirs[1]["seconds"]
         if theirs is not None and (mine is None or theirs[1]["seconds"] < mine[1]["seconds"]):

@@ -93,8 +93,7 @@ class Plan:
                          f"{self.compile_memory_budget:g} (Plan.compile sets it)")
         if self.compiled_seconds:
             lines.append("  compiled step, measured: " + ", ".join(
-                f"{name} {s * 1e3:.1f} ms" for name, s in self.compiled_seconds.items()
-                if s is not None))
+                f"{name} {s * 1e3:.1f} ms" for name, s in self.compiled_seconds.items()))
         return "\n".join(lines)
 
     # -- applying ------------------------------------------------------------------------------
