@@ -13,7 +13,7 @@ from torch import nn
 from .batch import largest_batch
 from .choose import choice_for, choose, least_peak_choice, plan_of, survey_step
 from .compiled import (FRACTIONS, MAX_CHECKS, TIMED_STEPS, compile_budget_fit, compiled_figures,
-                       compiled_flops, compiled_step, lowered)
+                       compiled_flops, compiled_step, lowered, without_graph_breaks)
 from .measure import figures_of
 from .probe import Probe
 from .result import Plan
@@ -87,6 +87,7 @@ def plan_compiled(model: nn.Module, how, budget: int, where: str) -> Plan:
     (compiled.py)."""
     device = model_device(model)
     units, notes = find_units(model)
+    units = without_graph_breaks(units)
     with Probe(model, how, device, where) as probe:
         fig, units, notes, spread = figures_of(probe, units, notes)
         cfig, _ = compiled_figures(probe, fig, units)

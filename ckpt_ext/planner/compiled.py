@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from ..memory import measured_step, uninstrumented
 from .figures import OptionFigures, StepFigures
@@ -25,6 +26,25 @@ MAX_CHECKS = 4
 FRACTIONS = (0.75, 0.5, 0.25, 0.0)
 #: Steps timed per compiled candidate (their median), after the measured one.
 TIMED_STEPS = 5
+
+
+def graph_breaking(version: str = torch.__version__) -> Dict[Option, str]:
+    """Options whose applied block ``torch.compile`` of this torch ``version`` cannot take as one
+    graph, and why: a compiled plan leaves them out."""
+    if TorchVersion(version) < (2, 14):
+        return {Option.FUSE_POINTWISE: (
+            f"torch {version}'s dynamo refuses the fused MLP's region state written inside a "
+            f"selective checkpoint (HOP: unsafe side effect): the compiled step would break "
+            f"its graph there (torch 2.14 compiles it as one)")}
+    return {}
+
+
+def without_graph_breaks(units: Sequence[Unit], version: str = torch.__version__) -> List[Unit]:
+    """``units`` without the options :func:`graph_breaking` names, each with its reason."""
+    refused = graph_breaking(version)
+    return [replace(u, options=tuple(o for o in u.options if o not in refused),
+                    why_not={**u.why_not, **{o: refused[o] for o in refused if o in u.options}})
+            for u in units]
 
 
 def compile_backend(fraction: Optional[float]):

@@ -107,8 +107,12 @@ class Plan:
             raise ValueError(f"Plan.compile: this plan compiles with inductor under "
                              f"activation_memory_budget = {self.compile_memory_budget:g}; "
                              f"got backend={compile_kwargs['backend']!r}")
-        from .compiled import compile_backend
+        from .compiled import compile_backend, graph_breaking
 
+        for option, why in graph_breaking().items():
+            if option.value in self.choices.values():
+                warnings.warn(f"Plan.compile: a block under {option.value}: {why} (plan with "
+                              f"compiled=True leaves it out)", stacklevel=2)
         net = self._applied(model).model
         return torch.compile(net, **{"backend": compile_backend(self.compile_memory_budget),
                                      **compile_kwargs})
