@@ -94,6 +94,15 @@ def freed(before, after, x):
         kept_bytes(before, x) - kept_bytes(after, x)
 
 
+def assert_claims_what_it_frees(before, after, x, d):
+    """The decision's bytes per row are what ``x``'s 7 rows free, by the saved tensors (and by the
+    allocator's meter, within the formula's 0-dim scalars), and exactly what 4 rows free."""
+    saved, kept = freed(before, after, x)
+    assert saved == 7 * d.bytes_per_row and 0 <= kept - saved <= 8 * 8
+    _, kept3 = freed(before, after, x[:3])
+    assert kept - kept3 == 4 * d.bytes_per_row  # per row: the allocator's figure exactly
+
+
 @pytest.mark.parametrize("cls", list(FORMS), ids=lambda c: c.__name__)
 def test_written_form_within_its_rows_measured_bound(cls):
     found = arithmetic(cls())
@@ -119,10 +128,7 @@ def test_written_form_fused_as_its_row(cls, how):
     assert_same(before, model, x)
     (s,) = ckpt_ext.stats(model)
     assert (s.fused_calls, s.unfused_calls) == (1, 0)
-    saved, kept = freed(before, model, x)
-    assert saved == 7 * d.bytes_per_row and 0 <= kept - saved <= 8 * 8
-    _, kept3 = freed(before, model, x[:3])
-    assert kept - kept3 == 4 * d.bytes_per_row  # per row: the allocator's figure exactly
+    assert_claims_what_it_frees(before, model, x, d)
     # a formula keeps more than its row's op (2 tensors per layer): the report counts what the
     # class's forward keeps
     assert d.bytes_per_row > 2 * (16 + 12) * 8
