@@ -135,7 +135,8 @@ def _checked_choice(probe: Probe, units, cfig, budget: int):
         except ValueError:  # kept below by the excess, none fits: the least peak's choice
             choice = least_peak_choice(cfig)
         if choice not in checked:
-            checked[choice] = compiled_step(probe, units, choice, timed=TIMED_STEPS)
+            checked[choice] = compiled_step(probe, units, choice, timed=TIMED_STEPS,
+                                            budget=budget)
         measured = checked[choice]["peak"]
         if measured <= budget:
             return choice, checked[choice]

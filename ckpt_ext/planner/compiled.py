@@ -65,11 +65,12 @@ def compile_backend(fraction: Optional[float]):
 
 
 def compiled_step(probe: Probe, units: Sequence[Unit], options: Sequence[Option],
-                  fraction: Optional[float] = None, timed: int = 0) -> dict:
+                  fraction: Optional[float] = None, timed: int = 0,
+                  budget: Optional[int] = None) -> dict:
     """One compiled step of the probe's copy in this configuration (under compile's budget
     ``fraction``): compiled and run once, then measured (``peak``, ``kept``: ``measured_step``'s
-    figures), then, with ``timed``, that many steps timed on the stock allocator (``seconds``:
-    their median)."""
+    figures), then, with ``timed`` and a peak within ``budget`` (if given), that many steps timed
+    on the stock allocator (``seconds``: their median)."""
     import torch._dynamo
 
     probe.configure(units, options)
@@ -86,7 +87,7 @@ def compiled_step(probe: Probe, units: Sequence[Unit], options: Sequence[Option]
         for p, _ in probe._grads:
             p.grad = None
         out = {"peak": got["peak_above_before_forward"], "kept": got["kept_for_backward"]}
-        if timed:
+        if timed and (budget is None or out["peak"] <= budget):
             out["seconds"] = _median_seconds(lambda: probe.run(compiled), timed, probe.device)
     finally:
         if was_enabled:
@@ -155,7 +156,8 @@ def compile_budget_fit(probe: Probe, units: Sequence[Unit], budget: int
     """(fraction, its timed compiled step) of the largest of compile's own :data:`FRACTIONS`
     whose plain compiled step fits ``budget``, or None."""
     for fraction in FRACTIONS:
-        got = compiled_step(probe, units, [Option.NONE] * len(units), fraction, TIMED_STEPS)
+        got = compiled_step(probe, units, [Option.NONE] * len(units), fraction, TIMED_STEPS,
+                            budget)
         if got["peak"] <= budget:
             return fraction, got
     return None
