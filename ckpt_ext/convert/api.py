@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from .._block_checkpoint import undo_checkpoints
+from .._head_loss import undo_head_losses
 from .accounting import unaccounted
 from .applying import apply_plan, undo_all
 from .engines import sharded
@@ -65,4 +66,5 @@ def unfuse(model: nn.Module) -> nn.Module:
     for m in model.modules():
         unmark(m)  # the ZeRO-3 leaf flags fuse set
     undo_checkpoints(model)  # the checkpoint wrappers ckpt_ext.plan(...).apply sets
+    undo_head_losses(model)  # and its fused head and loss
     return model
