@@ -4,6 +4,7 @@ checkpointing of every layer, of every n-th layer and torch.compile's activation
 configuration measured. Input: the results dict of ``ckpt_ext.bench.plan_section``."""
 from __future__ import annotations
 
+from ..planner.units import OPTIONS
 from .report import fmt_bytes
 
 ROW_METHODS = (("plan", "ckpt_ext.plan"),
@@ -74,9 +75,9 @@ def markdown(res: dict) -> str:
                   "; `plan(compiled=True)` " + ", ".join(
                       f"{r['plan-compiled_seconds']:.1f}" for r in res["rows"]) + " s"
                   if any("plan-compiled_seconds" in r for r in res["rows"]) else "") + ".", "",
-              "Every configuration measured (`plan` + letters per layer: n none, f fuse, "
-              "c checkpoint, p pointwise, fp fuse+pointwise; `plan compiled`: the compiled "
-              "plan, applied and compiled):", "",
+              "Every configuration measured (`plan` + letters per layer, then the head's: "
+              + ", ".join(f"{row.short} {o.value}" for o, row in OPTIONS.items())
+              + "; `plan compiled`: the compiled plan, applied and compiled):", "",
               "| configuration | peak | kept for backward | added FLOPs | step ms | × plain |",
               "|---|---:|---:|---:|---:|---:|"]
     for name, r in configs.items():

@@ -13,7 +13,8 @@ from torch import nn
 from .batch import largest_batch
 from .choose import choice_for, choose, least_peak_choice, plan_of, survey_step
 from .compiled import (FRACTIONS, MAX_CHECKS, TIMED_STEPS, compile_budget_fit, compiled_figures,
-                       compiled_flops, compiled_step, lowered, without_graph_breaks)
+                       compiled_flops, compiled_step, without_graph_breaks)
+from .figures import raised
 from .measure import figures_of
 from .probe import Probe
 from .result import Plan
@@ -131,7 +132,7 @@ def _checked_choice(probe: Probe, units, cfig, budget: int):
     excess, checked = 0, {}
     for _ in range(MAX_CHECKS):
         try:
-            choice = choice_for(lowered(cfig, excess), budget)
+            choice = choice_for(raised(cfig, excess), budget)
         except ValueError:  # kept below by the excess, none fits: the least peak's choice
             choice = least_peak_choice(cfig)
         if choice not in checked:

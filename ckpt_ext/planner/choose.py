@@ -76,9 +76,11 @@ def plan_of(fig: StepFigures, units, notes, spread: int, budget: int, device: st
     plain = simulate(fig, [Option.NONE] * n)
     least = least_peak(fig)
     got = simulate(fig, choice)
+    choices = {u.path: o.value for u, o in zip(units, choice)}
+    if fig.head is not None:
+        choices[fig.head.path] = (choice[n] if len(choice) > n else Option.NONE).value
     return Plan(budget_bytes=budget, peak_bytes=got.peak, kept_bytes=got.kept,
-                added_flops=got.flops - plain.flops,
-                choices={u.path: o.value for u, o in zip(units, choice)},
+                added_flops=got.flops - plain.flops, choices=choices, head=fig.head,
                 plain_peak_bytes=plain.peak, plain_kept_bytes=plain.kept, plain_flops=plain.flops,
                 least_peak_bytes=min(least, plain.peak), units=list(units), figures=fig.units,
                 notes=list(notes), device=device, spread_bytes=spread)

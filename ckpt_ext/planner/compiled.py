@@ -1,7 +1,7 @@
 """Planning for a compiled step (``plan(..., compiled=True)``): compiled probes (one compiled step
-per row of the options table, and plain's under each of torch.compile's own memory budgets), the
-plan's own choice checked compiled until it fits, then the faster of it and compile's budget.
-Why and how: docs/plan.md, "Compiled models"."""
+per row of the options table, the head's among them, and plain's under each of torch.compile's
+own memory budgets), the plan's own choice checked compiled until it fits, then the faster of it
+and compile's budget. Why and how: docs/plan.md, "Compiled models"."""
 from __future__ import annotations
 
 import gc
@@ -15,7 +15,7 @@ from torch import nn
 from torch.torch_version import TorchVersion
 
 from ..memory import measured_step, uninstrumented
-from .figures import OptionFigures, StepFigures
+from .figures import HeadFigures, OptionFigures, StepFigures
 from .probe import Probe
 from .units import OPTIONS, Option, Unit
 
@@ -134,6 +134,10 @@ def compiled_figures(probe: Probe, fig: StepFigures, units: List[Unit]
         for i in having:
             weight = eager[i] / total if total else 1 / len(having)
             shares[i][option] = round((got["peak"] - plain["peak"]) * weight)
+    heads = {}
+    for option, eager in fig.heads.items():  # the head's options, every unit none
+        got = measured[option.value] = compiled_step(probe, units, [Option.NONE] * n + [option])
+        heads[option] = HeadFigures(got["peak"], 0, got["kept"], eager.other_flops)
     compiled = StepFigures(
         first_excess=0, first_growth=0, gaps=[(0, 0)] * max(n - 1, 0),
         head_excess=plain["peak"], head_growth=0, head_kept=plain["kept"],
@@ -141,14 +145,8 @@ def compiled_figures(probe: Probe, fig: StepFigures, units: List[Unit]
         units=[{o: OptionFigures(fwd_growth=s, fwd_excess=0, bwd_growth=-s, bwd_excess=0,
                                  flops=fig.units[i][o].flops)
                 for o, s in shares[i].items()} for i in range(n)],
-        plain_peak=plain["peak"], plain_kept=plain["kept"])
+        plain_peak=plain["peak"], plain_kept=plain["kept"], head=fig.head, heads=heads)
     return compiled, measured
-
-
-def lowered(fig: StepFigures, by: int) -> StepFigures:
-    """``fig`` with every prediction ``by`` bytes higher (the solver then keeps that much
-    further below a budget)."""
-    return replace(fig, head_excess=fig.head_excess + by, plain_peak=fig.plain_peak + by)
 
 
 def compile_budget_fit(probe: Probe, units: Sequence[Unit], budget: int

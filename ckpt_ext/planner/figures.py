@@ -8,15 +8,16 @@ the forward, the loss, the backward up to the last unit's output). A segment's f
 *growth* (bytes at its end minus at its start) and its *excess* (its peak minus its start). A
 unit's segments depend on its own option only and a gap's, the head's and the first segment's on
 none, so a choice's memory at every mark is a sum of growths, and its peak the largest mark plus
-excess (:func:`simulate`). Why this holds and where it does not: docs/plan.md, "The memory
-model"."""
+excess (:func:`simulate`). The head's figures are its option's (``heads``: measured with every
+unit ``none``); a choice names it after the units' options, or leaves it ``none``. Why this holds
+and where it does not: docs/plan.md, "The memory model"."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .probe import StepTrace
-from .units import Option
+from .units import Option, Unit
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,15 @@ class OptionFigures:
     bwd_growth: int
     bwd_excess: int
     flops: int
+
+
+@dataclass(frozen=True)
+class HeadFigures:
+    """The head under an option: its segment's figures, and the FLOPs outside every unit."""
+    excess: int
+    growth: int
+    kept: int
+    other_flops: int
 
 
 @dataclass
@@ -44,6 +54,43 @@ class StepFigures:
     #: every unit ``none``, free of the other probes' spread
     plain_peak: int = 0
     plain_kept: int = 0
+    #: the head unit, if any, and its figures under each option but none (the fields above)
+    head: Optional[Unit] = None
+    heads: Dict[Option, HeadFigures] = field(default_factory=dict)
+
+    def head_options(self) -> Tuple[Option, ...]:
+        return (Option.NONE,) + tuple(self.heads)
+
+
+def with_head(fig: StepFigures, option: Option) -> StepFigures:
+    """``fig`` with the head under ``option``."""
+    if option == Option.NONE:
+        return fig
+    h = fig.heads[option]
+    return replace(fig, head_excess=h.excess, head_growth=h.growth, head_kept=h.kept,
+                   other_flops=h.other_flops)
+
+
+def raised(fig: StepFigures, by: int) -> StepFigures:
+    """``fig`` with every excess ``by`` bytes higher: every choice's predicted peak is ``by``
+    higher (the solver then keeps that much further below a budget)."""
+    units = [{o: replace(f, fwd_excess=f.fwd_excess + by, bwd_excess=f.bwd_excess + by)
+              for o, f in u.items()} for u in fig.units]
+    return replace(fig, first_excess=fig.first_excess + by, head_excess=fig.head_excess + by,
+                   gaps=[(g, e + by) for g, e in fig.gaps], plain_peak=fig.plain_peak + by,
+                   units=units,
+                   heads={o: replace(h, excess=h.excess + by) for o, h in fig.heads.items()})
+
+
+def headed(fig: StepFigures, choice: Sequence[Option]) -> Tuple[StepFigures, Sequence[Option]]:
+    """(figures with the choice's head option, the units' options)."""
+    n = len(fig.units)
+    return (with_head(fig, choice[n]) if len(choice) > n else fig), choice[:n]
+
+
+def head_figures(shared: "StepFigures") -> HeadFigures:
+    return HeadFigures(shared.head_excess, shared.head_growth, shared.head_kept,
+                       shared.other_flops)
 
 
 def _by_label(trace: StepTrace) -> Dict[Tuple[str, int], int]:
@@ -126,14 +173,15 @@ def simulate(fig: StepFigures, choice: Sequence[Option]) -> Prediction:
     """The step's peak, kept bytes and FLOPs with unit i under option ``choice[i]``: for every
     unit ``none`` the plain probe's own figures, else :func:`chain_prediction`."""
     got = chain_prediction(fig, choice)
-    if all(o == Option.NONE for o in choice):
+    if all(o == Option.NONE for o in choice):  # the head too
         return Prediction(fig.plain_peak, fig.plain_kept, got.flops)
     return got
 
 
 def chain_prediction(fig: StepFigures, choice: Sequence[Option]) -> Prediction:
     """The chain's sums: the step's peak, kept bytes and FLOPs with unit i under option
-    ``choice[i]``."""
+    ``choice[i]`` (and the head under ``choice[n]``, if there)."""
+    fig, choice = headed(fig, choice)
     n = len(fig.units)
     cur, peak = fig.first_growth, fig.first_excess
     flops = fig.other_flops

@@ -86,7 +86,8 @@ class Probe:
 
     # -- configurations ----------------------------------------------------------------------
     def configure(self, units: Sequence[Unit], options: Sequence[Option]) -> None:
-        """Put the copy in this configuration (from plain)."""
+        """Put the copy in this configuration (from plain): an option per unit, then, if given,
+        the head's."""
         unfuse(self.copy)
         for unit, option in zip(units, options):
             row = OPTIONS[option]
@@ -95,6 +96,8 @@ class Probe:
                     fuse(self.copy.get_submodule(where))
             if row.recompute is not None:
                 row.recompute(self.copy.get_submodule(unit.path))
+        if len(options) > len(units) and OPTIONS[options[-1]].head is not None:
+            OPTIONS[options[-1]].head(self.copy)  # the head's option, after the units'
 
     def run(self, module) -> None:
         """One unrecorded training step of ``module`` (the copy, or a compiled copy): forward,

@@ -3,7 +3,8 @@ FLOPs, printed as a table, and :meth:`Plan.apply`, which puts it into a model in
 fuse's contract (docs/converter.md), each option as its row of the options table (units.py)
 says: the units of an option that fuses through ``ckpt_ext.fuse`` of the module holding them,
 then a block's recomputing forward (``checkpoint``: ``ckpt_ext._block_checkpoint``; pointwise:
-recompute.py) set on its instance. ``ckpt_ext.unfuse`` takes both out."""
+recompute.py) set on its instance, then the head's loss fused where chosen
+(``ckpt_ext._head_loss``). ``ckpt_ext.unfuse`` takes them out."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +16,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 from torch import nn
 
 from .._block_checkpoint import is_checkpointed
+from .._head_loss import head_refusal, is_head_fused
 from ..convert import Decision, FusedSequential, RunLinear, RunMember, fuse, unfuse
 from ..convert import _OwnerForward  # the forward fuse sets on an owner's instance
 from .figures import OptionFigures
@@ -59,6 +61,8 @@ class Plan:
     compile_memory_budget: Optional[float] = None
     #: the compiled candidates' measured step seconds (median), by name (compiled plans only)
     compiled_seconds: Dict[str, float] = field(default_factory=dict)
+    #: the head unit (its choice in ``choices``), where the model has one
+    head: Optional[Unit] = None
 
     # -- reading -------------------------------------------------------------------------------
     def __str__(self) -> str:
@@ -83,6 +87,9 @@ class Plan:
             lines.append(f"  {'unit':<{w}s} {'class':<22s} {'choice':<14s} {'added FLOPs':>16s}"
                          f"  kept in its forward, per option")
             lines += [f"  {path:<{w}s} {rest}" for path, rest in rows]
+        if self.head is not None:
+            lines.append(f"  head {self.head.path} ({self.head.cls}): "
+                         f"{self.head_option().value}")
         for unit in self.units:
             for option, why in unit.why_not.items():
                 if not OPTIONS[option].fuses or unit.kind is not Kind.BLOCK or "no unit" not in why:
@@ -95,6 +102,12 @@ class Plan:
             lines.append("  compiled step, measured: " + ", ".join(
                 f"{name} {s * 1e3:.1f} ms" for name, s in self.compiled_seconds.items()))
         return "\n".join(lines)
+
+    def head_option(self) -> Option:
+        """The head's option (``none`` where the model has no head unit)."""
+        if self.head is None:
+            return Option.NONE
+        return Option(self.choices.get(self.head.path, Option.NONE.value))
 
     # -- applying ------------------------------------------------------------------------------
     def compile(self, model: nn.Module, **compile_kwargs) -> nn.Module:
@@ -154,6 +167,9 @@ class Plan:
                 if row.recompute is not None:
                     row.recompute(targets[unit.path])
                     checkpointed.append(unit.path)
+            head = OPTIONS[self.head_option()].head
+            if head is not None:
+                head(model)
         except BaseException:
             unfuse(model)  # all or nothing
             raise
@@ -163,6 +179,7 @@ class Plan:
         """Each unit's module in ``model``, after checking that the plan can go in."""
         for name, m in model.named_modules():
             if isinstance(m, (RunLinear, RunMember, FusedSequential)) or is_checkpointed(m) or \
+                    is_head_fused(m) or \
                     any(isinstance(v, _OwnerForward) for v in vars(m).values()):
                 raise ValueError(f"Plan.apply: {name or '<model>'} holds what ckpt_ext.fuse or "
                                  f"an applied plan put in; call ckpt_ext.unfuse(model) first")
@@ -187,6 +204,10 @@ class Plan:
                                  f"({type(vars(m)['forward']).__name__}); recomputing it "
                                  f"({option.value}) would bypass that")
             targets[unit.path] = m
+        if OPTIONS[self.head_option()].head is not None:
+            why = head_refusal(model)
+            if why is not None:
+                raise ValueError(f"Plan.apply: the head's loss cannot be fused: {why}")
         return targets
 
 
@@ -199,8 +220,9 @@ class PlanReport:
     checkpointed: List[str]
 
     def __str__(self) -> str:
+        loss = ", the head's loss fused" if self.plan.head_option() == Option.FUSED_LOSS else ""
         return (f"{self.plan}\napplied: fused {len(self.fused)} unit(s), recomputing "
-                f"{len(self.checkpointed)} block(s) (checkpoint or pointwise)")
+                f"{len(self.checkpointed)} block(s) (checkpoint or pointwise){loss}")
 
 
 class Applied(NamedTuple):

@@ -17,14 +17,15 @@ A state no better than another in all four is dropped: what the other reaches, i
 Identical units (equal figures) give equal (A, F) after the same counts of each option, so their
 orders merge into one state: they are counted, not enumerated. Units whose figures differ by
 less than ``tolerance`` are first given the largest of their figures (a prediction at most that
-much high). Design and proof sketch: docs/plan.md, "The choice"."""
+much high). A head with options is solved for under each (a choice then ends with the head's
+option). Design and proof sketch: docs/plan.md, "The choice"."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
-from .figures import OptionFigures, StepFigures
+from .figures import OptionFigures, StepFigures, with_head
 from .units import Option
 
 #: More states than this after one unit: the figures are too varied to merge (a model of many
@@ -82,7 +83,26 @@ def _final_peak(fig: StepFigures, a: int, d: float, p: int) -> int:
 def solve(fig: StepFigures, budget: Optional[int] = None
           ) -> Tuple[Solution, Optional[Solution]]:
     """(the choice of least peak, the choice of least FLOPs whose peak is within ``budget``, or
-    None). Ties: the least peak at the least FLOPs, then the least FLOPs at the least peak."""
+    None). Ties: the least peak at the least FLOPs, then the least FLOPs at the least peak; then
+    the head's option first in its list."""
+    if not fig.heads:
+        return _solve_chain(fig, budget)
+    least, best = None, None
+    for option in fig.head_options():
+        a, b = _solve_chain(with_head(fig, option), budget)
+        if a is not None:
+            a = replace(a, choice=a.choice + (option,))
+            if least is None or (a.peak, a.flops) < (least.peak, least.flops):
+                least = a
+        if b is not None:
+            b = replace(b, choice=b.choice + (option,))
+            if best is None or (b.flops, b.peak) < (best.flops, best.peak):
+                best = b
+    return least, best
+
+
+def _solve_chain(fig: StepFigures, budget: Optional[int]
+                 ) -> Tuple[Optional[Solution], Optional[Solution]]:
     n = len(fig.units)
     gaps = list(fig.gaps) + [(0, 0)]
 

@@ -7,8 +7,10 @@ non-reentrant ``torch.utils.checkpoint`` of the whole block); ``pointwise`` (the
 selective checkpointing that keeps every GEMM's and attention's output and recomputes the rest:
 recompute.py); ``fuse+pointwise`` (both). A fused unit never sits inside a block checkpointed
 whole. A unit ``fuse`` would make outside every block is a unit of its own, named by the module
-whose forward holds it (its ``where``), with ``none`` and ``fuse``. The probe (probe.py) drops
-units it cannot delimit in the step, and says why."""
+whose forward holds it (its ``where``), with ``none`` and ``fuse``. The *head* (a causal LM's
+output embeddings and its loss, after every block) takes ``none`` or ``fused loss``
+(``ckpt_ext._head_loss``). The probe (probe.py) drops units it cannot delimit in the step, and
+says why."""
 from __future__ import annotations
 
 import enum
@@ -19,6 +21,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._block_checkpoint import checkpoint_block
+from .._head_loss import fuse_head_loss, head_of, head_refusal
 from ..convert import fuse
 from .recompute import pointwise_block
 
@@ -30,16 +33,18 @@ class Option(str, enum.Enum):
     CHECKPOINT = "checkpoint"
     POINTWISE = "pointwise"
     FUSE_POINTWISE = "fuse+pointwise"
+    FUSED_LOSS = "fused loss"
 
 
 @dataclass(frozen=True)
 class OptionRow:
     """What an option does to a block: fuse the units inside it (``fuses``), then set a
-    recomputing forward on its instance (``recompute(block)``, or None). ``short``: its letters
-    in a configuration's name."""
+    recomputing forward on its instance (``recompute(block)``, or None); or, to the head, what
+    ``head(model)`` sets. ``short``: its letters in a configuration's name."""
     fuses: bool
     recompute: Optional[Callable[[nn.Module], None]]
     short: str
+    head: Optional[Callable[[nn.Module], None]] = None
 
 
 #: The options, one row each: the probe measures a step per row, the solver chooses among them,
@@ -50,7 +55,10 @@ OPTIONS: Dict[Option, OptionRow] = {
     Option.CHECKPOINT: OptionRow(fuses=False, recompute=checkpoint_block, short="c"),
     Option.POINTWISE: OptionRow(fuses=False, recompute=pointwise_block, short="p"),
     Option.FUSE_POINTWISE: OptionRow(fuses=True, recompute=pointwise_block, short="fp"),
+    Option.FUSED_LOSS: OptionRow(fuses=False, recompute=None, short="l", head=fuse_head_loss),
 }
+#: The options a block takes (the head's are those with ``head``, and none).
+BLOCK_OPTIONS = tuple(o for o in Option if OPTIONS[o].head is None)
 
 
 def recomputing(option: Option) -> bool:
@@ -58,9 +66,10 @@ def recomputing(option: Option) -> bool:
 
 
 class Kind(str, enum.Enum):
-    """What a unit is: a block, or a unit ``fuse`` makes outside every block."""
+    """What a unit is: a block, a unit ``fuse`` makes outside every block, or the head."""
     BLOCK = "block"
     FUSED = "fused unit"
+    HEAD = "head"
 
 
 @dataclass
@@ -150,21 +159,21 @@ def find_units(model: nn.Module) -> Tuple[List[Unit], List[Tuple[str, str]]]:
         norms = [n for n, m in block.named_modules() if isinstance(m, _BatchNorm) and
                  m.training and m.track_running_stats]
         if norms:
-            for o in Option:
+            for o in BLOCK_OPTIONS:
                 if recomputing(o):
                     why[o] = (f"{join_path(b, norms[0])} updates its running statistics in "
                               f"training: a recompute would update them twice")
         if "forward" in vars(block):
-            for o in Option:
+            for o in BLOCK_OPTIONS:
                 if recomputing(o):
                     why.setdefault(o, f"a forward is set on its instance "
                                       f"({type(vars(block)['forward']).__name__}), which a "
                                       f"recompute set on it would bypass")
         if Option.FUSE in why:
-            for o in Option:
+            for o in BLOCK_OPTIONS:
                 if o != Option.FUSE and OPTIONS[o].fuses:
                     why.setdefault(o, why[Option.FUSE])
-        options = tuple(o for o in Option if o not in why)
+        options = tuple(o for o in BLOCK_OPTIONS if o not in why)
         units.append(Unit(b, Kind.BLOCK, options,
                           tuple((w, tuple(r)) for w, r in mine.items()) if Option.FUSE in options
                           else (), type(block).__name__, why))
@@ -181,3 +190,16 @@ def find_units(model: nn.Module) -> Tuple[List[Unit], List[Tuple[str, str]]]:
     order = {path: i for i, (path, _) in enumerate(model.named_modules(remove_duplicate=False))}
     units.sort(key=lambda u: order.get(u.path, -1))
     return units, notes
+
+
+def find_head(model: nn.Module) -> Tuple[Optional[Unit], List[Tuple[str, str]]]:
+    """The model's head as a unit (``none``, ``fused loss``), or None and, for a model that has
+    output embeddings, why it is no unit."""
+    path, head = head_of(model)
+    if head is None:
+        return None, []
+    why = head_refusal(model)
+    if why is not None:
+        return None, [(path, f"its loss is not fused with it: {why}")]
+    return Unit(path, Kind.HEAD, (Option.NONE, Option.FUSED_LOSS), (),
+                type(head).__name__), []

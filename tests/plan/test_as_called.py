@@ -72,7 +72,7 @@ def assert_measured_as_called(model, budget, unpatched_plan):
     measured step, and the plan applied fits the budget and its prediction."""
     plain = measure_step(model, INPUTS)["peak_above_before_forward"]
     p = ckpt_ext.plan(model, INPUTS, budget)
-    assert list(p.choices) == LAYER_PATHS and p.notes == []
+    assert list(p.choices) == LAYER_PATHS + ["lm_head"] and p.notes == []
     if all(u.options == unpatched_plan.units[0].options for u in p.units):
         assert p.choices == unpatched_plan.choices
         assert p.added_flops == unpatched_plan.added_flops

@@ -1,6 +1,6 @@
 """``ckpt_ext.plan`` and ``ckpt_ext.max_batch`` on a tiny transformers Llama (4 layers, built
-from a config; 3 where every per-layer choice is measured): the choice is optimal against every
-per-layer choice measured, predictions agree
+from a config; 3 where every per-layer choice, with each of the head's options, is measured): the
+choice is optimal against every choice measured, predictions agree
 with ``measured_step`` and stay within the budget, a smaller budget never peaks higher or costs
 fewer FLOPs, the planned model computes what the model computes (float64), ``unfuse`` takes the
 plan out, bad input fails before anything changes, and planning alone changes nothing."""
@@ -20,7 +20,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import ckpt_ext
 from ckpt_ext.memory import MemoryMeter, clear_grads, measured_step
 from ckpt_ext.planner import Option, measure_step
-from ckpt_ext.planner.units import OPTIONS
+from ckpt_ext._head_loss import fuse_head_loss, undo_head_losses
+from ckpt_ext.planner.units import BLOCK_OPTIONS, OPTIONS
 from ckpt_ext.planner.choose import choose, survey
 from ckpt_ext.planner.figures import simulate
 
@@ -29,8 +30,10 @@ from reference import TOL, rel_err
 transformers = pytest.importorskip("transformers")
 
 LAYERS, SEQ, VOCAB = 4, 64, 256
-#: the layers of the model every per-layer choice is measured on (5^3 choices)
+#: the layers of the model every per-layer choice is measured on (5^3 choices, each with the
+#: head's two)
 ENUMERATED = 3
+HEAD_OPTIONS = (Option.NONE, Option.FUSED_LOSS)
 
 
 def tiny_llama(dtype=torch.float32, layers=LAYERS):
@@ -86,21 +89,26 @@ def put(layer, option):
 
 @pytest.fixture(scope="module")
 def every_choice(small, small_surveyed):
-    """Every per-layer choice (5^3), each put into one copy of the model layer by layer and
-    measured: choice -> (peak, FLOPs)."""
+    """Every per-layer choice (5^3) with each of the head's options (2), each put into one copy
+    of the model layer by layer and measured: choice (the layers', then the head's) -> (peak,
+    FLOPs)."""
     net = copy.deepcopy(small)
     layers = net.model.layers
-    current = [Option.NONE] * ENUMERATED
+    current = [Option.NONE] * (ENUMERATED + 1)
     out = {}
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()  # no collection of earlier garbage inside a measured step
     try:
         with MemoryMeter("cpu") as meter:
-            for choice in itertools.product(list(Option), repeat=ENUMERATED):
+            for choice in itertools.product(*[BLOCK_OPTIONS] * ENUMERATED, HEAD_OPTIONS):
                 for layer, was, wanted in zip(layers, current, choice):
                     if wanted != was:
                         put(layer, wanted)
+                if choice[-1] != current[-1]:
+                    undo_head_losses(net)
+                    if choice[-1] == Option.FUSED_LOSS:
+                        fuse_head_loss(net)
                 current = list(choice)
                 clear_grads(net)
                 peak = measured_step(lambda inputs: net(**inputs), SMALL_INPUTS, meter,
@@ -112,7 +120,7 @@ def every_choice(small, small_surveyed):
     finally:
         if was_enabled:
             gc.enable()
-    assert len(out) == len(Option) ** len(small_surveyed[1]) == 125
+    assert len(out) == len(BLOCK_OPTIONS) ** len(small_surveyed[1]) * 2 == 250
     return out
 
 
@@ -121,6 +129,9 @@ def as_plan(surveyed, choice):
     fig, units, notes, spread, device = surveyed
     p = choose(fig, units, notes, spread, 10**15, str(device))
     p.choices = {u.path: o.value for u, o in zip(units, choice)}
+    if p.head is not None:
+        p.choices[p.head.path] = (choice[len(units)] if len(choice) > len(units)
+                                  else Option.NONE).value
     return p
 
 
@@ -135,11 +146,12 @@ def budgets(p):
 
 def test_units_are_the_layers_with_every_option(model):
     p = ckpt_ext.plan(model, INPUTS, 10**15)
-    assert list(p.choices) == [f"model.layers.{i}" for i in range(LAYERS)]
-    assert all(u.options == tuple(Option) and u.cls == "LlamaDecoderLayer" for u in p.units)
+    assert list(p.choices) == [f"model.layers.{i}" for i in range(LAYERS)] + ["lm_head"]
+    assert all(u.options == BLOCK_OPTIONS and u.cls == "LlamaDecoderLayer" for u in p.units)
+    assert p.head.options == HEAD_OPTIONS and p.head.cls == "Linear"
     text = str(p)
     assert "model.layers.{0..3}" in text and "LlamaDecoderLayer" in text
-    assert all(f"{o.value} " in text for o in Option)
+    assert all(f"{o.value} " in text for o in BLOCK_OPTIONS) and "head lm_head" in text
 
 
 def test_the_options_table_is_the_options():
@@ -185,12 +197,13 @@ def test_a_budget_at_plains_measured_peak_changes_nothing(model):
 
 def test_choice_is_optimal_against_every_choice_measured(small, small_surveyed, every_choice):
     """At each budget the plan's FLOPs are the least of every per-layer choice whose measured
-    peak fits (5^3 choices, each applied and measured), and the plan itself fits."""
-    plain_flops = every_choice[(Option.NONE,) * ENUMERATED][1]
+    peak fits (5^3 x 2 choices, each applied and measured), and the plan itself fits."""
+    plain_flops = every_choice[(Option.NONE,) * (ENUMERATED + 1)][1]
     fig = small_surveyed[0]
     for b in budgets(ckpt_ext.plan(small, SMALL_INPUTS, 10**15)):
         p = choose(*small_surveyed[:4], b, "cpu")
-        chosen = tuple(Option(p.choices[u.path]) for u in small_surveyed[1])
+        chosen = tuple(Option(p.choices[u.path]) for u in small_surveyed[1]) + \
+            (p.head_option(),)
         fitting = [fl for peak, fl in every_choice.values() if peak <= b]
         assert every_choice[chosen][0] <= b
         assert every_choice[chosen][1] == min(fitting), b
@@ -200,7 +213,7 @@ def test_choice_is_optimal_against_every_choice_measured(small, small_surveyed, 
 
 
 def test_predictions_of_every_choice_within_half_a_percent(small_surveyed, every_choice):
-    """The memory model (a chain of units' segments) against all 125 measured steps."""
+    """The memory model (a chain of units' segments) against all 250 measured steps."""
     fig = small_surveyed[0]
     worst = max(abs(simulate(fig, c).peak - peak) / peak for c, (peak, _) in every_choice.items())
     assert worst <= 5e-3, worst
