@@ -67,7 +67,12 @@ class UnitKind:
     nodes no kind before it took, each with the ``takes`` it takes and the ``not_analysed`` it
     found; ``decide(graph, found, options)``: (units, near misses); ``place(graph, found, units,
     misses)``: [(decision, its :class:`Placement` or None)] in report order; ``runtime(graph,
-    placement, decision)``: the object put in the model, whose ``key`` identifies it."""
+    placement, decision)``: the object put in the model, whose ``key`` identifies it. A kind that
+    places each unit on its own says how in ``placed(graph, found, decision)``: (the decision,
+    its placement)."""
+
+    def place(self, graph: ModelGraph, found: Any, units: Sequence[Any], misses):
+        return [(d, None) for d in misses] + [self.placed(graph, found, d) for d in units]
 
 
 @dataclass(eq=False)
@@ -94,19 +99,16 @@ class InForward:
 
 
 class RegionKind(UnitKind):
-    def place(self, graph: ModelGraph, c: InForward, units: Sequence[Decision], misses):
-        out: List[Tuple[Decision, Optional[Placement]]] = [(d, None) for d in misses]
-        for d in units:
-            calls = [LayerCall(c.owner, n.target, c.child(n), LayerKind.LINEAR,
-                               graph.nodes[n].label, node=n, trace=c.trace) for n in c.linears]
-            p = Placement(How.CHILDREN, c.path, calls, c.activation, False, self, c,
-                          owner=c.owner, calls=[s.label for s in calls],
-                          members=[MemberPlan(s.module, k) for k, s in enumerate(calls)])
-            for n in c.linears + c.others:
-                p.slots.append(Slot(c.owner, n.target, c.child(n), graph.nodes[n].label))
-                p.unhooked.append(c.child(n))
-            out.append((arguments_note(graph, p, d), p))
-        return out
+    def placed(self, graph: ModelGraph, c: InForward, d: Decision):
+        calls = [LayerCall(c.owner, n.target, c.child(n), LayerKind.LINEAR,
+                           graph.nodes[n].label, node=n, trace=c.trace) for n in c.linears]
+        p = Placement(How.CHILDREN, c.path, calls, c.activation, False, self, c,
+                      owner=c.owner, calls=[s.label for s in calls],
+                      members=[MemberPlan(s.module, k) for k, s in enumerate(calls)])
+        for n in c.linears + c.others:
+            p.slots.append(Slot(c.owner, n.target, c.child(n), graph.nodes[n].label))
+            p.unhooked.append(c.child(n))
+        return arguments_note(graph, p, d), p
 
 
 def arguments_note(graph: ModelGraph, p: Placement, d: Decision) -> Decision:
