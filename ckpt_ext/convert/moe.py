@@ -410,9 +410,10 @@ class Moe(UnitKind):
                          plain_flops_per_row=plain, why=why, activation=form.activation,
                          bytes_per_call=per_call)], []
 
-    def placed(self, graph: ModelGraph, e: Experts, d: Decision):
-        return d, Placement(How.MODULE, e.path, [], e.form.activation, False, self, e,
-                            members=[MemberPlan(e.module, 0)], calls=[e.path])
+    def place(self, graph: ModelGraph, e: Experts, units, misses):
+        return [(d, None) for d in misses] + [
+            (d, Placement(How.MODULE, e.path, [], e.form.activation, False, self, e,
+                          members=[MemberPlan(e.module, 0)], calls=[e.path])) for d in units]
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _ExpertsRun:
         e = p.found

@@ -67,12 +67,7 @@ class UnitKind:
     nodes no kind before it took, each with the ``takes`` it takes and the ``not_analysed`` it
     found; ``decide(graph, found, options)``: (units, near misses); ``place(graph, found, units,
     misses)``: [(decision, its :class:`Placement` or None)] in report order; ``runtime(graph,
-    placement, decision)``: the object put in the model, whose ``key`` identifies it. A kind that
-    places each unit on its own says how in ``placed(graph, found, decision)``: (the decision,
-    its placement)."""
-
-    def place(self, graph: ModelGraph, found: Any, units: Sequence[Any], misses):
-        return [(d, None) for d in misses] + [self.placed(graph, found, d) for d in units]
+    placement, decision)``: the object put in the model, whose ``key`` identifies it."""
 
 
 @dataclass(eq=False)
@@ -99,7 +94,10 @@ class InForward:
 
 
 class RegionKind(UnitKind):
-    def placed(self, graph: ModelGraph, c: InForward, d: Decision):
+    def place(self, graph: ModelGraph, c: InForward, units: Sequence[Decision], misses):
+        return [(d, None) for d in misses] + [self._placed(graph, c, d) for d in units]
+
+    def _placed(self, graph: ModelGraph, c: InForward, d: Decision):
         calls = [LayerCall(c.owner, n.target, c.child(n), LayerKind.LINEAR,
                            graph.nodes[n].label, node=n, trace=c.trace) for n in c.linears]
         p = Placement(How.CHILDREN, c.path, calls, c.activation, False, self, c,
