@@ -443,13 +443,11 @@ class _ExpertsRun(Checked):
         """The module's output by ``moe_experts``, or None where its class's forward computes it
         (a condition fails, or input the op would refuse: the class's forward raises its own)."""
         names = self.form.arguments
-        if kwargs or len(args) != 3:
-            if len(args) > 3 or set(kwargs) - set(names[len(args):]):
-                count_unfused(self, f"{self.label} was called with arguments beyond "
-                                    f"{', '.join(names)}, which moe_experts does not take")
-                return None
-            args = args + tuple(kwargs.get(name) for name in names[len(args):])
-        x, idx, w = args
+        if len(args) > 3 or set(kwargs) - set(names[len(args):]):
+            count_unfused(self, f"{self.label} was called with arguments beyond "
+                                f"{', '.join(names)}, which moe_experts does not take")
+            return None
+        x, idx, w = args + tuple(kwargs.get(name) for name in names[len(args):])
         if self.refused():
             return None
         m, form = self.module, self.form
