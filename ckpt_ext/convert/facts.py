@@ -298,11 +298,11 @@ OUR_MODULES = tuple(c for c in vars(_modules).values() if isinstance(c, type) an
 def survey(model: nn.Module) -> Dict[int, Fact]:
     """The :class:`Fact` of every module of ``model``, by id."""
     out: Dict[int, Fact] = {}
-    forms = {id(m): form_of(m) for m in model.modules()}  # each Linear's row, asked once
+    forms = linears.forms(model.modules())
     inside = {id(sub) for m in model.modules() if forms[id(m)] and forms[id(m)].parts
               for sub in m.modules() if sub is not m}
-    reads = {id(m): forms[id(m)].read(m) for m in model.modules()
-             if forms[id(m)] and id(m) not in inside}
+    reads = linears.reads([m for m in model.modules() if forms[id(m)] and id(m) not in inside],
+                          forms)
     for m in model.modules():
         kind, found, problem, width = None, None, None, (0, 0, 0, 0, 0, True, 0)
         if id(m) in inside:  # a LoRA Linear's base layer and adapters: parts of that Linear

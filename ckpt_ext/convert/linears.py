@@ -8,7 +8,7 @@ import inspect
 import operator
 import warnings
 import weakref
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -297,6 +297,16 @@ def form_of(m: nn.Module) -> Optional[Form]:
             TRACED.problem(m) is None:
         return TRACED
     return found
+
+
+def forms(modules: Iterable[nn.Module]) -> Dict[int, Optional[Form]]:
+    """:func:`form_of` each module, by id."""
+    return {id(m): form_of(m) for m in modules}
+
+
+def reads(modules: Iterable[nn.Module], forms: Dict[int, Optional[Form]]) -> Dict[int, Read]:
+    """Each module's row's :meth:`Form.read` of it, by id."""
+    return {id(m): forms[id(m)].read(m) for m in modules}
 
 
 def stored_weight(m: nn.Module) -> Optional[torch.Tensor]:
