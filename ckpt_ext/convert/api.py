@@ -8,7 +8,7 @@ from .._block_checkpoint import undo_checkpoints
 from .._head_loss import undo_head_losses
 from .accounting import unaccounted
 from .applying import apply_plan, undo_all
-from .engines import sharded
+from .engines import mark_leaves, sharded, unmark
 from .facts import LayerKind, checkpointings, survey
 from .fallback import Stats, stats
 from .graph import ModelGraph
@@ -17,7 +17,6 @@ from .policy import Policy
 from .report import FuseReport, Fused, checkpointed
 from .tracing import trace_model
 from .units import Options
-from .zero3 import mark_leaves, unmark
 
 POLICIES = tuple(p.value for p in Policy)
 

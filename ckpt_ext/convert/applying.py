@@ -86,10 +86,8 @@ def apply_plan(graph: ModelGraph, plan: Plan) -> None:
 def undo_all(model: nn.Module) -> None:
     """Every module fuse changed gets back its class and loses the attributes fuse set."""
     for m in model.modules():
-        if isinstance(m, RunMember):
-            m.__class__ = type(m)._ckpt_ext_base
-        elif isinstance(m, FusedSequential):
-            m.__class__ = nn.Sequential
+        if isinstance(m, (RunMember, FusedSequential)):
+            m.__class__ = type(m)._ckpt_ext_base  # the user's class: nn.Sequential for a Sequential
         for name in ("_ckpt_ext_run", "_ckpt_ext_index", "_ckpt_ext_runs"):
             vars(m).pop(name, None)
         for name in [k for k, v in vars(m).items() if isinstance(v, _OwnerForward)]:

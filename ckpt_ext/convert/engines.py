@@ -1,15 +1,68 @@
-"""Which training engine put hooks or an instance forward on a module of a unit, and what to do so
-that the unit runs fused under it: the fix a FallbackWarning and ``ckpt_ext.stats`` give with the
-reason. One function per engine; ``fix_for`` asks each in turn. Docs: docs/fuse-usage.md,
-"Distributed training"."""
+"""The training engines fuse meets: DeepSpeed ZeRO-3 (a partitioned parameter's real shape, the
+meta copy at it that tracing works on, and the ``_z3_leaf`` marks on each unit's owner that make
+ZeRO-3 gather its weights there) and FSDP2; which engine put hooks or an instance forward on a
+module of a unit, and the fix a FallbackWarning and ``ckpt_ext.stats`` give with the reason. Nothing
+here imports deepspeed or torch.distributed. Docs: docs/fuse-usage.md, "Distributed training" and
+"DeepSpeed ZeRO"."""
 from __future__ import annotations
 
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
+import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
-from .zero3 import registered
+LEAF = "_z3_leaf"               # DeepSpeed's flag (deepspeed/utils/z3_leaf_module.py)
+MARKED = "_ckpt_ext_z3_leaf"    # set beside it where fuse set the flag, for unfuse
+
+
+def real_shape(t: torch.Tensor) -> torch.Size:
+    """The shape of ``t``, or of the whole parameter where ZeRO-3 holds a partition of it."""
+    shape = getattr(t, "ds_shape", None)
+    return shape if isinstance(shape, torch.Size) else t.shape
+
+
+def meta_memo(model: nn.Module) -> Dict[int, torch.Tensor]:
+    """A deepcopy memo putting each parameter and buffer of ``model`` on the meta device, at its
+    real shape (lazy ones stay uninitialized), so a copy of the model costs no memory."""
+    memo: Dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.UninitializedParameter(p.requires_grad, device="meta") if is_lazy(p) \
+            else nn.Parameter(torch.empty(real_shape(p), dtype=p.dtype, device="meta"),
+                              requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = nn.UninitializedBuffer(device="meta") if is_lazy(b) else \
+            torch.empty_like(b, device="meta")
+    return memo
+
+
+def registered(m: nn.Module) -> bool:
+    """Whether ``deepspeed.initialize`` gave ``m`` ZeRO-3's hooks (its ``ds_id`` is set then)."""
+    return isinstance(getattr(m, "ds_id", None), int)
+
+
+def mark_leaves(model: nn.Module, owners: Iterable[nn.Module]) -> None:
+    """Flag each of ``owners`` a ZeRO-3 leaf, where deepspeed is imported and neither the user
+    (any value of the flag) nor ZeRO-3 (hooks already registered under it) has decided; drop the
+    flags an earlier fuse set on modules that own no unit now."""
+    owners = {id(m): m for m in owners}
+    for m in model.modules():
+        if vars(m).get(MARKED) and id(m) not in owners:
+            unmark(m)
+    if "deepspeed" not in sys.modules:
+        return
+    for m in owners.values():
+        if LEAF in vars(m) or any(registered(sub) for sub in m.modules()):
+            continue
+        setattr(m, LEAF, True)
+        setattr(m, MARKED, True)
+
+
+def unmark(m: nn.Module) -> None:
+    """Take the flag off ``m`` where fuse set it."""
+    if vars(m).pop(MARKED, False):
+        vars(m).pop(LEAF, None)
 
 
 #: where torch exports FSDPModule: torch.distributed.fsdp from torch 2.6, _composable.fsdp before
@@ -36,19 +89,14 @@ def _fsdp2(m: nn.Module) -> Optional[str]:
             "fsdp_transformer_layer_cls_to_wrap=<the decoder layer class>, not Linear)")
 
 
-def _zero3_hooked(m: nn.Module) -> bool:
-    """Whether ``deepspeed.initialize`` registered ZeRO-3's hooks on ``m``: it sets the module's
-    ``ds_id``, and its hooks are functions of deepspeed's own modules."""
+def _deepspeed(m: nn.Module) -> Optional[str]:
+    """DeepSpeed ZeRO-3's parameter hooks on a member of a unit (``deepspeed.initialize`` set its
+    ``ds_id``, and hooks that are functions of deepspeed's own modules): ZeRO-3 gathers each
+    module's parameters around its own call, so the unit must lie inside one ZeRO-3 leaf module."""
     hooks = (*m._forward_pre_hooks.values(), *m._forward_hooks.values(),
              *m._backward_hooks.values(), *getattr(m, "_backward_pre_hooks", {}).values())
-    return registered(m) and any(
-        (getattr(h, "__module__", None) or "").startswith("deepspeed.") for h in hooks)
-
-
-def _deepspeed(m: nn.Module) -> Optional[str]:
-    """DeepSpeed ZeRO-3's parameter hooks on a member of a unit: ZeRO-3 gathers each module's
-    parameters around its own call, so the unit must lie inside one ZeRO-3 leaf module."""
-    if not _zero3_hooked(m):
+    if not registered(m) or not any(
+            (getattr(h, "__module__", None) or "").startswith("deepspeed.") for h in hooks):
         return None
     owner = getattr(getattr(m, "_ckpt_ext_run", None), "owner", None)
     name = type(owner).__name__ if owner is not None else "<the class whose forward computes it>"

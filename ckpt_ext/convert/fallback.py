@@ -205,20 +205,15 @@ def outside_region(run: Any) -> Tuple[str, str]:
                  "actually trains), or call the module itself rather than its old bound forward")
 
 
+def _total(name: str) -> property:
+    return property(lambda self: sum(getattr(s, name) for s in self))
+
+
 class Stats(List[UnitStats]):
-    """``ckpt_ext.stats(model)``: one :class:`UnitStats` per fused unit, in the model's order."""
-
-    @property
-    def fused_calls(self) -> int:
-        return sum(s.fused_calls for s in self)
-
-    @property
-    def unfused_calls(self) -> int:
-        return sum(s.unfused_calls for s in self)
-
-    @property
-    def recomputed_calls(self) -> int:
-        return sum(s.recomputed_calls for s in self)
+    """``ckpt_ext.stats(model)``: one :class:`UnitStats` per fused unit, in the model's order;
+    each count's sum over them."""
+    fused_calls, unfused_calls, recomputed_calls = map(
+        _total, ("fused_calls", "unfused_calls", "recomputed_calls"))
 
     def __str__(self) -> str:
         lines = [f"ckpt_ext.stats: {len(self)} fused unit(s); calls with gradients recorded: "

@@ -20,7 +20,7 @@ from .._activation_arithmetic import rng_kept
 from .._activation_modules import sig
 from .._lora import LoRA
 from ..modules import _has_hooks as has_hooks
-from .zero3 import real_shape
+from .engines import real_shape
 
 Check = Tuple[Callable[[], bool], Callable[[], str]]  # (holds, describe): a facts.Condition's
 LINEAR_FUNCTIONS = (F.linear, torch._C._nn.linear)

@@ -21,7 +21,7 @@ from .graph import ModelGraph
 from .report import Action, Decision, How, Named
 from .runtime import MEMBER_MIXINS, Checked, RunMember
 from .units import MemberPlan, Options, Placement, UnitKind
-from .zero3 import real_shape
+from .engines import real_shape
 
 #: the probe's widths (hidden, intermediate): four to fit what the module keeps, one to check it;
 #: multiples of 8 elements, the 16-byte strides torch's grouped_mm takes in every dtype it takes
@@ -55,6 +55,12 @@ class ExpertsForm(NamedTuple):
     gate: Gate
     flags: Tuple[bool, bool, bool, bool]  # has_gate, has_bias, is_transposed, is_concatenated
     arguments: Tuple[str, str, str]  # the names of its forward's x, top_k_index, top_k_weights
+
+    def sizes(self, m: nn.Module) -> Tuple[int, int, int, int, int]:
+        """(experts, hidden, gate_up's width, intermediate, out) at the weights' real shapes."""
+        (experts, *up), (_, *down) = (real_shape(m._parameters[n]) for n in self.params[:2])
+        i, o = (0, 1) if self.flags[2] else (1, 0)  # is_transposed: stored (in, out)
+        return experts, up[i], up[o], down[i], down[o]
 
 
 FLAG_NAMES = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
@@ -323,7 +329,7 @@ def _kept(m: nn.Module, form: ExpertsForm, top_k: int):
     key = (base_type(m), form, tuple(gate_up), tuple(down), dtype, top_k,
            impl, tuple(m._parameters[n].requires_grad for n in form.params if n))
     if key not in _PROBED:
-        experts = gate_up[0]
+        experts, hidden, _, inter, out = form.sizes(m)
         per_token, per_call, w_kept = {}, set(), set()
         try:
             for h, i in _FIT + (_CHECK,):
@@ -336,9 +342,6 @@ def _kept(m: nn.Module, form: ExpertsForm, top_k: int):
             _PROBED[key] = None, 0, False, impl
             return _PROBED[key]
         fit = _bilinear(per_token)
-        hidden = gate_up[1 if form.flags[2] else 2]
-        inter = down[1 if form.flags[2] else 2]
-        out = down[2 if form.flags[2] else 1]
         good = fit(*_CHECK) == per_token[_CHECK] and len(per_call) == 1 and len(w_kept) == 1 and \
             out == hidden
         good = good and fit(hidden, inter).denominator == 1
@@ -371,11 +374,7 @@ class Moe(UnitKind):
                                  why=f"{what}: {e.problem}",
                                  activation=form.activation if form else "")]
         gate_up, down = (m._parameters[n] for n in form.params[:2])
-        up_shape, down_shape = real_shape(gate_up), real_shape(down)  # whole under zero.Init
-        transposed = form.flags[2]
-        experts, width = up_shape[0], up_shape[2 if transposed else 1]
-        hidden = up_shape[1 if transposed else 2]
-        inter, out = down_shape[1 if transposed else 2], down_shape[2 if transposed else 1]
+        experts, hidden, width, inter, out = form.sizes(m)  # whole under zero.Init
         top_k = getattr(m.config, "num_experts_per_tok", None)
         pairs = top_k or 1
         first, second = 2 * hidden * width, 2 * inter * out  # FLOPs per pair of each GEMM
@@ -412,11 +411,9 @@ class Moe(UnitKind):
                          bytes_per_call=per_call)], []
 
     def place(self, graph: ModelGraph, e: Experts, units, misses):
-        out: List[Tuple[Decision, Optional[Placement]]] = [(d, None) for d in misses]
-        for d in units:
-            out.append((d, Placement(How.MODULE, e.path, [], e.form.activation, False, self, e,
-                                     members=[MemberPlan(e.module, 0)], calls=[e.path])))
-        return out
+        return [(d, None) for d in misses] + [
+            (d, Placement(How.MODULE, e.path, [], e.form.activation, False, self, e,
+                          members=[MemberPlan(e.module, 0)], calls=[e.path])) for d in units]
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _ExpertsRun:
         e = p.found
@@ -446,13 +443,11 @@ class _ExpertsRun(Checked):
         """The module's output by ``moe_experts``, or None where its class's forward computes it
         (a condition fails, or input the op would refuse: the class's forward raises its own)."""
         names = self.form.arguments
-        if kwargs or len(args) != 3:
-            if len(args) > 3 or set(kwargs) - set(names[len(args):]):
-                count_unfused(self, f"{self.label} was called with arguments beyond "
-                                    f"{', '.join(names)}, which moe_experts does not take")
-                return None
-            args = args + tuple(kwargs.get(name) for name in names[len(args):])
-        x, idx, w = args
+        if len(args) > 3 or set(kwargs) - set(names[len(args):]):
+            count_unfused(self, f"{self.label} was called with arguments beyond "
+                                f"{', '.join(names)}, which moe_experts does not take")
+            return None
+        x, idx, w = args + tuple(kwargs.get(name) for name in names[len(args):])
         if self.refused():
             return None
         m, form = self.module, self.form

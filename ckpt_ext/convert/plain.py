@@ -276,6 +276,20 @@ def _after(steps):
                  for seq, name in reversed(steps) if name != list(seq._modules)[-1])
 
 
+def _part(graph: ModelGraph, seq: nn.Module, layer_calls: Sequence[LayerCall], chains,
+          role: PartRole, index: int, first: bool, last: bool) -> PartPlan:
+    """The elements of ``seq`` a run covers: from those holding its first layer (``first``; else
+    from seq's first) to those holding its last (``last``; else to seq's last)."""
+    names, before, after, i0, i1 = list(seq._modules), (), (), 0, len(seq._modules)
+    if first:
+        down = _descent(graph, layer_calls[0], chains[0], seq)
+        before, i0 = _before(down[1:]), names.index(down[0][1])
+    if last:
+        down = _descent(graph, layer_calls[-1], chains[-1], seq)
+        after, i1 = _after(down[1:]), names.index(down[0][1]) + 1
+    return PartPlan(seq, tuple(names[i0:i1]), role, index, before, after)
+
+
 def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall], activation,
                last_act: bool, between: Sequence[Sequence[Slot]] = ()) -> Optional[Placement]:
     """Where the unit is computed: by a Sequential holding it all, or in its lowest caller."""
@@ -285,8 +299,6 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall], 
     belows = [chain[:[id(c) for c in chain].index(id(lca))] for chain in chains]
     inside = {id(c): c for below in belows for c in below}  # containers below the lca
     p = Placement(How.NOWHERE, graph.path[id(lca)], layer_calls, activation, last_act, kind)
-    first = _descent(graph, layer_calls[0], chains[0], lca)
-    last = _descent(graph, layer_calls[-1], chains[-1], lca)
     p.sequences = [c for c in inside.values() if graph.facts[id(c)].sequential]
     p.unhooked = list(inside.values())
     p.passes = [(slot, i) for i, slots in enumerate(between) for slot in slots]
@@ -298,11 +310,9 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall], 
     if graph.facts[id(lca)].sequential:
         if crossed:  # a Sequential computes its elements: it marks no region
             return None
-        names = list(lca._modules)
-        i0, i1 = names.index(first[0][1]), names.index(last[0][1])
-        p.parts.append(PartPlan(lca, tuple(names[i0:i1 + 1]), PartRole.WHOLE, 0,
-                                _before(first[1:]), _after(last[1:])))
-        p.how = How.SEQUENTIAL if len(first) == 1 and len(last) == 1 else How.ACROSS
+        p.parts.append(_part(graph, lca, layer_calls, chains, PartRole.WHOLE, 0, True, True))
+        p.how = How.SEQUENTIAL if layer_calls[0].container is lca is layer_calls[-1].container \
+            else How.ACROSS
         p.sequences.insert(0, lca)
         if p.how is How.ACROSS:
             crossed = ", ".join(graph.path[id(c)] for c in inside.values())
@@ -336,17 +346,8 @@ def _placement(graph: ModelGraph, kind: UnitKind, layer_calls: List[LayerCall], 
         holder, hpath, hname = graph.parent[graph.paths[id(u)][0]]
         p.slots.append(Slot(holder, hname, u, join_path(hpath, hname)))
         p.calls.append(graph.path[id(u)])
-        names = list(u._modules)
-        if k == 0:
-            down = _descent(graph, layer_calls[0], chains[0], u)
-            p.parts.append(PartPlan(u, tuple(names[names.index(down[0][1]):]), PartRole.FIRST,
-                                    0, _before(down[1:]), ()))
-        elif k == len(units) - 1:
-            down = _descent(graph, layer_calls[-1], chains[-1], u)
-            p.parts.append(PartPlan(u, tuple(names[:names.index(down[0][1]) + 1]), PartRole.ON,
-                                    k, (), _after(down[1:])))
-        else:
-            p.parts.append(PartPlan(u, tuple(names), PartRole.ON, k, (), ()))
+        p.parts.append(_part(graph, u, layer_calls, chains, PartRole.FIRST if k == 0 else
+                             PartRole.ON, k, k == 0, 0 < k == len(units) - 1))
         if alone := _alone(u, layer_calls):
             p.alone[id(u)] = alone
     p.how = How.CHILDREN if all(isinstance(u, LayerCall) and u.container is lca for u in units) \

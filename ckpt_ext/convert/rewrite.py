@@ -19,7 +19,7 @@ from .policy import Chain, LayerShape, Unit, decide, item_misses
 from .report import Action, Decision, How
 from .tracing import Trace
 from .units import Options, Placement, UnitKind
-from .zero3 import real_shape
+from .engines import real_shape
 
 
 @dataclass

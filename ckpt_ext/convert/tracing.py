@@ -23,7 +23,7 @@ from .._activation_arithmetic import rng_kept
 from .arguments import STAND_IN, _ArgGuard, plan_arguments
 from .facts import Fact, join_path
 from .runtime import MISSING, _Guard, _OwnerForward
-from .zero3 import meta_memo
+from .engines import meta_memo
 
 
 _FX_DIR = os.path.dirname(fx.__file__)
@@ -244,19 +244,15 @@ def _plain(v: Any) -> Any:
 _TRAINING_ARG = re.compile(r"training = (True|False)")
 
 
-def _signature_problem(m: nn.Module, method: str) -> Optional[str]:
+def _fixed_arity(m: nn.Module, method: str) -> bool:
+    """Whether ``method`` takes no optional arguments, ``*args`` or ``**kwargs`` (fx sees one arity
+    and one value of each argument); a forward that does is traced through its stand-in."""
     try:
-        sig = inspect.signature(getattr(type(m), method))
+        params = list(inspect.signature(getattr(type(m), method)).parameters.values())[1:]
     except (TypeError, ValueError):
-        return f"its {method} has no inspectable signature"
-    for p in list(sig.parameters.values())[1:]:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            stars = "*" if p.kind == p.VAR_POSITIONAL else "**"
-            return f"its {method} takes {stars}{p.name}; fx would see only the traced arity"
-        if p.default is not p.empty:
-            return (f"its {method} has an optional argument {p.name}={p.default!r}; fx would see "
-                    f"only one value of it")
-    return None
+        return False
+    return all(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.default is p.empty
+               for p in params)
 
 
 def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> Trace:
@@ -265,12 +261,10 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
     if fwd is not None and not isinstance(fwd, _OwnerForward):
         return Trace(False, f"its {method} is set on the instance (fx would trace its class's "
                             f"{method}, not what runs)")
-    problem, arguments = _signature_problem(orig, method), None
-    if problem and method == "forward":
-        arguments = plan_arguments(orig)
-        problem = arguments if isinstance(arguments, str) else None
-    if problem:
-        return Trace(False, problem)
+    arguments = None if _fixed_arity(orig, method) else \
+        plan_arguments(orig) if method == "forward" else f"its {method} has optional arguments"
+    if isinstance(arguments, str):
+        return Trace(False, arguments)
     code = getattr(inspect.unwrap(getattr(type(orig), method)), "__code__", None)
     graphs, cut_line, ran = [], None, set()
     calls_out: Dict[str, None] = {}
