@@ -178,6 +178,9 @@ def compiled_flops(model: nn.Module, step: Callable[[nn.Module], None],
 
     def compiler(gm, example_inputs):
         def run(args):
+            # detached: no output aliases a tensor that requires grad, so the counter's module
+            # tracker hooks no gradient of a graph AOTAutograd runs without recording
+            args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
             with FlopCounterMode(display=False) as counter:
                 out = gm(*args)
             counted[0] += counter.get_total_flops()
