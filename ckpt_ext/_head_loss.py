@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._linear_cross_entropy import linear_cross_entropy
-from .convert.facts import SetByFuse
-from .convert.fallback import UnitStats
+from ._unit_stats import SetByFuse, UnitStats
 
 _NONE = "none"  # the model had no loss_function of its own
 _NOT_ITS_LOGITS = ("the loss was handed logits other than the head's output just made (changed "

@@ -20,6 +20,7 @@ from .._activation_modules import Recognised, bind, module_activation, node_acti
 from .._activations import REGISTRY, stock_tensors
 from .._block_checkpoint import CheckpointedForward
 from .._observers import foreign_global_hooks
+from .._unit_stats import SetByFuse
 from ..modules import _has_hooks as has_hooks
 from .. import _dropout_autograd as dropout_unit
 from . import linears
@@ -32,10 +33,6 @@ __all__ = ["Recognised", "bind", "has_hooks", "module_activation", "node_activat
 
 def join_path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-class SetByFuse:
-    """The base of what fuse sets on an instance: any other instance ``forward`` is foreign."""
 
 
 def foreign_forward(m: nn.Module) -> bool:
