@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+import torch
 from torch import nn
 
 from .._unit_stats import FallbackWarning, SetByFuse, UnitStats, counting  # noqa: F401
@@ -62,9 +63,14 @@ class Checked:
 
     @property
     def conditions(self) -> tuple:
-        if "_made_conditions" not in self.__dict__:
-            self.__dict__["_made_conditions"] = tuple(self._conditions())
-        return self.__dict__["_made_conditions"]
+        made = self.__dict__.get("_made_conditions")
+        if made is None:
+            made = tuple(self._conditions())
+            # not kept while torch.compile traces: a write inside a compiled checkpoint (a first
+            # call under pointwise recompute) is a side effect dynamo refuses
+            if not torch.compiler.is_compiling():
+                self.__dict__["_made_conditions"] = made
+        return made
 
     def problem(self) -> Optional[str]:
         """None while the unit can be computed fused, else what changed since fuse."""
