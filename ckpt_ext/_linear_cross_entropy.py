@@ -43,7 +43,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         safe = torch.where(counted, target, 0)
         for s in range(0, n, rows):
-            z = logits[s:s + rows].float()
+            z = logits[s:s + rows].to(torch.float32, copy=True)  # a copy: z is written in place
             t, on = safe[s:s + rows, None], counted[s:s + rows, None]
             lse = torch.logsumexp(z, 1, keepdim=True)
             total = total + torch.where(on, lse - z.gather(1, t), 0).sum()

@@ -79,6 +79,16 @@ def test_matches_float64_reference(dtype, n, hidden, vocab, bias, ignored, divis
         assert _rel(x, y) <= TOL[dtype], (name, _rel(x, y))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_callers_logits_are_left_as_they_were(dtype):
+    """The logits are the caller's (the model returns them): read, never written."""
+    h, w, b, target = _inputs(9, 4, 33, True, dtype, "some")
+    logits = torch.nn.functional.linear(h, w, b)
+    before = logits.clone()
+    linear_cross_entropy(h.requires_grad_(), w.requires_grad_(), b, logits, target).backward()
+    assert torch.equal(logits, before)
+
+
 def test_every_token_ignored_is_stock():
     """No token counts: the loss is NaN (0/0) and every gradient 0, as F.cross_entropy's."""
     h, w, b, target = _inputs(6, 4, 9, True, torch.float64, "all")

@@ -75,6 +75,15 @@ def test_fused_loss_computes_what_the_model_computes(items):
     assert counts.fused_calls == 1 and counts.unfused_calls == 0
 
 
+def test_the_logits_returned_are_the_heads_float32():
+    """float32: the logits the model returns are the head's output, untouched by the loss made
+    from them (the loss reads them chunk by chunk into copies of its own)."""
+    model = tiny_llama(torch.float32)
+    want = step(model)[1]
+    fuse_head_loss(model)
+    assert torch.equal(step(model)[1], want)
+
+
 def test_a_callers_own_use_of_the_logits_keeps_its_gradient():
     """The logits returned keep their graph: a loss of the caller's on them adds its gradient."""
     model = tiny_llama()
