@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckpt_ext._linear_cross_entropy import CHUNKS, linear_cross_entropy
+from ckpt_ext._linear_cross_entropy import linear_cross_entropy
 
 # The loss is made in float32 from the logits (``logits.float()``, as transformers' loss makes
 # it), so float32 rounding bounds every result: the largest relative error measured over these
@@ -101,7 +101,7 @@ def test_every_token_ignored_is_stock():
 def test_chunks_cover_every_row():
     """More rows than chunks, rows not a multiple of the chunk count: every row's gradient is
     written."""
-    n = 3 * CHUNKS + 1
+    n = 3 * 32 + 1  # 32 chunks (vocabulary / hidden)
     h, w, b, target = _inputs(n, 2, 64, False, torch.float64, "none")
     got, want = _fused(h, w, b, target, None), _reference(h, w, b, target, None)
     assert torch.isfinite(got[1]).all()
@@ -131,6 +131,14 @@ def test_no_second_derivative():
     (dh,) = torch.autograd.grad(loss, h, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         dh.sum().backward()
+
+
+@pytest.mark.parametrize("need", [[True, True, True], [False, True, False], [True, False, False]])
+def test_opcheck(need):
+    """The op behind the loss: schema, fake kernel and dispatch as torch.library checks them."""
+    h, w, b, target = _inputs(7, 5, 19, True, torch.float32, "some")
+    torch.library.opcheck(torch.ops.ckpt_ext.linear_cross_entropy,
+                          (h, w, b, F.linear(h, w, b), target, -100, torch.tensor(5.0), need))
 
 
 def test_bad_shapes_named():
