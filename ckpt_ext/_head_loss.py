@@ -55,6 +55,10 @@ def head_refusal(model: nn.Module) -> Optional[str]:
         return f"its head {path} is a {type(head).__name__}, not an nn.Linear"
     if "forward" in vars(head):
         return f"{path} has a forward set on its instance"
+    sharding = _sharding(head.weight)
+    if sharding is not None:
+        return (f"{path}'s weight is sharded by {sharding}: whole only inside the head's "
+                f"forward, not at the loss after it")
     wanted = _causal_lm_loss()
     try:
         loss = model.loss_function
@@ -64,6 +68,17 @@ def head_refusal(model: nn.Module) -> Optional[str]:
         return (f"its loss_function is {getattr(loss, '__name__', type(loss).__name__)}, not "
                 f"transformers' ForCausalLMLoss")
     return None
+
+
+def _sharding(weight: torch.Tensor) -> Optional[str]:
+    """The engine that shards ``weight`` between forwards, or None."""
+    if getattr(weight, "ds_id", None) is not None:
+        return "DeepSpeed ZeRO-3"
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return "FSDP2" if isinstance(weight, DTensor) else None
 
 
 class HeadForward(SetByFuse):

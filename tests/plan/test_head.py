@@ -182,6 +182,9 @@ def test_what_it_refuses_is_named():
     model.lm_head.forward = model.lm_head.forward  # a forward set on its instance
     assert "forward set on its instance" in head_refusal(model)
     assert find_head(torch.nn.Linear(2, 2)) == (None, [])
+    model = tiny_llama()
+    model.lm_head.weight.ds_id = 7  # as DeepSpeed ZeRO-3 marks a partitioned parameter
+    assert "sharded by DeepSpeed ZeRO-3" in head_refusal(model)
 
 
 def test_plan_fuses_the_loss_where_it_lowers_the_least_peak():
