@@ -37,16 +37,18 @@ def _loss_and_grads(h: Tensor, weight: Tensor, bias: Optional[Tensor], logits: T
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need[1] else None
     grad_b = torch.zeros(v, dtype=torch.float32, device=h.device) if need[2] else None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
-    safe = torch.where(counted, target, 0)
+    safe = torch.where(counted, target, 0)[:, None]
+    scale = torch.where(counted, 1 / divisor, 0)[:, None]  # 0 where not counted, as 0/0 would not
+    minus_one = torch.full((min(rows, n), 1), -1.0, dtype=torch.float32, device=h.device)
     for s in range(0, n, rows):
         z = logits[s:s + rows].to(torch.float32, copy=True)  # a copy: z is written in place
-        t, on = safe[s:s + rows, None], counted[s:s + rows, None]
+        t = safe[s:s + rows]
         lse = torch.logsumexp(z, 1, keepdim=True)
-        total = total + torch.where(on, lse - z.gather(1, t), 0).sum()
+        total = total + torch.where(counted[s:s + rows, None], lse - z.gather(1, t), 0).sum()
         # z becomes the logits' gradient in place: softmax, less one at the target, scaled
         z.sub_(lse).exp_()
-        z.scatter_add_(1, t, torch.full(t.shape, -1.0, dtype=z.dtype, device=z.device))
-        z.mul_(torch.where(on, 1 / divisor, 0))  # 0 where not counted, as 0/0 would not
+        z.scatter_add_(1, t, minus_one[:z.shape[0]])
+        z.mul_(scale[s:s + rows])
         g = z.to(h.dtype)
         if need[0]:
             torch.mm(g, weight, out=grad_h[s:s + rows])
