@@ -50,8 +50,8 @@ def plan(model: nn.Module, example_inputs=None, budget_bytes: Optional[int] = No
          loss_fn: Optional[Callable] = None, step: Optional[Step] = None,
          compiled: bool = False) -> Plan:
     """The option per unit (a row of the options table: ``none``, ``fuse``, ``checkpoint``,
-    ``pointwise``, ``fuse+pointwise``) for which a training step of ``model`` peaks within
-    ``budget_bytes`` at the least added FLOPs.
+    ``pointwise``, ``fuse+pointwise``, ``fuse+checkpoint``) for which a training step of
+    ``model`` peaks within ``budget_bytes`` at the least added FLOPs.
 
     The step is given in one of two forms. ``example_inputs``: a tuple of positional arguments or
     a dict of keyword arguments for ``model(...)``; ``loss_fn(output)`` gives the scalar loss

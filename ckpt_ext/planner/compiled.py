@@ -32,10 +32,10 @@ def graph_breaking(version: str = torch.__version__) -> Dict[Option, str]:
     """Options whose applied block ``torch.compile`` of this torch ``version`` cannot take as one
     graph, and why: a compiled plan leaves them out."""
     if TorchVersion(version) < (2, 14):
-        return {Option.FUSE_POINTWISE: (
-            f"torch {version}'s dynamo refuses the fused MLP's region state written inside a "
-            f"selective checkpoint (HOP: unsafe side effect): the compiled step would break "
-            f"its graph there (torch 2.14 compiles it as one)")}
+        return {o: (f"torch {version}'s dynamo refuses the fused MLP's region state written "
+                    f"inside a checkpoint (HOP: unsafe side effect): the compiled step would "
+                    f"break its graph there (torch 2.14 compiles it as one)")
+                for o, row in OPTIONS.items() if row.fuses and row.recompute is not None}
     return {}
 
 

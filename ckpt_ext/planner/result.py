@@ -214,7 +214,7 @@ class Plan:
 @dataclass
 class PlanReport:
     """What :meth:`Plan.apply` did: fuse's decisions (paths from the model) and the blocks it
-    set a recomputing forward on (``checkpoint``, ``pointwise``, ``fuse+pointwise``)."""
+    set a recomputing forward on (a row with ``recompute``)."""
     plan: Plan
     fused: List[Decision]
     checkpointed: List[str]

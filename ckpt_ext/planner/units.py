@@ -5,9 +5,9 @@ A *block* is an element of a ``ModuleList`` or ``Sequential`` of two or more mod
 ``none``; ``fuse`` (every unit ``fuse`` would make inside it); ``checkpoint`` (stock
 non-reentrant ``torch.utils.checkpoint`` of the whole block); ``pointwise`` (the block under
 selective checkpointing that keeps every GEMM's and attention's output and recomputes the rest:
-recompute.py); ``fuse+pointwise`` (both). A fused unit never sits inside a block checkpointed
-whole. A unit ``fuse`` would make outside every block is a unit of its own, named by the module
-whose forward holds it (its ``where``), with ``none`` and ``fuse``. The *head* (a causal LM's
+recompute.py); ``fuse+pointwise`` and ``fuse+checkpoint`` (fuse, then that recompute). A
+unit ``fuse`` would make outside every block is a unit of its own, named by the module whose
+forward holds it (its ``where``), with ``none`` and ``fuse``. The *head* (a causal LM's
 output embeddings and its loss, after every block) takes ``none`` or ``fused loss``
 (``ckpt_ext._head_loss``). The probe (probe.py) drops units it cannot delimit in the step, and
 says why."""
@@ -33,6 +33,7 @@ class Option(str, enum.Enum):
     CHECKPOINT = "checkpoint"
     POINTWISE = "pointwise"
     FUSE_POINTWISE = "fuse+pointwise"
+    FUSE_CHECKPOINT = "fuse+checkpoint"
     FUSED_LOSS = "fused loss"
 
 
@@ -55,6 +56,7 @@ OPTIONS: Dict[Option, OptionRow] = {
     Option.CHECKPOINT: OptionRow(fuses=False, recompute=checkpoint_block, short="c"),
     Option.POINTWISE: OptionRow(fuses=False, recompute=pointwise_block, short="p"),
     Option.FUSE_POINTWISE: OptionRow(fuses=True, recompute=pointwise_block, short="fp"),
+    Option.FUSE_CHECKPOINT: OptionRow(fuses=True, recompute=checkpoint_block, short="fc"),
     Option.FUSED_LOSS: OptionRow(fuses=False, recompute=None, short="l", head=fuse_head_loss),
 }
 #: The options a block takes (the head's are those with ``head``, and none).
@@ -154,8 +156,10 @@ def find_units(model: nn.Module) -> Tuple[List[Unit], List[Tuple[str, str]]]:
         if not mine:
             why[Option.FUSE] = "fuse makes no unit inside it"
         if b in mine:
-            why[Option.FUSE_POINTWISE] = ("fuse sets the block's own forward, which a recompute "
-                                          "set on it would bypass")
+            for o in BLOCK_OPTIONS:
+                if OPTIONS[o].fuses and recomputing(o):
+                    why[o] = ("fuse sets the block's own forward, which a recompute set on it "
+                              "would bypass")
         norms = [n for n, m in block.named_modules() if isinstance(m, _BatchNorm) and
                  m.training and m.track_running_stats]
         if norms:

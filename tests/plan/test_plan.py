@@ -120,7 +120,7 @@ def every_choice(small, small_surveyed):
     finally:
         if was_enabled:
             gc.enable()
-    assert len(out) == len(BLOCK_OPTIONS) ** len(small_surveyed[1]) * 2 == 250
+    assert len(out) == len(BLOCK_OPTIONS) ** len(small_surveyed[1]) * 2 == 432
     return out
 
 
@@ -263,6 +263,7 @@ def _outputs_and_grads(net, inputs):
 @pytest.mark.parametrize("mixed", [
     (Option.FUSE, Option.CHECKPOINT, Option.NONE, Option.FUSE),
     (Option.FUSE_POINTWISE, Option.POINTWISE, Option.CHECKPOINT, Option.NONE),
+    (Option.FUSE_CHECKPOINT, Option.POINTWISE, Option.FUSE_CHECKPOINT, Option.FUSE),
 ])
 def test_planned_model_computes_what_the_model_computes_float64(mixed):
     """A plan mixing the options applied to a float64 model: logits, loss and every parameter
