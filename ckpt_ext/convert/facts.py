@@ -259,12 +259,12 @@ def first_failing(conditions: Iterable) -> Optional[Condition]:
     return next((c for c in conditions if not c.holds()), None)
 
 
-def linear_problem(lin: nn.Module, read: linears.Read) -> Optional[str]:
-    """What keeps a Linear from any unit, wherever it is called (``read``: its row's read of it)."""
+def linear_problem(lin: nn.Module, form: linears.Form) -> Optional[str]:
+    """What keeps a Linear of row ``form`` from any unit, wherever it is called."""
     if foreign_forward(lin):
         return own_forward(lin, "the Linear").describe()
-    return read.problem or failing([no_hooks(lin, read.who)]) or \
-        unsupported_reason(read.weight) or failing(Condition(*c) for c in read.checks)
+    return form.problem(lin) or failing([no_hooks(lin, form.who)]) or \
+        unsupported_reason(form.weight(lin)) or failing(at_call(lin, form.who))
 
 
 # -- The survey of a model's modules ---------------------------------------------------------------
@@ -295,11 +295,9 @@ OUR_MODULES = tuple(c for c in vars(_modules).values() if isinstance(c, type) an
 def survey(model: nn.Module) -> Dict[int, Fact]:
     """The :class:`Fact` of every module of ``model``, by id."""
     out: Dict[int, Fact] = {}
-    forms = linears.forms(model.modules())
+    forms = {id(m): form_of(m) for m in model.modules()}
     inside = {id(sub) for m in model.modules() if forms[id(m)] and forms[id(m)].parts
               for sub in m.modules() if sub is not m}
-    reads = linears.reads([m for m in model.modules() if forms[id(m)] and id(m) not in inside],
-                          forms)
     for m in model.modules():
         kind, found, problem, width = None, None, None, (0, 0, 0, 0, 0, True, 0)
         if id(m) in inside:  # a LoRA Linear's base layer and adapters: parts of that Linear
@@ -308,8 +306,7 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
         cls = type(m)
         base, form = getattr(cls, "_ckpt_ext_base", cls), forms[id(m)]  # base: as base_type
         if form is not None:  # its row says how to read it (lazy: 0 bytes)
-            read = reads[id(m)]
-            kind, problem, width = LayerKind.LINEAR, linear_problem(m, read), read.width
+            kind, problem, width = LayerKind.LINEAR, linear_problem(m, form), form.width(m)
         else:
             found = module_activation(m) or unmatched(m)  # unmatched: its arithmetic, why not
             if found is not None:
@@ -318,7 +315,7 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
                     failing([own_forward(m, who), no_hooks(m, who)])
         seq = base is nn.Sequential
         experts = experts_class(base)
-        traced = not (seq or form is not None and not read.traced or
+        traced = not (seq or form is not None and not form.traced(m) or
                       experts or
                       isinstance(m, (nn.ModuleList, nn.ModuleDict) + OUR_MODULES) or
                       hasattr(cls, "_ckpt_ext_base") or cls.forward is nn.Module.forward or
