@@ -187,25 +187,24 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
         extra = sum(gemm(L[j]) for j in range(a, b)) + (gemm(L[b]) if last_act else 0)
         return freed, extra, sum(plain_gemms(L[j]) for j in range(a, b + 1))
 
-    def labels(a: int, b: int, last_act: bool) -> Tuple[str, ...]:
-        return tuple(chain.labels[slice(*chain.span(a, b, last_act))])
-
     def unit(a: int, b: int, last_act: bool, last_freed: bool, why: str) -> None:
         freed, extra, plain = figures(a, b, last_act, last_freed)
         names = chain.unit_activations(a, b, last_act)
-        d = Decision(where=chain.where, layers=labels(a, b, last_act), action=Action.FUSED,
-                     unit=_unit_name(L[a:b + 1], names, last_act), how=chain.how,
+        d = Decision(where=chain.where, action=Action.FUSED, how=chain.how,
+                     layers=tuple(chain.labels[slice(*chain.span(a, b, last_act))]),
+                     unit=_unit_name(L[a:b + 1], names, last_act),
                      bytes_per_row=freed, flops_per_row=extra, plain_flops_per_row=plain, why=why,
                      activation=names[0] if len(set(names)) == 1 else ", ".join(names))
         units.append(Unit(chain, a, b, last_act, d))
 
-    def miss(a: int, b: int, kept: Optional[bool], why: str, what: str, layers=None) -> None:
-        freed, extra, plain = figures(a, b, True, kept is None)
+    def miss(j: int, kept: Optional[bool], why: str, what: str, layers=None) -> None:
+        freed, extra, plain = figures(j, j, True, kept is None)
         pot = "free nothing" if kept else \
             f"free {freed:,} B/row only if that consumer does not keep it"
-        misses.append(Decision(where=chain.where, layers=layers or labels(a, b, True),
+        layers = layers or tuple(chain.labels[2 * j:2 * j + 2])  # j's Linear and activation
+        misses.append(Decision(where=chain.where, layers=layers,
                                action=Action.LEFT_ALONE, bytes_per_row=freed if kept is None else 0,
-                               flops_per_row=extra, plain_flops_per_row=plain, activation=acts[b],
+                               flops_per_row=extra, plain_flops_per_row=plain, activation=acts[j],
                                why=f"{what}: {why}; fusing it would {pot} and cost +{extra:,} "
                                    f"FLOPs/row"))
 
@@ -233,7 +232,7 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
             if kept is False:
                 last_act, last_why = True, f"; its last output too ({why})"
             else:
-                miss(m - 1, m - 1, kept, why, f"the trailing {DISPLAY[acts[m - 1]]} is left out of "
+                miss(m - 1, kept, why, f"the trailing {DISPLAY[acts[m - 1]]} is left out of "
                      f"the run (its output {'is kept anyway' if kept else 'may be kept'})",
                      (chain.labels[2 * m - 1],))
         names = chain.unit_activations(0, m - 1, last_act)
@@ -247,7 +246,7 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
         if kept is False:
             unit(0, 0, True, True, f"a lone pair whose output is not kept: {why}")
         else:
-            miss(0, 0, kept, why, "a lone pair whose output is " +
+            miss(0, kept, why, "a lone pair whose output is " +
                  ("kept anyway" if kept else "maybe kept"))
     return units, misses
 

@@ -245,8 +245,7 @@ _TRAINING_ARG = re.compile(r"training = (True|False)")
 
 
 def _fixed_arity(m: nn.Module, method: str) -> bool:
-    """Whether ``method`` takes no optional arguments, ``*args`` or ``**kwargs`` (fx sees one arity
-    and one value of each argument); a forward that does is traced through its stand-in."""
+    """Whether ``method`` takes no optional arguments, ``*args`` or ``**kwargs`` (fx sees one)."""
     try:
         params = list(inspect.signature(getattr(type(m), method)).parameters.values())[1:]
     except (TypeError, ValueError):
@@ -322,7 +321,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         path = paths.get(mid)
         if path is None:
             continue
-        label, same = f"{path}.{name}" if path else name, _guard_value(value)  # join_path
+        label, same = join_path(path, name), _guard_value(value)
         if label in changed_names:
             if type(value) is not _Counted or (mid, name) in _Reads.observed:
                 steering.append(label)
