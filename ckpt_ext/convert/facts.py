@@ -255,12 +255,12 @@ def first_failing(conditions: Iterable) -> Optional[Condition]:
     return next((c for c in conditions if not c.holds()), None)
 
 
-def linear_problem(lin: nn.Module, form: linears.Form) -> Optional[str]:
-    """What keeps a Linear of row ``form`` from any unit, wherever it is called."""
+def linear_problem(lin: nn.Module, read: linears.Read) -> Optional[str]:
+    """What keeps a Linear from any unit, wherever it is called (``read``: its row's read of it)."""
     if foreign_forward(lin):
         return own_forward(lin, "the Linear").describe()
-    return form.problem(lin) or failing([no_hooks(lin, form.who)]) or \
-        unsupported_reason(form.weight(lin)) or failing(at_call(lin, form.who))
+    return read.problem or failing([no_hooks(lin, read.who)]) or \
+        unsupported_reason(read.weight) or failing(Condition(*c) for c in read.checks)
 
 
 # -- The survey of a model's modules ---------------------------------------------------------------
@@ -273,9 +273,7 @@ class Fact(NamedTuple):
     passes: bool                    # an Identity or Dropout: a run may go through it
     traced: bool                    # it has a forward of its own that fuse traces
     problem: Optional[str]          # a Linear's or activation's: what keeps it from any unit
-    #: a Linear's in, out, its weight's itemsize, its LoRA term's rank and the bytes per element
-    #: of the dropout mask that term draws (0: none), whether its (base) weight is trained, the
-    #: itemsize of the term's tensors where peft casts the input to the adapter's dtype (0: none)
+    #: a Linear's policy.LayerShape but its label: in, out, itemsize, rank, mask, trained, cast
     width: Tuple[int, int, int, int, int, bool, int] = (0, 0, 0, 0, 0, True, 0)
     experts: bool = False           # an experts class of a mixture of experts (experts_class)
     foreign: bool = False           # its forward is set on the instance (foreign_forward)
@@ -291,9 +289,11 @@ OUR_MODULES = tuple(c for c in vars(_modules).values() if isinstance(c, type) an
 def survey(model: nn.Module) -> Dict[int, Fact]:
     """The :class:`Fact` of every module of ``model``, by id."""
     out: Dict[int, Fact] = {}
-    forms = {id(m): form_of(m) for m in model.modules()}
+    forms = linears.forms(model.modules())
     inside = {id(sub) for m in model.modules() if forms[id(m)] and forms[id(m)].parts
               for sub in m.modules() if sub is not m}
+    reads = linears.reads([m for m in model.modules() if forms[id(m)] and id(m) not in inside],
+                          forms)
     for m in model.modules():
         kind, found, problem, width = None, None, None, (0, 0, 0, 0, 0, True, 0)
         if id(m) in inside:  # a LoRA Linear's base layer and adapters: parts of that Linear
@@ -302,7 +302,8 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
         cls = type(m)
         base, form = getattr(cls, "_ckpt_ext_base", cls), forms[id(m)]  # base: as base_type
         if form is not None:  # its row says how to read it (lazy: 0 bytes)
-            kind, problem, width = LayerKind.LINEAR, linear_problem(m, form), form.width(m)
+            read = reads[id(m)]
+            kind, problem, width = LayerKind.LINEAR, linear_problem(m, read), read.width
         else:
             found = module_activation(m) or unmatched(m)  # unmatched: its arithmetic, why not
             if found is not None:
@@ -311,7 +312,7 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
                     failing([own_forward(m, who), no_hooks(m, who)])
         seq = base is nn.Sequential
         experts = experts_class(base)
-        traced = not (seq or form is not None and not form.traced(m) or experts or
+        traced = not (seq or form is not None and not read.traced or experts or
                       isinstance(m, (nn.ModuleList, nn.ModuleDict) + OUR_MODULES) or
                       hasattr(cls, "_ckpt_ext_base") or cls.forward is nn.Module.forward or
                       cls.__module__.startswith("torch.") and cls not in _TORCH_LAYERS)

@@ -8,7 +8,7 @@ import inspect
 import operator
 import warnings
 import weakref
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +82,17 @@ class Form:
 
     def checks(self, m: nn.Module, label: str) -> List[Check]:  # at each call, beyond every form's
         return []
+
+
+class Read(NamedTuple):
+    """All the survey asks of a module's row (:func:`reads`): what refusals call it, its problem,
+    stored weight, checks, width and whether it is traced."""
+    who: str
+    problem: Optional[str]
+    weight: Optional[torch.Tensor]
+    checks: List[Check]
+    width: tuple
+    traced: bool
 
 
 class _Linear(Form):
@@ -279,6 +290,17 @@ def form_of(m: nn.Module) -> Optional[Form]:
             TRACED.problem(m) is None:
         return TRACED
     return found
+
+
+def forms(modules: Iterable[nn.Module]) -> Dict[int, Optional[Form]]:
+    """:func:`form_of` each module, by id."""
+    return {id(m): form_of(m) for m in modules}
+
+
+def reads(modules: Iterable[nn.Module], forms: Dict[int, Optional[Form]]) -> Dict[int, Read]:
+    """Each module's :class:`Read` by its row, by id: in one call, its work in this file."""
+    return {id(m): Read(f.who, f.problem(m), f.weight(m), f.checks(m, f.who), f.width(m),
+                        f.traced(m)) for m in modules for f in [forms[id(m)]]}
 
 
 def stored_weight(m: nn.Module) -> Optional[torch.Tensor]:

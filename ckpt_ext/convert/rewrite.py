@@ -123,8 +123,7 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
                 lambda last=items[-1]: graph.fate(owner, last),
                 tuple(module_tensors(*args) for args in zip(modules, names, kept))))
             continue
-        # Not rewritten: the pairs that hold a function call or a Linear held in a list (pairs
-        # of child modules are other kinds', which report their problems themselves).
+        # not rewritten: misses for pairs holding a call or a listed Linear (children: other kinds')
         problems = [rw[k] if (rewrite and rw[k] is not None) else member_problem(x)
                     for k, x in enumerate(items)]
         in_pair = [only[k - k % 2] or (k - k % 2 + 1 < len(items) and only[k - k % 2 + 1])

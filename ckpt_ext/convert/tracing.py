@@ -321,7 +321,7 @@ def trace_module(clone: nn.Module, orig: nn.Module, method: str = "forward") -> 
         path = paths.get(mid)
         if path is None:
             continue
-        label, same = join_path(path, name), _guard_value(value)
+        label, same = f"{path}.{name}" if path else name, _guard_value(value)  # join_path
         if label in changed_names:
             if type(value) is not _Counted or (mid, name) in _Reads.observed:
                 steering.append(label)
