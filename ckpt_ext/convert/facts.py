@@ -55,8 +55,7 @@ def layer_forward(lin: nn.Module):
 
 
 def checkpointing_layer(m: nn.Module) -> bool:
-    """A transformers GradientCheckpointingLayer: its call recomputes it whole in backward while
-    its ``gradient_checkpointing`` is True and it is in training."""
+    """A transformers GradientCheckpointingLayer (recomputed whole while checkpointing is on)."""
     return any(c.__name__ == "GradientCheckpointingLayer" and
                c.__module__.startswith("transformers") for c in type(m).__mro__)
 
@@ -68,7 +67,7 @@ def on_path(model: nn.Module, where: str) -> List[Tuple[str, nn.Module]]:
         m = m._modules.get(name)
         if m is None:
             break
-        path = f"{path}.{name}" if path else name
+        path = join_path(path, name)
         out.append((path, m))
     return out
 
@@ -79,8 +78,7 @@ def checkpointing_layers(model: nn.Module, where: str) -> List[Tuple[str, nn.Mod
 
 
 def checkpointings(model: nn.Module, where: str) -> List[Tuple[str, str]]:
-    """(path, what checkpoints it) of the modules on the way down to ``where`` that gradient
-    checkpointing recomputes whole."""
+    """(path, :func:`checkpointing`) of the modules on the way down to ``where`` that have one."""
     return [(path, how) for path, m in on_path(model, where) if (how := checkpointing(m))]
 
 
@@ -150,9 +148,8 @@ class LayerKind(enum.Enum):
 
 class Condition(NamedTuple):
     """What must hold for a unit to be computed fused: ``holds()``, ``describe()`` why not, and
-    ``fix()`` what the user can do about it (``fix`` None, or returning None: nothing known).
-    The default is None, not a function: torch.compile (2.11) cannot rebuild a default function
-    of a tuple it made while tracing the conditions' first call."""
+    ``fix()`` what the user can do (None, or returning None: nothing known). ``fix`` defaults to
+    None, not a function: torch.compile (2.11) cannot rebuild a default function of a tuple."""
     holds: Callable[[], bool]
     describe: Callable[[], str]
     fix: Optional[Callable[[], Optional[str]]] = None
@@ -239,8 +236,7 @@ ACROSS = "which a run computed across it would not call"
 
 
 def at_call(lin: nn.Module, label: str) -> list:
-    """What a unit checks of a Linear at each call beyond what it checks of every form: its
-    row's checks (a LoRA Linear's peft state, a traced form's forward)."""
+    """Its row's checks of a Linear at each call (a LoRA Linear's peft state, a traced forward)."""
     return [Condition(*check) for check in form_of(lin).checks(lin, label)]
 
 
@@ -277,9 +273,7 @@ class Fact(NamedTuple):
     passes: bool                    # an Identity or Dropout: a run may go through it
     traced: bool                    # it has a forward of its own that fuse traces
     problem: Optional[str]          # a Linear's or activation's: what keeps it from any unit
-    #: a Linear's in, out, its weight's itemsize, its LoRA term's rank and the bytes per element
-    #: of the dropout mask that term draws (0: none), whether its (base) weight is trained, the
-    #: itemsize of the term's tensors where peft casts the input to the adapter's dtype (0: none)
+    #: a Linear's policy.LayerShape but its label: in, out, itemsize, rank, mask, trained, cast
     width: Tuple[int, int, int, int, int, bool, int] = (0, 0, 0, 0, 0, True, 0)
     experts: bool = False           # an experts class of a mixture of experts (experts_class)
     foreign: bool = False           # its forward is set on the instance (foreign_forward)
@@ -318,8 +312,7 @@ def survey(model: nn.Module) -> Dict[int, Fact]:
                     failing([own_forward(m, who), no_hooks(m, who)])
         seq = base is nn.Sequential
         experts = experts_class(base)
-        traced = not (seq or form is not None and not read.traced or
-                      experts or
+        traced = not (seq or form is not None and not read.traced or experts or
                       isinstance(m, (nn.ModuleList, nn.ModuleDict) + OUR_MODULES) or
                       hasattr(cls, "_ckpt_ext_base") or cls.forward is nn.Module.forward or
                       cls.__module__.startswith("torch.") and cls not in _TORCH_LAYERS)
@@ -356,46 +349,41 @@ def node_facts(analysed, facts) -> Dict[fx.Node, NodeFact]:
     """What each node of each analysed forward ((path, owner, trace)) computes."""
     out: Dict[fx.Node, NodeFact] = {}
     for path, owner, t in analysed:
-        _forward_facts(t.graph, owner, path, facts, out)
+        for n in t.graph.nodes:
+            kind = found = sub = x = None
+            label = ""
+            only = n.args[0] if len(n.args) == 1 and not n.kwargs and \
+                isinstance(n.args[0], fx.Node) else None
+            if n.op == "call_module":
+                m = owner.get_submodule(n.target)
+                sub = m if "." not in n.target else None
+                fact = facts.get(id(m))  # not a layer: kind and found None
+                kind, found = (fact.kind, fact.found) if fact is not None else (None, None)
+                label = join_path(path, n.target)
+            elif n.op == "call_function" and n.target in LINEAR_FUNCTIONS:
+                try:
+                    x, w, b = linear_args(n)
+                    kind, label = LayerKind.LINEAR, "F.linear"
+                    x = x if all(a is not x for a in (w, b)) else None
+                except TypeError:
+                    pass
+            else:
+                act = node_activation(n)
+                if act is not None:
+                    kind, (found, x, label) = LayerKind.ACTIVATION, act
+            if n.op == "call_module" or (kind is None and label == ""):
+                x = n.args[0] if len(n.args) == 1 and not n.kwargs else None
+            out[n] = NodeFact(kind, found, label, x, sub, only)
+        order = {n: i for i, n in enumerate(t.graph.nodes)}
+        for n in t.graph.nodes:
+            written = written_after(n, order) if out[n].kind is LayerKind.LINEAR else None
+            if written is not None:
+                last, inner, found, kept = written
+                out[last] = out[last]._replace(kind=LayerKind.ACTIVATION, input=n, inner=inner,
+                                               kept=kept, found=Recognised(found.name),
+                                               label=found.form)
+                out[n] = out[n]._replace(written=last)
     return out
-
-
-def _forward_facts(graph: fx.Graph, owner: nn.Module, path: str, facts, out) -> None:
-    for n in graph.nodes:
-        kind = found = sub = None
-        label, x = "", None
-        only = n.args[0] if len(n.args) == 1 and not n.kwargs and \
-            isinstance(n.args[0], fx.Node) else None
-        if n.op == "call_module":
-            m = owner.get_submodule(n.target)
-            sub = m if "." not in n.target else None
-            fact = facts.get(id(m))
-            if fact is not None and fact.kind is not None:
-                kind, found = fact.kind, fact.found
-            label = join_path(path, n.target)
-        elif n.op == "call_function" and n.target in LINEAR_FUNCTIONS:
-            try:
-                x, w, b = linear_args(n)
-                kind, label = LayerKind.LINEAR, "F.linear"
-                x = x if all(a is not x for a in (w, b)) else None
-            except TypeError:
-                pass
-        else:
-            act = node_activation(n)
-            if act is not None:
-                kind, (found, x, label) = LayerKind.ACTIVATION, act
-        if x is None and n.op == "call_module" or (kind is None and label == ""):
-            x = n.args[0] if len(n.args) == 1 and not n.kwargs else None
-        out[n] = NodeFact(kind, found, label, x, sub, only)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for n in graph.nodes:
-        fact = out[n]
-        written = written_after(n, order) if fact.kind is LayerKind.LINEAR else None
-        if written is not None:
-            last, inner, found, kept = written
-            out[last] = out[last]._replace(kind=LayerKind.ACTIVATION, found=Recognised(found.name),
-                                           label=found.form, input=n, inner=inner, kept=kept)
-            out[n] = fact._replace(written=last)
 
 
 # -- What an op or module does with its input: keeps it, frees it, views it, reads its size --------

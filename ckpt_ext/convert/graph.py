@@ -77,15 +77,14 @@ class ModelGraph(ValueFates):
 
     def child_problem(self, owner: nn.Module, t: Trace, target: str, label: str, sub):
         """Why child ``target`` of ``owner`` may not be a member of a unit in its region."""
-        calls = len(self.calls_of(owner, target))
-        if calls != 1:
-            return f"{label} is called {calls} times"
+        calls = self.calls_of(owner, target)
+        if len(calls) != 1:
+            return f"{label} is called {len(calls)} times"
         owner_label = self.path[id(owner)] or "<model>"
         if t.region_problem is not None:
             return f"{owner_label} cannot mark the run's region: {t.region_problem}"
-        node = self.calls_of(owner, target)[0]
-        if node.name in t.indirect:
-            return (f"{label} is called through {t.indirect[node.name]}, not by "
+        if calls[0].name in t.indirect:
+            return (f"{label} is called through {t.indirect[calls[0].name]}, not by "
                     f"{owner_label}.forward itself (it may run again on its own, as checkpoint "
                     f"does in backward)")
         if len(self.slots.get(id(sub), ())) != 1:  # held elsewhere too: it may be called there

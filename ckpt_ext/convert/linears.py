@@ -83,15 +83,10 @@ class Form:
     def checks(self, m: nn.Module, label: str) -> List[Check]:  # at each call, beyond every form's
         return []
 
-    def read(self, m: nn.Module) -> "Read":
-        """All the survey asks of a module of the form, in one call."""
-        return Read(self.who, self.problem(m), self.weight(m), self.checks(m, self.who),
-                    self.width(m), self.traced(m))
-
 
 class Read(NamedTuple):
-    """:meth:`Form.read`: what refusals call it, its problem, stored weight, checks, width and
-    whether it is traced."""
+    """All the survey asks of a module's row (:func:`reads`): what refusals call it, its problem,
+    stored weight, checks, width and whether it is traced."""
     who: str
     problem: Optional[str]
     weight: Optional[torch.Tensor]
@@ -281,11 +276,9 @@ _CLASS_FORMS: "weakref.WeakKeyDictionary[type, Optional[Form]]" = weakref.WeakKe
 def class_form(cls: type) -> Optional[Form]:
     """The row of class ``cls``'s modules (a member class: its base's), remembered per class."""
     cls = getattr(cls, "_ckpt_ext_base", cls)
-    try:
-        return _CLASS_FORMS[cls]
-    except KeyError:
-        found = _CLASS_FORMS[cls] = next((f for f in FORMS if f.of_class(cls)), None)
-        return found
+    if cls not in _CLASS_FORMS:
+        _CLASS_FORMS[cls] = next((f for f in FORMS if f.of_class(cls)), None)
+    return _CLASS_FORMS[cls]
 
 
 def form_of(m: nn.Module) -> Optional[Form]:
@@ -305,8 +298,9 @@ def forms(modules: Iterable[nn.Module]) -> Dict[int, Optional[Form]]:
 
 
 def reads(modules: Iterable[nn.Module], forms: Dict[int, Optional[Form]]) -> Dict[int, Read]:
-    """Each module's row's :meth:`Form.read` of it, by id."""
-    return {id(m): forms[id(m)].read(m) for m in modules}
+    """Each module's :class:`Read` by its row, by id: in one call, its work in this file."""
+    return {id(m): Read(f.who, f.problem(m), f.weight(m), f.checks(m, f.who), f.width(m),
+                        f.traced(m)) for m in modules for f in [forms[id(m)]]}
 
 
 def stored_weight(m: nn.Module) -> Optional[torch.Tensor]:

@@ -30,7 +30,6 @@ class LayerShape(NamedTuple):
     mask: int = 0      # bytes per element of the mask its LoRA dropout draws (0: none)
     trained: bool = True  # its (base) weight requires grad
     cast: int = 0      # bytes per element of its LoRA term's tensors where peft casts the input
-    #                    to the adapter's dtype, another than the weight's (0: no cast)
 
 
 def weights(layer: LayerShape) -> int:
@@ -70,22 +69,17 @@ def lora_bytes(layer: LayerShape) -> int:
 
 
 def autocast_shape(layer: LayerShape, item: int) -> LayerShape:
-    """The layer as a step under ``torch.autocast`` of a ``item``-byte dtype other than its
-    weight's sees it: its activations in that dtype, and each input it keeps a cast copy of its
-    own (autocast casts an input per call; a LoRA term's, as where peft casts it); its dropout's
-    mask stays in the dtype peft draws it in."""
+    """The layer under ``torch.autocast`` of an ``item``-byte dtype other than its weight's:
+    activations in that dtype, a cast copy of each input it keeps; its dropout mask unchanged."""
     return layer._replace(itemsize=item, cast=item if layer.rank else 0)
 
 
 def gated_bytes(gate: LayerShape, up: Optional[LayerShape], down: LayerShape, tensors: int,
                 masks: int, on_cuda: bool, recomputed: bool, autocast: int = 0) -> Tuple[int, int]:
     """(bytes per row, bytes per call) a fused gated MLP frees: ``tensors`` intermediate-wide
-    tensors besides what the LoRA terms keep (docs/converter.md, "Gated MLPs"), ``masks`` Dropout
-    masks, and the unit's input x. ``recomputed``: the unit runs through recomputed_modules or
-    the LoRA dropout path, keeping x itself and no weights; else through the op, which under
-    autocast keeps one cast copy of x and the weights' casts, as stock autograd does. Under
-    ``autocast`` (the autocast dtype's itemsize; 0: none) stock autograd keeps a cast copy of x
-    per member keeping its input, and, where the unit recomputes, each member's weight casts."""
+    tensors besides the LoRA terms', ``masks`` Dropout masks, and its input x; ``recomputed``: it
+    keeps x itself and no weights; ``autocast``: that dtype's itemsize (0: none). The counts:
+    docs/converter.md, "Gated MLPs"."""
     x_item, layers = gate.itemsize, [x for x in (gate, up, down) if x is not None]
     cast = bool(autocast) and autocast != x_item
     if cast:  # the product down reads: kept by down itself, or a LoRA term's cast copy of it
@@ -193,25 +187,24 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
         extra = sum(gemm(L[j]) for j in range(a, b)) + (gemm(L[b]) if last_act else 0)
         return freed, extra, sum(plain_gemms(L[j]) for j in range(a, b + 1))
 
-    def labels(a: int, b: int, last_act: bool) -> Tuple[str, ...]:
-        return tuple(chain.labels[slice(*chain.span(a, b, last_act))])
-
     def unit(a: int, b: int, last_act: bool, last_freed: bool, why: str) -> None:
         freed, extra, plain = figures(a, b, last_act, last_freed)
         names = chain.unit_activations(a, b, last_act)
-        d = Decision(where=chain.where, layers=labels(a, b, last_act), action=Action.FUSED,
-                     unit=_unit_name(L[a:b + 1], names, last_act), how=chain.how,
+        d = Decision(where=chain.where, action=Action.FUSED, how=chain.how,
+                     layers=tuple(chain.labels[slice(*chain.span(a, b, last_act))]),
+                     unit=_unit_name(L[a:b + 1], names, last_act),
                      bytes_per_row=freed, flops_per_row=extra, plain_flops_per_row=plain, why=why,
                      activation=names[0] if len(set(names)) == 1 else ", ".join(names))
         units.append(Unit(chain, a, b, last_act, d))
 
-    def miss(a: int, b: int, kept: Optional[bool], why: str, what: str, layers=None) -> None:
-        freed, extra, plain = figures(a, b, True, kept is None)
+    def miss(j: int, kept: Optional[bool], why: str, what: str, layers=None) -> None:
+        freed, extra, plain = figures(j, j, True, kept is None)
         pot = "free nothing" if kept else \
             f"free {freed:,} B/row only if that consumer does not keep it"
-        misses.append(Decision(where=chain.where, layers=layers or labels(a, b, True),
+        layers = layers or tuple(chain.labels[2 * j:2 * j + 2])  # j's Linear and activation
+        misses.append(Decision(where=chain.where, layers=layers,
                                action=Action.LEFT_ALONE, bytes_per_row=freed if kept is None else 0,
-                               flops_per_row=extra, plain_flops_per_row=plain, activation=acts[b],
+                               flops_per_row=extra, plain_flops_per_row=plain, activation=acts[j],
                                why=f"{what}: {why}; fusing it would {pot} and cost +{extra:,} "
                                    f"FLOPs/row"))
 
@@ -219,19 +212,16 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
         return f"{DISPLAY[acts[j]]}'s backward keeps its input, the fused op does not"
 
     if policy is Policy.ALL:
-        if not chain.ends_with_act and m < 2:
-            return units, misses
         last_act = chain.ends_with_act
-        kept, why = chain.fate() if last_act else (None, "")
-        note = "" if not last_act or kept is False or keeps_z[m - 1] else \
-            f"; its output is {'kept anyway' if kept else 'maybe kept'}: {why}"
-        if m >= 2:
-            unit(0, m - 1, last_act, kept is False,
-                 f"policy='all' fuses each run with its trailing activation: {m - 1} inner "
-                 f"{_inner_kept(acts[:m - 1])} are no longer kept, only the run's input" + note)
-        else:
-            unit(0, 0, True, kept is False, "policy='all' fuses every lone pair" +
-                 (f"; {own_input(0)}" if keeps_z[0] else note))
+        if last_act or m >= 2:  # a lone pair: last_act
+            kept, why = chain.fate() if last_act else (None, "")
+            note = "" if not last_act or kept is False or keeps_z[m - 1] else \
+                f"; its output is {'kept anyway' if kept else 'maybe kept'}: {why}"
+            unit(0, m - 1, last_act, kept is False, (
+                f"policy='all' fuses each run with its trailing activation: {m - 1} inner "
+                f"{_inner_kept(acts[:m - 1])} are no longer kept, only the run's input" + note)
+                if m >= 2 else "policy='all' fuses every lone pair" +
+                (f"; {own_input(0)}" if keeps_z[0] else note))
         return units, misses
     if m >= 2:
         last_act, last_why = False, ""
@@ -242,7 +232,7 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
             if kept is False:
                 last_act, last_why = True, f"; its last output too ({why})"
             else:
-                miss(m - 1, m - 1, kept, why, f"the trailing {DISPLAY[acts[m - 1]]} is left out of "
+                miss(m - 1, kept, why, f"the trailing {DISPLAY[acts[m - 1]]} is left out of "
                      f"the run (its output {'is kept anyway' if kept else 'may be kept'})",
                      (chain.labels[2 * m - 1],))
         names = chain.unit_activations(0, m - 1, last_act)
@@ -256,7 +246,7 @@ def decide(chain: Chain, policy: Policy) -> Tuple[List[Unit], List[Decision]]:
         if kept is False:
             unit(0, 0, True, True, f"a lone pair whose output is not kept: {why}")
         else:
-            miss(0, 0, kept, why, "a lone pair whose output is " +
+            miss(0, kept, why, "a lone pair whose output is " +
                  ("kept anyway" if kept else "maybe kept"))
     return units, misses
 

@@ -30,8 +30,7 @@ class Action(Named):
 class How(Named):
     """Where a unit is computed."""
     SEQUENTIAL = "sequential"  # by the nn.Sequential holding all of it
-    ACROSS = "across"          # by one Sequential or forward, across the Sequentials or forwards
-    #                            below it that hold its layers
+    ACROSS = "across"          # by one Sequential or forward, across those below holding its layers
     CHILDREN = "children"      # in its owner's forward, whose child modules its layers are
     REWRITE = "rewrite"        # by its owner's forward, rewritten (rewrite=True)
     MODULE = "module"          # by the module's own forward (an experts module)
@@ -45,18 +44,15 @@ class Decision:
     where: str                # module holding the layers ("" = the model itself)
     layers: Tuple[str, ...]   # the layers in call order: paths, or "F.linear" / "torch.tanh" / ...
     action: Action
-    unit: str = ""            # what runs them: "tanh_mlp, 3 layers 4->64->64->2", "linear_tanh",
-    #                           "mlp mixed (relu, relu, tanh), 3 layers 17->64->64->6, last tanh"
+    unit: str = ""            # what runs them: "tanh_mlp, 3 layers 4->64->64->2", "linear_tanh"
     how: How = How.NOWHERE
-    bytes_per_row: int = 0    # activation bytes per row no longer kept for backward, in the
-    #                           dtypes the parameters set (under torch.autocast: count)
+    bytes_per_row: int = 0    # activation bytes per row no longer kept, in the parameters' dtypes
     flops_per_row: int = 0    # extra FLOPs per row: the forward GEMMs that backward recomputes
     plain_flops_per_row: int = 0  # these layers' forward + backward GEMM FLOPs per row, unfused
     why: str
     activation: str = ""      # ckpt_ext.ACTIVATIONS' name, "" if not known; mixed: "relu, tanh"
     bytes_per_call: int = 0   # bytes no longer kept per call beyond the rows' (an experts unit's)
-    #: (bytes_per_row, bytes_per_call) under torch.autocast of a dtype of that itemsize (0: none);
-    #: None where fuse counts the unit in the parameters' dtypes only (FuseReport.under_autocast)
+    #: (bytes_per_row, bytes_per_call) under torch.autocast of a dtype of that itemsize (0: none)
     count: Optional[Callable[..., Tuple[int, int]]] = field(default=None, repr=False,
                                                            compare=False)
 
@@ -79,7 +75,6 @@ class FuseReport:
     #: (path, why) for every nn.Linear and transformers Conv1D that no decision names
     other_layers: List[Tuple[str, str]] = field(default_factory=list)
     #: (module path, how, units, FLOPs per row) for each module gradient checkpointing recomputes
-    #: whole with fused units inside: their Linears' forward GEMMs run a third time.
     checkpointed: List[Tuple[str, str, int, int]] = field(default_factory=list)
     #: the fused units' counts of calls since fuse (ckpt_ext.stats), shown once any call counted
     calls: Stats = field(default_factory=Stats, repr=False, compare=False)
@@ -103,10 +98,8 @@ class FuseReport:
         return sum(d.flops_per_row for d in self.fused)
 
     def under_autocast(self, dtype: torch.dtype) -> "FuseReport":
-        """This report with the fused units' bytes those of a step under
-        ``torch.autocast(device_type, dtype)``: activations in ``dtype``, the cast copies autocast
-        keeps counted (weights' casts per call, in ``bytes_per_call``). The units fuse counts only
-        in the parameters' dtypes raise: docs/converter.md, "Dtypes"."""
+        """This report with the fused units' bytes those of a step under ``torch.autocast`` of
+        ``dtype`` (docs/converter.md, "Dtypes"); a unit counted in no other dtype raises."""
         item = torch.empty((), dtype=dtype).element_size()
         missing = [" -> ".join(d.layers) for d in self.fused if d.count is None]
         if missing:
@@ -134,13 +127,11 @@ class FuseReport:
             lines.append(f"  {tag:<11s} {layers} [{d.how}] as {d.unit}: frees "
                          f"{d.bytes_per_row:,} B/row, +{d.flops_per_row:,} FLOPs/row "
                          f"(+{100 * d.extra_cost:.0f}% of these layers' fwd+bwd); {d.why}")
-        for path, why in self.other_layers:
-            lines.append(f"  left alone  {path}: {why}")
+        lines += [f"  left alone  {path}: {why}" for path, why in self.other_layers]
         if self.rewritten:
             lines.append("  forward rewritten (rewrite=True): "
                          + ", ".join(p or "<model>" for p in self.rewritten))
-        for path, why in self.not_analysed:
-            lines.append(f"  not analysed: {path or '<model>'}: {why}")
+        lines += [f"  not analysed: {path or '<model>'}: {why}" for path, why in self.not_analysed]
         for path, how, units, flops in self.checkpointed:
             lines.append(f"  recomputed twice: {path or '<model>'} runs under {how}, which "
                          f"recomputes it whole in backward, so its {units} fused unit(s) compute "

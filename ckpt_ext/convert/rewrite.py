@@ -123,8 +123,7 @@ def forward_chains(graph: ModelGraph, path: str, owner: nn.Module, t: Trace, rew
                 lambda last=items[-1]: graph.fate(owner, last),
                 tuple(module_tensors(*args) for args in zip(modules, names, kept))))
             continue
-        # Not rewritten: the pairs that hold a function call or a Linear held in a list (pairs
-        # of child modules are other kinds', which report their problems themselves).
+        # not rewritten: misses for pairs holding a call or a listed Linear (children: other kinds')
         problems = [rw[k] if (rewrite and rw[k] is not None) else member_problem(x)
                     for k, x in enumerate(items)]
         in_pair = [only[k - k % 2] or (k - k % 2 + 1 < len(items) and only[k - k % 2 + 1])
@@ -145,18 +144,18 @@ class Rewrite(UnitKind):
         return [u for us, _ in decided for u in us], [d for _, ds in decided for d in ds] + f.misses
 
     def place(self, graph: ModelGraph, f: ForwardChains, units: Sequence[Unit], misses):
+        left = [(d, None) for d in misses]
         if not units:
-            return [(d, None) for d in misses]
+            return left
         try:
             source = _rewritten(f.owner, f.trace.graph, graph.nodes, units, f.trace.counts)
         except Exception as e:  # refused rather than guessed: the forward is left alone
             f.not_analysed.append((f.path, f"forward not rewritten: {type(e).__name__}: {e}"))
             return [(dataclasses.replace(u.decision, action=Action.LEFT_ALONE, unit="",
                                          how=How.NOWHERE, why=f"the forward rewrite failed: {e}"),
-                     None)
-                    for u in units] + [(d, None) for d in misses]
+                     None) for u in units] + left
         p = Placement(How.REWRITE, f.path, [], "", False, self, f, owner=f.owner, source=source)
-        return [(u.decision, p) for u in units] + [(d, None) for d in misses]
+        return [(u.decision, p) for u in units] + left
 
 
 def _rewritten(owner: nn.Module, traced: fx.Graph, nodes, units: Sequence[Unit], counts=()) -> str:

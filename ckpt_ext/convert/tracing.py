@@ -245,8 +245,7 @@ _TRAINING_ARG = re.compile(r"training = (True|False)")
 
 
 def _fixed_arity(m: nn.Module, method: str) -> bool:
-    """Whether ``method`` takes no optional arguments, ``*args`` or ``**kwargs`` (fx sees one arity
-    and one value of each argument); a forward that does is traced through its stand-in."""
+    """Whether ``method`` takes no optional arguments, ``*args`` or ``**kwargs`` (fx sees one)."""
     try:
         params = list(inspect.signature(getattr(type(m), method)).parameters.values())[1:]
     except (TypeError, ValueError):

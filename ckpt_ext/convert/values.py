@@ -1,6 +1,6 @@
-"""Where a value of the model goes, across module boundaries (:class:`ValueUsers`), and what its
-consumers do with it (:class:`ValueFates`): the views of :class:`~.graph.ModelGraph` that follow a
-value, on the module tree and traces it holds (``facts``, ``trace``, ``path``, ``caller``, ...)."""
+"""Where a value of the model goes, across module boundaries, and what its consumers do with it
+(:class:`ValueFates`): the view of :class:`~.graph.ModelGraph` that follows a value, on the module
+tree and traces it holds (``facts``, ``trace``, ``path``, ``caller``, ...)."""
 from __future__ import annotations
 
 import operator
@@ -38,10 +38,10 @@ class Crossing(NamedTuple):
 class Use(NamedTuple):
     """A consumer of a value: ``at``, an element of the Sequential ``owner`` or a node of its
     forward, calling ``module``; ``owner`` None: the model returns it, or (``why``) unknown."""
-    owner: Optional[nn.Module]
-    at: Any
-    module: Optional[nn.Module]
-    value: Any
+    owner: Optional[nn.Module] = None
+    at: Any = None
+    module: Optional[nn.Module] = None
+    value: Any = None
     crossed: Tuple[Crossing, ...] = ()
     why: str = ""
 
@@ -51,15 +51,16 @@ _TABLED = PASS_THROUGH_MODULES + (nn.modules.dropout._DropoutNd,) + FREEING_MODU
     KEEPING_MODULES
 
 
-class ValueUsers:
-    """The one walker of values across module boundaries: into the forwards and Sequentials a value
-    enters, and out to their callers."""
+class ValueFates:
+    """The one walker of values across module boundaries (into the forwards and Sequentials a value
+    enters, out to their callers), and what their consumers do with it: keep it for backward, free
+    it, or unknown (why)."""
 
     def users(self, owner: nn.Module, at: Any, crossed=(), entered=(), depth=0) -> List[Use]:
         """The consumers of the value at ``at`` of ``owner`` (a node, or a Sequential's element),
         into and out of the modules it goes through (back by the calls ``entered``)."""
         if depth > 64:
-            return [Use(None, None, None, at, crossed, "the chain of users is too deep to follow")]
+            return [Use(value=at, crossed=crossed, why="the chain of users is too deep to follow")]
         if self.facts[id(owner)].sequential:
             if at + 1 < len(owner._modules):
                 return self._element(owner, at + 1, crossed, entered, depth)
@@ -113,7 +114,7 @@ class ValueUsers:
         """(caller, the call of ``m`` there, the crossings), or [a Use] where nothing is known."""
         caller = self.caller.get(id(m))
         if m is self.model or caller is None:
-            return [Use(None, None, None, None, crossed)]
+            return [Use(crossed=crossed)]
         parent, ppath, target = caller
         if self.facts[id(parent)].sequential and "." not in target:
             return parent, list(parent._modules).index(target), \
@@ -121,21 +122,16 @@ class ValueUsers:
         t, where = self.traces.get(id(parent)), ppath or "<model>"
         if t is None or not t.ok:
             why = f" ({t.reason})" if t is not None else ""
-            return [Use(None, None, None, None, crossed + (Crossing(m, True, parent, target, 1,
-                                                                    False),),
-                        f"its caller {where} was not analysed{why}")]
+            return [Use(crossed=crossed + (Crossing(m, True, parent, target, 1, False),),
+                        why=f"its caller {where} was not analysed{why}")]
         calls = self.calls_of(parent, target)
         crossed += (Crossing(m, True, parent, target, len(calls), True),)
         if not calls:
-            return [Use(None, None, None, None, crossed, (
+            return [Use(crossed=crossed, why=(
                 f"{where}.{t.method} calls {target} after it branches on a traced value (line "
                 f"{t.cut_line}), which fx cannot follow" if t.cut_line is not None
                 else f"{where}.forward calls {target} 0 times"))]
         return parent, calls[0], crossed
-
-
-class ValueFates(ValueUsers):
-    """What the consumers of a value do with it: keep it for backward, free it, or unknown (why)."""
 
     def fate(self, owner: nn.Module, at: Any, depth: int = 0) -> Fate:
         """What the consumers of the value at ``at`` of ``owner`` (see :meth:`users`) do."""
@@ -215,7 +211,7 @@ class ValueFates(ValueUsers):
         if isinstance(site, list):
             return self._use_fate(site[0], depth)
         parent, call, crossed = site
-        bad = self._use_fate(Use(None, None, None, None, crossed, "-"), depth)
+        bad = self._use_fate(Use(crossed=crossed, why="-"), depth)
         if bad.why != "-":
             return bad
         if self.facts[id(parent)].sequential:
