@@ -214,9 +214,8 @@ class _GatedRun(_PlaceholderRun):
     def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
         return x is first_input
 
-    def member_part(self, index: int) -> str:
-        return ("computes the gated MLP" if index == 0 else "returns the gated MLP's output"
-                if index == len(self.calls) - 1 else "takes part in the gated MLP")
+    _parts = ("computes the gated MLP", "takes part in the gated MLP",
+              "returns the gated MLP's output")
 
     def masks(self) -> Tuple[float, ...]:
         return tuple(d.p for d in self.dropouts if d.p > 0 and d.training)

@@ -476,7 +476,7 @@ class _ExpertsRun(Checked):
             limit=float(m.limit) if form.gate == Gate.GPT_OSS else None,
             up_offset=1.0 if form.gate == Gate.GPT_OSS else 0.0)
 
-    def describe(self) -> str:
+    def describe(self, index: int = 0) -> str:
         return f"computes moe_experts ({self.form.activation}, {self.form.layout}) in its forward"
 
 
@@ -488,13 +488,6 @@ class RunExperts(RunMember):
         run = self._ckpt_ext_run
         out = run.compute(args, kwargs) if run is not None else None
         return self._ckpt_ext_base.forward(self, *args, **kwargs) if out is None else out
-
-    def extra_repr(self) -> str:
-        own = self._ckpt_ext_base.extra_repr(self)
-        run = self._ckpt_ext_run
-        if run is None:
-            return own
-        return f"{own}, {run.describe()}" if own else run.describe()
 
 
 MEMBER_MIXINS.append((experts_class, RunExperts))
