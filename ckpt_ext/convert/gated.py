@@ -182,27 +182,22 @@ class Gated(RegionKind):
                          plain_flops_per_row=plain, why=why, activation=name, count=count)], []
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _GatedRun:
-        g = p.found
-        return _GatedRun(
-            labels=g.labels, members=[s.module for s in p.layer_calls], gate=g.gate, up=g.up,
-            down=g.down, activation=g.act.name, act_module=g.act_module, calls=p.calls,
-            dropouts=[graph.nodes[n].child for n in g.dropouts], gate_second=g.gate_second,
-            slots=p.slots, unhooked=[(m, graph.path[id(m)]) for m in p.unhooked], owner=p.owner,
-            decision=decision)
+        return _GatedRun(graph, p, decision)
 
 
 class _GatedRun(_PlaceholderRun):
     """A gated MLP, ``down(act(gate(x)) * up(x))``, computed by ``gated_mlp``."""
 
-    def __init__(self, labels, members, gate: nn.Linear, up: Optional[nn.Linear], down: nn.Linear,
-                 activation: str, act_module: Optional[nn.Module], dropouts, gate_second: bool,
-                 slots, unhooked, owner: nn.Module, calls, decision: Optional[Decision] = None):
-        super().__init__(labels, members, [gate] + ([up] if up is not None else []) + [down],
-                         False, (), slots, unhooked, owner, calls, (), decision, activation)
-        self.key = ("gated", tuple(members), activation, bool(gate_second))
-        self.members, self.dropouts = tuple(members), tuple(dropouts)
-        self.gate, self.up, self.down, self.act_module = gate, up, down, act_module
-        self.gate_second = bool(gate_second)
+    def __init__(self, graph: ModelGraph, p: Placement, decision: Optional[Decision]) -> None:
+        g, self.members = p.found, tuple(s.module for s in p.layer_calls)
+        layers = [m for m in (g.gate, g.up, g.down) if m is not None]
+        super().__init__(g.labels, self.members, layers, False, (), p.slots,
+                         [(m, graph.path[id(m)]) for m in p.unhooked], p.owner, p.calls, (),
+                         decision, p.activation)
+        self.key = ("gated", self.members, self.activation, bool(g.gate_second))
+        self.dropouts = tuple(graph.nodes[n].child for n in g.dropouts)
+        self.gate, self.up, self.down, self.act_module = g.gate, g.up, g.down, g.act_module
+        self.gate_second = bool(g.gate_second)
 
     def _own(self):
         if self.act_module is not None:

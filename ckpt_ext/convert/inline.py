@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ..modules import LayerActivations, collapse_activations
+from ..modules import collapse_activations
 from .facts import (DROPOUT_SIGNATURE, LayerKind, Recognised, bind, computes, module_tensors,
                     of_class, stored_weight)
 from .graph import ModelGraph
@@ -41,12 +41,15 @@ class InlineDrop(NamedTuple):
 class _InlineRun(_PlaceholderRun):
     """A run with function calls between its Linears; ``acts``: its activation modules'."""
 
-    def __init__(self, labels, members, activation: LayerActivations, acts, drops, slots, unhooked,
-                 owner: nn.Module, calls, decision: Optional[Decision] = None) -> None:
-        super().__init__(labels, members, members, False, (), slots, unhooked, owner, calls, (),
-                         decision, activation)
-        self.key = ("inline", tuple(members), activation)
-        self.acts, self.drops = tuple(acts), tuple(drops)
+    def __init__(self, graph: ModelGraph, p: Placement, decision: Optional[Decision]) -> None:
+        members = [s.module for s in p.layer_calls]
+        super().__init__(p.found.labels, members, members, False, (), p.slots,
+                         [(m, graph.path[id(m)]) for m in p.unhooked], p.owner, p.calls, (),
+                         decision, p.activation)
+        self.key = ("inline", tuple(members), self.activation)
+        self.acts = tuple((sub, graph.path[id(sub)], f.name)
+                          for f, _, sub in p.found.acts if sub is not None)
+        self.drops = tuple(p.found.drops)
 
     def _own(self):
         yield from (computes(m, label, name) for m, label, name in self.acts)
@@ -202,12 +205,7 @@ class Inline(RegionKind):
         return [dataclasses.replace(d, bytes_per_row=freed, why=why)], []
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _InlineRun:
-        c = p.found
-        return _InlineRun(
-            labels=c.labels, members=[s.module for s in p.layer_calls], activation=p.activation,
-            acts=[(sub, graph.path[id(sub)], f.name) for f, _, sub in c.acts if sub is not None],
-            drops=c.drops, slots=p.slots, unhooked=[(m, graph.path[id(m)]) for m in p.unhooked],
-            owner=p.owner, calls=p.calls, decision=decision)
+        return _InlineRun(graph, p, decision)
 
 
 INLINE = Inline()
