@@ -7,7 +7,7 @@ here imports deepspeed or torch.distributed. Docs: docs/fuse-usage.md, "Distribu
 from __future__ import annotations
 
 import sys
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
 from torch import nn
@@ -105,12 +105,9 @@ def _deepspeed(m: nn.Module) -> Optional[str]:
             f"deepspeed.utils.set_z3_leaf_modules(model, [{name}]) before it")
 
 
-_ENGINES: List[Callable[[nn.Module], Optional[str]]] = [_fsdp2, _deepspeed]
-
-
 def fix_for(m: nn.Module) -> Optional[str]:
     """The fix for the hooks an engine put on ``m``, or None where no engine known here did."""
-    return next((fix for engine in _ENGINES if (fix := engine(m)) is not None), None)
+    return next((fix for engine in (_fsdp2, _deepspeed) if (fix := engine(m)) is not None), None)
 
 
 def sharded(model: nn.Module) -> Optional[str]:

@@ -51,7 +51,7 @@ _REFUSED = -2
 
 class _Run(Checked):
     """One run of Linear/activation layers, computed by the Sequential holding it (``owner`` None)
-    or in the region its owner's forward marks, in which each member takes its :meth:`turn`: the
+    or in the region its owner's forward marks, in which each member takes its part (:meth:`take`): the
     first computes the run, each later one passes its output on."""
 
     activation = "tanh"  # what a run pickled without one computes
@@ -118,10 +118,6 @@ class _Run(Checked):
             state["last_activation"] = state.pop("last_tanh")
         super().__setstate__(state)
         self._region = _Region()
-
-    @property
-    def last_tanh(self) -> bool:
-        return self.last_activation and self.activation == "tanh"
 
     @property
     def activations(self) -> Tuple[str, ...]:
@@ -254,7 +250,7 @@ class _RunPart:
 
     @property
     def last_tanh(self) -> bool:
-        return self.run.last_tanh
+        return self.run.last_activation and self.run.activation == "tanh"
 
     @property
     def key(self) -> Tuple[Any, ...]:
@@ -467,12 +463,11 @@ class _OwnerForward(SetByFuse):
         return sig.replace(parameters=list(sig.parameters.values())[1:])
 
     def __getstate__(self):
-        return {"owner": self.owner, "runs": self.runs, "guards": self.guards,
-                "source": self.source, "method": self.method, "arg_guard": self.arg_guard}
+        return {k: getattr(self, k) for k in ("owner", "runs", "guards", "source", "method",
+                                              "arg_guard")}
 
     def __setstate__(self, state):
-        self.__init__(state["owner"], state["runs"], state["guards"], state["source"],
-                      state.get("method", "forward"), state.get("arg_guard"))
+        self.__init__(**state)
 
     __deepcopy__ = by_state
 

@@ -95,18 +95,18 @@ class InForward:
 
 class RegionKind(UnitKind):
     def place(self, graph: ModelGraph, c: InForward, units: Sequence[Decision], misses):
-        return [(d, None) for d in misses] + [self._placed(graph, c, d) for d in units]
-
-    def _placed(self, graph: ModelGraph, c: InForward, d: Decision):
         calls = [LayerCall(c.owner, n.target, c.child(n), LayerKind.LINEAR,
                            graph.nodes[n].label, node=n, trace=c.trace) for n in c.linears]
-        p = Placement(How.CHILDREN, c.path, calls, c.activation, False, self, c,
-                      owner=c.owner, calls=[s.label for s in calls],
-                      members=[MemberPlan(s.module, k) for k, s in enumerate(calls)])
-        for n in c.linears + c.others:
-            p.slots.append(Slot(c.owner, n.target, c.child(n), graph.nodes[n].label))
-            p.unhooked.append(c.child(n))
-        return arguments_note(graph, p, d), p
+        placed = []
+        for d in units:
+            p = Placement(How.CHILDREN, c.path, calls, c.activation, False, self, c,
+                          owner=c.owner, calls=[s.label for s in calls],
+                          members=[MemberPlan(s.module, k) for k, s in enumerate(calls)],
+                          unhooked=[c.child(n) for n in c.linears + c.others])
+            p.slots = [Slot(c.owner, n.target, c.child(n), graph.nodes[n].label)
+                       for n in c.linears + c.others]
+            placed.append((arguments_note(graph, p, d), p))
+        return [(d, None) for d in misses] + placed
 
 
 def arguments_note(graph: ModelGraph, p: Placement, d: Decision) -> Decision:
