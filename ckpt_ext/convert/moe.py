@@ -323,11 +323,9 @@ def _kept(m: nn.Module, form: ExpertsForm, top_k: int):
     extrapolate; bytes kept per call; whether top_k_weights is kept; the implementation's name),
     measured on probes of the module's class at small widths, bilinear in hidden and
     intermediate (gathered rows, gate and up, expert outputs; batched_mm's gathered weights)."""
-    gate_up, down = (real_shape(m._parameters[n]) for n in form.params[:2])
-    dtype = m._parameters[form.params[0]].dtype
     impl = getattr(m.config, "_experts_implementation", None) or "eager"
-    key = (base_type(m), form, tuple(gate_up), tuple(down), dtype, top_k,
-           impl, tuple(m._parameters[n].requires_grad for n in form.params if n))
+    key = (base_type(m), form, form.sizes(m), m._parameters[form.params[0]].dtype, top_k, impl,
+           tuple(m._parameters[n].requires_grad for n in form.params if n))
     if key not in _PROBED:
         experts, hidden, _, inter, out = form.sizes(m)
         per_token, per_call, w_kept = {}, set(), set()
