@@ -218,8 +218,7 @@ class _GatedRun(_PlaceholderRun):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         count_fused(self)
         gate, up, down = self.gate, self.up, self.down
-        layers = [m for m in (gate, up, down) if m is not None]
-        terms, masks = [op_terms(m) for m in layers], self.masks()
+        terms, masks = [op_terms(m) for m in self.layers], self.masks()
         up_first = up is not None and self.members[0] is up
         loras = [t[2] for t in terms if t is not None]
         # peft draws the LoRA masks in call order, the op gate's first; a packed gate_up's term
@@ -229,7 +228,7 @@ class _GatedRun(_PlaceholderRun):
                 up is None and self.gate_second):
             return recomputed_modules(lambda h: dropout_unit.gated_chain(
                 layer_forward(gate), None if up is None else layer_forward(up), layer_forward(down),
-                self.activation, self.gate_second, up_first, masks, h), x, _trained(layers))
+                self.activation, self.gate_second, up_first, masks, h), x, _trained(self.layers))
         (w, b, _), (w_up, b_up, _) = terms[0], terms[1] if up is not None else (None, None, None)
         w_down, b_down, _ = terms[-1]
         _as_layer_would(x, self.members[0], w_up if up_first else w)

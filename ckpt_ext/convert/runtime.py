@@ -51,8 +51,8 @@ _REFUSED = -2
 
 class _Run(Checked):
     """One run of Linear/activation layers, computed by the Sequential holding it (``owner`` None)
-    or in the region its owner's forward marks, in which each member takes its part (:meth:`take`): the
-    first computes the run, each later one passes its output on."""
+    or in the region its owner's forward marks, in which each member takes its part (:meth:`take`):
+    the first computes the run, each later one passes its output on."""
 
     activation = "tanh"  # what a run pickled without one computes
     passes: Tuple[Tuple[nn.Module, str, int], ...] = ()
