@@ -139,10 +139,9 @@ class Gated(RegionKind):
                         m.kwargs or len(m.args) != 2 or \
                         not all(isinstance(a, fx.Node) for a in m.args):
                     continue
-                for k in (0, 1):
-                    if (g := _gated_at(graph, path, owner, t, m, m.args[k], m.args[1 - k], order)):
-                        found.append(g)
-                        break
+                g = _gated_at(graph, path, owner, t, m, *m.args, order) or \
+                    _gated_at(graph, path, owner, t, m, *m.args[::-1], order)
+                found += [g] if g else []
         return found
 
     def decide(self, graph: ModelGraph, g: GatedCall, options: Options):

@@ -121,12 +121,10 @@ def _shapes(graph: ModelGraph, c: InlineCall):
 
 class Inline(RegionKind):
     def find(self, graph: ModelGraph, taken: set, options: Options) -> List[InlineCall]:
-        found: List[InlineCall] = []
-        for path, owner, t in graph.analysed:
-            if options.rewrite and t.rewrite_problem is None and not t.already_rewritten:
-                continue  # a forward rewrite=True rewrites: its chains are the rewrite's
-            found += self._in(graph, path, owner, t, taken)
-        return found
+        # a forward rewrite=True rewrites is left to the rewrite
+        return [call for path, owner, t in graph.analysed
+                if not (options.rewrite and t.rewrite_problem is None and not t.already_rewritten)
+                for call in self._in(graph, path, owner, t, taken)]
 
     def _in(self, graph, path, owner, t, taken) -> List[InlineCall]:
         nodes = list(t.graph.nodes)

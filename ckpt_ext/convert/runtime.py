@@ -330,14 +330,12 @@ class RunMember:
 
     def forward(self, input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         run = self._ckpt_ext_run  # other arguments (peft's adapter_names): its own forward
-        if run is None:
-            return super().forward(input, *args, **kwargs)
-        out = run.take(self._ckpt_ext_index, input) if not (args or kwargs) else None
-        if out is None:
-            if self._ckpt_ext_index == 0 and counting():
-                run.missed(bool(args or kwargs))
-            return super().forward(input, *args, **kwargs)
-        return out
+        out = None if run is None or args or kwargs else run.take(self._ckpt_ext_index, input)
+        if out is not None:
+            return out
+        if run is not None and self._ckpt_ext_index == 0 and counting():
+            run.missed(bool(args or kwargs))
+        return super().forward(input, *args, **kwargs)
 
     def extra_repr(self) -> str:
         own, run = super().extra_repr(), self._ckpt_ext_run
