@@ -22,7 +22,7 @@ from .graph import ModelGraph
 from .policy import LayerShape, gated_bytes, gated_flops, keeps_input, lora_note
 from .report import Action, Decision, How
 from .runtime import _as_layer_would, _through_modules, _trained
-from .units import InForward, Options, Placement, RegionKind, _PlaceholderRun
+from .units import InForward, Options, Placement, RegionKind, _PlaceholderRun, _is_placeholder
 
 _PRODUCTS = {operator.mul, torch.mul, "mul", "mul_"}
 _CHUNK = inspect.signature(lambda input, chunks, dim=0: None)
@@ -205,8 +205,8 @@ class _GatedRun(_PlaceholderRun):
             yield of_class(d, "a Dropout between the product and the down projection",
                           (nn.Dropout,))
 
-    def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
-        return x is first_input
+    def _receives(self, index: int, x: Any, carried: Any) -> bool:
+        return x is carried if index < len(self.calls) - 1 else _is_placeholder(x, carried)
 
     _parts = ("computes the gated MLP", "takes part in the gated MLP",
               "returns the gated MLP's output")

@@ -38,8 +38,9 @@ def __getattr__(name: str) -> Any:
 
 class _Region(threading.local):
     """A run's region, per thread: [the next member, the tensor it must receive, the state of an
-    enclosing call]; None outside the owner's forward. Set in __init__ (per thread), so the
-    instance dict torch.compile guards on holds it from the first call."""
+    enclosing call, the refusal or (a _PlaceholderRun's) the op's output until returned]; None
+    outside the owner's forward. Set in __init__ (per thread), so the instance dict torch.compile
+    guards on holds it from the first call."""
 
     def __init__(self) -> None:
         self.state: Optional[list] = None
@@ -158,9 +159,7 @@ class _Run(Checked):
 
     def enter(self, refusal: Optional[Tuple[str, Optional[str]]] = None) -> None:
         """Mark the region of one owner's call; ``refusal`` (reason, fix): the owner computes
-        its class's forward, and the run's first member counts the call unfused. The state: [the
-        next member, its input, an enclosing call's state, the refusal or (a _PlaceholderRun's)
-        the op's output until returned]."""
+        its class's forward, and the run's first member counts the call unfused."""
         self._region.state = [0 if refusal is None else _REFUSED, None, self._region.state,
                               refusal]
 

@@ -134,8 +134,7 @@ class _PlaceholderRun(_Run):
     _another = " with another value"
 
     def _receives(self, index: int, x: Any, carried: Any) -> bool:
-        return _is_placeholder(x, carried) if index == len(self.calls) - 1 else \
-            self._carried(x, carried)
+        return _is_placeholder(x, carried)
 
     def _step(self, index: int, x: Any, state: list, before) -> Any:
         if index == 0:
@@ -144,9 +143,6 @@ class _PlaceholderRun(_Run):
             state[1], state[3] = state[3], None
             return state[1]
         return _placeholder(x, state[3])
-
-    def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
-        return _is_placeholder(x, first_input)
 
 
 def _placeholder(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
