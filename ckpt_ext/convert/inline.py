@@ -147,22 +147,18 @@ class Inline(RegionKind):
                 if fa is None or fa.kind is not LayerKind.ACTIVATION or fa.input is not cur or \
                         (a.op == "call_module" and fa.child is None):
                     break
-                c, between, ds = a, [], []
-                while True:
-                    u = _single_user(c)
-                    d = _dropout(graph, u, c, 2 * len(acts) + 1, evals)
-                    if d is None:
-                        break
-                    ds.append(d)
-                    between.append(u)
+                c, between = a, []  # its Dropouts: (node, InlineDrop)
+                while (d := _dropout(graph, (u := _single_user(c)), c, 2 * len(acts) + 1,
+                                     evals)) is not None:
+                    between.append((u, d))
                     c = u
                 nxt = _single_user(c)
                 if nxt is None or nxt in taken or not linear(nxt) or facts[nxt].only is not c:
                     break
                 chain += [a, nxt]
                 acts.append((fa.found, a, fa.child))
-                drops += ds
-                run += [*fa.inner, a] + between + [nxt]
+                drops += [d for _, d in between]
+                run += [*fa.inner, a] + [u for u, _ in between] + [nxt]
                 cur = nxt
             seen.update(run)
             linears = chain[0::2]
