@@ -282,18 +282,14 @@ def _probe_kept(m: nn.Module, form: ExpertsForm, top_k: int, h: int, i: int, tok
     keeps top_k_weights): a copy of the module holding probe parameters, not the user's."""
     gate_up = m._parameters[form.params[0]]
     experts, dtype = real_shape(gate_up)[0], gate_up.dtype
-    width = 2 * i if form.flags[0] else i
-    transposed = form.flags[2]
+    width, transposed = 2 * i if form.flags[0] else i, form.flags[2]
     shapes = [(experts, h, width) if transposed else (experts, width, h),
               (experts, i, h) if transposed else (experts, h, i), (experts, width), (experts, h)]
     probe = base_type(m).__new__(base_type(m))
     probe.__dict__.update(vars(m))
-    params = {}
-    for name, shape in zip(form.params, shapes):
-        if name is not None:
-            n = int(torch.tensor(shape).prod())
-            params[name] = nn.Parameter(torch.linspace(-1, 1, n, dtype=dtype).reshape(shape),
-                                        requires_grad=m._parameters[name].requires_grad)
+    params = {name: nn.Parameter(torch.linspace(-1, 1, torch.Size(shape).numel(), dtype=dtype)
+                                 .reshape(shape), requires_grad=m._parameters[name].requires_grad)
+              for name, shape in zip(form.params, shapes) if name is not None}
     probe.__dict__["_parameters"] = params
     x = torch.linspace(-1, 1, tokens * h, dtype=dtype).reshape(tokens, h).requires_grad_()
     idx = (torch.arange(tokens)[:, None] + torch.arange(top_k)) % experts
