@@ -20,13 +20,9 @@ class _ArgGuard(NamedTuple):
     order: Tuple[str, ...] = ()
 
     def holds(self, args: tuple, kwargs: dict) -> bool:
-        if len(args) > self.positional:
-            return False
-        for name in self.given:
-            k = self.order.index(name)
-            if (args[k] if k < len(args) else kwargs.get(name)) is None:
-                return False
-        return True
+        return len(args) <= self.positional and all(
+            (args[k] if k < len(args) else kwargs.get(name)) is not None
+            for name, k in zip(self.given, map(self.order.index, self.given)))
 
     def describe(self) -> str:
         return ", ".join(f"{name} given (not None)" for name in self.given)

@@ -7,7 +7,7 @@ here imports deepspeed or torch.distributed. Docs: docs/fuse-usage.md, "Distribu
 from __future__ import annotations
 
 import sys
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
 from torch import nn
@@ -78,21 +78,16 @@ def _fsdp2_module(m: nn.Module) -> bool:
     return bool(classes) and isinstance(m, classes)
 
 
-def _fsdp2(m: nn.Module) -> Optional[str]:
-    """FSDP2's ``fully_shard`` on a member of a unit: its hooks gather and free the member's own
-    parameters around its own call, which a unit computed in one op cannot honour, so the unit
-    must lie inside one sharded module (a decoder layer or an MLP), not across several."""
-    if not _fsdp2_module(m):
-        return None
-    return ("shard per decoder layer or per MLP: fully_shard on the module that holds the whole "
-            "unit, not on each Linear or on a part of the unit (accelerate: "
-            "fsdp_transformer_layer_cls_to_wrap=<the decoder layer class>, not Linear)")
-
-
-def _deepspeed(m: nn.Module) -> Optional[str]:
-    """DeepSpeed ZeRO-3's parameter hooks on a member of a unit (``deepspeed.initialize`` set its
-    ``ds_id``, and hooks that are functions of deepspeed's own modules): ZeRO-3 gathers each
-    module's parameters around its own call, so the unit must lie inside one ZeRO-3 leaf module."""
+def fix_for(m: nn.Module) -> Optional[str]:
+    """The fix for the hooks an engine put on ``m``, a member of a unit, or None where no engine
+    known here did. FSDP2's ``fully_shard`` and DeepSpeed ZeRO-3 (``deepspeed.initialize`` set
+    ``ds_id``, and hooks of deepspeed's own modules) gather a member's own parameters around its
+    own call, which a unit computed in one op cannot honour: the unit must lie inside one sharded
+    module (a decoder layer or an MLP) or ZeRO-3 leaf module, not across several."""
+    if _fsdp2_module(m):
+        return ("shard per decoder layer or per MLP: fully_shard on the module that holds the "
+                "whole unit, not on each Linear or on a part of the unit (accelerate: "
+                "fsdp_transformer_layer_cls_to_wrap=<the decoder layer class>, not Linear)")
     hooks = (*m._forward_pre_hooks.values(), *m._forward_hooks.values(),
              *m._backward_hooks.values(), *getattr(m, "_backward_pre_hooks", {}).values())
     if not registered(m) or not any(
@@ -103,14 +98,6 @@ def _deepspeed(m: nn.Module) -> Optional[str]:
     return ("import deepspeed, then call ckpt_ext.fuse before deepspeed.initialize (it marks each "
             "unit's module a ZeRO-3 leaf module where deepspeed is imported), or "
             f"deepspeed.utils.set_z3_leaf_modules(model, [{name}]) before it")
-
-
-_ENGINES: List[Callable[[nn.Module], Optional[str]]] = [_fsdp2, _deepspeed]
-
-
-def fix_for(m: nn.Module) -> Optional[str]:
-    """The fix for the hooks an engine put on ``m``, or None where no engine known here did."""
-    return next((fix for engine in _ENGINES if (fix := engine(m)) is not None), None)
 
 
 def sharded(model: nn.Module) -> Optional[str]:

@@ -1,10 +1,9 @@
 """What each fused unit computed, counted at its calls (the counts: ckpt_ext/_unit_stats.py):
-fused, unfused (with the reason, the same string its warning gives: a :class:`Checked` unit's
-failing condition, or why its region was not marked), or fused inside a checkpointed ancestor
-that recomputes it whole. A
-unit that computes otherwise than the report said warns ``FallbackWarning`` once per reason;
-``ckpt_ext.stats(model)`` reads the counts. Only calls that record gradients count: under
-``no_grad`` and inference nothing is kept, fused or not. Docs: docs/fuse-usage.md, "Is it fused?"."""
+fused, unfused (with the reason its warning gives: a :class:`Checked` unit's failing condition,
+or why its region was not marked), or fused inside a checkpointed ancestor that recomputes it
+whole. A unit computing otherwise than the report said warns ``FallbackWarning`` once per reason;
+``ckpt_ext.stats(model)`` reads the counts. Only calls that record gradients count (under
+``no_grad`` nothing is kept, fused or not). Docs: docs/fuse-usage.md, "Is it fused?"."""
 from __future__ import annotations
 
 import copy

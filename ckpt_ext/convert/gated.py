@@ -22,7 +22,7 @@ from .graph import ModelGraph
 from .policy import LayerShape, gated_bytes, gated_flops, keeps_input, lora_note
 from .report import Action, Decision, How
 from .runtime import _as_layer_would, _through_modules, _trained
-from .units import InForward, Options, Placement, RegionKind, _PlaceholderRun
+from .units import InForward, Options, Placement, RegionKind, _PlaceholderRun, _is_placeholder
 
 _PRODUCTS = {operator.mul, torch.mul, "mul", "mul_"}
 _CHUNK = inspect.signature(lambda input, chunks, dim=0: None)
@@ -139,10 +139,9 @@ class Gated(RegionKind):
                         m.kwargs or len(m.args) != 2 or \
                         not all(isinstance(a, fx.Node) for a in m.args):
                     continue
-                for k in (0, 1):
-                    if (g := _gated_at(graph, path, owner, t, m, m.args[k], m.args[1 - k], order)):
-                        found.append(g)
-                        break
+                g = _gated_at(graph, path, owner, t, m, *m.args, order) or \
+                    _gated_at(graph, path, owner, t, m, *m.args[::-1], order)
+                found += [g] if g else []
         return found
 
     def decide(self, graph: ModelGraph, g: GatedCall, options: Options):
@@ -182,27 +181,22 @@ class Gated(RegionKind):
                          plain_flops_per_row=plain, why=why, activation=name, count=count)], []
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _GatedRun:
-        g = p.found
-        return _GatedRun(
-            labels=g.labels, members=[s.module for s in p.layer_calls], gate=g.gate, up=g.up,
-            down=g.down, activation=g.act.name, act_module=g.act_module, calls=p.calls,
-            dropouts=[graph.nodes[n].child for n in g.dropouts], gate_second=g.gate_second,
-            slots=p.slots, unhooked=[(m, graph.path[id(m)]) for m in p.unhooked], owner=p.owner,
-            decision=decision)
+        return _GatedRun(graph, p, decision)
 
 
 class _GatedRun(_PlaceholderRun):
     """A gated MLP, ``down(act(gate(x)) * up(x))``, computed by ``gated_mlp``."""
 
-    def __init__(self, labels, members, gate: nn.Linear, up: Optional[nn.Linear], down: nn.Linear,
-                 activation: str, act_module: Optional[nn.Module], dropouts, gate_second: bool,
-                 slots, unhooked, owner: nn.Module, calls, decision: Optional[Decision] = None):
-        super().__init__(labels, members, [gate] + ([up] if up is not None else []) + [down],
-                         False, (), slots, unhooked, owner, calls, (), decision, activation)
-        self.key = ("gated", tuple(members), activation, bool(gate_second))
-        self.members, self.dropouts = tuple(members), tuple(dropouts)
-        self.gate, self.up, self.down, self.act_module = gate, up, down, act_module
-        self.gate_second = bool(gate_second)
+    def __init__(self, graph: ModelGraph, p: Placement, decision: Optional[Decision]) -> None:
+        g, self.members = p.found, tuple(s.module for s in p.layer_calls)
+        layers = [m for m in (g.gate, g.up, g.down) if m is not None]
+        super().__init__(g.labels, self.members, layers, False, (), p.slots,
+                         [(m, graph.path[id(m)]) for m in p.unhooked], p.owner, p.calls, (),
+                         decision, p.activation)
+        self.key = ("gated", self.members, self.activation, bool(g.gate_second))
+        self.dropouts = tuple(graph.nodes[n].child for n in g.dropouts)
+        self.gate, self.up, self.down, self.act_module = g.gate, g.up, g.down, g.act_module
+        self.gate_second = bool(g.gate_second)
 
     def _own(self):
         if self.act_module is not None:
@@ -211,12 +205,11 @@ class _GatedRun(_PlaceholderRun):
             yield of_class(d, "a Dropout between the product and the down projection",
                           (nn.Dropout,))
 
-    def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
-        return x is first_input
+    def _receives(self, index: int, x: Any, carried: Any) -> bool:
+        return x is carried if index < len(self.calls) - 1 else _is_placeholder(x, carried)
 
-    def member_part(self, index: int) -> str:
-        return ("computes the gated MLP" if index == 0 else "returns the gated MLP's output"
-                if index == len(self.calls) - 1 else "takes part in the gated MLP")
+    _parts = ("computes the gated MLP", "takes part in the gated MLP",
+              "returns the gated MLP's output")
 
     def masks(self) -> Tuple[float, ...]:
         return tuple(d.p for d in self.dropouts if d.p > 0 and d.training)
@@ -224,8 +217,7 @@ class _GatedRun(_PlaceholderRun):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         count_fused(self)
         gate, up, down = self.gate, self.up, self.down
-        layers = [m for m in (gate, up, down) if m is not None]
-        terms, masks = [op_terms(m) for m in layers], self.masks()
+        terms, masks = [op_terms(m) for m in self.layers], self.masks()
         up_first = up is not None and self.members[0] is up
         loras = [t[2] for t in terms if t is not None]
         # peft draws the LoRA masks in call order, the op gate's first; a packed gate_up's term
@@ -235,7 +227,7 @@ class _GatedRun(_PlaceholderRun):
                 up is None and self.gate_second):
             return recomputed_modules(lambda h: dropout_unit.gated_chain(
                 layer_forward(gate), None if up is None else layer_forward(up), layer_forward(down),
-                self.activation, self.gate_second, up_first, masks, h), x, _trained(layers))
+                self.activation, self.gate_second, up_first, masks, h), x, _trained(self.layers))
         (w, b, _), (w_up, b_up, _) = terms[0], terms[1] if up is not None else (None, None, None)
         w_down, b_down, _ = terms[-1]
         _as_layer_would(x, self.members[0], w_up if up_first else w)

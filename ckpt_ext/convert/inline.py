@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ..modules import LayerActivations, collapse_activations
+from ..modules import collapse_activations
 from .facts import (DROPOUT_SIGNATURE, LayerKind, Recognised, bind, computes, module_tensors,
                     of_class, stored_weight)
 from .graph import ModelGraph
@@ -41,12 +41,15 @@ class InlineDrop(NamedTuple):
 class _InlineRun(_PlaceholderRun):
     """A run with function calls between its Linears; ``acts``: its activation modules'."""
 
-    def __init__(self, labels, members, activation: LayerActivations, acts, drops, slots, unhooked,
-                 owner: nn.Module, calls, decision: Optional[Decision] = None) -> None:
-        super().__init__(labels, members, members, False, (), slots, unhooked, owner, calls, (),
-                         decision, activation)
-        self.key = ("inline", tuple(members), activation)
-        self.acts, self.drops = tuple(acts), tuple(drops)
+    def __init__(self, graph: ModelGraph, p: Placement, decision: Optional[Decision]) -> None:
+        members = [s.module for s in p.layer_calls]
+        super().__init__(p.found.labels, members, members, False, (), p.slots,
+                         [(m, graph.path[id(m)]) for m in p.unhooked], p.owner, p.calls, (),
+                         decision, p.activation)
+        self.key = ("inline", tuple(members), self.activation)
+        self.acts = tuple((sub, graph.path[id(sub)], f.name)
+                          for f, _, sub in p.found.acts if sub is not None)
+        self.drops = tuple(p.found.drops)
 
     def _own(self):
         yield from (computes(m, label, name) for m, label, name in self.acts)
@@ -118,12 +121,10 @@ def _shapes(graph: ModelGraph, c: InlineCall):
 
 class Inline(RegionKind):
     def find(self, graph: ModelGraph, taken: set, options: Options) -> List[InlineCall]:
-        found: List[InlineCall] = []
-        for path, owner, t in graph.analysed:
-            if options.rewrite and t.rewrite_problem is None and not t.already_rewritten:
-                continue  # a forward rewrite=True rewrites: its chains are the rewrite's
-            found += self._in(graph, path, owner, t, taken)
-        return found
+        # a forward rewrite=True rewrites is left to the rewrite
+        return [call for path, owner, t in graph.analysed
+                if not (options.rewrite and t.rewrite_problem is None and not t.already_rewritten)
+                for call in self._in(graph, path, owner, t, taken)]
 
     def _in(self, graph, path, owner, t, taken) -> List[InlineCall]:
         nodes = list(t.graph.nodes)
@@ -146,22 +147,18 @@ class Inline(RegionKind):
                 if fa is None or fa.kind is not LayerKind.ACTIVATION or fa.input is not cur or \
                         (a.op == "call_module" and fa.child is None):
                     break
-                c, between, ds = a, [], []
-                while True:
-                    u = _single_user(c)
-                    d = _dropout(graph, u, c, 2 * len(acts) + 1, evals)
-                    if d is None:
-                        break
-                    ds.append(d)
-                    between.append(u)
+                c, between = a, []  # its Dropouts: (node, InlineDrop)
+                while (d := _dropout(graph, (u := _single_user(c)), c, 2 * len(acts) + 1,
+                                     evals)) is not None:
+                    between.append((u, d))
                     c = u
                 nxt = _single_user(c)
                 if nxt is None or nxt in taken or not linear(nxt) or facts[nxt].only is not c:
                     break
                 chain += [a, nxt]
                 acts.append((fa.found, a, fa.child))
-                drops += ds
-                run += [*fa.inner, a] + between + [nxt]
+                drops += [d for _, d in between]
+                run += [*fa.inner, a] + [u for u, _ in between] + [nxt]
                 cur = nxt
             seen.update(run)
             linears = chain[0::2]
@@ -202,12 +199,7 @@ class Inline(RegionKind):
         return [dataclasses.replace(d, bytes_per_row=freed, why=why)], []
 
     def runtime(self, graph: ModelGraph, p: Placement, decision: Decision) -> _InlineRun:
-        c = p.found
-        return _InlineRun(
-            labels=c.labels, members=[s.module for s in p.layer_calls], activation=p.activation,
-            acts=[(sub, graph.path[id(sub)], f.name) for f, _, sub in c.acts if sub is not None],
-            drops=c.drops, slots=p.slots, unhooked=[(m, graph.path[id(m)]) for m in p.unhooked],
-            owner=p.owner, calls=p.calls, decision=decision)
+        return _InlineRun(graph, p, decision)
 
 
 INLINE = Inline()

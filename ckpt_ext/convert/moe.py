@@ -208,54 +208,55 @@ def _lora_wrapper(graph: ModelGraph, path: str) -> Optional[str]:
             f"not compute LoRA on expert weights: the experts compute their own forward")
 
 
-def _form(m: nn.Module) -> Tuple[Optional[ExpertsForm], Optional[nn.Module], Optional[str]]:
-    """(how moe_experts computes the module, its activation module, None), or why it cannot."""
+def _form(e: Experts) -> Optional[str]:
+    """Why moe_experts cannot compute the module, else None, ``e.form`` and ``e.act`` set."""
+    m = e.module
     missing = [n for n in FLAG_NAMES + ("has_post_expert_norm", "_is_expert_parallel", "config")
                if not hasattr(m, n)]
     if missing:
-        return None, None, (f"it lacks {', '.join(missing)}, which use_experts_implementation "
-                            f"sets in its __init__")
+        return (f"it lacks {', '.join(missing)}, which use_experts_implementation sets in its "
+                f"__init__")
     gated, bias, transposed, concatenated = (bool(getattr(m, n)) for n in FLAG_NAMES)
-    gate, act, activation = experts_gate(m) if gated else Gate.UNGATED, None, None
+    gate, activation = experts_gate(m) if gated else Gate.UNGATED, None
     if gated and gate is None:
         fn = getattr(type(m), "_apply_gate", None)
         where = "set on the instance" if "_apply_gate" in vars(m) else \
             getattr(fn, "__qualname__", repr(fn))
-        return None, None, (f"its _apply_gate ({where}) is a gated product of its own, which "
-                            f"moe_experts does not compute")
+        return (f"its _apply_gate ({where}) is a gated product of its own, which moe_experts "
+                f"does not compute")
     if gate and (gate == Gate.GPT_OSS) == concatenated:
-        return None, None, (f"its _apply_gate ({gate}) splits gate and up "
-                            f"{'by chunk' if gate == Gate.DEFAULT else 'alternately'}, but its "
-                            f"weights are stored is_concatenated={concatenated}")
+        return (f"its _apply_gate ({gate}) splits gate and up "
+                f"{'by chunk' if gate == Gate.DEFAULT else 'alternately'}, but its weights are "
+                f"stored is_concatenated={concatenated}")
     if gate == Gate.GPT_OSS:
         if getattr(m, "alpha", None) != QUICK_GELU_ALPHA:
-            return None, None, (f"gpt-oss's gated product with alpha={getattr(m, 'alpha', None)}"
-                                f" is not quick_gelu's (alpha {QUICK_GELU_ALPHA}), the one "
-                                f"moe_experts computes")
+            return (f"gpt-oss's gated product with alpha={getattr(m, 'alpha', None)} is not "
+                    f"quick_gelu's (alpha {QUICK_GELU_ALPHA}), the one moe_experts computes")
         activation = "quick_gelu"
     else:
-        act = m._modules.get("act_fn")
-        found = module_activation(act) if act is not None else None
+        e.act = m._modules.get("act_fn")
+        found = module_activation(e.act) if e.act is not None else None
         if found is None:
-            return None, None, (f"its act_fn ({type(getattr(m, 'act_fn', None)).__name__}) is no "
-                                f"activation module of ckpt_ext.ACTIVATIONS")
+            return (f"its act_fn ({type(getattr(m, 'act_fn', None)).__name__}) is no activation "
+                    f"module of ckpt_ext.ACTIVATIONS")
         if found.name is None:
-            return None, None, f"its act_fn: {found.problem}"
+            return f"its act_fn: {found.problem}"
         activation = found.name
     try:
         names = list(inspect.signature(experts_dispatch(base_type(m))[1]).parameters)[1:4]
     except (KeyError, TypeError, ValueError, AttributeError):
-        return None, None, ("its forward is use_experts_implementation's, but not one that closes "
-                            "over experts_interface and original_forward, which fuse reads to "
-                            "know what each implementation runs")
+        return ("its forward is use_experts_implementation's, but not one that closes over "
+                "experts_interface and original_forward, which fuse reads to know what each "
+                "implementation runs")
     if len(names) < 3:
-        return None, None, f"its forward takes {len(names)} arguments, not x and the routing"
+        return f"its forward takes {len(names)} arguments, not x and the routing"
     up = "gate_up_proj" if gated else "up_proj"
     params = (up, "down_proj", f"{up}_bias" if bias else None, "down_proj_bias" if bias else None)
     layout = ops.moe_layout(gated=gated, interleaved=gated and not concatenated,
                             transposed=transposed)
-    return ExpertsForm(params, layout, activation, gate, (gated, bias, transposed, concatenated),
-                       tuple(names)), act, None
+    e.form = ExpertsForm(params, layout, activation, gate, (gated, bias, transposed, concatenated),
+                         tuple(names))
+    return None
 
 
 def _read(graph: ModelGraph, path: str, m: nn.Module) -> Experts:
@@ -265,11 +266,8 @@ def _read(graph: ModelGraph, path: str, m: nn.Module) -> Experts:
                      (" that torch's parametrize made (a parameter of it is computed)"
                       if parametrize.is_parametrized(m) else ""))
         return e
-    e.problem = _lora_wrapper(graph, path)
-    if e.problem is None:
-        e.form, e.act, e.problem = _form(m)
-    if e.problem is None:
-        e.problem = failing(experts_conditions(m, path, e.form, e.act))
+    e.problem = _lora_wrapper(graph, path) or _form(e) or \
+        failing(experts_conditions(m, path, e.form, e.act))
     return e
 
 
@@ -284,18 +282,14 @@ def _probe_kept(m: nn.Module, form: ExpertsForm, top_k: int, h: int, i: int, tok
     keeps top_k_weights): a copy of the module holding probe parameters, not the user's."""
     gate_up = m._parameters[form.params[0]]
     experts, dtype = real_shape(gate_up)[0], gate_up.dtype
-    width = 2 * i if form.flags[0] else i
-    transposed = form.flags[2]
+    width, transposed = 2 * i if form.flags[0] else i, form.flags[2]
     shapes = [(experts, h, width) if transposed else (experts, width, h),
               (experts, i, h) if transposed else (experts, h, i), (experts, width), (experts, h)]
     probe = base_type(m).__new__(base_type(m))
     probe.__dict__.update(vars(m))
-    params = {}
-    for name, shape in zip(form.params, shapes):
-        if name is not None:
-            n = int(torch.tensor(shape).prod())
-            params[name] = nn.Parameter(torch.linspace(-1, 1, n, dtype=dtype).reshape(shape),
-                                        requires_grad=m._parameters[name].requires_grad)
+    params = {name: nn.Parameter(torch.linspace(-1, 1, torch.Size(shape).numel(), dtype=dtype)
+                                 .reshape(shape), requires_grad=m._parameters[name].requires_grad)
+              for name, shape in zip(form.params, shapes) if name is not None}
     probe.__dict__["_parameters"] = params
     x = torch.linspace(-1, 1, tokens * h, dtype=dtype).reshape(tokens, h).requires_grad_()
     idx = (torch.arange(tokens)[:, None] + torch.arange(top_k)) % experts
@@ -323,11 +317,9 @@ def _kept(m: nn.Module, form: ExpertsForm, top_k: int):
     extrapolate; bytes kept per call; whether top_k_weights is kept; the implementation's name),
     measured on probes of the module's class at small widths, bilinear in hidden and
     intermediate (gathered rows, gate and up, expert outputs; batched_mm's gathered weights)."""
-    gate_up, down = (real_shape(m._parameters[n]) for n in form.params[:2])
-    dtype = m._parameters[form.params[0]].dtype
     impl = getattr(m.config, "_experts_implementation", None) or "eager"
-    key = (base_type(m), form, tuple(gate_up), tuple(down), dtype, top_k,
-           impl, tuple(m._parameters[n].requires_grad for n in form.params if n))
+    key = (base_type(m), form, form.sizes(m), m._parameters[form.params[0]].dtype, top_k, impl,
+           tuple(m._parameters[n].requires_grad for n in form.params if n))
     if key not in _PROBED:
         experts, hidden, _, inter, out = form.sizes(m)
         per_token, per_call, w_kept = {}, set(), set()
@@ -476,7 +468,7 @@ class _ExpertsRun(Checked):
             limit=float(m.limit) if form.gate == Gate.GPT_OSS else None,
             up_offset=1.0 if form.gate == Gate.GPT_OSS else 0.0)
 
-    def describe(self) -> str:
+    def describe(self, index: int = 0) -> str:
         return f"computes moe_experts ({self.form.activation}, {self.form.layout}) in its forward"
 
 
@@ -488,13 +480,6 @@ class RunExperts(RunMember):
         run = self._ckpt_ext_run
         out = run.compute(args, kwargs) if run is not None else None
         return self._ckpt_ext_base.forward(self, *args, **kwargs) if out is None else out
-
-    def extra_repr(self) -> str:
-        own = self._ckpt_ext_base.extra_repr(self)
-        run = self._ckpt_ext_run
-        if run is None:
-            return own
-        return f"{own}, {run.describe()}" if own else run.describe()
 
 
 MEMBER_MIXINS.append((experts_class, RunExperts))

@@ -31,8 +31,10 @@ class Run(NamedTuple):
 class Plain(UnitKind):
     def find(self, graph: ModelGraph, taken: set, options: Options) -> List[Run]:
         calls = [s for s in graph.layer_calls if s.node is None or s.node not in taken]
+        at = {(id(s.container), s.index if s.node is None else s.node): s for s in calls}
         links, stops, through = {}, {}, {}  # by call: the next call, why not, the Slots between
-        for s, (nxt, problem, through[s]) in _follow(graph, calls).items():
+        for s in calls:
+            nxt, problem, through[s] = _next(graph, s, at)
             if nxt is None or nxt.kind == s.kind:
                 continue
             if s.kind is LayerKind.LINEAR:
@@ -160,29 +162,21 @@ def _through(passes: Sequence[Tuple[Slot, int]]) -> str:
 
 # -- Where a layer's output goes next: the one call receiving it ----------------------------------
 
-def _follow(graph: ModelGraph, calls: Sequence[LayerCall]):
-    """For each call: (the one of them consuming its output alone, why a run may not take
-    that step, the Identity and Dropout modules stepped over)."""
-    at = {(id(s.container), s.index if s.node is None else s.node): s for s in calls}
-    return {s: _next(graph, s, at) for s in calls}
-
-
 def _next(graph: ModelGraph, s: LayerCall, at: Dict[Tuple[int, Any], LayerCall]):
+    """(the one call of ``at`` consuming the output of ``s`` alone, why a run may not take that
+    step, the Identity and Dropout modules stepped over); (None, None, ...) where none does."""
     site = (s.container, s.index if s.node is None else s.node)
     passed, problem = [], None
     while True:
         uses = graph.users(*site)
-        if len(uses) != 1 or uses[0].module is None:
+        u = uses[0] if len(uses) == 1 and uses[0].module is not None else None
+        node = u.at if u is not None and isinstance(u.at, fx.Node) else None
+        if u is None or node is not None and (node.kwargs or len(node.args) != 1) or any(
+                not c.strict or (c.out and graph.facts[id(c.caller)].sequential and
+                                 not graph.facts[id(c.module)].sequential) for c in u.crossed):
             return None, None, tuple(passed)
-        u = uses[0]
         for c in u.crossed:
-            if not c.strict or (c.out and graph.facts[id(c.caller)].sequential and
-                                not graph.facts[id(c.module)].sequential):
-                return None, None, tuple(passed)
             problem = problem or _crossing(graph, c)
-        node = u.at if isinstance(u.at, fx.Node) else None
-        if node is not None and (node.kwargs or len(node.args) != 1):
-            return None, None, tuple(passed)
         call = at.get((id(u.owner), u.at))
         if call is not None:
             return call, problem, tuple(passed)

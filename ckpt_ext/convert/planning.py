@@ -47,12 +47,11 @@ class Plan:
 
 
 def make_plan(graph: ModelGraph, options: Options) -> Plan:
-    plan, taken, runs = Plan(), set(), {}
-    for m in graph.model.modules():  # the runs an earlier fuse put in place, each once
+    plan, taken, existing = Plan(), set(), {}
+    for m in graph.model.modules():  # the runs an earlier fuse put in place, by key
         for run in [p.run for p in m._ckpt_ext_runs] if isinstance(m, FusedSequential) else \
                 [m._ckpt_ext_run] if isinstance(m, RunMember) and m._ckpt_ext_run else []:
-            runs.setdefault(id(run), run)
-    existing = {r.key: r for r in runs.values()}
+            existing[run.key] = run
     for kind in KINDS:
         for found in kind.find(graph, taken, options):
             units, misses = kind.decide(graph, found, options)

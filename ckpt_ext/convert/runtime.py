@@ -38,8 +38,9 @@ def __getattr__(name: str) -> Any:
 
 class _Region(threading.local):
     """A run's region, per thread: [the next member, the tensor it must receive, the state of an
-    enclosing call]; None outside the owner's forward. Set in __init__ (per thread), so the
-    instance dict torch.compile guards on holds it from the first call."""
+    enclosing call, the refusal or (a _PlaceholderRun's) the op's output until returned]; None
+    outside the owner's forward. Set in __init__ (per thread), so the instance dict torch.compile
+    guards on holds it from the first call."""
 
     def __init__(self) -> None:
         self.state: Optional[list] = None
@@ -51,8 +52,8 @@ _REFUSED = -2
 
 class _Run(Checked):
     """One run of Linear/activation layers, computed by the Sequential holding it (``owner`` None)
-    or in the region its owner's forward marks, in which each member takes its :meth:`turn`: the
-    first computes the run, each later one passes its output on."""
+    or in the region its owner's forward marks, in which each member takes its part (:meth:`take`):
+    the first computes the run, each later one passes its output on."""
 
     activation = "tanh"  # what a run pickled without one computes
     passes: Tuple[Tuple[nn.Module, str, int], ...] = ()
@@ -120,15 +121,15 @@ class _Run(Checked):
         self._region = _Region()
 
     @property
-    def last_tanh(self) -> bool:
-        return self.last_activation and self.activation == "tanh"
-
-    @property
     def activations(self) -> Tuple[str, ...]:
         return each_layer(self.activation, len(self.layers) - (not self.last_activation))
 
-    def member_part(self, index: int) -> str:
-        return ("computes" if index == 0 else "passes on") + " the run"
+    #: what its first, a middle and its last member do in its owner's forward
+    _parts = ("computes the run", "passes on the run", "passes on the run")
+
+    def describe(self, index: int) -> str:
+        part = self._parts[0 if index == 0 else 2 if index == len(self.calls) - 1 else 1]
+        return f"{part} {self.labels[0]}..{self.labels[-1]} inside its owner's forward"
 
     def masks(self) -> Dict[int, Tuple[float, ...]]:
         """The p of each Dropout drawing a mask at this call, by the item it follows."""
@@ -158,9 +159,7 @@ class _Run(Checked):
 
     def enter(self, refusal: Optional[Tuple[str, Optional[str]]] = None) -> None:
         """Mark the region of one owner's call; ``refusal`` (reason, fix): the owner computes
-        its class's forward, and the run's first member counts the call unfused. The state: [the
-        next member, its input, an enclosing call's state, the refusal or (a _PlaceholderRun's)
-        the op's output until returned]."""
+        its class's forward, and the run's first member counts the call unfused."""
         self._region.state = [0 if refusal is None else _REFUSED, None, self._region.state,
                               refusal]
 
@@ -170,29 +169,33 @@ class _Run(Checked):
         if completed and 0 < state[0] < len(self.calls):
             raise RuntimeError(self._strayed(state[0], "the forward returned"))
 
-    def turn(self, index: int, x: Any) -> Optional[list]:
-        """The region's state if member ``index`` is to take its part in the run here, else None."""
+    def take(self, index: int, x: Any, before=()) -> Optional[torch.Tensor]:
+        """What member ``index`` returns when it takes its part in the run here, else None;
+        ``before``: elements a Sequential's first part computes ahead of the run."""
         state = self._region.state
         if state is None:
             return None
         expected = state[0]
-        if expected == index and (index == 0 or x is state[1]):
+        if expected == index and (index == 0 or self._receives(index, x, state[1])):
             if index == 0 and self.refused():
                 state[0] = -1  # computed member by member for the rest of this call
                 return None
-            return state
+            state[0] = index + 1
+            return self._step(index, x, state, before)
         if 0 < expected < len(self.calls):
             # computed by its first member, but the forward took a path fx did not see: the
             # output holds later layers, so it is returned as nothing else
-            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called"))
+            other = self._another if expected == index else ""
+            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called{other}"))
         return None
 
-    def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
-        """What member ``index`` returns when it takes its part here, else None."""
-        state = self.turn(index, x)
-        if state is None:
-            return None
-        state[0], state[1] = index + 1, self(x) if index == 0 else x
+    _another = ""  # what the error says of a member called in its turn on another value
+
+    def _receives(self, index: int, x: Any, carried: Any) -> bool:
+        return x is carried
+
+    def _step(self, index: int, x: Any, state: list, before) -> Any:
+        state[1] = self(_elements(before, x)) if index == 0 else x
         return state[1]
 
     def _strayed(self, expected: int, event: str) -> str:
@@ -246,7 +249,7 @@ class _RunPart:
 
     @property
     def last_tanh(self) -> bool:
-        return self.run.last_tanh
+        return self.run.last_activation and self.run.activation == "tanh"
 
     @property
     def key(self) -> Tuple[Any, ...]:
@@ -255,17 +258,11 @@ class _RunPart:
     def compute(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The output of this part's elements computed as the run, or None to run them."""
         run = self.run
-        if self.role == PartRole.WHOLE:
-            if run.refused():
-                return None
-            return _elements(self.after, run(_elements(self.before, x)))
-        state = run.turn(self.index, x)
-        if state is None:
-            return None
-        if self.role == PartRole.FIRST:
-            x = run(_elements(self.before, x))
-        state[0], state[1] = self.index + 1, x
-        return _elements(self.after, x)
+        if self.role != PartRole.WHOLE:
+            out = run.take(self.index, x, self.before)
+        else:
+            out = None if run.refused() else run(_elements(self.before, x))
+        return None if out is None else _elements(self.after, out)
 
     def describe(self) -> str:
         span = f"{self.names[0]}..{self.names[-1]}" if len(self.names) > 1 else self.names[0]
@@ -332,22 +329,18 @@ class RunMember:
 
     def forward(self, input: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         run = self._ckpt_ext_run  # other arguments (peft's adapter_names): its own forward
-        if run is None:
-            return super().forward(input, *args, **kwargs)
-        out = run.take(self._ckpt_ext_index, input) if not (args or kwargs) else None
-        if out is None:
-            if self._ckpt_ext_index == 0 and counting():
-                run.missed(bool(args or kwargs))
-            return super().forward(input, *args, **kwargs)
-        return out
+        out = None if run is None or args or kwargs else run.take(self._ckpt_ext_index, input)
+        if out is not None:
+            return out
+        if run is not None and self._ckpt_ext_index == 0 and counting():
+            run.missed(bool(args or kwargs))
+        return super().forward(input, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        own = super().extra_repr()
-        run = self._ckpt_ext_run
+        own, run = super().extra_repr(), self._ckpt_ext_run
         if run is None:
             return own
-        mine = (f"{run.member_part(self._ckpt_ext_index)} {run.labels[0]}..{run.labels[-1]} "
-                f"inside its owner's forward")
+        mine = run.describe(self._ckpt_ext_index)
         return f"{own}, {mine}" if own else mine
 
     def __reduce_ex__(self, protocol):  # a member class made at run time: by its base
@@ -420,16 +413,11 @@ class _OwnerForward(SetByFuse):
     def __call__(self, *args, **kwargs):
         owner = self.owner
         cls_fn = getattr(type(owner), self.method)
-        refusal = None
-        if torch.jit.is_tracing() or cls_fn is not self._analysed or \
-                not all(guard.holds(owner) for guard in self.guards) or \
-                (self.arg_guard is not None and not self.arg_guard.holds(args, kwargs)):
-            if not self.runs or not counting():
-                return cls_fn(owner, *args, **kwargs)  # the class's own code, exactly
-            refusal, fn = self.refusal(args, kwargs), cls_fn  # the same, counted by its runs
-        else:
-            fn = self._fn if self._fn is not None else cls_fn
-        for run in self.runs:
+        refusal = self.refusal(args, kwargs)
+        if refusal is not None and (not self.runs or not counting()):
+            return cls_fn(owner, *args, **kwargs)  # the class's own code, exactly
+        fn = cls_fn if refusal is not None or self._fn is None else self._fn
+        for run in self.runs:  # a refused call: the class's code, counted by its runs
             run.enter(refusal)
         completed = False
         try:
@@ -440,26 +428,31 @@ class _OwnerForward(SetByFuse):
                 run.leave(completed)
         return out
 
-    def refusal(self, args: tuple, kwargs: dict) -> Tuple[str, Optional[str]]:
-        """(reason, fix) why this call computes the class's forward rather than the runs'."""
-        owner, cls = self.owner, type(self.owner).__name__
-        where = next((r.decision.where for r in self.runs if r.decision is not None), "")
-        where = where or "<model>"
+    def refusal(self, args: tuple, kwargs: dict) -> Optional[Tuple[str, Optional[str]]]:
+        """None while this call computes the runs, else (reason, fix) why it computes the class's
+        forward."""
+        owner, cls, method = self.owner, type(self.owner).__name__, self.method
         if torch.jit.is_tracing():
             return GLOBAL[0].describe(), None
-        if getattr(type(owner), self.method) is not self._analysed:
-            return (f"{cls}.{self.method} is no longer the method fuse analysed in {where}",
+        if getattr(type(owner), method) is not self._analysed:
+            return (f"{cls}.{method} is no longer the method fuse analysed in {self._where()}",
                     "fuse again after changing the class")
         for guard in self.guards:
             if not guard.holds(owner):
-                return (f"{where}.{self.method} read {guard.describe()} when fuse analysed it, "
+                return (f"{self._where()}.{method} read {guard.describe()} when fuse analysed it, "
                         f"and that no longer holds, so its path may differ",
                         "fuse again after changing it")
+        if self.arg_guard is None or self.arg_guard.holds(args, kwargs):
+            return None
         assumed = f"at most {self.arg_guard.positional} positional argument(s)"
         if self.arg_guard.given:
             assumed += ", " + self.arg_guard.describe()
-        return (f"{where}.{self.method} was called with arguments its analysis did not cover "
+        return (f"{self._where()}.{method} was called with arguments its analysis did not cover "
                 f"(it assumed {assumed})", None)
+
+    def _where(self) -> str:
+        return next((r.decision.where for r in self.runs if r.decision is not None), "") \
+            or "<model>"
 
     @property
     def __signature__(self) -> inspect.Signature:  # the class method's, for libraries that look
@@ -467,12 +460,11 @@ class _OwnerForward(SetByFuse):
         return sig.replace(parameters=list(sig.parameters.values())[1:])
 
     def __getstate__(self):
-        return {"owner": self.owner, "runs": self.runs, "guards": self.guards,
-                "source": self.source, "method": self.method, "arg_guard": self.arg_guard}
+        return {k: getattr(self, k) for k in ("owner", "runs", "guards", "source", "method",
+                                              "arg_guard")}
 
     def __setstate__(self, state):
-        self.__init__(state["owner"], state["runs"], state["guards"], state["source"],
-                      state.get("method", "forward"), state.get("arg_guard"))
+        self.__init__(**state)
 
     __deepcopy__ = by_state
 

@@ -95,18 +95,18 @@ class InForward:
 
 class RegionKind(UnitKind):
     def place(self, graph: ModelGraph, c: InForward, units: Sequence[Decision], misses):
-        return [(d, None) for d in misses] + [self._placed(graph, c, d) for d in units]
-
-    def _placed(self, graph: ModelGraph, c: InForward, d: Decision):
         calls = [LayerCall(c.owner, n.target, c.child(n), LayerKind.LINEAR,
                            graph.nodes[n].label, node=n, trace=c.trace) for n in c.linears]
-        p = Placement(How.CHILDREN, c.path, calls, c.activation, False, self, c,
-                      owner=c.owner, calls=[s.label for s in calls],
-                      members=[MemberPlan(s.module, k) for k, s in enumerate(calls)])
-        for n in c.linears + c.others:
-            p.slots.append(Slot(c.owner, n.target, c.child(n), graph.nodes[n].label))
-            p.unhooked.append(c.child(n))
-        return arguments_note(graph, p, d), p
+        placed = []
+        for d in units:
+            p = Placement(How.CHILDREN, c.path, calls, c.activation, False, self, c,
+                          owner=c.owner, calls=[s.label for s in calls],
+                          members=[MemberPlan(s.module, k) for k, s in enumerate(calls)],
+                          unhooked=[c.child(n) for n in c.linears + c.others])
+            p.slots = [Slot(c.owner, n.target, c.child(n), graph.nodes[n].label)
+                       for n in c.linears + c.others]
+            placed.append((arguments_note(graph, p, d), p))
+        return [(d, None) for d in misses] + placed
 
 
 def arguments_note(graph: ModelGraph, p: Placement, d: Decision) -> Decision:
@@ -131,32 +131,18 @@ class _PlaceholderRun(_Run):
         yield masks_drawable(self)
         yield from of_weights(self.layers, self.calls)
 
-    def take(self, index: int, x: Any) -> Optional[torch.Tensor]:
-        state = self._region.state
-        if state is None:
-            return None
-        expected, last = state[0], len(self.calls) - 1
-        if expected == index == 0:
-            if self.refused():
-                state[0] = -1  # computed module by module for the rest of this call
-                return None
-            out = self(x)
-            state[0], state[1], state[3] = 1, x, out
-            return _placeholder(x, out)
-        if expected == index and 0 < index < last and self._carried(x, state[1]):
-            state[0] = index + 1
-            return _placeholder(x, state[3])
-        if expected == index == last and _is_placeholder(x, state[1]):
-            out, state[3] = state[3], None
-            state[0], state[1] = index + 1, out
-            return out
-        if 0 < expected <= last:
-            other = " with another value" if expected == index else ""
-            raise RuntimeError(self._strayed(expected, f"{self.calls[index]} was called{other}"))
-        return None
+    _another = " with another value"
 
-    def _carried(self, x: Any, first_input: torch.Tensor) -> bool:
-        return _is_placeholder(x, first_input)
+    def _receives(self, index: int, x: Any, carried: Any) -> bool:
+        return _is_placeholder(x, carried)
+
+    def _step(self, index: int, x: Any, state: list, before) -> Any:
+        if index == 0:
+            state[1], state[3] = x, self(x)
+        elif index == len(self.calls) - 1:
+            state[1], state[3] = state[3], None
+            return state[1]
+        return _placeholder(x, state[3])
 
 
 def _placeholder(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
