@@ -1,6 +1,6 @@
-"""Where a value of the model goes, across module boundaries, and what its consumers do with it
-(:class:`ValueFates`): the view of :class:`~.graph.ModelGraph` that follows a value, on the module
-tree and traces it holds (``facts``, ``trace``, ``path``, ``caller``, ...)."""
+"""Where a value of the model goes, across module boundaries (:class:`ValueUsers`), and what its
+consumers do with it (:class:`ValueFates`): the views of :class:`~.graph.ModelGraph` that follow a
+value, on the module tree and traces it holds (``facts``, ``trace``, ``path``, ``caller``, ...)."""
 from __future__ import annotations
 
 import operator
@@ -51,10 +51,9 @@ _TABLED = PASS_THROUGH_MODULES + (nn.modules.dropout._DropoutNd,) + FREEING_MODU
     KEEPING_MODULES
 
 
-class ValueFates:
-    """The one walker of values across module boundaries (into the forwards and Sequentials a value
-    enters, out to their callers), and what their consumers do with it: keep it for backward, free
-    it, or unknown (why)."""
+class ValueUsers:
+    """The one walker of values across module boundaries: into the forwards and Sequentials a value
+    enters, and out to their callers."""
 
     def users(self, owner: nn.Module, at: Any, crossed=(), entered=(), depth=0) -> List[Use]:
         """The consumers of the value at ``at`` of ``owner`` (a node, or a Sequential's element),
@@ -132,6 +131,10 @@ class ValueFates:
                 f"{t.cut_line}), which fx cannot follow" if t.cut_line is not None
                 else f"{where}.forward calls {target} 0 times"))]
         return parent, calls[0], crossed
+
+
+class ValueFates(ValueUsers):
+    """What the consumers of a value do with it: keep it for backward, free it, or unknown (why)."""
 
     def fate(self, owner: nn.Module, at: Any, depth: int = 0) -> Fate:
         """What the consumers of the value at ``at`` of ``owner`` (see :meth:`users`) do."""
