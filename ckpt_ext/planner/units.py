@@ -47,6 +47,11 @@ class OptionRow:
     short: str
     head: Optional[Callable[[nn.Module], None]] = None
 
+    @property
+    def fuses_inside_recompute(self) -> bool:
+        """A fused MLP inside a recomputed block."""
+        return self.fuses and self.recompute is not None
+
 
 #: The options, one row each: the probe measures a step per row, the solver chooses among them,
 #: Plan.apply puts them in.
@@ -157,7 +162,7 @@ def find_units(model: nn.Module) -> Tuple[List[Unit], List[Tuple[str, str]]]:
             why[Option.FUSE] = "fuse makes no unit inside it"
         if b in mine:
             for o in BLOCK_OPTIONS:
-                if OPTIONS[o].fuses and recomputing(o):
+                if OPTIONS[o].fuses_inside_recompute:
                     why[o] = ("fuse sets the block's own forward, which a recompute set on it "
                               "would bypass")
         norms = [n for n, m in block.named_modules() if isinstance(m, _BatchNorm) and
