@@ -18,6 +18,7 @@ import copy
 import gc
 import statistics
 import time
+import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -227,14 +228,18 @@ class Section:
                 self.compiled(fraction)
             self.configs[name]["chosen_by_compiled_plan"] = p.compiled_seconds
             return name, seconds, p.peak_bytes
-        name = "plan compiled " + short(p.choices)
+        name = " ".join(["plan compiled", short(p.choices)]
+                        + [f"{k}={v}" for k, v in p.compile_options.items()])
         if name in self.configs:
             return name, seconds, p.peak_bytes
-        flops = compiled_flops(p.apply(sharing_copy(self.base))[0],
-                               lambda m: _step(m, self.inputs))
+        with warnings.catch_warnings():  # applied to count FLOPs: compiled with its options below
+            warnings.simplefilter("ignore")
+            flops = compiled_flops(p.apply(sharing_copy(self.base))[0],
+                                   lambda m: _step(m, self.inputs))
         torch._dynamo.reset()
-        model = torch.compile(p.apply(sharing_copy(self.base))[0], backend=self.backend,
-                              dynamic=False)
+        model = (p.compile(sharing_copy(self.base), dynamic=False) if self.backend == "inductor"
+                 else torch.compile(p.apply(sharing_copy(self.base))[0], backend=self.backend,
+                                    dynamic=False))
         t = time.perf_counter()
         _step(model, self.inputs)  # compiles forward and backward
         compile_s = time.perf_counter() - t

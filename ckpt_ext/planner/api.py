@@ -12,8 +12,8 @@ from torch import nn
 
 from .batch import largest_batch
 from .choose import choice_for, choose, least_peak_choice, plan_of, survey_step
-from .compiled import (FRACTIONS, MAX_CHECKS, TIMED_STEPS, compile_budget_fit, compiled_figures,
-                       compiled_flops, compiled_step, without_graph_breaks)
+from .compiled import (FRACTIONS, MAX_CHECKS, checked_step, compile_budget_fit, compiled_figures,
+                       compiled_flops, without_graph_breaks)
 from .figures import raised
 from .measure import figures_of
 from .probe import Probe
@@ -64,8 +64,8 @@ def plan(model: nn.Module, example_inputs=None, budget_bytes: Optional[int] = No
     model's parameters (plain, then every unit under each option, each after a FLOP-counted one)
     gives each unit's bytes and FLOPs under each option; the choice is exact. With
     ``compiled=True`` the budget bounds the compiled step (``Plan.compile``): compiled probe
-    steps (one per option) predict it, the choice's compiled step is measured within the budget,
-    and where torch.compile's own ``activation_memory_budget`` also fits and its step is faster,
+    steps (one per option) predict it, the choice's compiled step is measured within the budget
+    (as inductor is configured, or with its buffer reuse off: ``Plan.compile_options``), and where torch.compile's own ``activation_memory_budget`` also fits and its step is faster,
     the plan takes that instead (compiled.py). Nothing in the model
     changes: its gradients, buffers and the RNG are as they were. ``ValueError`` when no choice
     fits, naming the least budget that does; an error naming ``example_inputs`` when the model
@@ -94,7 +94,7 @@ def plan_compiled(model: nn.Module, how, budget: int, where: str) -> Plan:
         cfig, _ = compiled_figures(probe, fig, units)
         n = len(units)
         if budget >= cfig.plain_peak:  # plain's compiled step fits: nothing to recompute
-            mine = ((Option.NONE,) * n, {"peak": cfig.plain_peak, "kept": cfig.plain_kept})
+            mine = ((Option.NONE,) * n, {"peak": cfig.plain_peak, "kept": cfig.plain_kept}, {})
             theirs = None
         else:
             mine = _checked_choice(probe, units, cfig, budget)
@@ -110,15 +110,17 @@ def plan_compiled(model: nn.Module, how, budget: int, where: str) -> Plan:
         if theirs is not None:
             timed[f"activation_memory_budget {theirs[0]:g}"] = theirs[1]["seconds"]
         if theirs is not None and (mine is None or theirs[1]["seconds"] < mine[1]["seconds"]):
-            choice, got, fraction = (Option.NONE,) * n, theirs[1], theirs[0]
+            choice, got, fraction, inductor = (Option.NONE,) * n, theirs[1], theirs[0], {}
             probe.configure(units, choice)
             flops = compiled_flops(probe.copy, probe.run, fraction)
         else:
-            (choice, got), fraction, flops = mine, None, None
+            (choice, got, inductor), fraction, flops = mine, None, None
     p = plan_of(cfig, units, notes, spread, budget, str(device), choice)
     # the check measured this very configuration compiled: the figures to promise
     p.compiled, p.peak_bytes, p.kept_bytes = True, got["peak"], got["kept"]
     p.measured_peak_bytes, p.compile_memory_budget = got["peak"], fraction
+    p.compile_options = inductor
+    p.least_peak_bytes = min(p.least_peak_bytes, got["peak"])  # the sums' least, or measured
     p.compiled_seconds = timed
     if flops is not None:
         p.added_flops = flops - p.plain_flops
@@ -126,9 +128,9 @@ def plan_compiled(model: nn.Module, how, budget: int, where: str) -> Plan:
 
 
 def _checked_choice(probe: Probe, units, cfig, budget: int):
-    """(choice, its timed compiled step) of the least FLOPs predicted to fit ``budget`` and
-    measured within it compiled (the budget lowered by each check's excess and a margin, at most
-    MAX_CHECKS checks), or None."""
+    """(choice, its timed compiled step, inductor's options it ran under) of the least FLOPs
+    predicted to fit ``budget`` and measured within it compiled (``checked_step``; the budget
+    lowered by each check's excess and a margin, at most MAX_CHECKS checks), or None."""
     excess, checked = 0, {}
     for _ in range(MAX_CHECKS):
         try:
@@ -136,13 +138,12 @@ def _checked_choice(probe: Probe, units, cfig, budget: int):
         except ValueError:  # kept below by the excess, none fits: the least peak's choice
             choice = least_peak_choice(cfig)
         if choice not in checked:
-            checked[choice] = compiled_step(probe, units, choice, timed=TIMED_STEPS,
-                                            budget=budget)
-        measured = checked[choice]["peak"]
-        if measured <= budget:
-            return choice, checked[choice]
+            checked[choice] = checked_step(probe, units, choice, budget)
+        got, inductor = checked[choice]
+        if got["peak"] <= budget:
+            return choice, got, inductor
         # the sums were that far off: keep as much again below, and a margin of MARGIN
-        excess += measured - budget + math.ceil(MARGIN * budget)
+        excess += got["peak"] - budget + math.ceil(MARGIN * budget)
     return None
 
 

@@ -59,6 +59,9 @@ class Plan:
     #: plan chose it (its step was faster than the plan's own choice, or that did not fit):
     #: :meth:`compile` sets it; None: compile as configured
     compile_memory_budget: Optional[float] = None
+    #: inductor's options the step is compiled with, where its check fit only with them
+    #: (``compiled.REUSE_OFF``): :meth:`compile` sets them; empty: inductor as configured
+    compile_options: Dict[str, object] = field(default_factory=dict)
     #: the compiled candidates' measured step seconds (median), by name (compiled plans only)
     compiled_seconds: Dict[str, float] = field(default_factory=dict)
     #: the head unit (its choice in ``choices``), where the model has one
@@ -98,6 +101,9 @@ class Plan:
         if self.compile_memory_budget is not None:
             lines.append(f"  compile under activation_memory_budget = "
                          f"{self.compile_memory_budget:g} (Plan.compile sets it)")
+        if self.compile_options:
+            lines.append(f"  compile with inductor's options {self.compile_options} "
+                         f"(Plan.compile sets them)")
         if self.compiled_seconds:
             lines.append("  compiled step, measured: " + ", ".join(
                 f"{name} {s * 1e3:.1f} ms" for name, s in self.compiled_seconds.items()))
@@ -112,14 +118,15 @@ class Plan:
     # -- applying ------------------------------------------------------------------------------
     def compile(self, model: nn.Module, **compile_kwargs) -> nn.Module:
         """:meth:`apply` the plan to ``model``, then ``torch.compile`` it (``compile_kwargs``
-        passed on) under the plan's :attr:`compile_memory_budget`: the compiled step it
-        measured."""
+        passed on) under the plan's :attr:`compile_memory_budget` and :attr:`compile_options`:
+        the compiled step it measured."""
         import torch
 
-        if self.compile_memory_budget is not None and "backend" in compile_kwargs:
+        if "backend" in compile_kwargs and (self.compile_memory_budget is not None
+                                            or self.compile_options):
             raise ValueError(f"Plan.compile: this plan compiles with inductor under "
-                             f"activation_memory_budget = {self.compile_memory_budget:g}; "
-                             f"got backend={compile_kwargs['backend']!r}")
+                             f"{self._compiled_under()}; got "
+                             f"backend={compile_kwargs['backend']!r}")
         from .compiled import compile_backend, graph_breaking
 
         for option, why in graph_breaking().items():
@@ -127,21 +134,34 @@ class Plan:
                 warnings.warn(f"Plan.compile: a block under {option.value}: {why} (plan with "
                               f"compiled=True leaves it out)", stacklevel=2)
         net = self._applied(model).model
-        return torch.compile(net, **{"backend": compile_backend(self.compile_memory_budget),
-                                     **compile_kwargs})
+        backend = compile_backend(self.compile_memory_budget, self.compile_options)
+        return torch.compile(net, **{"backend": backend, **compile_kwargs})
+
+    def _compiled_under(self) -> str:
+        under = []
+        if self.compile_memory_budget is not None:
+            under.append(f"activation_memory_budget = {self.compile_memory_budget:g}")
+        if self.compile_options:
+            under.append(f"inductor's options {self.compile_options}")
+        return " and ".join(under)
 
     def apply(self, model: nn.Module) -> "Applied":
         """Put the plan into ``model`` in place; returns ``(model, report)``. ``model`` must be
         the planned model (or one of the same structure) without fuse's runs or checkpoint
         wrappers (``ckpt_ext.unfuse`` takes them out). Every check runs before anything in the
-        model changes. A plan with a :attr:`compile_memory_budget` warns: its step fits only
-        compiled under it (:meth:`compile`)."""
+        model changes. A plan with a :attr:`compile_memory_budget` or :attr:`compile_options`
+        warns: its step fits only compiled under them (:meth:`compile`)."""
         if self.compile_memory_budget is not None:
             warnings.warn(f"Plan.apply: this plan's step fits the budget only compiled under "
                           f"torch.compile's activation_memory_budget = "
                           f"{self.compile_memory_budget:g}: use Plan.compile(model), or set "
                           f"torch._functorch.config.activation_memory_budget while compiling",
                           stacklevel=2)
+        if self.compile_options:
+            warnings.warn(f"Plan.apply: this plan's step fits the budget only compiled with "
+                          f"inductor's options {self.compile_options}: use "
+                          f"Plan.compile(model), or torch.compile(model, "
+                          f"options={self.compile_options})", stacklevel=2)
         return self._applied(model)
 
     def _applied(self, model: nn.Module) -> "Applied":

@@ -12,7 +12,6 @@ import torch
 
 import ckpt_ext
 from ckpt_ext.planner import Option, measure_step
-from ckpt_ext.planner import api as planner_api
 from ckpt_ext.planner import compiled as compiled_mod
 from ckpt_ext.planner.units import OPTIONS, find_units
 
@@ -93,7 +92,7 @@ def test_a_compiled_plan_at_plain_compiled_peak_changes_nothing():
     model = tiny_llama()
     first = ckpt_ext.plan(model, INPUTS, 10**15, compiled=True)
     assert first.compiled and set(first.choices.values()) == {"none"}
-    assert first.compile_memory_budget is None
+    assert first.compile_memory_budget is None and first.compile_options == {}
     assert first.measured_peak_bytes == first.plain_peak_bytes == first.peak_bytes
 
 
@@ -105,14 +104,13 @@ def test_a_compiled_plan_fits_and_takes_the_faster_step(monkeypatch, faster):
     peaks within the budget and within 5 % of the prediction."""
     real = compiled_mod.compiled_step
 
-    def timed_so(probe, units, options, fraction=None, timed=0, budget=None):
-        got = real(probe, units, options, fraction, timed, budget)
+    def timed_so(probe, units, options, fraction=None, timed=0, budget=None, inductor=None):
+        got = real(probe, units, options, fraction, timed, budget, inductor)
         if "seconds" in got:
             got["seconds"] = 0.5 if (fraction is not None) == (faster == "compile") else 1.0
         return got
 
     monkeypatch.setattr(compiled_mod, "compiled_step", timed_so)
-    monkeypatch.setattr(planner_api, "compiled_step", timed_so)
     model = tiny_llama()
     plain = measured_compiled(torch.compile(copy.deepcopy(model), dynamic=False))
     budget = plain - plain // 20
@@ -128,8 +126,43 @@ def test_a_compiled_plan_fits_and_takes_the_faster_step(monkeypatch, faster):
             p.compile(copy.deepcopy(model), backend="eager")
     else:
         assert p.compile_memory_budget is None and set(p.choices.values()) != {"none"}
+        assert p.compile_options == {}  # it fit as inductor is configured
         assert all(Option(o) in OPTIONS for o in p.choices.values())
     breaking = compiled_mod.graph_breaking()
     assert not any(o in u.options for u in p.units for o in breaking)
     peak = measured_compiled(p.compile(copy.deepcopy(model), dynamic=False))
     assert peak <= budget and abs(peak - p.peak_bytes) <= 0.05 * p.peak_bytes
+
+
+def test_a_check_that_fits_only_without_buffer_reuse_is_compiled_so(monkeypatch):
+    """Where a choice's compiled check does not fit with inductor as configured (made so here),
+    it is measured again with buffer reuse off (``compiled.REUSE_OFF``): the plan says so
+    (``Plan.compile_options``, printed); ``Plan.compile`` compiles forward and backward with it
+    (the peak as under the global setting, within the budget and the prediction);
+    ``Plan.apply`` warns."""
+    real = compiled_mod.compiled_step
+
+    def over_as_configured(probe, units, options, fraction=None, timed=0, budget=None,
+                           inductor=None):
+        got = real(probe, units, options, fraction, timed, budget, inductor)
+        if budget is not None and not inductor:  # a check or compile's budget: over it
+            got = {**got, "peak": budget + 1}
+        return got
+
+    monkeypatch.setattr(compiled_mod, "compiled_step", over_as_configured)
+    model = tiny_llama()
+    plain = measured_compiled(torch.compile(copy.deepcopy(model), dynamic=False))
+    budget = plain - plain // 20
+    p = ckpt_ext.plan(model, INPUTS, budget, compiled=True)
+    assert p.compile_options == compiled_mod.REUSE_OFF and p.compile_memory_budget is None
+    assert set(p.choices.values()) != {"none"} and p.peak_bytes <= budget
+    assert "allow_buffer_reuse" in str(p)
+    with pytest.warns(UserWarning, match="allow_buffer_reuse"):
+        net, _ = p.apply(copy.deepcopy(model))
+    with torch._inductor.config.patch(compiled_mod.REUSE_OFF):
+        globally = measured_compiled(torch.compile(net, dynamic=False))
+    planned = measured_compiled(p.compile(copy.deepcopy(model), dynamic=False))
+    assert planned == globally <= budget
+    assert abs(planned - p.peak_bytes) <= 0.05 * p.peak_bytes
+    with pytest.raises(ValueError, match="allow_buffer_reuse"):
+        p.compile(copy.deepcopy(model), backend="eager")
