@@ -70,6 +70,23 @@ def measured_compiled(compiled) -> int:
         torch._dynamo.reset()
 
 
+def planned_below_plain(monkeypatch, change):
+    """(model, budget, plan): a compiled plan of the tiny Llama at 95 % of plain's compiled peak,
+    each of the planner's compiled steps measured, then passed through ``change(got, fraction,
+    budget, inductor)``."""
+    real = compiled_mod.compiled_step
+
+    def changed(probe, units, options, fraction=None, timed=0, budget=None, inductor=None):
+        return change(real(probe, units, options, fraction, timed, budget, inductor),
+                      fraction, budget, inductor)
+
+    monkeypatch.setattr(compiled_mod, "compiled_step", changed)
+    model = tiny_llama()
+    plain = measured_compiled(torch.compile(copy.deepcopy(model), dynamic=False))
+    budget = plain - plain // 20
+    return model, budget, ckpt_ext.plan(model, INPUTS, budget, compiled=True)
+
+
 def test_a_compiled_plan_leaves_out_what_breaks_the_graph():
     """Below torch 2.14 a fused MLP inside a recomputed block (fuse+pointwise, fuse+checkpoint)
     breaks a compiled step's graph: a compiled plan's units leave those out, with the reason;
@@ -102,19 +119,12 @@ def test_a_compiled_plan_fits_and_takes_the_faster_step(monkeypatch, faster):
     and one of compile's activation_memory_budget fractions fit: the candidate whose timed step
     is faster is chosen (the timings set here, so both branches run), and ``Plan.compile`` of it
     peaks within the budget and within 5 % of the prediction."""
-    real = compiled_mod.compiled_step
-
-    def timed_so(probe, units, options, fraction=None, timed=0, budget=None, inductor=None):
-        got = real(probe, units, options, fraction, timed, budget, inductor)
+    def timed_so(got, fraction, budget, inductor):
         if "seconds" in got:
             got["seconds"] = 0.5 if (fraction is not None) == (faster == "compile") else 1.0
         return got
 
-    monkeypatch.setattr(compiled_mod, "compiled_step", timed_so)
-    model = tiny_llama()
-    plain = measured_compiled(torch.compile(copy.deepcopy(model), dynamic=False))
-    budget = plain - plain // 20
-    p = ckpt_ext.plan(model, INPUTS, budget, compiled=True)
+    model, budget, p = planned_below_plain(monkeypatch, timed_so)
     assert p.measured_peak_bytes == p.peak_bytes <= budget
     assert "plan" in p.compiled_seconds and len(p.compiled_seconds) == 2  # both fit, both timed
     if faster == "compile":
@@ -140,20 +150,12 @@ def test_a_check_that_fits_only_without_buffer_reuse_is_compiled_so(monkeypatch)
     (``Plan.compile_options``, printed); ``Plan.compile`` compiles forward and backward with it
     (the peak as under the global setting, within the budget and the prediction);
     ``Plan.apply`` warns."""
-    real = compiled_mod.compiled_step
-
-    def over_as_configured(probe, units, options, fraction=None, timed=0, budget=None,
-                           inductor=None):
-        got = real(probe, units, options, fraction, timed, budget, inductor)
+    def over_as_configured(got, fraction, budget, inductor):
         if budget is not None and not inductor:  # a check or compile's budget: over it
             got = {**got, "peak": budget + 1}
         return got
 
-    monkeypatch.setattr(compiled_mod, "compiled_step", over_as_configured)
-    model = tiny_llama()
-    plain = measured_compiled(torch.compile(copy.deepcopy(model), dynamic=False))
-    budget = plain - plain // 20
-    p = ckpt_ext.plan(model, INPUTS, budget, compiled=True)
+    model, budget, p = planned_below_plain(monkeypatch, over_as_configured)
     assert p.compile_options == compiled_mod.REUSE_OFF and p.compile_memory_budget is None
     assert set(p.choices.values()) != {"none"} and p.peak_bytes <= budget
     assert "allow_buffer_reuse" in str(p)
