@@ -65,12 +65,13 @@ def plan(model: nn.Module, example_inputs=None, budget_bytes: Optional[int] = No
     gives each unit's bytes and FLOPs under each option; the choice is exact. With
     ``compiled=True`` the budget bounds the compiled step (``Plan.compile``): compiled probe
     steps (one per option) predict it, the choice's compiled step is measured within the budget
-    (as inductor is configured, or with its buffer reuse off: ``Plan.compile_options``), and where torch.compile's own ``activation_memory_budget`` also fits and its step is faster,
-    the plan takes that instead (compiled.py). Nothing in the model
-    changes: its gradients, buffers and the RNG are as they were. ``ValueError`` when no choice
-    fits, naming the least budget that does; an error naming ``example_inputs`` when the model
-    cannot take them, or ``step`` when it raises; ``RuntimeError`` when the probe step runs the
-    model's own units instead of the copy's, or none, naming them."""
+    (as inductor is configured, or with its buffer reuse off: ``Plan.compile_options``), and
+    where torch.compile's own ``activation_memory_budget`` also fits and its step is faster, the
+    plan takes that instead (compiled.py). Nothing in the model changes: its gradients, buffers
+    and the RNG are as they were. ``ValueError`` when no choice fits, naming the least budget
+    that does; an error naming ``example_inputs`` when the model cannot take them, or ``step``
+    when it raises; ``RuntimeError`` when the probe step runs the model's own units instead of
+    the copy's, or none, naming them."""
     where = "ckpt_ext.plan"
     check_model(where, model)
     check_budget(where, budget_bytes, example_inputs, step, "step")

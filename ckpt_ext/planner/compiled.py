@@ -76,9 +76,9 @@ def compiled_step(probe: Probe, units: Sequence[Unit], options: Sequence[Option]
                   budget: Optional[int] = None, inductor: Optional[Dict[str, object]] = None
                   ) -> dict:
     """One compiled step of the probe's copy in this configuration (under compile's budget
-    ``fraction`` and ``inductor``'s options): compiled and run once, then measured (``peak``, ``kept``: ``measured_step``'s
-    figures), then, with ``timed`` and a peak within ``budget`` (if given), that many steps timed
-    on the stock allocator (``seconds``: their median)."""
+    ``fraction`` and ``inductor``'s options): compiled and run once, then measured (``peak``,
+    ``kept``: ``measured_step``'s figures), then, with ``timed`` and a peak within ``budget``
+    (if given), that many steps timed on the stock allocator (``seconds``: their median)."""
     import torch._dynamo
 
     probe.configure(units, options)
