@@ -66,8 +66,6 @@ def compile_backend(fraction: Optional[float], options: Optional[Dict[str, objec
         with functorch_config.patch(activation_memory_budget=budget):
             return compile_fx(gm, example_inputs, config_patches=dict(options or {}) or None)
 
-    inductor_planned.activation_memory_budget = fraction
-    inductor_planned.inductor_options = dict(options or {})
     return inductor_planned
 
 

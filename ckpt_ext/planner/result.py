@@ -151,17 +151,10 @@ class Plan:
         wrappers (``ckpt_ext.unfuse`` takes them out). Every check runs before anything in the
         model changes. A plan with a :attr:`compile_memory_budget` or :attr:`compile_options`
         warns: its step fits only compiled under them (:meth:`compile`)."""
-        if self.compile_memory_budget is not None:
-            warnings.warn(f"Plan.apply: this plan's step fits the budget only compiled under "
-                          f"torch.compile's activation_memory_budget = "
-                          f"{self.compile_memory_budget:g}: use Plan.compile(model), or set "
-                          f"torch._functorch.config.activation_memory_budget while compiling",
-                          stacklevel=2)
-        if self.compile_options:
+        if self.compile_memory_budget is not None or self.compile_options:
             warnings.warn(f"Plan.apply: this plan's step fits the budget only compiled with "
-                          f"inductor's options {self.compile_options}: use "
-                          f"Plan.compile(model), or torch.compile(model, "
-                          f"options={self.compile_options})", stacklevel=2)
+                          f"inductor under {self._compiled_under()}: use "
+                          f"Plan.compile(model)", stacklevel=2)
         return self._applied(model)
 
     def _applied(self, model: nn.Module) -> "Applied":
